@@ -1,0 +1,260 @@
+"""The vocabulary both engines speak: jobs, sampler settings, stream events, cache views.
+
+Nothing here touches torch, so the session, widgets and notebooks can import it freely. An engine is a
+synchronous object driven by one thread (the session's generator thread): `enqueue`, `cancel` and `step`,
+like exllamav2's dynamic generator with its `enqueue()` and `iterate()`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Stage(str, enum.Enum):
+    """Where a job is. Strings, so events serialise and print plainly."""
+
+    PENDING = "pending"  # queued, waiting for cache pages or a batch slot
+    PREFILL = "prefill"  # prompt being ingested
+    DECODE = "decode"  # producing new tokens
+    DONE = "done"
+
+
+class EosReason(str, enum.Enum):
+    """Why a job ended; names follow exllamav2's `eos_reason` values where they exist."""
+
+    STOP_TOKEN = "stop_token"
+    STOP_STRING = "stop_string"
+    MAX_NEW_TOKENS = "max_new_tokens"
+    END_OF_CACHE = "end_of_cache"  # the sequence reached the cache's token limit
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """Sampling knobs with exllamav2's names, semantics and defaults (ExLlamaV2Sampler.Settings, 0.3.2).
+
+    Order of application, as in exllamav2: repetition/frequency/presence penalties on the raw logits over
+    the whole sequence (prompt included), then temperature, top-k, top-p, min-p, then a draw.
+    A temperature below 0.01 means greedy, as in exllamav2's `sample_basic`.
+    """
+
+    temperature: float = 0.8
+    top_k: int = 50  # 0 disables
+    top_p: float = 0.8  # 1.0 disables
+    min_p: float = 0.0  # 0 disables
+    token_repetition_penalty: float = 1.025
+    token_repetition_range: int = -1  # -1: the whole sequence
+    token_repetition_decay: int = 0
+    token_frequency_penalty: float = 0.0
+    token_presence_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.temperature >= 0 and math.isfinite(self.temperature), "temperature", "a number >= 0 (0 is greedy)"),
+            (self.top_k >= 0, "top_k", "an integer >= 0 (0 disables it)"),
+            (0 < self.top_p <= 1, "top_p", "in (0, 1] (1 disables it)"),
+            (0 <= self.min_p < 1, "min_p", "in [0, 1) (0 disables it)"),
+            (self.token_repetition_penalty > 0, "token_repetition_penalty", "> 0 (1.0 disables it)"),
+            (self.token_repetition_range >= -1, "token_repetition_range", ">= -1 (-1 is the whole sequence)"),
+            (self.token_repetition_decay >= 0, "token_repetition_decay", ">= 0"),
+        ]
+        for ok, name, expected in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} is out of range: it must be {expected}")
+
+    @classmethod
+    def greedy(cls, **overrides: float) -> SamplerSettings:
+        """Deterministic argmax decoding with no penalties, like `ExLlamaV2Sampler.Settings.greedy()`."""
+        values = dict(temperature=0.0, top_k=1, top_p=1.0, token_repetition_penalty=1.0)
+        values.update(overrides)
+        return cls(**values)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 0.01 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a caller asks an engine to do; engines turn it into their own job objects."""
+
+    input_ids: tuple[int, ...]
+    max_new_tokens: int = 256
+    sampler: SamplerSettings = field(default_factory=SamplerSettings)
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+    identifier: Hashable | None = None  # the caller's label, shown in job tables and cache grids
+
+    def __post_init__(self) -> None:
+        if not self.input_ids:
+            raise ValueError("input_ids is empty: a job needs at least one prompt token")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One result of one job from one engine step.
+
+    `time_produced` is `time.perf_counter()` after the device was synchronised, so a consumer can measure
+    how long a chunk waited before it was delivered (field report 3). Timing fields are filled once known;
+    the last event of a job (`eos=True`) carries them all.
+    """
+
+    job_id: int
+    stage: Stage
+    time_produced: float
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    eos: bool = False
+    eos_reason: EosReason | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    new_tokens: int = 0
+    time_enqueued: float = 0.0  # perf_counter() when the job was submitted
+    time_to_first_token_s: float | None = None  # submit -> first new token
+    prefill_tokens_per_s: float | None = None  # prompt tokens actually computed (not cached) per second
+    decode_tokens_per_s: float | None = None  # new tokens after the first, per second of decoding
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """A row of the job table."""
+
+    job_id: int
+    identifier: Hashable | None
+    stage: Stage
+    prompt_tokens: int
+    new_tokens: int
+    max_new_tokens: int
+    time_enqueued: float
+    pages: int  # cache pages the job holds now
+
+
+@dataclass(frozen=True)
+class PageInfo:
+    """One page of a paged KV cache, as the inspector draws it."""
+
+    index: int
+    owners: tuple[int, ...]  # job ids referencing the page
+    ref_count: int
+    tokens_filled: int
+    shared: bool  # referenced by more than one job (a shared prompt prefix)
+    cached: bool = False  # unreferenced, but its contents are kept for prefix reuse
+
+
+@dataclass(frozen=True)
+class CacheView:
+    """A read-only snapshot of an engine's KV cache."""
+
+    paged: bool
+    page_size: int
+    pages: tuple[PageInfo, ...]
+    max_tokens: int
+    defrag_count: int | None = None  # None where the engine never defragments
+
+    @property
+    def total_pages(self) -> int:
+        return len(self.pages)
+
+    @property
+    def free_pages(self) -> int:
+        return sum(1 for p in self.pages if p.ref_count == 0)
+
+    @property
+    def shared_pages(self) -> int:
+        return sum(1 for p in self.pages if p.shared)
+
+    @property
+    def used_tokens(self) -> int:
+        return sum(p.tokens_filled for p in self.pages if p.ref_count > 0)
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """The one-line story of what is loaded: shown by `%exl_load` and written into every summary."""
+
+    engine: str
+    model: str
+    device: str
+    paged: bool
+    attention: str  # which attention implementation serves the engine
+    cache_tokens: int
+    cache_dtype: str
+    max_batch_size: int
+    device_memory_bytes: int | None = None
+    notes: tuple[str, ...] = ()  # things the user should know once (e.g. SDPA turned off)
+
+    def line(self) -> str:
+        mem = f", {self.device_memory_bytes / 2**30:.2f} GiB on device" if self.device_memory_bytes else ""
+        mode = "paged" if self.paged else "unpaged"
+        return (
+            f"{self.engine} engine | {self.model} | {self.device} | {mode} ({self.attention}) | "
+            f"cache {self.cache_tokens} tokens {self.cache_dtype} | batch {self.max_batch_size}{mem}"
+        )
+
+
+class Tokenizer(Protocol):
+    """The slice of a tokenizer the kit needs; both engines hand out the same HF-backed one."""
+
+    eos_token_id: int
+    chat_template: str | None
+
+    def encode(self, text: str, *, special: bool = True) -> list[int]:
+        """Tokenise; with `special=True`, `<|im_start|>` and friends become their single ids."""
+        ...
+
+    def decode(self, ids: Sequence[int], *, special: bool = True) -> str: ...
+
+    def special_tokens(self) -> dict[str, int]: ...
+
+    def token_to_id(self, token: str) -> int | None: ...
+
+
+class Engine(ABC):
+    """A model, its cache and a batching generator, driven by a single thread.
+
+    Every method is called from one thread at a time (the session serialises them); `step()` does one
+    unit of work (a batched forward pass) and returns the events it produced.
+    """
+
+    name: str
+    tokenizer: Tokenizer
+    max_seq_len: int
+
+    @abstractmethod
+    def enqueue(self, spec: JobSpec) -> int:
+        """Validate and queue a job; returns its id. Raises ValueError for a job that can never run."""
+
+    @abstractmethod
+    def cancel(self, job_id: int) -> bool:
+        """Stop a job and free its pages at once; False if it was not known (already finished)."""
+
+    @abstractmethod
+    def step(self) -> list[StreamEvent]:
+        """Admit what fits, run one batched forward pass, sample, and report."""
+
+    @abstractmethod
+    def jobs(self) -> list[JobInfo]:
+        """Pending and active jobs, oldest first."""
+
+    @abstractmethod
+    def cache_view(self) -> CacheView: ...
+
+    @abstractmethod
+    def status(self) -> EngineStatus: ...
+
+    def has_work(self) -> bool:
+        return bool(self.jobs())
+
+    def synchronize(self) -> None:
+        """Wait for queued device work; called before every clock read (field report 5)."""
+
+    def close(self) -> None:
+        """Release model and cache memory."""

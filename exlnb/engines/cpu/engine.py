@@ -1,0 +1,217 @@
+"""The CPU engine: a transformers model on PyTorch CPU behind the same interface as the ExLlamaV2 engine.
+
+Small and honest rather than a stand-in: a real paged KV cache with prefix sharing, continuous batching,
+and exllamav2's sampler semantics, so the kit, its notebooks and its tests run without a GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from exlnb.engines import EngineOptions
+from exlnb.engines.base import (
+    CacheView,
+    Engine,
+    EngineStatus,
+    EosReason,
+    JobInfo,
+    JobSpec,
+    PageInfo,
+    Stage,
+    StreamEvent,
+)
+from exlnb.engines.cpu.pages import PagePool
+from exlnb.engines.cpu.runner import PagedRunner
+from exlnb.engines.cpu.sampler import sample_token
+from exlnb.engines.cpu.scheduler import CpuJob, Scheduler
+from exlnb.engines.text import IncrementalDecoder, StopStringFilter
+from exlnb.engines.tokenizer import HfTokenizer
+from exlnb.streaming import wall_clock
+
+PAGE_SIZE = 256  # exllamav2's page size, so cache grids and cached-token counts read the same on both engines
+MAX_STEP_TOKENS = 512  # prompt tokens per forward pass: bounds how long decoding jobs wait for a prefill
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    text: str
+    eos_reason: EosReason | None
+
+
+class CpuEngine(Engine):
+    name = "cpu"
+
+    def __init__(self, options: EngineOptions, *, progress: bool = True) -> None:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        if not progress:
+            hf_logging.disable_progress_bar()
+        self.options = options
+        self.tokenizer = HfTokenizer(options.model_dir)
+        model = AutoModelForCausalLM.from_pretrained(options.model_dir, dtype=torch.float32)
+        model.eval()
+        num_pages = options.cache_tokens // PAGE_SIZE
+        self.max_seq_len = num_pages * PAGE_SIZE
+        self._vocab_size = model.config.vocab_size
+        self._runner = PagedRunner(model, num_pages, PAGE_SIZE)
+        self._pool = PagePool(num_pages, PAGE_SIZE)
+        self._scheduler = Scheduler(self._pool, options.max_batch_size, MAX_STEP_TOKENS)
+        self._ids = itertools.count(1)
+
+    # -- jobs ----------------------------------------------------------------------------------------------
+
+    def enqueue(self, spec: JobSpec) -> int:
+        prompt = len(spec.input_ids)
+        if prompt + 1 > self.max_seq_len:
+            raise ValueError(
+                f"the prompt has {prompt} tokens but the cache holds {self.max_seq_len}: shorten the prompt "
+                f"or load with cache_tokens of at least {prompt + spec.max_new_tokens}"
+            )
+        bad = [t for t in spec.input_ids if not 0 <= t < self._vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{self._vocab_size - 1})")
+        job_id = next(self._ids)
+        generator = torch.Generator()
+        generator.manual_seed(spec.seed if spec.seed is not None else torch.seed())
+        job = CpuJob(
+            job_id=job_id,
+            spec=spec,
+            max_total_tokens=min(prompt + spec.max_new_tokens, self.max_seq_len),
+            decoder=IncrementalDecoder(self.tokenizer),
+            stop_filter=StopStringFilter(spec.stop_strings),
+            generator=generator,
+            time_enqueued=wall_clock(),
+            sequence=list(spec.input_ids),
+        )
+        self._scheduler.pending.append(job)
+        return job_id
+
+    def cancel(self, job_id: int) -> bool:
+        return self._scheduler.remove(job_id) is not None
+
+    def has_work(self) -> bool:
+        return bool(self._scheduler.pending or self._scheduler.active)
+
+    def step(self) -> list[StreamEvent]:
+        events = [self._event(job, Stage.PREFILL) for job in self._scheduler.admit(wall_clock())]
+        work = self._scheduler.plan()
+        if not work:
+            return events
+        logits = self._runner.forward([chunk for _, chunk in work])
+        now = wall_clock()
+        for row, (job, chunk) in enumerate(work):
+            job.computed = chunk.start + len(chunk.token_ids)
+            self._pool.mark_filled(job.reservation.page_table, job.computed)
+            if job.stage is Stage.PREFILL:
+                self._pool.publish_prefix(job.reservation.page_table, job.reservation.prefix_hashes, job.computed)
+            if job.computed < len(job.sequence):
+                continue  # prompt not finished: these logits are not for sampling
+            events.append(self._advance(job, logits[row], now))
+        return events
+
+    def _advance(self, job: CpuJob, logits: torch.Tensor, now: float) -> StreamEvent:
+        token = sample_token(logits, torch.tensor(job.sequence), job.spec.sampler, job.generator)
+        job.sequence.append(token)
+        if job.time_first_token is None:
+            job.time_first_token = now
+        job.stage = Stage.DECODE
+        outcome = self._outcome(job, token)
+        if outcome.eos_reason is not None:
+            self._scheduler.remove(job.job_id)
+            job.stage = Stage.DONE
+        return self._event(job, job.stage, text=outcome.text, token=token, eos_reason=outcome.eos_reason)
+
+    def _outcome(self, job: CpuJob, token: int) -> _Outcome:
+        if token in job.spec.stop_token_ids:
+            return _Outcome(job.stop_filter.flush(), EosReason.STOP_TOKEN)
+        text, stopped = job.stop_filter.feed(job.decoder.push(token))
+        if stopped:
+            return _Outcome(text, EosReason.STOP_STRING)
+        if job.new_tokens >= job.spec.max_new_tokens:
+            return _Outcome(text + job.stop_filter.flush(), EosReason.MAX_NEW_TOKENS)
+        if len(job.sequence) >= job.max_total_tokens:
+            return _Outcome(text + job.stop_filter.flush(), EosReason.END_OF_CACHE)
+        return _Outcome(text, None)
+
+    def _event(
+        self, job: CpuJob, stage: Stage, *, text: str = "", token: int | None = None, eos_reason: EosReason | None = None
+    ) -> StreamEvent:
+        now = wall_clock()
+        computed_prompt = job.prompt_tokens - job.cached_tokens
+        first, admitted = job.time_first_token, job.time_admitted
+        prefill_rate = computed_prompt / (first - admitted) if first and admitted and first > admitted else None
+        decode_rate = (job.new_tokens - 1) / (now - first) if first and job.new_tokens > 1 and now > first else None
+        return StreamEvent(
+            job_id=job.job_id,
+            stage=stage,
+            time_produced=now,
+            text=text,
+            token_ids=(token,) if token is not None else (),
+            eos=eos_reason is not None,
+            eos_reason=eos_reason,
+            prompt_tokens=job.prompt_tokens,
+            cached_tokens=job.cached_tokens,
+            new_tokens=job.new_tokens,
+            time_enqueued=job.time_enqueued,
+            time_to_first_token_s=(first - job.time_enqueued) if first else None,
+            prefill_tokens_per_s=prefill_rate,
+            decode_tokens_per_s=decode_rate,
+        )
+
+    # -- views ---------------------------------------------------------------------------------------------
+
+    def jobs(self) -> list[JobInfo]:
+        return [
+            JobInfo(
+                job_id=job.job_id,
+                identifier=job.spec.identifier,
+                stage=job.stage,
+                prompt_tokens=job.prompt_tokens,
+                new_tokens=job.new_tokens,
+                max_new_tokens=job.spec.max_new_tokens,
+                time_enqueued=job.time_enqueued,
+                pages=len(job.reservation.page_table) if job.reservation else 0,
+            )
+            for job in sorted(
+                [*self._scheduler.active, *self._scheduler.pending], key=lambda j: j.job_id
+            )
+        ]
+
+    def cache_view(self) -> CacheView:
+        return CacheView(
+            paged=True,
+            page_size=PAGE_SIZE,
+            max_tokens=self.max_seq_len,
+            pages=tuple(
+                PageInfo(
+                    index=page.index,
+                    owners=tuple(sorted(page.owners)),
+                    ref_count=page.ref_count,
+                    tokens_filled=page.tokens_filled,
+                    shared=page.ref_count > 1,
+                    cached=page.ref_count == 0 and page.prefix_hash is not None,
+                )
+                for page in self._pool.pages
+            ),
+        )
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(
+            engine=self.name,
+            model=self.options.model_dir.name,
+            device=f"cpu, {torch.get_num_threads()} threads",
+            paged=True,
+            attention="torch SDPA over a paged cache",
+            cache_tokens=self.max_seq_len,
+            cache_dtype="fp32",
+            max_batch_size=self._scheduler.max_batch_size,
+        )
+
+    def close(self) -> None:
+        self._scheduler.pending.clear()
+        self._scheduler.active.clear()
+        del self._runner

@@ -1,0 +1,107 @@
+"""Which jobs run in the next forward pass, and with how many tokens each.
+
+Continuous batching: every step, newly admitted jobs join the jobs already running. Decoding jobs add one
+token each; jobs still ingesting their prompt take chunks from what is left of the step's token budget,
+so a long prompt never freezes everyone else's decoding for its whole prefill.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from exlnb.engines.base import JobSpec, Stage
+from exlnb.engines.cpu.pages import PagePool, Reservation
+from exlnb.engines.cpu.runner import SequenceChunk
+from exlnb.engines.text import IncrementalDecoder, StopStringFilter
+
+
+@dataclass
+class CpuJob:
+    job_id: int
+    spec: JobSpec
+    max_total_tokens: int  # prompt + new tokens this job may reach (capped by the cache)
+    decoder: IncrementalDecoder
+    stop_filter: StopStringFilter
+    generator: torch.Generator
+    time_enqueued: float
+    sequence: list[int] = field(default_factory=list)
+    reservation: Reservation | None = None
+    computed: int = 0  # leading tokens whose keys and values are in the cache
+    stage: Stage = Stage.PENDING
+    time_admitted: float | None = None
+    time_first_token: float | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.spec.input_ids)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.sequence) - self.prompt_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.reservation.cached_tokens if self.reservation else 0
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, max_batch_size: int, max_step_tokens: int) -> None:
+        self.pool = pool
+        self.max_batch_size = max_batch_size
+        self.max_step_tokens = max_step_tokens
+        self.pending: deque[CpuJob] = deque()
+        self.active: list[CpuJob] = []
+
+    def admit(self, now: float) -> list[CpuJob]:
+        """Move pending jobs in arrival order into the batch while slots and pages allow."""
+        admitted = []
+        while self.pending and len(self.active) < self.max_batch_size:
+            job = self.pending[0]
+            reservation = self.pool.reserve(job.job_id, job.spec.input_ids, job.max_total_tokens)
+            if reservation is None:
+                break  # first come, first served: a big job is not overtaken forever by small ones
+            self.pending.popleft()
+            job.reservation = reservation
+            job.computed = reservation.cached_tokens
+            job.stage = Stage.PREFILL
+            job.time_admitted = now
+            self.active.append(job)
+            admitted.append(job)
+        return admitted
+
+    def plan(self) -> list[tuple[CpuJob, SequenceChunk]]:
+        """This step's work: one token per decoding job, then prompt chunks within the token budget."""
+        decoding = [j for j in self.active if j.stage is Stage.DECODE]
+        prefilling = [j for j in self.active if j.stage is Stage.PREFILL]
+        budget = max(self.max_step_tokens - len(decoding), 1)
+        work = []
+        for job in decoding + prefilling:
+            todo = len(job.sequence) - job.computed
+            take = 1 if job.stage is Stage.DECODE else min(todo, budget)
+            if take <= 0:
+                continue
+            if job.stage is Stage.PREFILL:
+                budget -= take
+            chunk = SequenceChunk(
+                token_ids=tuple(job.sequence[job.computed : job.computed + take]),
+                start=job.computed,
+                page_table=job.reservation.page_table,
+            )
+            work.append((job, chunk))
+        return work
+
+    def remove(self, job_id: int) -> CpuJob | None:
+        """Take a job out of the queue or the batch, returning its pages to the pool."""
+        for job in self.pending:
+            if job.job_id == job_id:
+                self.pending.remove(job)
+                return job
+        for job in self.active:
+            if job.job_id == job_id:
+                self.active.remove(job)
+                self.pool.release(job_id, job.reservation.page_table)
+                return job
+        return None

@@ -1,0 +1,46 @@
+"""One tokenizer for both engines: Hugging Face's, loaded from the model folder.
+
+Sharing it means a template renders to the same ids on either engine, so experiments compare like with
+like. Special tokens written in text (`<|im_start|>`) become their single ids only with `special=True`;
+field report 4 is what happens otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+
+class HfTokenizer:
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(model_dir)
+        eos = self._tok.eos_token_id
+        if eos is None:
+            raise ValueError(f"the tokenizer in {model_dir} defines no eos token; exlnb needs one to stop jobs")
+        self.eos_token_id: int = eos
+        self.chat_template: str | None = getattr(self._tok, "chat_template", None)
+        self.vocab_size: int = len(self._tok)
+
+    def encode(self, text: str, *, special: bool = True) -> list[int]:
+        if special:
+            return self._tok.encode(text, add_special_tokens=False)
+        # split_special_tokens makes "<|im_start|>" plain text: several ordinary tokens
+        return self._tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    def decode(self, ids: Sequence[int], *, special: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=not special)
+
+    def special_tokens(self) -> dict[str, int]:
+        return {t.content if hasattr(t, "content") else str(t): i for i, t in self._tok.added_tokens_decoder.items()}
+
+    def token_to_id(self, token: str) -> int | None:
+        tid = self._tok.convert_tokens_to_ids(token)
+        return None if tid is None or tid == self._tok.unk_token_id and token != self._tok.unk_token else tid
+
+    def id_to_piece(self, token_id: int) -> str:
+        return self._tok.convert_ids_to_tokens(token_id)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)

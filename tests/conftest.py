@@ -1,0 +1,39 @@
+"""Shared fixtures: the real bundled model on the real CPU engine, loaded once per test run."""
+
+from __future__ import annotations
+
+import pytest
+
+from exlnb import SamplerSettings, get_session
+from exlnb.session import Session
+
+CHATML_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def chatml(user: str, system: str = CHATML_SYSTEM) -> str:
+    """A correct ChatML prompt (field report 4's form), written out so tests don't depend on templates.py."""
+    return (
+        f"<|im_start|>system\n{system}<|im_end|>\n"
+        f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+@pytest.fixture(scope="session")
+def cpu_session() -> Session:
+    """The kernel-style singleton session with SmolLM2-135M-Instruct on the CPU engine."""
+    session = get_session()
+    session.load("smollm2-135m-instruct", engine="cpu", progress=False)
+    return session
+
+
+@pytest.fixture
+def greedy() -> SamplerSettings:
+    return SamplerSettings.greedy()
+
+
+@pytest.fixture
+def idle_session(cpu_session: Session):
+    """The shared session, checked to be idle before and after the test: no job outlives a test."""
+    assert cpu_session.jobs() == []
+    yield cpu_session
+    cpu_session.cancel_all()

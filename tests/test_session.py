@@ -1,0 +1,252 @@
+"""Issue acceptance for the spine, on the CPU engine with the real bundled model."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import statistics
+import threading
+import time
+
+import pytest
+
+from exlnb import EosReason, SamplerSettings
+from exlnb.session import NoModelLoaded, Session
+from tests.conftest import chatml
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "Write a haiku about the sea.",
+    "What is 12 times 12?",
+    "Who wrote Romeo and Juliet?",
+    "Give me a synonym for happy.",
+    "What do bees make?",
+    "Translate 'good morning' into Spanish.",
+]
+
+
+def wait_until_idle(session: Session, timeout: float = 10.0) -> None:
+    """Cancels requested from finalisers are queued; give the engine thread a moment to run them."""
+    deadline = time.monotonic() + timeout
+    while session.jobs() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def max_overlap(streams) -> int:
+    """The largest number of jobs that were running at the same moment, from their event times."""
+    spans = [(s.events[0].time_produced, s.events[-1].time_produced) for s in streams]
+    return max(sum(1 for lo, hi in spans if lo <= start <= hi) for start, _ in spans)
+
+
+def test_greedy_chatml_answers_paris_and_stops_on_im_end(idle_session, greedy):
+    result = idle_session.complete(chatml("What is the capital of France?"), max_new_tokens=40, sampler=greedy)
+
+    assert "Paris" in result.text
+    assert result.eos_reason is EosReason.STOP_TOKEN
+    assert result.token_ids[-1] == idle_session.tokenizer.token_to_id("<|im_end|>")
+    assert "<|im_end|>" not in result.text
+    assert result.new_tokens < 40
+
+
+def test_concurrent_jobs_give_exactly_their_solo_text(idle_session, greedy):
+    solo = [idle_session.complete(chatml(p), max_new_tokens=24, sampler=greedy).text for p in PROMPTS]
+
+    streams = [idle_session.generate(chatml(p), max_new_tokens=24, sampler=greedy) for p in PROMPTS]
+    together = [s.result().text for s in streams]
+
+    assert together == solo
+    assert max_overlap(streams) >= 6  # they really ran batched, not one after another
+    assert len(set(solo)) == len(PROMPTS)  # the prompts really differ, so mixing would show
+
+
+def test_abandoned_stream_cancels_its_job_and_frees_its_pages(idle_session):
+    stream = idle_session.generate(chatml("Tell me a long story."), max_new_tokens=3000)
+    for n, _ in enumerate(stream, 1):
+        if n == 5:
+            break
+
+    assert idle_session.jobs() == []
+    view = idle_session.cache_view()
+    assert view.free_pages == view.total_pages
+    assert stream.events[-1].new_tokens <= 5
+
+
+def test_dropped_stream_is_cancelled_by_garbage_collection(idle_session):
+    stream = idle_session.generate(chatml("Tell me a long story."), max_new_tokens=3000)
+    next(iter(stream))
+    del stream
+    gc.collect()
+    wait_until_idle(idle_session)
+
+    assert idle_session.jobs() == []
+
+
+def test_exception_in_consumer_cancels_the_job(idle_session):
+    with pytest.raises(ZeroDivisionError):
+        for event in idle_session.generate(chatml("Count to one hundred."), max_new_tokens=3000):
+            if event.new_tokens == 3:
+                1 / 0
+    assert idle_session.jobs() == []
+
+
+def test_keyboard_interrupt_cancels_the_job(idle_session):
+    stream = idle_session.generate(chatml("Count to one hundred."), max_new_tokens=3000)
+    timer = threading.Timer(0.5, lambda: __import__("_thread").interrupt_main())
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        for _ in stream:
+            pass
+    assert idle_session.jobs() == []
+
+
+def test_cancelled_async_task_cancels_its_job(idle_session):
+    async def consume(stream, started: asyncio.Event):
+        async for event in stream:
+            if event.new_tokens >= 2:
+                started.set()
+
+    async def main():
+        stream = idle_session.generate(chatml("Count to one hundred."), max_new_tokens=3000)
+        started = asyncio.Event()
+        task = asyncio.create_task(consume(stream, started))
+        await asyncio.wait_for(started.wait(), 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return stream
+
+    stream = asyncio.run(main())
+    assert stream.events[-1].eos_reason is None or stream.events[-1].eos_reason is EosReason.CANCELLED
+    assert idle_session.jobs() == []
+
+
+def test_async_stream_delivers_the_same_text_as_sync(idle_session, greedy):
+    prompt = chatml("What do bees make?")
+    sync_text = idle_session.complete(prompt, max_new_tokens=20, sampler=greedy).text
+
+    async def main():
+        return await idle_session.generate(prompt, max_new_tokens=20, sampler=greedy).aresult()
+
+    assert asyncio.run(main()).text == sync_text
+
+
+def _latency(session: Session, prompt: str) -> float:
+    start = time.perf_counter()
+    session.complete(prompt, max_new_tokens=16, sampler=SamplerSettings.greedy())
+    return time.perf_counter() - start
+
+
+def test_fifty_abandoned_streams_do_not_slow_the_next_job(idle_session):
+    probe = chatml("What is 2 plus 2?")
+    for i in range(50):
+        stream = idle_session.generate(chatml(f"Tell me story number {i}."), max_new_tokens=3000)
+        for n, _ in enumerate(stream, 1):
+            if n == 5:
+                break
+    assert idle_session.jobs() == []
+    after = statistics.median(_latency(idle_session, probe) for _ in range(3))
+
+    fresh = Session()
+    fresh.load("smollm2-135m-instruct", engine="cpu", progress=False)
+    try:
+        baseline = statistics.median(_latency(fresh, probe) for _ in range(3))
+    finally:
+        fresh.unload()
+
+    assert after <= 1.5 * baseline, f"after 50 abandoned streams {after:.3f}s vs fresh {baseline:.3f}s"
+
+
+def test_repeated_long_prompt_reuses_cached_pages_and_starts_sooner(idle_session, greedy):
+    story = " ".join(f"Fact {i}: the number {i} follows {i - 1}." for i in range(1, 40))
+    prompt = chatml(f"{story}\nWhich fact mentions the number 7?")
+    assert len(idle_session.tokenizer.encode(prompt)) >= 300
+
+    first = idle_session.complete(prompt, max_new_tokens=4, sampler=greedy)
+    second = idle_session.complete(prompt, max_new_tokens=4, sampler=greedy)
+
+    assert first.cached_tokens == 0
+    assert second.cached_tokens >= 256
+    assert second.time_to_first_token_s < first.time_to_first_token_s
+    assert second.text == first.text
+
+
+def test_all_pages_are_free_when_all_jobs_are_done(idle_session):
+    streams = [idle_session.generate(chatml(p), max_new_tokens=8) for p in PROMPTS[:4]]
+    assert idle_session.cache_view().free_pages < idle_session.cache_view().total_pages
+    for s in streams:
+        s.result()
+
+    view = idle_session.cache_view()
+    assert idle_session.jobs() == []
+    assert view.free_pages == view.total_pages
+
+
+def test_seeded_sampling_is_deterministic(idle_session):
+    prompt = chatml("Write a sentence about cats.")
+    a = idle_session.complete(prompt, max_new_tokens=20, temperature=1.0, top_p=0.95, seed=7)
+    b = idle_session.complete(prompt, max_new_tokens=20, temperature=1.0, top_p=0.95, seed=7)
+    assert a.token_ids == b.token_ids
+
+
+def test_stop_string_ends_the_job_before_the_string(idle_session, greedy):
+    result = idle_session.complete(chatml("What is the capital of France?"), sampler=greedy, stop=["Paris"])
+    assert result.eos_reason is EosReason.STOP_STRING
+    assert "Paris" not in result.text
+    assert result.text.strip()
+
+
+def test_max_new_tokens_is_reported_as_the_eos_reason(idle_session, greedy):
+    result = idle_session.complete(chatml("Tell me a long story."), max_new_tokens=6, sampler=greedy)
+    assert result.eos_reason is EosReason.MAX_NEW_TOKENS
+    assert result.new_tokens == 6
+
+
+# -- bad input: a clear error, and the session stays usable ---------------------------------------------
+
+
+def test_missing_model_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no model at"):
+        Session().load(str(tmp_path / "nowhere"), engine="cpu")
+
+
+def test_folder_without_config_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        Session().load(str(tmp_path), engine="cpu")
+
+
+def test_unknown_engine_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown engine 'vllm'"):
+        Session().load(engine="vllm")
+
+
+def test_prompt_longer_than_the_cache_is_a_clear_error(idle_session, greedy):
+    too_long = list(range(100, 100 + idle_session.status().cache_tokens + 10))
+    with pytest.raises(ValueError, match="the prompt has .* tokens but the cache holds"):
+        idle_session.generate(too_long, sampler=greedy)
+    assert "Paris" in idle_session.complete(chatml("What is the capital of France?"), sampler=greedy).text
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(temperature=-0.5), "temperature=-0.5 is out of range"),
+        (dict(top_p=0.0), "top_p=0.0 is out of range"),
+        (dict(top_p=1.5), "top_p=1.5 is out of range"),
+    ],
+)
+def test_bad_sampler_settings_are_clear_errors(idle_session, settings, message):
+    with pytest.raises(ValueError, match=message):
+        idle_session.generate(chatml("Hi"), **settings)
+    assert idle_session.jobs() == []
+
+
+def test_using_an_empty_session_says_to_load_first():
+    with pytest.raises(NoModelLoaded, match="%exl_load"):
+        Session().generate("hello")
+
+
+def test_load_with_same_arguments_does_not_reload(cpu_session):
+    engine = cpu_session.engine
+    cpu_session.load("smollm2-135m-instruct", engine="cpu", progress=False)
+    assert cpu_session.engine is engine
