@@ -250,3 +250,25 @@ def test_load_with_same_arguments_does_not_reload(cpu_session):
     engine = cpu_session.engine
     cpu_session.load("smollm2-135m-instruct", engine="cpu", progress=False)
     assert cpu_session.engine is engine
+
+
+def test_jobs_from_many_threads_each_get_their_own_answer(idle_session, greedy):
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [chatml(p) for p in PROMPTS[:4]]
+    solo = [idle_session.complete(p, max_new_tokens=12, sampler=greedy).text for p in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        threaded = list(pool.map(lambda p: idle_session.complete(p, max_new_tokens=12, sampler=greedy).text, prompts))
+    assert threaded == solo
+
+
+def test_unload_frees_the_engine_and_a_reload_works(greedy):
+    session = Session()
+    session.load("smollm2-135m-instruct", engine="cpu", progress=False, cache_tokens=512)
+    stream = session.generate(chatml("Count to one hundred."), max_new_tokens=200, sampler=greedy)
+    session.unload()
+    assert not session.loaded
+    assert stream.result().eos_reason is EosReason.CANCELLED
+    session.load("smollm2-135m-instruct", engine="cpu", progress=False, cache_tokens=512)
+    assert "Paris" in session.complete(chatml("What is the capital of France?"), sampler=greedy).text
+    session.unload()

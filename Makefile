@@ -1,0 +1,32 @@
+# Two commands on a fresh machine:  `make report` (the investigations) and `make test` (the test suite).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+
+.PHONY: report test benchmarks clean
+
+report: $(VENV)/.installed
+	$(BIN)/python -m exlnb.report
+
+test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest
+
+benchmarks: $(VENV)/.installed
+	$(BIN)/python -m benchmarks
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# Without CUDA, take torch 2.13.0 (a CPU build here): an unpinned torch pulls a multi-GB CUDA build.
+	command -v nvidia-smi >/dev/null 2>&1 || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e '.[test]'
+	# The browser tests drive Debian's Chromium; Playwright never downloads a browser of its own.
+	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+	touch $@
+
+clean:
+	rm -rf $(VENV) reports test-artifacts

@@ -1,0 +1,84 @@
+"""Resolving and preparing model folders."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from exlnb.models import SMOLLM2, BundledGguf, fix_config_for_exllamav2, resolve_model, verify_gguf
+
+
+def test_bundled_model_is_an_fp16_folder_that_exllamav2_reads_correctly(cpu_session):
+    folder = resolve_model("smollm2-135m-instruct")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["rope_theta"] == 100000.0  # exllamav2 0.3.2 reads this key only
+    assert config["dtype"] == "float16"
+    assert config["model_type"] == "llama"
+    assert (folder / "tokenizer.json").is_file()
+
+
+def test_a_local_model_folder_is_accepted_as_is(cpu_session):
+    folder = resolve_model("smollm2-135m-instruct")
+    assert resolve_model(str(folder)) == folder
+
+
+def test_rope_theta_is_lifted_from_rope_parameters(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}))
+    fix_config_for_exllamav2(path)
+    assert json.loads(path.read_text())["rope_theta"] == 500000.0
+
+
+def test_an_existing_top_level_rope_theta_is_left_alone(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"rope_theta": 10000.0, "rope_parameters": {"rope_theta": 1.0}}))
+    fix_config_for_exllamav2(path)
+    assert json.loads(path.read_text())["rope_theta"] == 10000.0
+
+
+def _spec_for(data: bytes) -> BundledGguf:
+    import hashlib
+
+    return BundledGguf("x==1", "m.gguf", len(data), hashlib.sha256(data).hexdigest(), "org/repo")
+
+
+def test_a_truncated_gguf_is_refused(tmp_path):
+    good = b"GGUF" + bytes(100)
+    path = tmp_path / "m.gguf"
+    path.write_bytes(good[:50])
+    with pytest.raises(OSError, match="50 bytes, expected 104"):
+        verify_gguf(path, _spec_for(good))
+
+
+def test_an_altered_gguf_is_refused(tmp_path):
+    good = b"GGUF" + bytes(100)
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + bytes(99) + b"\x01")
+    with pytest.raises(OSError, match="refusing to use it"):
+        verify_gguf(path, _spec_for(good))
+
+
+def test_the_bundled_gguf_spec_matches_the_published_file():
+    assert SMOLLM2.size == 98_362_432
+    assert SMOLLM2.sha256 == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def test_a_file_instead_of_a_folder_is_a_clear_error(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"")
+    with pytest.raises(NotADirectoryError, match="pass the model's folder"):
+        resolve_model(str(path))
+
+
+def test_the_cpu_engine_never_imports_exllamav2(cpu_session):
+    # exllamav2 JIT-compiles CUDA code on import: the CPU path must not pay for it (or fail on it)
+    code = (
+        "import sys; from exlnb import get_session; "
+        "get_session().load(engine='cpu', progress=False, cache_tokens=512); "
+        "assert 'exllamav2' not in sys.modules, 'exllamav2 was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
