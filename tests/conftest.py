@@ -26,14 +26,32 @@ def cpu_session() -> Session:
     return session
 
 
+@pytest.fixture(scope="session", params=["cpu", pytest.param("exllamav2", marks=pytest.mark.gpu)])
+def engine_name(request) -> str:
+    """Engine-level acceptance runs on both engines: the CPU one in CI, ExLlamaV2 with `pytest -m gpu`."""
+    if request.param == "exllamav2":
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("the ExLlamaV2 engine needs CUDA")
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def engine_session(engine_name: str) -> Session:
+    session = get_session()
+    session.load("smollm2-135m-instruct", engine=engine_name, progress=False)
+    return session
+
+
 @pytest.fixture
 def greedy() -> SamplerSettings:
     return SamplerSettings.greedy()
 
 
 @pytest.fixture
-def idle_session(cpu_session: Session):
-    """The shared session, checked to be idle before and after the test: no job outlives a test."""
-    assert cpu_session.jobs() == []
-    yield cpu_session
-    cpu_session.cancel_all()
+def idle_session(engine_session: Session):
+    """The shared session, checked to be idle before the test; no job outlives a test."""
+    assert engine_session.jobs() == []
+    yield engine_session
+    engine_session.cancel_all()

@@ -56,7 +56,8 @@ def test_concurrent_jobs_give_exactly_their_solo_text(idle_session, greedy):
     together = [s.result().text for s in streams]
 
     assert together == solo
-    assert max_overlap(streams) >= 6  # they really ran batched, not one after another
+    if idle_session.status().max_batch_size > 1:  # unpaged exllamav2 can only run them one after another
+        assert max_overlap(streams) >= 6
     assert len(set(solo)) == len(PROMPTS)  # the prompts really differ, so mixing would show
 
 
@@ -137,7 +138,7 @@ def _latency(session: Session, prompt: str) -> float:
     return time.perf_counter() - start
 
 
-def test_fifty_abandoned_streams_do_not_slow_the_next_job(idle_session):
+def test_fifty_abandoned_streams_do_not_slow_the_next_job(idle_session, engine_name):
     probe = chatml("What is 2 plus 2?")
     for i in range(50):
         stream = idle_session.generate(chatml(f"Tell me story number {i}."), max_new_tokens=3000)
@@ -148,7 +149,7 @@ def test_fifty_abandoned_streams_do_not_slow_the_next_job(idle_session):
     after = statistics.median(_latency(idle_session, probe) for _ in range(3))
 
     fresh = Session()
-    fresh.load("smollm2-135m-instruct", engine="cpu", progress=False)
+    fresh.load("smollm2-135m-instruct", engine=engine_name, progress=False)
     try:
         baseline = statistics.median(_latency(fresh, probe) for _ in range(3))
     finally:
@@ -246,10 +247,10 @@ def test_using_an_empty_session_says_to_load_first():
         Session().generate("hello")
 
 
-def test_load_with_same_arguments_does_not_reload(cpu_session):
-    engine = cpu_session.engine
-    cpu_session.load("smollm2-135m-instruct", engine="cpu", progress=False)
-    assert cpu_session.engine is engine
+def test_load_with_same_arguments_does_not_reload(engine_session, engine_name):
+    engine = engine_session.engine
+    engine_session.load("smollm2-135m-instruct", engine=engine_name, progress=False)
+    assert engine_session.engine is engine
 
 
 def test_jobs_from_many_threads_each_get_their_own_answer(idle_session, greedy):
@@ -262,13 +263,13 @@ def test_jobs_from_many_threads_each_get_their_own_answer(idle_session, greedy):
     assert threaded == solo
 
 
-def test_unload_frees_the_engine_and_a_reload_works(greedy):
+def test_unload_frees_the_engine_and_a_reload_works(engine_name, greedy):
     session = Session()
-    session.load("smollm2-135m-instruct", engine="cpu", progress=False, cache_tokens=512)
+    session.load("smollm2-135m-instruct", engine=engine_name, progress=False, cache_tokens=512)
     stream = session.generate(chatml("Count to one hundred."), max_new_tokens=200, sampler=greedy)
     session.unload()
     assert not session.loaded
     assert stream.result().eos_reason is EosReason.CANCELLED
-    session.load("smollm2-135m-instruct", engine="cpu", progress=False, cache_tokens=512)
+    session.load("smollm2-135m-instruct", engine=engine_name, progress=False, cache_tokens=512)
     assert "Paris" in session.complete(chatml("What is the capital of France?"), sampler=greedy).text
     session.unload()

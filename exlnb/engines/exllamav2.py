@@ -1,0 +1,362 @@
+"""The ExLlamaV2 engine: an ExLlamaV2 model and cache, and exactly one ExLlamaV2DynamicGenerator.
+
+exllamav2 is imported here only: importing it JIT-builds its CUDA extension (about 150 s the first time).
+Verified against exllamav2 0.3.2, whose quirks on current torch and transformers are handled below.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from exlnb.engines import EngineOptions
+from exlnb.engines.base import (
+    CacheView,
+    Engine,
+    EngineStatus,
+    EosReason,
+    JobInfo,
+    JobSpec,
+    PageInfo,
+    Stage,
+    StreamEvent,
+)
+from exlnb.engines.tokenizer import HfTokenizer
+from exlnb.streaming import wall_clock
+
+VERIFIED_EXLLAMAV2 = "0.3.2"
+SDPA_TOLERANCE = 1e-2  # relative error between exllamav2's SDPA and matmul attention paths
+
+_EOS_REASONS = {
+    "stop_token": EosReason.STOP_TOKEN,
+    "stop_string": EosReason.STOP_STRING,
+    "max_new_tokens": EosReason.MAX_NEW_TOKENS,
+}
+
+
+@dataclass
+class _Tracked:
+    """What we know of one exllamav2 job beyond what exllamav2 reports."""
+
+    job: object  # ExLlamaV2DynamicJob
+    spec: JobSpec
+    max_new_tokens: int  # possibly lowered so the job fits the cache
+    time_enqueued: float
+    time_started: float | None = None
+    time_first_token: float | None = None
+    new_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+
+
+def _import_exllamav2():
+    if not torch.cuda.is_available():
+        raise RuntimeError('the ExLlamaV2 engine needs a CUDA GPU; on this machine use engine="cpu"')
+    try:
+        import exllamav2
+    except ImportError as error:
+        raise RuntimeError(f"the ExLlamaV2 engine needs exllamav2=={VERIFIED_EXLLAMAV2}: pip install it") from error
+    if exllamav2.__version__ != VERIFIED_EXLLAMAV2:
+        raise RuntimeError(
+            f"exlnb's ExLlamaV2 engine is verified against exllamav2 {VERIFIED_EXLLAMAV2}, found "
+            f"{exllamav2.__version__}: install exllamav2=={VERIFIED_EXLLAMAV2}"
+        )
+    return exllamav2
+
+
+class ExLlamaV2Engine(Engine):
+    name = "exllamav2"
+
+    def __init__(self, options: EngineOptions, *, progress: bool = True) -> None:
+        exl = _import_exllamav2()
+        from exllamav2.generator import ExLlamaV2DynamicGenerator
+
+        self.options = options
+        self._notes: list[str] = []
+        self.tokenizer = HfTokenizer(options.model_dir)
+        config = exl.ExLlamaV2Config(str(options.model_dir))
+        _apply_rope_theta(config, options.model_dir)
+        self.config = config
+        self.model = exl.ExLlamaV2(config)
+        cache_tokens = options.cache_tokens - options.cache_tokens % 256  # exllamav2 pages are 256 tokens
+        cache_class = {
+            "fp16": exl.ExLlamaV2Cache,
+            "q4": exl.ExLlamaV2Cache_Q4,
+            "q6": exl.ExLlamaV2Cache_Q6,
+            "q8": exl.ExLlamaV2Cache_Q8,
+        }[options.cache_dtype]
+        self.cache = cache_class(self.model, max_seq_len=cache_tokens, lazy=options.gpu_split is None)
+        if options.gpu_split is None:
+            self.model.load_autosplit(self.cache, progress=progress)
+        else:
+            self.model.load(list(options.gpu_split), progress=progress)
+            self.cache = cache_class(self.model, max_seq_len=cache_tokens)
+        self._check_sdpa(exl)
+        self.paged, self.attention = self._choose_attention(exl)
+        self.generator = ExLlamaV2DynamicGenerator(
+            model=self.model,
+            cache=self.cache,
+            tokenizer=exl.ExLlamaV2Tokenizer(config),
+            max_batch_size=options.max_batch_size,
+            paged=self.paged,
+        )
+        self._count_defrags()
+        self.max_seq_len = min(config.max_seq_len, cache_tokens)
+        self._jobs: dict[int, _Tracked] = {}
+        self._next_id = 1
+
+    # -- load-time checks ----------------------------------------------------------------------------------
+
+    def _check_sdpa(self, exl) -> None:
+        """exllamav2 0.3.2 with torch 2.11 gives wrong logits through its SDPA path; the matmul path is right.
+
+        Compare the two on a short input and keep SDPA only if they agree.
+        """
+        from exllamav2 import attn
+
+        if not attn.has_lower_right_sdpa or self.config.no_sdpa:
+            return
+        ids = torch.tensor([self.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)])
+        with torch.inference_mode():
+            sdpa = self.model.forward(ids).float()
+            self.config.no_sdpa = True
+            matmul = self.model.forward(ids).float()
+        error = float((sdpa - matmul).norm() / matmul.norm())
+        if error <= SDPA_TOLERANCE:
+            self.config.no_sdpa = False
+            return
+        self._notes.append(
+            f"exllamav2's SDPA attention disagreed with its matmul path (relative error {error:.3g}); "
+            "using the matmul path (config.no_sdpa = True)"
+        )
+        print(f"exlnb: {self._notes[-1]}")
+
+    def _choose_attention(self, exl) -> tuple[bool, str]:
+        from exllamav2 import attn
+
+        wanted = self.options.paged
+        if attn.has_flash_attn_with_paged and not self.config.no_flash_attn:
+            if wanted is False:
+                return False, "flash-attn (unpaged by request)"
+            return True, "flash-attn paged"
+        if wanted is True:
+            raise RuntimeError("paged=True needs flash-attn >= 2.5.7, which is not importable here")
+        self._notes.append(
+            "unpaged: without flash-attn >= 2.5.7 exllamav2's dynamic generator runs one job at a time "
+            "and the whole cache is one page"
+        )
+        return False, "torch matmul" if self.config.no_sdpa else "torch SDPA"
+
+    def _count_defrags(self) -> None:
+        """exllamav2 defragments only when idle after touching every page; count the times it really did."""
+        self.defrag_count = 0
+        generator = self.generator
+        original = generator.defrag_cache
+
+        def counting_defrag():
+            before = generator.last_defrag_serial
+            original()
+            if generator.last_defrag_serial != before:
+                self.defrag_count += 1
+
+        generator.defrag_cache = counting_defrag
+
+    # -- jobs ----------------------------------------------------------------------------------------------
+
+    def enqueue(self, spec: JobSpec) -> int:
+        from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+
+        prompt = len(spec.input_ids)
+        if prompt + 1 > self.max_seq_len:
+            raise ValueError(
+                f"the prompt has {prompt} tokens but the cache holds {self.max_seq_len}: shorten the prompt "
+                f"or load with cache_tokens of at least {prompt + spec.max_new_tokens}"
+            )
+        s = spec.sampler
+        settings = ExLlamaV2Sampler.Settings(
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            min_p=s.min_p,
+            token_repetition_penalty=s.token_repetition_penalty,
+            token_repetition_range=s.token_repetition_range,
+            token_repetition_decay=s.token_repetition_decay,
+            token_frequency_penalty=s.token_frequency_penalty,
+            token_presence_penalty=s.token_presence_penalty,
+        )
+        max_new = min(spec.max_new_tokens, self.max_seq_len - prompt)
+        job_id, self._next_id = self._next_id, self._next_id + 1
+        job = ExLlamaV2DynamicJob(
+            input_ids=torch.tensor([spec.input_ids], dtype=torch.long),
+            max_new_tokens=max_new,
+            gen_settings=settings,
+            seed=spec.seed,
+            stop_conditions=[*spec.stop_token_ids, *spec.stop_strings],
+            decode_special_tokens=True,  # like the CPU engine: a generated <|im_start|> is visible
+            identifier=job_id,
+        )
+        self.generator.enqueue(job)
+        self._jobs[job_id] = _Tracked(job, spec, max_new, wall_clock())
+        return job_id
+
+    def cancel(self, job_id: int) -> bool:
+        tracked = self._jobs.pop(job_id, None)
+        if tracked is None:
+            return False
+        self.generator.cancel(tracked.job)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._jobs)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def step(self) -> list[StreamEvent]:
+        results = self.generator.iterate()
+        self.synchronize()  # field report 5: read the clock only after the GPU has done the work
+        now = wall_clock()
+        events = []
+        for result in results:
+            tracked = self._jobs.get(result.get("identifier"))
+            if tracked is None:
+                continue
+            if result["stage"] == "started":
+                tracked.time_started = now
+                events.append(self._event(result["identifier"], tracked, Stage.PREFILL, now))
+            elif result["stage"] == "streaming":
+                events.append(self._streaming_event(result, tracked, now))
+        return events
+
+    def _streaming_event(self, result: dict, tracked: _Tracked, now: float) -> StreamEvent:
+        ids = result.get("token_ids")
+        new_ids = ids.flatten().tolist() if ids is not None else []
+        tracked.token_ids += new_ids
+        tracked.new_tokens = tracked.job.new_tokens
+        if tracked.time_first_token is None and tracked.new_tokens > 0:
+            tracked.time_first_token = now
+        eos_reason = None
+        if result["eos"]:
+            eos_reason = _EOS_REASONS[result["eos_reason"]]
+            if eos_reason is EosReason.MAX_NEW_TOKENS and tracked.max_new_tokens < tracked.spec.max_new_tokens:
+                eos_reason = EosReason.END_OF_CACHE
+            del self._jobs[result["identifier"]]
+        stage = Stage.DONE if eos_reason else Stage.DECODE
+        return self._event(result["identifier"], tracked, stage, now, result.get("text", ""), new_ids, eos_reason)
+
+    def _event(
+        self,
+        job_id: int,
+        tracked: _Tracked,
+        stage: Stage,
+        now: float,
+        text: str = "",
+        token_ids: list[int] = (),
+        eos_reason: EosReason | None = None,
+    ) -> StreamEvent:
+        job = tracked.job
+        cached = job.cached_pages * self.generator.page_size + job.cached_tokens
+        prompt = len(tracked.spec.input_ids)
+        first, started = tracked.time_first_token, tracked.time_started
+        prefill_rate = (prompt - cached) / (first - started) if first and started and first > started else None
+        decode_rate = (tracked.new_tokens - 1) / (now - first) if first and tracked.new_tokens > 1 and now > first else None
+        return StreamEvent(
+            job_id=job_id,
+            stage=stage,
+            time_produced=now,
+            text=text,
+            token_ids=tuple(token_ids),
+            eos=eos_reason is not None,
+            eos_reason=eos_reason,
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            new_tokens=tracked.new_tokens,
+            time_enqueued=tracked.time_enqueued,
+            time_to_first_token_s=(first - tracked.time_enqueued) if first else None,
+            prefill_tokens_per_s=prefill_rate,
+            decode_tokens_per_s=decode_rate,
+        )
+
+    # -- views ---------------------------------------------------------------------------------------------
+
+    def jobs(self) -> list[JobInfo]:
+        pending = {id(j) for j in self.generator.pending_jobs}
+        infos = []
+        for job_id, tracked in sorted(self._jobs.items()):
+            job = tracked.job
+            if id(job) in pending:
+                stage, pages = Stage.PENDING, 0
+            else:
+                stage = Stage.DECODE if job.new_tokens > 0 else Stage.PREFILL
+                pages = sum(len(seq.allocated_pages or ()) for seq in job.sequences)
+            infos.append(
+                JobInfo(
+                    job_id=job_id,
+                    identifier=tracked.spec.identifier,
+                    stage=stage,
+                    prompt_tokens=len(tracked.spec.input_ids),
+                    new_tokens=max(job.new_tokens, 0),
+                    max_new_tokens=tracked.spec.max_new_tokens,
+                    time_enqueued=tracked.time_enqueued,
+                    pages=pages,
+                )
+            )
+        return infos
+
+    def cache_view(self) -> CacheView:
+        owners: dict[int, set[int]] = {}
+        for job_id, tracked in self._jobs.items():
+            for seq in tracked.job.sequences:
+                for page in seq.allocated_pages or ():
+                    owners.setdefault(page.page_index, set()).add(job_id)
+        pages = tuple(
+            PageInfo(
+                index=page.page_index,
+                owners=tuple(sorted(owners.get(page.page_index, ()))),
+                ref_count=page.ref_count,
+                tokens_filled=page.kv_position,
+                shared=page.ref_count > 1,
+                cached=page.ref_count == 0 and page.kv_position > 0,
+            )
+            for page in sorted(self.generator.all_pages, key=lambda p: p.page_index)
+        )
+        return CacheView(
+            paged=self.paged,
+            page_size=self.generator.page_size,
+            pages=pages,
+            max_tokens=self.generator.max_total_tokens,
+            defrag_count=self.defrag_count if self.paged else None,
+        )
+
+    def status(self) -> EngineStatus:
+        device = torch.cuda.get_device_name()
+        return EngineStatus(
+            engine=self.name,
+            model=self.options.model_dir.name,
+            device=device,
+            paged=self.paged,
+            attention=self.attention,
+            cache_tokens=self.generator.max_total_tokens,
+            cache_dtype=self.options.cache_dtype,
+            max_batch_size=self.generator.max_batch_size if self.paged else 1,
+            device_memory_bytes=torch.cuda.memory_allocated(),
+            notes=tuple(self._notes),
+        )
+
+    def close(self) -> None:
+        for tracked in list(self._jobs.values()):
+            self.generator.cancel(tracked.job)
+        self._jobs.clear()
+        self.model.unload()
+        del self.generator, self.cache, self.model
+        torch.cuda.empty_cache()
+
+
+def _apply_rope_theta(config, model_dir) -> None:
+    # transformers 5 writes rope_parameters; exllamav2 0.3.2 reads top-level rope_theta only and silently
+    # uses 10000 without it. Read it ourselves rather than rewriting the user's folder.
+    raw = json.loads((model_dir / "config.json").read_text())
+    theta = raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None:
+        config.rotary_embedding_base = float(theta)
