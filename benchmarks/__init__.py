@@ -1,0 +1,1 @@
+"""exlnb benchmarks: `python -m benchmarks`."""
