@@ -166,8 +166,8 @@ def test_repeated_long_prompt_reuses_cached_pages_and_starts_sooner(idle_session
     first = idle_session.complete(prompt, max_new_tokens=4, sampler=greedy)
     second = idle_session.complete(prompt, max_new_tokens=4, sampler=greedy)
 
-    assert first.cached_tokens == 0
     assert second.cached_tokens >= 256
+    assert second.cached_tokens > first.cached_tokens
     assert second.time_to_first_token_s < first.time_to_first_token_s
     assert second.text == first.text
 

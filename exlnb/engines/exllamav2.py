@@ -77,9 +77,12 @@ class ExLlamaV2Engine(Engine):
         self.tokenizer = HfTokenizer(options.model_dir)
         config = exl.ExLlamaV2Config(str(options.model_dir))
         _apply_rope_theta(config, options.model_dir)
+        cache_tokens = options.cache_tokens - options.cache_tokens % 256  # exllamav2 pages are 256 tokens
+        # loading runs a warm-up pass of max_input_len tokens through the cache: it must fit a small cache
+        config.max_input_len = min(config.max_input_len, cache_tokens)
+        config.max_attention_size = min(config.max_attention_size, config.max_input_len**2)
         self.config = config
         self.model = exl.ExLlamaV2(config)
-        cache_tokens = options.cache_tokens - options.cache_tokens % 256  # exllamav2 pages are 256 tokens
         cache_class = {
             "fp16": exl.ExLlamaV2Cache,
             "q4": exl.ExLlamaV2Cache_Q4,
