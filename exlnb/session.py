@@ -183,7 +183,7 @@ class Session:
         settings = replace(sampler or SamplerSettings(), **sampler_overrides)
         stop_ids = {s for s in stop if isinstance(s, int)}
         if stop_at_eos:
-            stop_ids.add(tokenizer.eos_token_id)
+            stop_ids.update(tokenizer.eos_token_ids)
         spec = JobSpec(
             input_ids=tuple(input_ids),
             max_new_tokens=max_new_tokens,

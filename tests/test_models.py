@@ -82,3 +82,21 @@ def test_the_cpu_engine_never_imports_exllamav2(cpu_session):
         "assert 'exllamav2' not in sys.modules, 'exllamav2 was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+
+
+def test_the_models_own_eos_wins_over_a_misread_tokenizer_eos(cpu_session, tmp_path):
+    # transformers 5.17 read eos 1 (<|im_start|>) from the converted folder; jobs then never stopped
+    import shutil
+
+    from exlnb.engines.tokenizer import HfTokenizer
+
+    source = resolve_model("smollm2-135m-instruct")
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"):
+        shutil.copy(source / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["eos_token"] = "<|im_start|>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+
+    tokenizer = HfTokenizer(tmp_path)
+    assert tokenizer.eos_token_ids == (2,)
+    assert tokenizer.decode([tokenizer.eos_token_id]) == "<|im_end|>"

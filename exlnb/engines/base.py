@@ -204,6 +204,7 @@ class Tokenizer(Protocol):
     """The slice of a tokenizer the kit needs; both engines hand out the same HF-backed one."""
 
     eos_token_id: int
+    eos_token_ids: tuple[int, ...]  # every id that ends a turn (Llama 3 has two)
     chat_template: str | None
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:

@@ -235,6 +235,8 @@ class ExLlamaV2Engine(Engine):
     def _streaming_event(self, result: dict, tracked: _Tracked, now: float) -> StreamEvent:
         ids = result.get("token_ids")
         new_ids = ids.flatten().tolist() if ids is not None else []
+        if result.get("eos_reason") == "stop_token":  # exllamav2 holds the stop token back; report it like the CPU engine
+            new_ids.append(result["eos_triggering_token_id"])
         tracked.token_ids += new_ids
         tracked.new_tokens = tracked.job.new_tokens
         if tracked.time_first_token is None and tracked.new_tokens > 0:

@@ -7,6 +7,7 @@ field report 4 is what happens otherwise.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,10 +17,10 @@ class HfTokenizer:
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(model_dir)
-        eos = self._tok.eos_token_id
-        if eos is None:
-            raise ValueError(f"the tokenizer in {model_dir} defines no eos token; exlnb needs one to stop jobs")
-        self.eos_token_id: int = eos
+        self.eos_token_ids: tuple[int, ...] = _model_eos_ids(model_dir) or _tokenizer_eos_ids(self._tok)
+        if not self.eos_token_ids:
+            raise ValueError(f"{model_dir} defines no eos token; exlnb needs one to stop jobs")
+        self.eos_token_id: int = self.eos_token_ids[0]
         self.chat_template: str | None = getattr(self._tok, "chat_template", None)
         self.vocab_size: int = len(self._tok)
 
@@ -44,3 +45,22 @@ class HfTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
         return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _model_eos_ids(model_dir: Path) -> tuple[int, ...]:
+    """The model's own end-of-sequence ids (generation_config.json, then config.json).
+
+    Preferred over the tokenizer's: transformers 5.17 reads eos_token_id 1 (<|im_start|>) from a tokenizer
+    folder that transformers 5.23 wrote with eos <|im_end|> (2), and a job then never stops.
+    """
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(eos) if isinstance(eos, list) else (eos,)
+    return ()
+
+
+def _tokenizer_eos_ids(tokenizer) -> tuple[int, ...]:
+    return () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
