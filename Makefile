@@ -24,8 +24,6 @@ $(VENV)/.installed: pyproject.toml
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e '.[test]'
-	# The browser tests drive Debian's Chromium; Playwright never downloads a browser of its own.
-	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
 	touch $@
 
 clean:
