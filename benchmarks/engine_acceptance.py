@@ -1,6 +1,6 @@
 """Measure the spine's acceptance numbers on one engine and write them as JSON with the environment.
 
-    python benchmarks/engine_acceptance.py --engine exllamav2 --out benchmarks/results
+    python -m benchmarks.engine_acceptance --engine exllamav2 --out benchmarks/results
 
 Runs the same scenarios as tests/test_session.py, but records numbers instead of asserting them: what the
 model answered, logits against transformers, the cost of an un-cancelled job (field report 1), prefix
@@ -12,40 +12,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
-import subprocess
 import time
-from importlib import metadata
 from pathlib import Path
 
 import torch
 
+from benchmarks.harness import device_slug, environment
 from exlnb import SamplerSettings, get_session
 from exlnb.models import resolve_model
-
-SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-
-
-def chatml(user: str) -> str:
-    return f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
-
-
-def environment() -> dict:
-    versions = {}
-    for name in ("torch", "transformers", "exllamav2", "exlnb"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "python": platform.python_version()}
-    if torch.cuda.is_available():
-        info["device"] = torch.cuda.get_device_name()
-        info["driver"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
-        ).stdout.strip()
-    else:
-        info["device"] = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-    return {**info, "versions": versions}
+from exlnb.templates import chatml
 
 
 def logits_error(session) -> float:
@@ -132,8 +107,7 @@ def main() -> None:
     view = session.cache_view()
     summary["idle_cache"] = {"free_pages": view.free_pages, "total_pages": view.total_pages}
     args.out.mkdir(parents=True, exist_ok=True)
-    slug = summary["environment"]["device"].split(" (")[0].replace(" ", "-").lower()
-    path = args.out / f"acceptance-{status.engine}-{slug}-{datetime.date.today()}.json"
+    path = args.out / f"acceptance-{status.engine}-{device_slug(summary['environment'])}-{datetime.date.today()}.json"
     path.write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     print(f"wrote {path}")

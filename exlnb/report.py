@@ -13,12 +13,9 @@ import sys
 from pathlib import Path
 
 from exlnb import SamplerSettings, get_session
+from exlnb.templates import chatml
 
 QUESTION = "What is the capital of France?"
-
-
-def chatml(user: str) -> str:
-    return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,15 +7,7 @@ import pytest
 from exlnb import SamplerSettings, get_session
 from exlnb.session import Session
 
-CHATML_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-
-
-def chatml(user: str, system: str = CHATML_SYSTEM) -> str:
-    """A correct ChatML prompt (field report 4's form), written out so tests don't depend on templates.py."""
-    return (
-        f"<|im_start|>system\n{system}<|im_end|>\n"
-        f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
-    )
+from exlnb.templates import chatml  # noqa: F401 - re-exported for the tests
 
 
 @pytest.fixture(scope="session")
