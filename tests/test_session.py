@@ -92,12 +92,17 @@ def test_exception_in_consumer_cancels_the_job(idle_session):
 
 
 def test_keyboard_interrupt_cancels_the_job(idle_session):
-    stream = idle_session.generate(chatml("Count to one hundred."), max_new_tokens=3000)
-    timer = threading.Timer(0.5, lambda: __import__("_thread").interrupt_main())
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        for _ in stream:
-            pass
+    import _thread
+
+    stream = idle_session.generate(chatml("Count to one hundred."), max_new_tokens=3000, stop_at_eos=False)
+    timer = threading.Timer(0.3, _thread.interrupt_main)  # Ctrl-C while the consumer waits for tokens
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for n, _ in enumerate(stream):
+                if n == 0:
+                    timer.start()
+    finally:
+        timer.cancel()
     assert idle_session.jobs() == []
 
 
