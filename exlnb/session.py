@@ -24,9 +24,10 @@ from exlnb.engines.base import (
     Stage,
     StreamEvent,
     Tokenizer,
+    wall_clock,
 )
 from exlnb.models import BUNDLED_MODEL, resolve_model
-from exlnb.streaming import EventInbox, GenerationResult, JobStream, wall_clock
+from exlnb.streaming import EventInbox, GenerationResult, JobStream
 
 
 class NoModelLoaded(RuntimeError):

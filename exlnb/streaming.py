@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -194,8 +193,3 @@ class JobStream:
 def _cancel_unless_finished(inbox: EventInbox, request_cancel: Callable[[int], None], job_id: int) -> None:
     if not inbox.finished:
         request_cancel(job_id)
-
-
-def wall_clock() -> float:
-    """The one clock every timing in exlnb reads (monotonic, high resolution)."""
-    return time.perf_counter()

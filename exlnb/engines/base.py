@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+
+
+def wall_clock() -> float:
+    """The one clock every timing in exlnb reads (monotonic, high resolution)."""
+    return time.perf_counter()
 
 
 class Stage(str, enum.Enum):

@@ -22,9 +22,9 @@ from exlnb.engines.base import (
     PageInfo,
     Stage,
     StreamEvent,
+    wall_clock,
 )
 from exlnb.engines.tokenizer import HfTokenizer
-from exlnb.streaming import wall_clock
 
 VERIFIED_EXLLAMAV2 = "0.3.2"
 SDPA_TOLERANCE = 1e-2  # relative error between exllamav2's SDPA and matmul attention paths
@@ -95,8 +95,8 @@ class ExLlamaV2Engine(Engine):
         else:
             self.model.load(list(options.gpu_split), progress=progress)
             self.cache = cache_class(self.model, max_seq_len=cache_tokens)
-        self._check_sdpa(exl)
-        self.paged, self.attention = self._choose_attention(exl)
+        self._check_sdpa()
+        self.paged, self.attention = self._choose_attention()
         self.generator = ExLlamaV2DynamicGenerator(
             model=self.model,
             cache=self.cache,
@@ -111,7 +111,7 @@ class ExLlamaV2Engine(Engine):
 
     # -- load-time checks ----------------------------------------------------------------------------------
 
-    def _check_sdpa(self, exl) -> None:
+    def _check_sdpa(self) -> None:
         """exllamav2 0.3.2 with torch 2.11 gives wrong logits through its SDPA path; the matmul path is right.
 
         Compare the two on a short input and keep SDPA only if they agree.
@@ -135,7 +135,7 @@ class ExLlamaV2Engine(Engine):
         )
         print(f"exlnb: {self._notes[-1]}")
 
-    def _choose_attention(self, exl) -> tuple[bool, str]:
+    def _choose_attention(self) -> tuple[bool, str]:
         from exllamav2 import attn
 
         wanted = self.options.paged

@@ -22,6 +22,7 @@ from exlnb.engines.base import (
     PageInfo,
     Stage,
     StreamEvent,
+    wall_clock,
 )
 from exlnb.engines.cpu.pages import PagePool
 from exlnb.engines.cpu.runner import PagedRunner
@@ -29,7 +30,6 @@ from exlnb.engines.cpu.sampler import sample_token
 from exlnb.engines.cpu.scheduler import CpuJob, Scheduler
 from exlnb.engines.text import IncrementalDecoder, StopStringFilter
 from exlnb.engines.tokenizer import HfTokenizer
-from exlnb.streaming import wall_clock
 
 PAGE_SIZE = 256  # exllamav2's page size, so cache grids and cached-token counts read the same on both engines
 MAX_STEP_TOKENS = 512  # prompt tokens per forward pass: bounds how long decoding jobs wait for a prefill
