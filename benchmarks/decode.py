@@ -1,16 +1,17 @@
-"""Decode and prefill measurements of one engine: through the session, by hand, and by transformers.
-
-Each function returns raw samples; `harness.summarise` turns them into medians and spreads.
+"""One timed generation: through the session, by hand over the engine's own generator, through the magic,
+and by transformers. The suites repeat these; `harness.summarise` turns the samples into medians and spreads.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
+from dataclasses import dataclass
 
 import torch
 
-from benchmarks.harness import clock, sync
+from benchmarks.harness import clock
 from exlnb import SamplerSettings
 from exlnb.engines.base import JobSpec
 from exlnb.session import Session
@@ -18,51 +19,82 @@ from exlnb.session import Session
 GREEDY = SamplerSettings.greedy()
 
 
-def random_prompt(session: Session, tokens: int, seed: int) -> list[int]:
+def random_prompt(tokens: int, seed: int) -> list[int]:
     """Random ordinary tokens: no prefix in common with any other prompt, so nothing is served from cache."""
     rng = random.Random(seed)
     return [rng.randrange(100, 40000) for _ in range(tokens)]
 
 
-def session_decode(session: Session, prompt: list[int], new_tokens: int) -> dict:
-    """Consume a stream as the widget does; time every token on the consumer's side."""
-    start = clock()
-    arrivals = []
+@dataclass(frozen=True)
+class Run:
+    """One generation as its consumer saw it: submit to first token, then the rate of the tokens after it."""
+
+    prompt_tokens: int
+    ttft_s: float
+    decode_tokens_per_s: float  # nan for a one-token run
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.ttft_s
+
+
+class TokenClock:
+    """Counts tokens (not events: an event may carry several) as they reach the consumer."""
+
+    def __init__(self, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.start = clock()
+        self.first: float | None = None
+        self.last = 0.0
+        self.first_tokens = 0
+        self.tokens = 0
+
+    def arrived(self, tokens: int) -> None:
+        if not tokens:
+            return
+        now = time.perf_counter()  # the tokens are on the host already: the device has finished them
+        if self.first is None:
+            self.first, self.first_tokens = now, tokens
+        self.last = now
+        self.tokens += tokens
+
+    def run(self) -> Run:
+        if self.first is None:
+            raise RuntimeError("the job produced no token: nothing to time")
+        later = self.tokens - self.first_tokens
+        rate = later / (self.last - self.first) if later else math.nan
+        return Run(self.prompt_tokens, self.first - self.start, rate)
+
+
+def session_decode(session: Session, prompt: list[int], new_tokens: int) -> Run:
+    """Consume a stream as the widget does (iterate the JobStream's events) and time it on the consumer's side."""
+    timer = TokenClock(len(prompt))
     for event in session.generate(prompt, max_new_tokens=new_tokens, sampler=GREEDY, stop_at_eos=False):
-        if event.token_ids:
-            arrivals.append(time.perf_counter())
-    return {
-        "ttft_s": arrivals[0] - start,
-        "decode_tokens_per_s": (len(arrivals) - 1) / (arrivals[-1] - arrivals[0]),
-    }
+        timer.arrived(len(event.token_ids))
+    return timer.run()
 
 
-def raw_decode(session: Session, prompt: list[int], new_tokens: int) -> dict:
+def raw_decode(session: Session, prompt: list[int], new_tokens: int) -> Run:
     """The engine's own generator driven by hand on the engine thread, no session in between."""
 
-    def drive(engine) -> dict:
+    def drive(engine) -> Run:
         if engine.name == "exllamav2":
-            return _exllamav2_by_hand(engine, prompt, new_tokens)
-        start = clock()
+            return _exllamav2_by_hand(engine.generator, prompt, new_tokens)
+        timer = TokenClock(len(prompt))
         engine.enqueue(JobSpec(tuple(prompt), max_new_tokens=new_tokens, sampler=GREEDY))
-        arrivals = []
         while engine.has_work():
             for event in engine.step():
-                if event.token_ids:
-                    arrivals.append(time.perf_counter())
-        return {
-            "ttft_s": arrivals[0] - start,
-            "decode_tokens_per_s": (len(arrivals) - 1) / (arrivals[-1] - arrivals[0]),
-        }
+                timer.arrived(len(event.token_ids))
+        return timer.run()
 
     return session.run_on_engine(drive)
 
 
-def _exllamav2_by_hand(engine, prompt: list[int], new_tokens: int) -> dict:
+def _exllamav2_by_hand(generator, prompt: list[int], new_tokens: int) -> Run:
+    """What a user writes without exlnb: enqueue a dynamic job, loop over `iterate()`."""
     from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
 
-    generator = engine.generator
-    start = clock()
+    timer = TokenClock(len(prompt))
     generator.enqueue(
         ExLlamaV2DynamicJob(
             input_ids=torch.tensor([prompt]),
@@ -71,23 +103,28 @@ def _exllamav2_by_hand(engine, prompt: list[int], new_tokens: int) -> dict:
             stop_conditions=[],
         )
     )
-    arrivals = []
     while generator.num_remaining_jobs():
         for result in generator.iterate():
             if result["stage"] == "streaming" and result.get("token_ids") is not None:
-                sync()
-                arrivals.append(time.perf_counter())
-    return {
-        "ttft_s": arrivals[0] - start,
-        "decode_tokens_per_s": (len(arrivals) - 1) / (arrivals[-1] - arrivals[0]),
-    }
+                timer.arrived(result["token_ids"].numel())
+    return timer.run()
 
 
-def engine_prefill(session: Session, prompt: list[int]) -> float:
-    """Prompt tokens per second from submit to first token, for a prompt nothing is cached for."""
+def magic_ttft(session: Session, text: str) -> float:
+    """Seconds from running a `%%exl_generate` cell for one new token until its job is over.
+
+    An upper bound on the magic's time to first token: it includes parsing the cell and showing the output.
+    The magic runs in an IPython shell on the same (kernel-resident) session as everything else here.
+    """
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.extension_manager.load_extension("exlnb")
     start = clock()
-    result = session.complete(prompt, max_new_tokens=1, sampler=GREEDY, stop_at_eos=False)
-    return len(prompt) / (time.perf_counter() - start) if result.new_tokens else float("nan")
+    shell.run_cell_magic("exl_generate", "--max-new-tokens 1", text)
+    while session.jobs():  # a magic that streams in the background returns before its job ends
+        time.sleep(0.0005)
+    return clock() - start
 
 
 def load_hf_peer(model_dir):
@@ -99,17 +136,17 @@ def load_hf_peer(model_dir):
 
 
 @torch.inference_mode()
-def hf_decode(model, prompt: list[int], new_tokens: int) -> dict:
-    """transformers `generate`, greedy, batch 1: decode rate from a full run minus a one-token run."""
+def hf_decode(model, prompt: list[int], new_tokens: int) -> float:
+    """transformers `generate`, greedy, batch 1: decode tokens/s from a full run minus a one-token run."""
     ids = torch.tensor([prompt], device=model.device)
-    options = dict(do_sample=False, min_new_tokens=new_tokens, pad_token_id=0)
+    options = dict(do_sample=False, pad_token_id=0)
     start = clock()
-    model.generate(ids, max_new_tokens=1, **{**options, "min_new_tokens": 1})
+    model.generate(ids, max_new_tokens=1, min_new_tokens=1, **options)
     first = clock() - start
     start = clock()
-    model.generate(ids, max_new_tokens=new_tokens, **options)
+    model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **options)
     total = clock() - start
-    return {"ttft_s": first, "decode_tokens_per_s": (new_tokens - 1) / (total - first)}
+    return (new_tokens - 1) / (total - first)
 
 
 @torch.inference_mode()
@@ -122,7 +159,7 @@ def hf_prefill(model, prompt: list[int]) -> float:
 
 def aggregate_throughput(session: Session, concurrency: int, new_tokens: int, seed: int) -> float:
     """Total new tokens per second of `concurrency` jobs submitted together."""
-    prompts = [random_prompt(session, 64, seed * 100 + i) for i in range(concurrency)]
+    prompts = [random_prompt(64, seed * 100 + i) for i in range(concurrency)]
     start = clock()
     streams = [session.generate(p, max_new_tokens=new_tokens, sampler=GREEDY, stop_at_eos=False) for p in prompts]
     produced = sum(s.result().new_tokens for s in streams)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ LLAMA_7B = dict(
     num_key_value_heads=32,
     max_position_embeddings=4096,
 )
+WEIGHTS_BYTES = 13_360_000_000  # fp16, with the bundled tokenizer's 49152-token vocabulary
 
 
 def copy_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:
@@ -37,6 +39,19 @@ def copy_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:
     torch.cuda.synchronize()
     seconds = start.elapsed_time(end) / 1000 / repeats
     return 2 * n / seconds
+
+
+def scratch_folder() -> tempfile.TemporaryDirectory:
+    """A folder for the random weights: in memory (/dev/shm) where it has room, else the temp directory.
+
+    Suspected cause of the first H100 run's slow 7B samples (191 and 318 ms/token before settling at 15):
+    13 GB just written to disk keep the host busy with page-cache writeback while decode, which is bound
+    by the host issuing kernels, is timed. tmpfs has no writeback; on disk, the suite waits for it (`os.sync()`).
+    """
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free > 1.2 * WEIGHTS_BYTES:
+        return tempfile.TemporaryDirectory(prefix="exlnb-7b-", dir=shm)
+    return tempfile.TemporaryDirectory(prefix="exlnb-7b-")
 
 
 def make_random_llama(folder: Path, tokenizer_dir: Path) -> int:

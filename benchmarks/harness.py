@@ -6,12 +6,15 @@ Also the record of where a number came from (device, driver, versions, date), wr
 from __future__ import annotations
 
 import datetime
+import os
 import platform
+import shutil
 import statistics
 import subprocess
 import time
 from collections.abc import Callable
 from importlib import metadata
+from pathlib import Path
 
 import torch
 
@@ -47,6 +50,8 @@ def summarise(samples: list[float]) -> dict:
 
 
 def environment() -> dict:
+    """Where the numbers come from. The load average marks runs taken on a busy machine: on a 2-core CPU,
+    one other busy process halves what two torch threads get."""
     versions = {}
     for name in ("torch", "transformers", "exllamav2", "exlnb"):
         try:
@@ -57,6 +62,9 @@ def environment() -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "versions": versions,
+        "exlnb_commit": _git_commit(),
+        "load_average_1min": os.getloadavg()[0],
+        "cpu_count": os.cpu_count(),
     }
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name()
@@ -64,10 +72,32 @@ def environment() -> dict:
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
         ).stdout.strip()
     else:
-        info["device"] = f"cpu: {platform.machine()}, {torch.get_num_threads()} threads"
+        info["device"] = f"cpu: {_cpu_model()}, {torch.get_num_threads()} threads"
         info["driver"] = None
     return info
 
 
+def _cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> str | None:
+    """The commit measured, where the benchmarks run from a git checkout (exlnb is often not installed
+    on a GPU machine, only put on PYTHONPATH, so its version says little)."""
+    if shutil.which("git") is None:
+        return None
+    result = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+    )
+    return result.stdout.strip() or None
+
+
 def device_slug(env: dict) -> str:
-    return env["device"].split(":")[0].split(" (")[0].replace(" ", "-").lower()
+    """`nvidia-h100-80gb-hbm3`, `amd-epyc`: the device part of a result's file name."""
+    name = env["device"].removeprefix("cpu: ").split(",")[0].split(" (")[0]
+    return "-".join(name.lower().replace("(r)", "").replace("(tm)", "").split())

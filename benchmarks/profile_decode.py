@@ -1,10 +1,11 @@
-"""Where a batch-1 decode step of the ExLlamaV2 engine spends its time: GPU kernels or the host.
+"""Where a decode step spends its time, by the torch profiler: on the GPU, kernels against the host issuing
+them; on the CPU, which operators.
 
-    python -m benchmarks.profile_decode [--model 7b|bundled] [--out benchmarks/results]
+    python -m benchmarks.profile_decode [--model 7b|bundled] [--engine auto|exllamav2|cpu] [--batch N]
 
-Profiles decode steps of exllamav2's dynamic generator with the torch profiler and writes, per token:
-wall time, GPU kernel time, kernel launches, and the busiest kernels. If kernel time is far below wall
-time, the step is bound by launching kernels from Python, not by the GPU.
+Writes, per step (one token of each job): wall time, the busiest operators (and on the GPU: kernel time, kernel launches, and the
+fraction of the wall time the GPU was busy). If kernel time is far below wall time, the step is bound by
+launching kernels from Python, not by the GPU. Wall times under the profiler are inflated by the profiler.
 """
 
 from __future__ import annotations
@@ -18,51 +19,80 @@ from pathlib import Path
 import torch
 
 from benchmarks import decode
-from benchmarks.harness import environment
+from benchmarks.harness import environment, sync
+from exlnb.engines.base import JobSpec
 from exlnb.models import resolve_model
 from exlnb.session import Session
 
 
-def profile_steps(session: Session, tokens: int) -> dict:
+def profile_steps(session: Session, tokens: int, batch: int = 1) -> dict:
+    """Profile `tokens` decode steps of `batch` jobs, after their prefill and a few warm-up steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    def run(engine) -> dict:
-        from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
 
-        generator = engine.generator
-        prompt = decode.random_prompt(session, 32, seed=0)
-        generator.enqueue(ExLlamaV2DynamicJob(input_ids=torch.tensor([prompt]), max_new_tokens=tokens + 20,
-                                              gen_settings=ExLlamaV2Sampler.Settings.greedy(), stop_conditions=[]))
+    def run(engine) -> dict:
+        step, clear = _decoding_jobs(engine, batch, tokens + 20)
         for _ in range(10):  # prefill and warm-up steps
-            generator.iterate()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+        sync()
+        with profile(activities=activities) as prof:
             start = time.perf_counter()
             for _ in range(tokens):
-                generator.iterate()
-            torch.cuda.synchronize()
+                step()
+            sync()
             wall = time.perf_counter() - start
-        generator.clear_queue()
-        events = [e for e in prof.key_averages() if e.device_time_total > 0 and e.count > 0]
-        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-        kernel_us = sum(e.device_time for e in kernels)
-        top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:8]
-        return {
-            "tokens": tokens,
-            "wall_ms_per_token": 1000 * wall / tokens,
-            "gpu_kernel_ms_per_token": kernel_us / 1000 / tokens,
-            "kernel_launches_per_token": len(kernels) / tokens,
-            "gpu_busy_fraction": (kernel_us / 1e6) / wall,
-            "top_kernels": [{"name": e.key[:80], "ms_per_token": e.self_device_time_total / 1000 / tokens,
-                             "calls_per_token": e.count / tokens} for e in top],
-        }
+        clear()
+        summary = {"engine": engine.name, "batch": batch, "steps": tokens, "wall_ms_per_step": 1000 * wall / tokens}
+        return summary | (_gpu_summary(prof, wall, tokens) if cuda else _cpu_summary(prof, wall, tokens))
 
     return session.run_on_engine(run)
 
 
+def _decoding_jobs(engine, batch: int, new_tokens: int):
+    """Start `batch` greedy jobs on the engine; returns (one step, drop the jobs)."""
+    prompts = [decode.random_prompt(32, seed) for seed in range(batch)]
+    if engine.name == "exllamav2":
+        from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+
+        generator = engine.generator
+        for prompt in prompts:
+            generator.enqueue(ExLlamaV2DynamicJob(input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens,
+                                                  gen_settings=ExLlamaV2Sampler.Settings.greedy(), stop_conditions=[]))
+        return generator.iterate, generator.clear_queue
+    ids = [engine.enqueue(JobSpec(tuple(p), max_new_tokens=new_tokens, sampler=decode.GREEDY)) for p in prompts]
+    return engine.step, lambda: [engine.cancel(i) for i in ids]
+
+
+def _gpu_summary(prof, wall: float, steps: int) -> dict:
+    events = [e for e in prof.key_averages() if e.device_time_total > 0 and e.count > 0]
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    kernel_us = sum(e.device_time for e in kernels)
+    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:8]
+    return {
+        "gpu_kernel_ms_per_step": kernel_us / 1000 / steps,
+        "kernel_launches_per_step": len(kernels) / steps,
+        "gpu_busy_fraction": (kernel_us / 1e6) / wall,
+        "top_kernels": [{"name": e.key[:80], "ms_per_step": e.self_device_time_total / 1000 / steps,
+                         "calls_per_step": e.count / steps} for e in top],
+    }
+
+
+def _cpu_summary(prof, wall: float, steps: int) -> dict:
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    return {
+        "top_operators": [{"name": e.key[:80], "self_ms_per_step": e.self_cpu_time_total / 1000 / steps,
+                           "share_of_wall": e.self_cpu_time_total / 1e6 / wall,
+                           "calls_per_step": e.count / steps} for e in events],
+    }
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("7b", "bundled"), default="7b")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_decode", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("7b", "bundled"), default="bundled")
+    parser.add_argument("--engine", choices=("auto", "exllamav2", "cpu"), default="auto")
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
@@ -74,14 +104,17 @@ def main() -> None:
             make_random_llama(Path(tmp), resolve_model("smollm2-135m-instruct"))
             folder = tmp
         else:
-            folder = str(resolve_model("smollm2-135m-instruct"))
-        session.load(folder, engine="exllamav2", cache_tokens=2048, progress=False)
-        result = {"environment": environment(), "model": args.model, **profile_steps(session, args.tokens)}
+            folder = "smollm2-135m-instruct"
+        session.load(folder, engine=args.engine, cache_tokens=2048, progress=False)
+        result = {"environment": environment(), "model": args.model,
+                  **profile_steps(session, args.tokens, args.batch)}
         session.unload()
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"profile-decode-{args.model}-{result['environment']['date'][:10]}.json"
+    engine = result["engine"]
+    path = args.out / f"profile-decode-{engine}-{args.model}-batch{args.batch}-{result['environment']['date'][:10]}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "environment"}, indent=2))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

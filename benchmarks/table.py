@@ -1,64 +1,131 @@
-"""The README's performance table, generated from the committed result files (ratios first).
+"""The performance table, ratios first, generated from result files: for the README and after every run.
 
-    python -m benchmarks.table            # prints markdown for every full run under benchmarks/results
+    python -m benchmarks.table [--out FILE]     # every full run under benchmarks/results, as markdown
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
 
-# (label, how to read it from a run, target for the GPU run, target for the CPU run)
+
+@dataclass(frozen=True)
+class Target:
+    compare: str  # ">=" or "<="
+    value: float
+
+    def met(self, measured: float) -> bool:
+        return {">=": operator.ge, "<=": operator.le}[self.compare](measured, self.value)
+
+    def __str__(self) -> str:
+        return f"{self.compare} {self.value:g}"
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    read: Callable[[dict], float | str]
+    gpu: Target | None = None  # the issue's targets: the GPU run (ExLlamaV2 engine) and the CPU run
+    cpu: Target | None = None
+
+
 RATIOS = [
-    ("kit stream / raw generator, decode tokens/s", lambda b: b["kit"]["ratio_decode_session_over_raw"], ">= 0.97", ""),
-    ("session TTFT overhead, ms", lambda b: b["kit"]["ttft_overhead_ms"], "<= 20", "<= 20"),
-    ("engine / transformers generate, decode tokens/s", lambda b: b["peer"]["ratio_decode_engine_over_hf"], ">= 2.0", ">= 0.9"),
-    ("engine / transformers, prefill tokens/s", lambda b: b["peer"]["ratio_prefill_engine_over_hf"], "", ""),
-    ("7B-shaped decode / weights-over-bandwidth floor", lambda b: b["hardware"]["ratio_over_floor"], "<= 1.5", ""),
-    ("aggregate tokens/s, 4 jobs / 1 job", lambda b: b["concurrency"]["ratio_4_over_1"], "", ">= 1.5"),
+    Row("kit stream / raw generator, decode tokens/s", lambda b: b["kit"]["ratio_decode_session_over_raw"],
+        gpu=Target(">=", 0.97)),
+    Row("session TTFT - raw generator TTFT, ms", lambda b: b["kit"]["ttft_overhead_ms"],
+        gpu=Target("<=", 20), cpu=Target("<=", 20)),
+    Row("`%%exl_generate` TTFT - raw generator TTFT, ms", lambda b: b["kit"]["magic"]["ttft_overhead_ms"],
+        gpu=Target("<=", 20), cpu=Target("<=", 20)),
+    Row("engine / transformers `generate`, decode tokens/s", lambda b: b["peer"]["ratio_decode_engine_over_hf"],
+        gpu=Target(">=", 2.0), cpu=Target(">=", 0.9)),
+    Row("engine / transformers, prefill tokens/s", lambda b: b["peer"]["ratio_prefill_engine_over_hf"]),
+    Row("7B-shaped decode / weights-over-bandwidth floor", lambda b: b["hardware"]["ratio_over_floor"],
+        gpu=Target("<=", 1.5)),
+    Row("7B-shaped GPU kernel time / floor (profiler)", lambda b: b["hardware"]["profile_kernel_ms_over_floor"]),
+    Row("aggregate tokens/s, 4 jobs / 1 job", lambda b: b["concurrency"]["ratio_4_over_1"], cpu=Target(">=", 1.5)),
 ]
+
+
+def _median_iqr(stats: dict) -> str:
+    return f"{stats['median']:.1f} ± {stats['iqr'] / 2:.1f}"
+
 
 RAW = [
-    ("decode tokens/s, engine through the session (peer run)", lambda b: b["peer"]["engine_decode_tokens_per_s"]["median"]),
-    ("decode tokens/s, transformers generate (peer run)", lambda b: b["peer"]["hf_decode_tokens_per_s"]["median"]),
-    ("prefill tokens/s (512-token prompt)", lambda b: b["peer"]["engine_prefill_tokens_per_s"]["median"]),
-    ("7B-shaped ms/token (floor)", lambda b: f"{b['hardware']['ms_per_token']['median']:.1f} ({b['hardware']['floor_ms_per_token']:.2f})"),
-    ("aggregate tokens/s at 1 / 2 / 4 / 8 jobs",
-     lambda b: " / ".join(f"{v['median']:.1f}" for v in b["concurrency"]["aggregate_tokens_per_s"].values())),
+    Row("decode tokens/s through the session / by hand", lambda b: " / ".join(
+        _median_iqr(b["kit"][side]["decode_tokens_per_s"]) for side in ("session", "raw"))),
+    Row("TTFT ms through the session / by hand", lambda b: " / ".join(
+        f"{1000 * b['kit'][side]['ttft_s']['median']:.1f}" for side in ("session", "raw"))),
+    Row("decode tokens/s, engine / transformers", lambda b: " / ".join(
+        _median_iqr(b["peer"][k]) for k in ("engine_decode_tokens_per_s", "hf_decode_tokens_per_s"))),
+    Row("prefill tokens/s, engine / transformers", lambda b: f"{b['peer']['prefill_prompt_tokens']} tokens: " + " / ".join(
+        f"{b['peer'][k]['median']:.0f}" for k in ("engine_prefill_tokens_per_s", "hf_prefill_tokens_per_s"))),
+    Row("decode tokens/s at the shortest / longest context", lambda b: " / ".join(
+        f"{row['context_tokens']}: {row['decode_tokens_per_s']['median']:.1f}"
+        for row in (b["context"]["rows"][0], b["context"]["rows"][-1]))),
+    Row("7B-shaped ms/token (floor)", lambda b: (
+        f"{b['hardware']['ms_per_token']['median']:.1f} ({b['hardware']['floor_ms_per_token']:.2f})")),
+    Row("aggregate tokens/s at 1 / 2 / 4 / 8 jobs", lambda b: " / ".join(
+        f"{v['median']:.1f}" for v in b["concurrency"]["aggregate_tokens_per_s"].values())),
 ]
 
 
-def full_runs() -> list[dict]:
+def full_runs(folder: Path = RESULTS) -> list[dict]:
+    """Every full (not --quick) run of `python -m benchmarks` in the folder, oldest first."""
     runs = []
-    for path in sorted(RESULTS.glob("*.json")):
+    for path in sorted(folder.glob("*.json")):
         record = json.loads(path.read_text())
         if "benchmarks" in record and not record.get("quick"):
             runs.append({**record, "file": path.name})
-    return runs
+    return sorted(runs, key=lambda r: r["environment"]["date"])
 
 
-def _cell(read, benchmarks) -> str:
+def _cell(row: Row, run: dict) -> str:
     try:
-        value = read(benchmarks)
+        value = row.read(run["benchmarks"])
     except KeyError:
         return "not run"
-    return f"{value:.2f}" if isinstance(value, float) else str(value)
+    if isinstance(value, str):
+        return value
+    target = row.gpu if run["engine"].startswith("exllamav2") else row.cpu
+    verdict = "" if target is None else (" met" if target.met(value) else " **missed**")
+    return f"{value:.2f}{verdict}"
 
 
 def markdown(runs: list[dict]) -> str:
     heads = [f"{r['engine'].split(' |')[0]}, {r['environment']['device']}" for r in runs]
     lines = ["| ratio (same machine, same run) | " + " | ".join(heads) + " | target GPU | target CPU |",
              "|---" * (len(runs) + 3) + "|"]
-    for label, read, gpu, cpu in RATIOS:
-        lines.append(f"| {label} | " + " | ".join(_cell(read, r["benchmarks"]) for r in runs) + f" | {gpu} | {cpu} |")
-    lines += ["", "| raw medians | " + " | ".join(heads) + " |", "|---" * (len(runs) + 1) + "|"]
-    for label, read in RAW:
-        lines.append(f"| {label} | " + " | ".join(_cell(read, r["benchmarks"]) for r in runs) + " |")
+    for row in RATIOS:
+        cells = [_cell(row, r) for r in runs] + [str(row.gpu or ""), str(row.cpu or "")]
+        lines.append(f"| {row.label} | " + " | ".join(cells) + " |")
+    lines += ["", "| medians (± half the interquartile range) | " + " | ".join(heads) + " |",
+              "|---" * (len(runs) + 1) + "|"]
+    for row in RAW:
+        lines.append(f"| {row.label} | " + " | ".join(_cell(row, r) for r in runs) + " |")
     lines += ["", "Sources: " + ", ".join(f"`benchmarks/results/{r['file']}`" for r in runs) + "."]
+    skipped = {f"{head}: {name}": why for head, r in zip(heads, runs) for name, why in r.get("skipped", {}).items()}
+    skipped |= {f"{head}: magic": r["benchmarks"]["kit"]["magic"]["skipped"] for head, r in zip(heads, runs)
+                if "skipped" in r["benchmarks"].get("kit", {}).get("magic", {})}
+    lines += [f"Not run: {where} ({why})." for where, why in skipped.items()]
     return "\n".join(lines)
 
 
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.table", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="write the markdown here as well as printing it")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder of result files")
+    args = parser.parse_args()
+    text = markdown(full_runs(args.results))
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
 if __name__ == "__main__":
-    print(markdown(full_runs()))
+    main()

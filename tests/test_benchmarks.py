@@ -4,23 +4,42 @@ import json
 import math
 
 from benchmarks.__main__ import main
+from benchmarks.table import full_runs, markdown
+
+
+def _reject_non_json(name: str):
+    raise ValueError(f"{name} in the record: Python writes it, strict JSON readers refuse it")
 
 
 def test_quick_benchmarks_write_valid_json_with_raw_samples(cpu_session, tmp_path):
     path = main(["--quick", "--out", str(tmp_path)])
-    record = json.loads(path.read_text())
+    record = json.loads(path.read_text(), parse_constant=_reject_non_json)
 
-    assert record["environment"]["versions"]["torch"]
-    assert record["environment"]["device"].startswith("cpu")
+    env = record["environment"]
+    assert env["versions"]["torch"] and env["device"].startswith("cpu") and env["date"]
     assert set(record["benchmarks"]) == {"kit", "peer", "context", "concurrency"}
     assert record["skipped"] == {"hardware": "needs the ExLlamaV2 engine on CUDA"}
+    plan = record["plan"]
     kit = record["benchmarks"]["kit"]
     for side in ("session", "raw"):
         stats = kit[side]["decode_tokens_per_s"]
-        assert len(stats["samples"]) == record["plan"]["repeats"]
+        assert len(stats["samples"]) == plan["repeats"]
         assert all(math.isfinite(s) and s > 0 for s in stats["samples"])
         assert stats["min"] <= stats["median"] <= stats["max"]
-    assert math.isfinite(record["benchmarks"]["peer"]["ratio_decode_engine_over_hf"])
-    lengths = [row["context_tokens"] for row in record["benchmarks"]["context"]["rows"]]
-    assert lengths == record["plan"]["context_lengths"]
+    assert "skipped" in kit["magic"] or len(kit["magic"]["magic_cell_s"]["samples"]) == plan["repeats"]
+    peer = record["benchmarks"]["peer"]
+    assert math.isfinite(peer["ratio_decode_engine_over_hf"]) and math.isfinite(peer["ratio_prefill_engine_over_hf"])
+    assert peer["engine_profile"]["top_operators"], "the profiler saw no operator in a decode step"
+    assert [row["context_tokens"] for row in record["benchmarks"]["context"]["rows"]] == plan["context_lengths"]
+    assert set(record["benchmarks"]["concurrency"]["aggregate_tokens_per_s"]) == {str(n) for n in plan["concurrency"]}
+    assert all(b["elapsed_s"] > 0 for b in record["benchmarks"].values())
     assert (tmp_path / f"{path.stem}-context.png").stat().st_size > 1000
+
+
+def test_performance_table_reads_every_full_run_ratios_first(tmp_path):
+    committed = full_runs()
+    assert committed, "benchmarks/results holds no full run"
+    table = markdown(committed)
+    assert table.startswith("| ratio")
+    for run in committed:
+        assert run["file"] in table

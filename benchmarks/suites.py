@@ -1,0 +1,197 @@
+"""The benchmarks: each compares two things measured side by side in the same run, and returns raw samples,
+medians and spreads (`harness.summarise`) plus the ratio its target is stated in.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks import decode
+from benchmarks.harness import clock, summarise
+from benchmarks.profile_decode import profile_steps
+from exlnb.models import resolve_model
+from exlnb.session import Session
+
+
+@dataclass(frozen=True)
+class Plan:
+    repeats: int
+    warmup: int
+    new_tokens: int
+    prompt_tokens: int
+    context_lengths: tuple[int, ...]
+    context_new_tokens: int
+    concurrency: tuple[int, ...]
+    concurrency_new_tokens: int
+
+    @classmethod
+    def for_mode(cls, quick: bool, cuda: bool) -> Plan:
+        if quick:
+            return cls(repeats=2, warmup=1, new_tokens=8, prompt_tokens=32, context_lengths=(128, 512),
+                       context_new_tokens=4, concurrency=(1, 2), concurrency_new_tokens=8)
+        # 2 CPU cores prefill about 400 tokens/s and decode about 13 tokens/s: fewer repeats, shorter runs
+        return cls(
+            repeats=5 if cuda else 3, warmup=2 if cuda else 1, new_tokens=128 if cuda else 64, prompt_tokens=128,
+            context_lengths=(128, 256, 512, 1024, 2048, 4096, 8160), context_new_tokens=32 if cuda else 16,
+            concurrency=(1, 2, 4, 8), concurrency_new_tokens=64,
+        )
+
+
+def kit(session: Session, plan: Plan) -> dict:
+    """Kit overhead: the same job through the session's stream and by hand over the engine's own generator
+    (interleaved, so drift hits both), and time to first token through `%%exl_generate`."""
+    samples = {"session": [], "raw": []}
+    for run in range(plan.warmup + plan.repeats):
+        pair = {
+            "session": decode.session_decode(session, decode.random_prompt(plan.prompt_tokens, run), plan.new_tokens),
+            "raw": decode.raw_decode(session, decode.random_prompt(plan.prompt_tokens, 1000 + run), plan.new_tokens),
+        }
+        if run >= plan.warmup:
+            for side, result in pair.items():
+                samples[side].append(result)
+    out = {
+        side: {
+            "decode_tokens_per_s": summarise([r.decode_tokens_per_s for r in runs]),
+            "ttft_s": summarise([r.ttft_s for r in runs]),
+        }
+        for side, runs in samples.items()
+    }
+    out["ratio_decode_session_over_raw"] = (
+        out["session"]["decode_tokens_per_s"]["median"] / out["raw"]["decode_tokens_per_s"]["median"]
+    )
+    out["ttft_overhead_ms"] = 1000 * (out["session"]["ttft_s"]["median"] - out["raw"]["ttft_s"]["median"])
+    out["magic"] = magic(session, plan)
+    return out
+
+
+def magic(session: Session, plan: Plan) -> dict:
+    """`%%exl_generate` for one new token against the raw generator's time to first token, same prompt text."""
+    try:
+        import exlnb.magics  # noqa: F401 - only to learn whether this build has the magics
+        from IPython.core.error import UsageError
+    except ImportError as missing:
+        # a GPU machine often has no IPython at all; the magic's cost does not depend on the device
+        return {"skipped": f"the %%exl_generate magic cannot run here: {missing}"}
+    magic_s, raw_s = [], []
+    for run in range(plan.warmup + plan.repeats):
+        text = session.tokenizer.decode(decode.random_prompt(plan.prompt_tokens, 5000 + run))
+        try:
+            m = decode.magic_ttft(session, text)
+        except UsageError as refused:  # the magic is not registered, or takes other options than assumed
+            return {"skipped": f"%%exl_generate --max-new-tokens 1 did not run: {refused}"}
+        r = decode.raw_decode(session, session.tokenizer.encode(text, special=True), 1).ttft_s
+        if run >= plan.warmup:
+            magic_s.append(m), raw_s.append(r)
+    out = {"magic_cell_s": summarise(magic_s), "raw_ttft_s": summarise(raw_s)}
+    out["ttft_overhead_ms"] = 1000 * (out["magic_cell_s"]["median"] - out["raw_ttft_s"]["median"])
+    return out
+
+
+def peer(session: Session, plan: Plan) -> dict:
+    """The engine against transformers `generate` on the same device and model (batch 1, greedy)."""
+    model = decode.load_hf_peer(resolve_model("smollm2-135m-instruct"))
+    prefill_tokens = 4 * plan.prompt_tokens
+    rows = {"engine_decode": [], "hf_decode": [], "engine_prefill": [], "hf_prefill": []}
+    for run in range(plan.warmup + plan.repeats):
+        prompt = decode.random_prompt(plan.prompt_tokens, 2000 + run)
+        long_prompt = decode.random_prompt(prefill_tokens, 3000 + run)
+        result = {
+            "engine_decode": decode.session_decode(session, prompt, plan.new_tokens).decode_tokens_per_s,
+            "hf_decode": decode.hf_decode(model, prompt, plan.new_tokens),
+            "engine_prefill": decode.session_decode(session, long_prompt, 1).prefill_tokens_per_s,
+            "hf_prefill": decode.hf_prefill(model, long_prompt),
+        }
+        if run >= plan.warmup:
+            for key, value in result.items():
+                rows[key].append(value)
+    del model
+    profile = profile_steps(session, tokens=max(plan.new_tokens // 4, 2))
+    out = {f"{key}_tokens_per_s": summarise(values) for key, values in rows.items()}
+    out |= {
+        "prefill_prompt_tokens": prefill_tokens,
+        "prefill_method": "engine: submit to first token through the session; transformers: one forward pass",
+        "hf_dtype": "float16" if torch.cuda.is_available() else "float32",
+        "engine_profile": profile,
+        "ratio_decode_engine_over_hf": out["engine_decode_tokens_per_s"]["median"] / out["hf_decode_tokens_per_s"]["median"],
+        "ratio_prefill_engine_over_hf": out["engine_prefill_tokens_per_s"]["median"] / out["hf_prefill_tokens_per_s"]["median"],
+    }
+    return out
+
+
+def context(session: Session, plan: Plan) -> dict:
+    """Decode and prefill speed against context length (field reports 4 and 5): one run gives both, the
+    prompt's prefill (submit to first token) and the decode that follows at that context."""
+    cache = session.status().cache_tokens
+    lengths = [n for n in plan.context_lengths if n + plan.context_new_tokens <= cache]
+    rows = []
+    for length in lengths:
+        runs = [decode.session_decode(session, decode.random_prompt(length, length * 10 + run), plan.context_new_tokens)
+                for run in range(plan.repeats)]
+        rows.append({
+            "context_tokens": length,
+            "decode_tokens_per_s": summarise([r.decode_tokens_per_s for r in runs]),
+            "prefill_tokens_per_s": summarise([r.prefill_tokens_per_s for r in runs]),
+        })
+    return {"rows": rows, "new_tokens_per_run": plan.context_new_tokens}
+
+
+def concurrency(session: Session, plan: Plan) -> dict:
+    """Aggregate new tokens/s with 1, 2, 4, 8 jobs submitted together (continuous batching)."""
+    rows = {
+        n: summarise([decode.aggregate_throughput(session, n, plan.concurrency_new_tokens, seed=run)
+                      for run in range(plan.repeats)])
+        for n in plan.concurrency
+    }
+    out = {"aggregate_tokens_per_s": {str(n): row for n, row in rows.items()}}
+    for n in (2, 4, 8):
+        if n in rows:
+            out[f"ratio_{n}_over_1"] = rows[n]["median"] / rows[1]["median"]
+    return out
+
+
+def hardware(plan: Plan) -> dict:
+    """A 7B-shaped model decoded at batch 1 by the ExLlamaV2 engine, against weights / copy bandwidth."""
+    from benchmarks.hardware import copy_bandwidth, make_random_llama, scratch_folder
+
+    bandwidth = copy_bandwidth()
+    with scratch_folder() as tmp:
+        start = time.perf_counter()
+        weight_bytes = make_random_llama(Path(tmp), resolve_model("smollm2-135m-instruct"))
+        os.sync()  # no page-cache writeback left to compete with the timed decode
+        written_s = time.perf_counter() - start
+        session = Session()
+        session.load(tmp, engine="exllamav2", cache_tokens=2048, progress=False)
+        try:
+            runs = [decode.raw_decode(session, decode.random_prompt(32, run), plan.new_tokens)
+                    for run in range(plan.warmup + plan.repeats)]
+            profile = profile_steps(session, tokens=32)
+        finally:
+            session.unload()
+    ms_per_token = [1000 / r.decode_tokens_per_s for r in runs]
+    floor_ms = 1000 * weight_bytes / bandwidth
+    decode_ms = summarise(ms_per_token[plan.warmup:])
+    return {
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "weight_bytes_read_per_token": weight_bytes,
+        "weights_folder": str(Path(tmp).parent),
+        "weights_written_s": written_s,
+        "floor_ms_per_token": floor_ms,
+        "warmup_ms_per_token": ms_per_token[: plan.warmup],
+        "ms_per_token": decode_ms,
+        "ratio_over_floor": decode_ms["median"] / floor_ms,
+        "profile": profile,
+        "profile_kernel_ms_over_floor": profile["gpu_kernel_ms_per_step"] / floor_ms,
+    }
+
+
+def timed(run, *args) -> dict:
+    """Run one benchmark and record how long it took (the GPU run must fit in a few minutes)."""
+    start = clock()
+    result = run(*args)
+    result["elapsed_s"] = clock() - start
+    return result
