@@ -252,10 +252,11 @@ class Session:
         """Pending and active jobs with whether their streams are being read."""
         infos = self._engine_thread().call(lambda engine: engine.jobs())
         with self._lock:
+            inboxes = {info.job_id: self._inboxes.get(info.job_id) for info in infos}
             return [
                 JobRow(
                     info=info,
-                    consumed=bool(self._inboxes.get(info.job_id)) and self._inboxes[info.job_id].consuming,
+                    consumed=inboxes[info.job_id] is not None and inboxes[info.job_id].consuming,
                     abandoned_ok=info.job_id in self._detached,
                 )
                 for info in infos

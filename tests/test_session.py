@@ -278,3 +278,13 @@ def test_unload_frees_the_engine_and_a_reload_works(engine_name, greedy):
     session.load("smollm2-135m-instruct", engine=engine_name, progress=False, cache_tokens=512)
     assert "Paris" in session.complete(chatml("What is the capital of France?"), sampler=greedy).text
     session.unload()
+
+
+def test_job_table_says_whether_a_stream_is_being_read(idle_session):
+    stream = idle_session.generate(chatml("Count to one hundred."), max_new_tokens=3000, stop_at_eos=False)
+    assert [row.consumed for row in idle_session.jobs()] == [False]
+    for event in stream:
+        if event.new_tokens == 2:
+            assert [row.consumed for row in idle_session.jobs()] == [True]
+            break
+    assert idle_session.jobs() == []
