@@ -12,7 +12,6 @@ import shutil
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -28,12 +27,6 @@ def clock() -> float:
     """Read the clock only after the device has finished what was queued (field report 5)."""
     sync()
     return time.perf_counter()
-
-
-def repeat(measure: Callable[[], float], *, warmup: int, repeats: int) -> list[float]:
-    for _ in range(warmup):
-        measure()
-    return [measure() for _ in range(repeats)]
 
 
 def summarise(samples: list[float]) -> dict:
