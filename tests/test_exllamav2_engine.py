@@ -1,12 +1,20 @@
-"""ExLlamaV2 engine checks that only make sense on a GPU (`pytest -m gpu`)."""
+"""ExLlamaV2 engine checks that only make sense on a GPU (`pytest -m gpu`).
+
+The engine-level acceptance (tests/test_session.py) runs on this engine too, through `engine_session`; with
+the default `paged="auto"` and no flash-attn, that is paged mode served by exlnb's paged attention.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from benchmarks.paged_acceptance import QUESTIONS, answers_alone, answers_together, shared_prompt_pages
 from exlnb import get_session
+from exlnb.engines import paged_attention
 from exlnb.models import resolve_model
+from exlnb.session import Session
+from tests.test_session import max_overlap
 
 pytestmark = pytest.mark.gpu
 
@@ -20,28 +28,116 @@ def exl_session():
     return session
 
 
-def test_logits_match_transformers_within_one_percent(exl_session):
+@pytest.fixture(scope="module")
+def transformers_logits():
+    """HF transformers fp32 on the GPU: the reference both attention paths are held to."""
     from transformers import AutoModelForCausalLM
 
-    engine = exl_session.engine
-    ids = torch.tensor([exl_session.tokenizer.encode("The capital of France is Paris. " * 8)])
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m-instruct"), dtype=torch.float32).cuda()
-    with torch.inference_mode():
-        reference = hf(ids.cuda()).logits.float().cpu()
-        ours = exl_session.run_on_engine(lambda e: e.model.forward(ids).float().cpu())
-    del hf
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m-instruct"), dtype=torch.float32).cuda()
+
+    def logits(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return model(torch.tensor([ids]).cuda()).logits.float().cpu()
+
+    yield logits
+    del model
     torch.cuda.empty_cache()
 
-    relative_error = float((ours - reference).norm() / reference.norm())
-    assert relative_error < 1e-2, f"relative error {relative_error:.4g}"
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((ours - reference).norm() / reference.norm())
+
+
+def test_logits_match_transformers_within_one_percent(exl_session, transformers_logits):
+    engine = exl_session.engine
+    ids = exl_session.tokenizer.encode("The capital of France is Paris. " * 8)
+    reference = transformers_logits(ids)
+    ours = exl_session.run_on_engine(lambda e: e.model.forward(torch.tensor([ids])).float().cpu())
+
+    assert relative_error(ours, reference) < 1e-2
     assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() > 0.95
     assert engine.config.rotary_embedding_base == 100000.0
 
 
+def paged_prefill_logits(engine, ids: list[int], first_chunk: int, pages: list[int]) -> torch.Tensor:
+    """The prompt through exllamav2's paged forward pass in two chunks, on pages out of order, in a cache of
+    its own (the engine's free pages may hold prefixes kept for reuse). The first chunk fits one page, so
+    exllamav2 writes its keys itself; the second spans two non-adjacent pages, so the attention writes them.
+    Returns the second chunk's logits."""
+    from exllamav2 import ExLlamaV2Cache
+
+    page = engine.generator.page_size
+    cache = ExLlamaV2Cache(engine.model, max_seq_len=page * (max(pages) + 1))
+    table = torch.tensor([pages], dtype=torch.int32)
+    with torch.inference_mode():
+        for start, stop in ((0, first_chunk), (first_chunk, len(ids))):
+            params = engine.generator.get_paged_params(
+                1, table[:, : -(-stop // page)].contiguous(), torch.tensor([start], dtype=torch.int32), stop - start
+            )
+            logits = engine.model.forward_chunk(torch.tensor([ids[start:stop]]), cache=cache, attn_params=params)
+    return logits["logits"].float().cpu()
+
+
+def test_paged_forward_matches_transformers_within_one_percent(exl_session, transformers_logits):
+    if not exl_session.status().paged:
+        pytest.skip("the engine is unpaged here")
+    ids = exl_session.tokenizer.encode("The capital of France is Paris. " * 60)[:300]
+    reference = transformers_logits(ids)[:, 200:]
+    ours = exl_session.run_on_engine(lambda e: paged_prefill_logits(e, ids, 200, [2, 0]))[..., : reference.shape[-1]]
+
+    assert relative_error(ours, reference) < 1e-2
+    assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() > 0.95
+
+
 def test_status_says_which_attention_serves_the_engine(exl_session):
+    from exllamav2 import attn
+
     status = exl_session.status()
     assert status.engine == "exllamav2"
-    assert status.attention
     assert status.device_memory_bytes > 0
-    if not status.paged:
-        assert any("unpaged" in note for note in status.notes)
+    if attn.has_flash_attn:
+        assert status.attention.startswith("flash-attn")
+    else:  # paged="auto" without flash-attn: exlnb's paged attention serves exllamav2's paged mode
+        assert status.paged and status.attention == "exlnb paged attention (PyTorch)"
+        assert paged_attention.installed()
+        assert any("exlnb's PyTorch paged attention" in note for note in status.notes)
+
+
+def test_sixteen_prompts_together_in_paged_mode_equal_each_alone_unpaged(exl_session):
+    if not exl_session.status().paged:
+        pytest.skip("the engine is unpaged here")
+    unpaged = Session()
+    status = unpaged.load("smollm2-135m-instruct", engine="exllamav2", paged=False, progress=False)
+    try:
+        assert not status.paged
+        alone = [r.text for r in answers_alone(unpaged, QUESTIONS, 48)]
+    finally:
+        unpaged.unload()
+
+    streams = answers_together(exl_session, QUESTIONS, 48)
+    together = [s.result().text for s in streams]
+
+    assert together == alone
+    assert len(set(alone)) == len(QUESTIONS)  # the prompts really differ, so mixing would show
+    assert max_overlap(streams) >= 8  # they ran batched, not one after another
+
+
+def test_jobs_with_the_same_long_prompt_share_its_pages(exl_session):
+    if not exl_session.status().paged:
+        pytest.skip("the engine is unpaged here")
+    sharing = shared_prompt_pages(exl_session)
+
+    assert sharing["shared_pages_while_both_run"] >= 2
+    assert all(p["ref_count"] == 2 and len(p["owners"]) == 2 for p in sharing["shared_pages"])
+    assert sharing["cached_tokens"][2] >= 2 * sharing["page_size"]  # the later job reuses the prompt's pages
+    assert sharing["same_text"]
+    view = exl_session.cache_view()
+    assert view.free_pages == view.total_pages
+
+
+def test_paged_attention_refuses_an_unverified_exllamav2(exl_session, monkeypatch):
+    import exllamav2
+
+    monkeypatch.setattr(exllamav2, "__version__", "0.3.3")
+    with pytest.raises(RuntimeError, match="verified against exllamav2 0.3.2, found 0.3.3"):
+        paged_attention.install()

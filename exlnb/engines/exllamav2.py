@@ -69,6 +69,8 @@ class ExLlamaV2Engine(Engine):
     name = "exllamav2"
 
     def __init__(self, options: EngineOptions, *, progress: bool = True) -> None:
+        if options.paged not in ("auto", True, False):
+            raise ValueError(f'paged={options.paged!r} is not one of "auto", True, False')
         exl = _import_exllamav2()
         from exllamav2.generator import ExLlamaV2DynamicGenerator
 
@@ -112,7 +114,10 @@ class ExLlamaV2Engine(Engine):
     # -- load-time checks ----------------------------------------------------------------------------------
 
     def _check_sdpa(self) -> None:
-        """exllamav2 0.3.2 with torch 2.11 gives wrong logits through its SDPA path; the matmul path is right.
+        """exllamav2 0.3.2 gives wrong logits through its SDPA path (measured with torch 2.11, gpu.md); the
+        matmul path is right. The likely cause is upstream: `ExLlamaV2Attention._attn_torch` takes
+        `attn_params.get_block_diag_mask()` as the mask whenever `causal` is set, and that is None outside
+        variable-length batches, so SDPA runs without a causal mask.
 
         Compare the two on a short input and keep SDPA only if they agree.
         """
@@ -136,20 +141,34 @@ class ExLlamaV2Engine(Engine):
         print(f"exlnb: {self._notes[-1]}")
 
     def _choose_attention(self) -> tuple[bool, str]:
+        """flash-attn's paged kernels where exllamav2 found them, else exlnb's paged attention, unless unpaged
+        was asked for: unpaged, exllamav2 0.3.2's dynamic generator runs one job at a time on a one-page cache,
+        with no batching and no prefix sharing (gpu.md)."""
         from exllamav2 import attn
 
+        from exlnb.engines import paged_attention
+
         wanted = self.options.paged
-        if attn.has_flash_attn_with_paged and not self.config.no_flash_attn:
+        unpaged = "torch matmul" if self.config.no_sdpa else "torch SDPA"
+        if attn.has_flash_attn_with_paged and not paged_attention.installed() and not self.config.no_flash_attn:
             if wanted is False:
                 return False, "flash-attn (unpaged by request)"
             return True, "flash-attn paged"
-        if wanted is True:
-            raise RuntimeError("paged=True needs flash-attn >= 2.5.7, which is not importable here")
+        if wanted is False:
+            self._notes.append("unpaged by request: the dynamic generator runs one job at a time and the cache is one page")
+            return False, unpaged
+        if attn.has_flash_attn and wanted == "auto":  # flash-attn older than 2.5.7: install() would refuse
+            self._notes.append(
+                "unpaged: the installed flash-attn is older than 2.5.7, so the dynamic generator runs one job at "
+                "a time; upgrade flash-attn, or uninstall it to use exlnb's paged attention"
+            )
+            return False, "flash-attn (unpaged)"
+        paged_attention.install()
         self._notes.append(
-            "unpaged: without flash-attn >= 2.5.7 exllamav2's dynamic generator runs one job at a time "
-            "and the whole cache is one page"
+            "paged through exlnb's PyTorch paged attention (flash-attn >= 2.5.7 is not importable); "
+            "install flash-attn for faster attention"
         )
-        return False, "torch matmul" if self.config.no_sdpa else "torch SDPA"
+        return True, "exlnb paged attention (PyTorch)"
 
     def _count_defrags(self) -> None:
         """exllamav2 defragments only when idle after touching every page; count the times it really did."""

@@ -1,0 +1,241 @@
+"""Paged attention in PyTorch, for exllamav2's dynamic generator where flash-attn is missing.
+
+exllamav2 0.3.2 batches jobs and shares prompt pages only in paged mode, and its paged path calls exactly one
+flash-attn function, `flash_attn_with_kvcache`, from `ExLlamaV2Attention.forward_paged` (its unpaged path
+runs its own torch attention; flash-attn's other functions serve only that path and tensor parallelism,
+neither of which the paged generator uses here). This module implements the subset of that function
+exllamav2 calls: a paged cache addressed through a block table, per-sequence cache lengths, new keys and
+values written into their pages, grouped-query attention, causal masking aligned bottom-right, softmax
+scale, sliding window and softcap. `install()` puts it into exllamav2; nothing happens on import.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import torch
+
+VERIFIED_EXLLAMAV2 = "0.3.2"
+
+# float32 attention scores held at once: 2**26 of them is 256 MiB. A long prompt chunk against a long cache
+# (2048 queries x 8192 keys x 32 heads would be 2 GiB) runs in slices of queries instead.
+SCORE_BUDGET = 2**26
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """Where one forward pass's keys and values live in the paged cache, and which of them each query sees.
+
+    It depends only on the block table and sequence lengths, which every layer of a pass shares.
+    """
+
+    write_slots: torch.Tensor | None  # (batch * q_len,) rows of the flat cache that take the new keys/values
+    read_slots: torch.Tensor  # (batch, keys) rows of the flat cache each sequence reads, in position order
+    hidden: torch.Tensor  # (batch, 1, 1, q_len, keys) bool: the query may not attend to the key
+    padding: torch.Tensor  # (batch, 1, keys, 1) bool: the slot lies beyond the sequence (padding, unused page)
+
+
+def paged_layout(
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    q_len: int,
+    page_size: int,
+    *,
+    appends: bool,
+    causal: bool,
+    window_size: tuple[int, int],
+) -> PagedLayout:
+    """Slots and mask for queries that follow `cache_seqlens` tokens (plus the `q_len` new ones if `appends`)."""
+    device = block_table.device
+    block_table = block_table.long()
+    cache_seqlens = cache_seqlens.long()
+    lengths = cache_seqlens + q_len if appends else cache_seqlens  # keys each sequence attends over
+    new_positions = lengths[:, None] - q_len + torch.arange(q_len, device=device)  # (batch, q_len)
+
+    write_slots = None
+    if appends:
+        pages = block_table.gather(1, new_positions // page_size)
+        write_slots = (pages * page_size + new_positions % page_size).flatten()
+
+    # every page in the table: exllamav2 sizes a pass's table to its longest sequence, so little is padding
+    offsets = torch.arange(page_size, device=device)
+    read_slots = (block_table[:, :, None] * page_size + offsets).flatten(1)
+
+    keys = torch.arange(read_slots.shape[1], device=device)
+    padding = keys >= lengths[:, None]  # (batch, keys)
+    query = new_positions[:, :, None]
+    left, right = window_size
+    hidden = padding[:, None, :]
+    if causal:
+        hidden = hidden | (keys > query)  # bottom-right: the last query sees every key
+    elif right >= 0:
+        hidden = hidden | (keys > query + right)
+    if left >= 0:
+        hidden = hidden | (keys < query - left)
+    return PagedLayout(write_slots, read_slots, hidden[:, None, None], padding[:, None, :, None])
+
+
+def attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layout: PagedLayout,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """softmax(q k^T * scale, hidden keys left out) v with float32 scores, for q (batch, q_len, heads, dim) and
+    keys/values (batch, n_keys, kv_heads, dim); query head h reads key/value head h // (heads // kv_heads), as
+    in flash-attn. Slots the layout hides never reach the output, whatever they hold (even NaN), as in
+    flash-attn, which does not read them."""
+    batch, q_len, heads, dim = q.shape
+    n_keys, kv_heads = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    k = keys.float().permute(0, 2, 3, 1)  # (batch, kv_heads, dim, n_keys)
+    v = values.float().transpose(1, 2).masked_fill(layout.padding, 0.0)  # (batch, kv_heads, n_keys, dim)
+    out = torch.empty_like(q)
+    step = max(1, SCORE_BUDGET // (batch * heads * n_keys))
+    for start in range(0, q_len, step):
+        rows = min(step, q_len - start)
+        queries = q[:, start : start + rows].float().reshape(batch, rows, kv_heads, group, dim)
+        queries = queries.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * rows, dim)
+        scores = torch.matmul(queries, k).view(batch, kv_heads, group, rows, n_keys)
+        scores *= scale
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores.masked_fill_(layout.hidden[..., start : start + rows, :], -math.inf)
+        probs = scores.softmax(-1).view(batch, kv_heads, group * rows, n_keys)
+        context = torch.matmul(probs, v).view(batch, kv_heads, group, rows, dim)
+        out[:, start : start + rows] = context.permute(0, 3, 1, 2, 4).reshape(batch, rows, heads, dim)
+    return out
+
+
+class _LayoutMemo(threading.local):
+    """The layout of the current forward pass, per thread (each session's engine runs on its own thread).
+
+    exllamav2 passes the same block-table and lengths tensors to every layer of a pass and makes new ones
+    for the next pass (`PagedParams` copies them to the device once); building the layout once instead of
+    per layer saves about twenty kernel launches a layer, and decode of a small model is bound by launches
+    (gpu.md). The tensors are compared by identity (their version counters are not tracked under
+    `torch.inference_mode`, where exllamav2 runs) and held, so a later tensor cannot reuse their ids.
+    """
+
+    def __init__(self) -> None:
+        self._tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._shape: tuple | None = None
+        self._layout: PagedLayout | None = None
+
+    def get(self, block_table, cache_seqlens, *args, **kwargs) -> PagedLayout:
+        shape = (args, kwargs)
+        current = self._tensors
+        if current is None or current[0] is not block_table or current[1] is not cache_seqlens or shape != self._shape:
+            self._layout = paged_layout(block_table, cache_seqlens, *args, **kwargs)
+            self._tensors, self._shape = (block_table, cache_seqlens), shape
+        return self._layout
+
+
+_memo = _LayoutMemo()
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """flash-attn's `flash_attn_with_kvcache` with a paged cache, as exllamav2 0.3.2 calls it.
+
+    q: (batch, q_len, heads, dim). k_cache, v_cache: (pages, page_size, kv_heads, dim), updated in place
+    when k, v (batch, q_len, kv_heads, dim) are given: they are written at positions cache_seqlens[b] ... of
+    sequence b, whose pages are block_table[b] (int32, padded with any page index). Queries are the last
+    q_len positions of each sequence. Returns (batch, q_len, heads, dim) in q's dtype.
+
+    Unlike flash-attn, it assumes `block_table` and `cache_seqlens` are not modified in place between calls
+    (exllamav2 makes new ones for every forward pass): see `_LayoutMemo`.
+    """
+    batch, q_len, heads, dim = q.shape
+    _, page_size, kv_heads, _ = k_cache.shape
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads evenly")
+    layout = _memo.get(
+        block_table,
+        cache_seqlens,
+        q_len,
+        page_size,
+        appends=k is not None,
+        causal=causal,
+        window_size=tuple(window_size),
+    )
+    key_rows = k_cache.view(-1, kv_heads, dim)  # views: writes land in the caller's cache
+    value_rows = v_cache.view(-1, kv_heads, dim)
+    if k is not None:
+        key_rows.index_copy_(0, layout.write_slots, k.reshape(-1, kv_heads, dim))
+        value_rows.index_copy_(0, layout.write_slots, v.reshape(-1, kv_heads, dim))
+    slots = layout.read_slots.flatten()
+    keys = key_rows.index_select(0, slots).view(batch, -1, kv_heads, dim)
+    values = value_rows.index_select(0, slots).view(batch, -1, kv_heads, dim)
+    scale = softmax_scale if softmax_scale is not None else dim**-0.5
+    return attend(q, keys, values, layout, scale, softcap)
+
+
+# -- exllamav2 -----------------------------------------------------------------------------------------------
+
+# What exllamav2 0.3.2 reads at call time, and where: install() checks these before changing anything.
+_PINS = {
+    "ExLlamaV2Attention.forward_paged": ("flash_attn_with_kvcache", "has_flash_attn_with_window", "has_flash_attn_with_softcap"),
+    "assert_paged_attn": ("has_flash_attn_with_paged",),
+}
+
+
+def install() -> None:
+    """Serve exllamav2's paged mode with this module's attention. Only where exllamav2 found no flash-attn.
+
+    exllamav2 looks up `flash_attn_with_kvcache` and its capability flags as globals of `exllamav2.attn`
+    each time it runs (the dynamic generator checks `has_flash_attn_with_paged` through `assert_paged_attn`),
+    so setting them there is all it takes. `has_flash_attn` stays False: the unpaged path keeps exllamav2's
+    own torch attention.
+    """
+    import exllamav2
+    from exllamav2 import attn
+    from exllamav2.generator import dynamic
+
+    if exllamav2.__version__ != VERIFIED_EXLLAMAV2:
+        raise RuntimeError(
+            f"exlnb's paged attention is verified against exllamav2 {VERIFIED_EXLLAMAV2}, found "
+            f"{exllamav2.__version__}: install exllamav2=={VERIFIED_EXLLAMAV2}, or load with paged=False"
+        )
+    for where, names in _PINS.items():
+        function = attn
+        for part in where.split("."):
+            function = getattr(function, part)
+        missing = set(names) - set(function.__code__.co_names)
+        if missing:
+            raise RuntimeError(f"exllamav2's {where} no longer reads {sorted(missing)}: exlnb cannot serve its paged mode")
+    if dynamic.assert_paged_attn is not attn.assert_paged_attn:
+        raise RuntimeError("exllamav2's dynamic generator no longer checks paged attention through exllamav2.attn")
+    if attn.has_flash_attn:
+        raise RuntimeError(
+            "flash-attn is importable but older than 2.5.7 (exllamav2 uses it unpaged): upgrade flash-attn for "
+            "its paged attention, or load with paged=False"
+        )
+    attn.flash_attn_with_kvcache = flash_attn_with_kvcache
+    attn.has_flash_attn_with_window = True
+    attn.has_flash_attn_with_softcap = True
+    attn.has_flash_attn_with_paged = True
+
+
+def installed() -> bool:
+    """Whether exllamav2's paged mode runs on this module (rather than on flash-attn, or not at all)."""
+    import sys
+
+    attn = sys.modules.get("exllamav2.attn")
+    return attn is not None and getattr(attn, "flash_attn_with_kvcache", None) is flash_attn_with_kvcache
