@@ -1,0 +1,37 @@
+"""Prompt formats (`render`, ChatML and its broken variants) and the linter for field report 4's mistakes."""
+
+from exlnb.templates.formats import (
+    CHATML,
+    CHATML_VARIANTS,
+    LLAMA3,
+    SMOLLM2_SYSTEM,
+    TEMPLATES,
+    ChatmlVariant,
+    Message,
+    TurnFormat,
+    as_messages,
+    chatml,
+    chatml_variant,
+    conversation,
+    render,
+)
+from exlnb.templates.lint import LintFinding, LintKind, lint
+
+__all__ = [
+    "CHATML",
+    "CHATML_VARIANTS",
+    "LLAMA3",
+    "SMOLLM2_SYSTEM",
+    "TEMPLATES",
+    "ChatmlVariant",
+    "LintFinding",
+    "LintKind",
+    "Message",
+    "TurnFormat",
+    "as_messages",
+    "chatml",
+    "chatml_variant",
+    "conversation",
+    "lint",
+    "render",
+]
