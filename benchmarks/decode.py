@@ -114,14 +114,17 @@ def magic_ttft(session: Session, text: str) -> float:
     """Seconds from running a `%%exl_generate` cell for one new token until its job is over.
 
     An upper bound on the magic's time to first token: it includes parsing the cell and showing the output.
-    The magic runs in an IPython shell on the same (kernel-resident) session as everything else here.
+    The magic runs in an IPython shell on the same (kernel-resident) session as everything else here, with
+    the raw template (the same tokens as the raw generator's) and the prompt passed through a variable: the
+    cell body is formatted with the user namespace, and random prompt text may hold braces.
     """
     from IPython.core.interactiveshell import InteractiveShell
 
     shell = InteractiveShell.instance()
     shell.extension_manager.load_extension("exlnb")
+    shell.user_ns["benchmark_prompt"] = text
     start = clock()
-    shell.run_cell_magic("exl_generate", "--max-new-tokens 1", text)
+    shell.run_cell_magic("exl_generate", "--max-new-tokens 1 --template raw", "{benchmark_prompt}")
     while session.jobs():  # a magic that streams in the background returns before its job ends
         time.sleep(0.0005)
     return clock() - start

@@ -144,17 +144,28 @@ def test_paged_attention_matches_float64_reference(name, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_long_prefill_is_computed_in_query_slices_with_the_same_result(device, monkeypatch):
+@pytest.mark.parametrize("softcap", [0.0, 30.0], ids=["sdpa", "softcap"])
+def test_long_prefill_is_computed_in_query_slices_with_the_same_result(device, softcap, monkeypatch):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     case = Case([40], q_len=50)
     q, k_cache, v_cache, k, v, lengths, table = build(case, torch.float32, device, seed=3)
     expected, _, _ = reference(q, k_cache, v_cache, k, v, lengths, table,
-                               scale=case.dim**-0.5, causal=True, window=(-1, -1), softcap=0.0)
-    monkeypatch.setattr(paged_attention, "SCORE_BUDGET", case.heads * 96 * 7)  # 7 queries per slice
+                               scale=case.dim**-0.5, causal=True, window=(-1, -1), softcap=softcap)
+    keys_read = table.shape[1] * PAGE  # every page of the table, padding included
+    monkeypatch.setattr(paged_attention, "SCORE_BUDGET", case.heads * keys_read * 7)  # 7 queries per slice
+    original, blocks = paged_attention._attend_block, []
 
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, block_table=table, causal=True)
+    def counting(q, *rest):
+        blocks.append(q.shape[1])
+        return original(q, *rest)
 
+    monkeypatch.setattr(paged_attention, "_attend_block", counting)
+
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, block_table=table, causal=True,
+                                  softcap=softcap)
+
+    assert blocks == [7] * 7 + [1]
     torch.testing.assert_close(out.double().cpu(), expected, **tolerance(torch.float32))
 
 

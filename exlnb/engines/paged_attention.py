@@ -33,8 +33,7 @@ class PagedLayout:
 
     write_slots: torch.Tensor | None  # (batch * q_len,) rows of the flat cache that take the new keys/values
     read_slots: torch.Tensor  # (batch, keys) rows of the flat cache each sequence reads, in position order
-    hidden: torch.Tensor  # (batch, 1, 1, q_len, keys) bool: the query may not attend to the key
-    padding: torch.Tensor  # (batch, 1, keys, 1) bool: the slot lies beyond the sequence (padding, unused page)
+    visible: torch.Tensor  # (batch, 1, q_len, keys) bool: the query may attend to the key
 
 
 def paged_layout(
@@ -62,9 +61,12 @@ def paged_layout(
     # every page in the table: exllamav2 sizes a pass's table to its longest sequence, so little is padding
     offsets = torch.arange(page_size, device=device)
     read_slots = (block_table[:, :, None] * page_size + offsets).flatten(1)
-
     keys = torch.arange(read_slots.shape[1], device=device)
     padding = keys >= lengths[:, None]  # (batch, keys)
+    # Padding reads the sequence's first key instead: flash-attn never reads past a sequence, and a padded
+    # slot may hold anything (NaN, whose product with a zero weight is still NaN).
+    read_slots = torch.where(padding, read_slots[:, :1], read_slots)
+
     query = new_positions[:, :, None]
     left, right = window_size
     hidden = padding[:, None, :]
@@ -74,41 +76,63 @@ def paged_layout(
         hidden = hidden | (keys > query + right)
     if left >= 0:
         hidden = hidden | (keys < query - left)
-    return PagedLayout(write_slots, read_slots, hidden[:, None, None], padding[:, None, :, None])
+    return PagedLayout(write_slots, read_slots, ~hidden[:, None])
 
 
 def attend(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    layout: PagedLayout,
+    visible: torch.Tensor,
     scale: float,
     softcap: float,
 ) -> torch.Tensor:
-    """softmax(q k^T * scale, hidden keys left out) v with float32 scores, for q (batch, q_len, heads, dim) and
-    keys/values (batch, n_keys, kv_heads, dim); query head h reads key/value head h // (heads // kv_heads), as
-    in flash-attn. Slots the layout hides never reach the output, whatever they hold (even NaN), as in
-    flash-attn, which does not read them."""
+    """softmax(q k^T * scale, invisible keys left out) v, for q (batch, q_len, heads, dim) and keys/values
+    (batch, n_keys, kv_heads, dim); query head h reads key/value head h // (heads // kv_heads), as in
+    flash-attn. Long query blocks run in slices so that no more than SCORE_BUDGET scores exist at once."""
+    batch, q_len, heads, _ = q.shape
+    n_keys = keys.shape[1]
+    step = max(1, SCORE_BUDGET // (batch * heads * n_keys))
+    if step >= q_len:
+        return _attend_block(q, keys, values, visible, scale, softcap)
+    out = torch.empty_like(q)
+    for start in range(0, q_len, step):
+        rows = slice(start, start + step)
+        out[:, rows] = _attend_block(q[:, rows], keys, values, visible[:, :, rows], scale, softcap)
+    return out
+
+
+def _attend_block(q, keys, values, visible, scale: float, softcap: float) -> torch.Tensor:
+    if softcap > 0:
+        return _attend_softcapped(q, keys, values, visible, scale, softcap)
+    # One fused call where it can be: decode of a small model is bound by kernel launches (gpu.md), and the
+    # explicit mask keeps clear of exllamav2's own SDPA path, which gives wrong logits with torch 2.11.
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=visible,
+        scale=scale,
+        enable_gqa=q.shape[2] != keys.shape[2],
+    )
+    return out.transpose(1, 2).contiguous()  # free at decode (q_len 1); exllamav2 views the result
+
+
+def _attend_softcapped(q, keys, values, visible, scale: float, softcap: float) -> torch.Tensor:
+    """Scores capped by tanh before the softmax (Gemma 2), which SDPA cannot do: float32 scores by hand."""
     batch, q_len, heads, dim = q.shape
     n_keys, kv_heads = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
     k = keys.float().permute(0, 2, 3, 1)  # (batch, kv_heads, dim, n_keys)
-    v = values.float().transpose(1, 2).masked_fill(layout.padding, 0.0)  # (batch, kv_heads, n_keys, dim)
-    out = torch.empty_like(q)
-    step = max(1, SCORE_BUDGET // (batch * heads * n_keys))
-    for start in range(0, q_len, step):
-        rows = min(step, q_len - start)
-        queries = q[:, start : start + rows].float().reshape(batch, rows, kv_heads, group, dim)
-        queries = queries.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * rows, dim)
-        scores = torch.matmul(queries, k).view(batch, kv_heads, group, rows, n_keys)
-        scores *= scale
-        if softcap > 0:
-            scores = torch.tanh(scores / softcap) * softcap
-        scores.masked_fill_(layout.hidden[..., start : start + rows, :], -math.inf)
-        probs = scores.softmax(-1).view(batch, kv_heads, group * rows, n_keys)
-        context = torch.matmul(probs, v).view(batch, kv_heads, group, rows, dim)
-        out[:, start : start + rows] = context.permute(0, 3, 1, 2, 4).reshape(batch, rows, heads, dim)
-    return out
+    v = values.float().transpose(1, 2)  # (batch, kv_heads, n_keys, dim)
+    queries = q.float().reshape(batch, q_len, kv_heads, group, dim)
+    queries = queries.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * q_len, dim)
+    scores = torch.matmul(queries, k).view(batch, kv_heads, group, q_len, n_keys)
+    scores = torch.tanh(scores * (scale / softcap)) * softcap
+    scores.masked_fill_(~visible[:, :, None], -math.inf)
+    probs = scores.softmax(-1).view(batch, kv_heads, group * q_len, n_keys)
+    context = torch.matmul(probs, v).view(batch, kv_heads, group, q_len, dim)
+    return context.permute(0, 3, 1, 2, 4).reshape(batch, q_len, heads, dim).to(q.dtype)
 
 
 class _LayoutMemo(threading.local):
@@ -184,7 +208,7 @@ def flash_attn_with_kvcache(
     keys = key_rows.index_select(0, slots).view(batch, -1, kv_heads, dim)
     values = value_rows.index_select(0, slots).view(batch, -1, kv_heads, dim)
     scale = softmax_scale if softmax_scale is not None else dim**-0.5
-    return attend(q, keys, values, layout, scale, softcap)
+    return attend(q, keys, values, layout.visible, scale, softcap)
 
 
 # -- exllamav2 -----------------------------------------------------------------------------------------------
