@@ -1,11 +1,48 @@
-"""The main job streams an answer and writes its summary."""
+"""The main command's options: presets, overrides, the summary of failed runs, publishing results.
 
-from exlnb.report import main
+Running the notebooks themselves is tests/test_notebooks.py's job (once per test session).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from exlnb.report import NotebookRun, _overrides, publish, summary_markdown
 
 
-def test_main_job_streams_a_chatml_answer_and_writes_a_summary(cpu_session, tmp_path, capsys):
-    assert main(["--engine", "cpu", "--out", str(tmp_path)]) == 0
-    printed = capsys.readouterr().out
-    summary = (tmp_path / "summary.md").read_text()
-    assert "Paris" in printed and "Paris" in summary
-    assert "eos: stop_token" in summary
+def test_set_overrides_a_preset_with_python_literals():
+    overrides = _overrides("full", ["latency.requests=3", "concurrency.concurrency=[2, 4]"], ["latency", "concurrency"])
+
+    assert overrides["latency"]["requests"] == 3
+    assert overrides["latency"]["max_new_tokens"] == 200  # from the preset
+    assert overrides["concurrency"]["concurrency"] == [2, 4]
+
+
+@pytest.mark.parametrize(
+    "assignment, message",
+    [("latency.requests", "NAME.PARAMETER=VALUE"), ("nosuch.x=1", "NAME.PARAMETER=VALUE"), ("context.turns=3", "--only")],
+)
+def test_a_malformed_or_unused_override_says_what_to_write(assignment, message):
+    with pytest.raises(SystemExit, match=message):
+        _overrides(None, [assignment], ["latency"])
+
+
+def test_a_failed_notebook_is_reported_in_the_summary_not_hidden():
+    text = summary_markdown([NotebookRun("latency", 12.0, None, "ValueError: boom (see x.ipynb)")])
+
+    assert "## latency (12 s)" in text
+    assert "FAILED: ValueError: boom" in text
+
+
+def test_publish_copies_summaries_tables_and_figures_but_not_notebooks(tmp_path):
+    out = tmp_path / "reports"
+    (out / "latency").mkdir(parents=True)
+    summary = {"environment": {"engine": "cpu"}, "effects": [], "findings": [], "field_reports": [1]}
+    for name in ("latency.json", "latency-requests.csv", "latency.png", "latency.ipynb", "latency.html"):
+        (out / "latency" / name).write_text(json.dumps(summary))
+
+    target = publish([NotebookRun("latency", 1.0, summary)], out, tmp_path / "results")
+
+    assert sorted(p.name for p in target.iterdir()) == ["latency-requests.csv", "latency.json", "latency.png"]

@@ -1,0 +1,279 @@
+"""Field report 1, cause A: streams abandoned without cancelling their jobs.
+
+A service handles requests one after another; each consumer stops after a few tokens on its own stop
+condition. Without a cancel (`cancel_when_abandoned=False`, the reporter's `async for` + `break`) every
+job keeps generating to `max_new_tokens` with nobody reading: it holds cache pages and a batch slot, and
+later requests queue behind it. With the cancel (exlnb's default) each job ends with its consumer.
+
+Measured per condition: each request's time to the tokens its consumer wanted, the time of one normal
+request afterwards ("the next job"), and, sampled over time, the jobs in the engine and the pages they hold.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+
+from exlnb.analysis import mean_interval, median_interval, ratio_of_medians
+from exlnb.engines.base import SamplerSettings, Stage, wall_clock
+from exlnb.experiments.datasets import load_prompts
+from exlnb.experiments.record import Effect, ExperimentResult, environment
+from exlnb.session import Session
+from exlnb.templates import chatml
+
+CONDITIONS = (("cancelled", True), ("un-cancelled", False))  # label, cancel_when_abandoned
+NEXT_JOB_PROMPT = "What is the capital of France?"
+# the reporter's numbers: ~5 s per request at first, up to 5 minutes after ~100 requests (RTX 4090, Mistral 7B)
+REPORTED = {"first_request_s": 5.0, "late_request_s": 300.0, "requests": 100}
+
+
+def run(
+    session: Session,
+    *,
+    requests: int = 8,
+    tokens_read: int = 4,
+    max_new_tokens: int = 80,
+    next_job_tokens: int = 16,
+    trials: int = 3,
+    sample_interval_s: float = 0.2,
+    seed: int = 0,
+) -> ExperimentResult:
+    """Run the same request sequence with and without cancelling abandoned streams, `trials` times each.
+
+    The conditions alternate within each trial, so a machine that gets busier or quieter during the run
+    affects both alike.
+    """
+    if tokens_read >= max_new_tokens:
+        raise ValueError(f"tokens_read={tokens_read} must be below max_new_tokens={max_new_tokens}: the consumer stops early")
+    prompts = load_prompts("long_answers")
+    rows: dict[str, list[dict]] = {"requests": [], "timeline": [], "state": [], "pages": []}
+    for trial in range(trials):
+        for label, cancel in CONDITIONS:
+            tagged = {"trial": trial, "condition": label}
+            _wait_until_idle(session)
+            with SessionMonitor(session, sample_interval_s) as monitor:
+                for index in range(requests):
+                    prompt = prompts[index % len(prompts)]
+                    row = _request(session, prompt, index, tokens_read, max_new_tokens, seed + index, cancel)
+                    rows["requests"].append({**tagged, **row})
+                left_behind, view = session.jobs(), session.cache_view()
+                next_job = _next_job(session, next_job_tokens)
+            rows["timeline"] += [{**tagged, **sample} for sample in monitor.samples]
+            rows["pages"] += [{**tagged, **asdict(page), "owners": " ".join(map(str, page.owners))} for page in view.pages]
+            rows["state"].append(
+                {
+                    **tagged,
+                    "jobs_left_when_consumers_gone": len(left_behind),
+                    "unread_jobs_left": sum(1 for row in left_behind if not row.consumed),
+                    "pages_held_when_consumers_gone": view.total_pages - view.free_pages,
+                    "total_pages": view.total_pages,
+                    "next_job_elapsed_s": next_job.elapsed_s,
+                    "next_job_ttft_s": next_job.time_to_first_token_s,
+                    "jobs_cancelled_at_cleanup": session.cancel_all(),
+                }
+            )
+    tables = {name: pd.DataFrame(table) for name, table in rows.items()}
+    parameters = dict(
+        requests=requests,
+        tokens_read=tokens_read,
+        max_new_tokens=max_new_tokens,
+        next_job_tokens=next_job_tokens,
+        trials=trials,
+        sample_interval_s=sample_interval_s,
+        seed=seed,
+    )
+    return _summarise(tables, parameters, environment(session))
+
+
+@dataclass(frozen=True)
+class SessionSample:
+    t_s: float  # seconds since the monitor started
+    pending_jobs: int
+    active_jobs: int
+    unread_jobs: int  # jobs nobody is iterating right now
+    pages_held: int
+
+
+class SessionMonitor:
+    """Samples the job table and the cache view on a background thread, as a dashboard would."""
+
+    def __init__(self, session: Session, interval_s: float) -> None:
+        self._session = session
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample_until_stopped, name="exlnb-monitor", daemon=True)
+        self.samples: list[dict] = []
+
+    def __enter__(self) -> SessionMonitor:
+        self._start = wall_clock()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample_until_stopped(self) -> None:
+        while not self._stop.is_set():
+            rows = self._session.jobs()
+            sample = SessionSample(
+                t_s=wall_clock() - self._start,
+                pending_jobs=sum(1 for r in rows if r.info.stage is Stage.PENDING),
+                active_jobs=sum(1 for r in rows if r.info.stage is not Stage.PENDING),
+                unread_jobs=sum(1 for r in rows if not r.consumed),
+                pages_held=_pages_held(self._session),
+            )
+            self.samples.append(asdict(sample))
+            self._stop.wait(self._interval)
+
+
+def _request(session, prompt, index, tokens_read, max_new_tokens, seed, cancel) -> dict:
+    """One request whose consumer leaves after `tokens_read` tokens (or earlier, at the end of the job)."""
+    start = wall_clock()
+    stream = session.generate(
+        chatml(prompt),
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        identifier=f"request {index}",
+        cancel_when_abandoned=cancel,
+    )
+    received, first, last = 0, None, None
+    for event in stream:
+        received += len(event.token_ids)
+        if event.token_ids and first is None:
+            first = wall_clock()
+        if received >= tokens_read or event.eos:
+            last = wall_clock()
+            break
+    return {
+        "request": index,
+        "latency_s": last - start,  # what this request's client waited for the tokens it wanted
+        "ttft_s": first - start if first else None,
+        "tokens_received": received,
+        "job_ended_by_itself": stream.done,
+        "t_submitted_s": start,
+    }
+
+
+def _next_job(session: Session, max_new_tokens: int):
+    """A normal request, read to the end: what the next user of the service experiences."""
+    return session.complete(
+        chatml(NEXT_JOB_PROMPT),
+        max_new_tokens=max_new_tokens,
+        sampler=SamplerSettings.greedy(),
+        stop_at_eos=False,  # same work in both conditions: exactly max_new_tokens tokens
+        identifier="next job",
+    )
+
+
+def _pages_held(session: Session) -> int:
+    view = session.cache_view()
+    return view.total_pages - view.free_pages
+
+
+def _wait_until_idle(session: Session, timeout_s: float = 30.0) -> None:
+    """Cancels asked for by finalisers are queued on the engine thread; let them land before measuring."""
+    deadline = wall_clock() + timeout_s
+    while session.jobs():
+        if wall_clock() > deadline:
+            raise RuntimeError(f"jobs still running after {timeout_s} s: {session.jobs()}; cancel them first")
+        time.sleep(0.02)
+
+
+def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict) -> ExperimentResult:
+    requests, state = tables["requests"], tables["state"]
+    latency = {label: requests[requests.condition == label].latency_s for label, _ in CONDITIONS}
+    next_job = {label: state[state.condition == label].next_job_elapsed_s for label, _ in CONDITIONS}
+    trials, n = parameters["trials"], parameters["requests"]
+    effects = [
+        Effect(
+            name=f"next job ({parameters['next_job_tokens']} tokens, read to the end) after {n} requests, "
+            f"median of {trials} trials",
+            symptom=median_interval(next_job["un-cancelled"], "s"),
+            fix=median_interval(next_job["cancelled"], "s"),
+            symptom_label="un-cancelled",
+            fix_label="cancelled",
+            ratio=ratio_of_medians(next_job["un-cancelled"], next_job["cancelled"]),
+        ),
+        # the mean, not the median: the symptom is the occasional request that waits for whole jobs to finish
+        Effect(
+            name=f"request latency (time to {parameters['tokens_read']} tokens), mean of {n} requests x {trials} trials",
+            symptom=mean_interval(latency["un-cancelled"], "s"),
+            fix=mean_interval(latency["cancelled"], "s"),
+            symptom_label="un-cancelled",
+            fix_label="cancelled",
+        ),
+    ]
+    by_condition = state.groupby("condition")
+    timeline = tables["timeline"]
+    values = {
+        "max_request_latency_s": {c: float(g.latency_s.max()) for c, g in requests.groupby("condition")},
+        "median_latency_by_request_s": {
+            c: [float(v) for v in g.groupby("request").latency_s.median()] for c, g in requests.groupby("condition")
+        },
+        "jobs_left_when_consumers_gone": {c: int(g.jobs_left_when_consumers_gone.max()) for c, g in by_condition},
+        "pages_held_when_consumers_gone": {c: int(g.pages_held_when_consumers_gone.max()) for c, g in by_condition},
+        "total_pages": int(state.total_pages.iloc[0]),
+        "max_unread_jobs": {c: int(g.unread_jobs.max()) for c, g in timeline.groupby("condition")},
+        "max_pending_jobs": {c: int(g.pending_jobs.max()) for c, g in timeline.groupby("condition")},
+        "max_pages_held": {c: int(g.pages_held.max()) for c, g in timeline.groupby("condition")},
+        "reported": REPORTED,
+    }
+    return ExperimentResult(
+        name="latency",
+        field_reports=(1,),
+        tables=tables,
+        effects=effects,
+        parameters=parameters,
+        environment=env,
+        findings=_findings(effects, values, parameters),
+        values=values,
+    )
+
+
+def _findings(effects: list[Effect], values: dict, parameters: dict) -> list[str]:
+    next_job = effects[0]
+    n, left, pages = parameters["requests"], values["jobs_left_when_consumers_gone"], values["pages_held_when_consumers_gone"]
+    by_request = values["median_latency_by_request_s"]["un-cancelled"]
+    slowest = max(range(len(by_request)), key=by_request.__getitem__)
+    lines = [
+        f"Without the cancel, up to {left['un-cancelled']} of {n} jobs were still generating after their consumers had "
+        f"left, holding {pages['un-cancelled']} of {values['total_pages']} cache pages; with it, "
+        f"{left['cancelled']} jobs and {pages['cancelled']} pages outlived their consumers.",
+        f"The next request took {next_job.symptom.value:.2f} s without the cancel and {next_job.fix.value:.2f} s with "
+        f"it ({next_job.ratio.value:.1f}x, 95% CI {next_job.ratio.low:.1f}-{next_job.ratio.high:.1f}).",
+        f"Un-cancelled request latency by request index (median over trials): "
+        + ", ".join(f"{v:.2f}" for v in by_request)
+        + f" s; the reporter saw about {REPORTED['first_request_s']:.0f} s grow to {REPORTED['late_request_s']:.0f} s "
+        f"over about {REPORTED['requests']} requests.",
+    ]
+    if slowest < len(by_request) - 1 and by_request[slowest + 1] < 0.5 * by_request[slowest]:
+        lines.append(
+            f"Request {slowest} waited {by_request[slowest]:.2f} s for abandoned jobs to finish and free their pages; "
+            f"the one after it took {by_request[slowest + 1]:.2f} s: slow, then briefly fast again, as the reporter "
+            "describes."
+        )
+    return lines
+
+
+def plot(result: ExperimentResult):
+    """Request latency by request index; jobs nobody reads and pages held over time (one line per trial)."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    requests, timeline = result.tables["requests"], result.tables["timeline"]
+    sns.lineplot(data=requests, x="request", y="latency_s", hue="condition", marker="o", ax=axes[0])
+    axes[0].set(yscale="log", xlabel="request index", ylabel="latency to the tokens wanted (s)",
+                title="Field report 1: request latency")
+    for ax, column, label in ((axes[1], "unread_jobs", "jobs nobody reads"), (axes[2], "pages_held", "cache pages held")):
+        sns.lineplot(data=timeline, x="t_s", y=column, hue="condition", units="trial", estimator=None,
+                     drawstyle="steps-post", ax=ax)
+        ax.set(xlabel="time since the first request (s)", ylabel=label, title=label.capitalize() + " over time")
+    total = result.values["total_pages"]
+    axes[2].axhline(total, color="grey", linestyle=":", label=f"all {total} pages")
+    axes[2].legend()
+    fig.tight_layout()
+    return fig

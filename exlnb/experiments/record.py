@@ -1,0 +1,171 @@
+"""What every investigation hands back and how it is kept: tables, effects, environment, files.
+
+A result is written as `<name>-<table>.csv` per raw table, `<name>.json` (the summary: effects with their
+intervals, parameters, engine, model, device, versions, notes) and `<name>.png` (the figure).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import pandas as pd
+
+from exlnb.analysis import Estimate
+from exlnb.session import Session
+
+VERSIONED_PACKAGES = ("exlnb", "torch", "transformers", "exllamav2", "numpy", "pandas")
+
+
+@dataclass(frozen=True)
+class Effect:
+    """One contrast an investigation measured: the symptom's condition against the fix's."""
+
+    name: str  # what was measured, e.g. "next job, time to last token"
+    symptom: Estimate
+    fix: Estimate
+    symptom_label: str  # the condition that shows the symptom, e.g. "un-cancelled"
+    fix_label: str
+    ratio: Estimate | None = None  # symptom / fix, where a ratio means something
+
+    def line(self) -> str:
+        """One line for reports/summary.md: "un-cancelled -> cancelled, next job: 12.1 s -> 0.41 s (29x)"."""
+        ratio = ""
+        if self.ratio and self.ratio.n > 1:
+            ratio = f" ({self.ratio.value:.3g}x, 95% CI {self.ratio.low:.3g}-{self.ratio.high:.3g})"
+        elif self.ratio:
+            ratio = f" ({self.ratio.value:.3g}x)"
+        return (
+            f"{self.name}, {self.symptom_label} -> {self.fix_label}: "
+            f"{_short(self.symptom)} -> {_short(self.fix)}{ratio}"
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "symptom_label": self.symptom_label,
+            "fix_label": self.fix_label,
+            "symptom": self.symptom.as_dict(),
+            "fix": self.fix.as_dict(),
+            "ratio": self.ratio.as_dict() if self.ratio else None,
+            "line": self.line(),
+        }
+
+
+@dataclass
+class ExperimentResult:
+    """Raw measurements and what they show, for one investigation on one engine."""
+
+    name: str
+    field_reports: tuple[int, ...]
+    tables: dict[str, pd.DataFrame]
+    effects: list[Effect]
+    parameters: dict
+    environment: dict
+    findings: list[str] = field(default_factory=list)  # plain statements, including where a report is not borne out
+    values: dict = field(default_factory=dict)  # further summary numbers, each with its unit in its name or value
+
+    def summary(self) -> dict:
+        return {
+            "experiment": self.name,
+            "field_reports": list(self.field_reports),
+            "effects": [e.as_dict() for e in self.effects],
+            "values": self.values,
+            "findings": self.findings,
+            "parameters": self.parameters,
+            "environment": self.environment,
+            "tables": {name: len(table) for name, table in self.tables.items()},
+        }
+
+    def markdown(self) -> str:
+        """The effects and findings as Markdown, for the notebook's closing cell."""
+        env = self.environment
+        lines = [
+            f"**{env['engine']} engine**, {env['model']}, {env['device']} ({'paged' if env['paged'] else 'unpaged'})",
+            "",
+            "| measured | symptom | fix | symptom / fix |",
+            "|---|---|---|---|",
+        ]
+        for e in self.effects:
+            ratio = f"{e.ratio.value:.3g}x" if e.ratio else ""
+            lines.append(f"| {e.name} | {e.symptom_label}: {_short(e.symptom)} | {e.fix_label}: {_short(e.fix)} | {ratio} |")
+        lines += ["", *[f"- {finding}" for finding in self.findings]]
+        return "\n".join(lines)
+
+    def save(self, out_dir: str | Path, figure=None) -> list[Path]:
+        """Write the CSVs, the JSON summary and (given one) the figure; returns the paths written."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        for table_name, table in self.tables.items():
+            path = out / f"{self.name}-{table_name}.csv"
+            table.to_csv(path, index=False)
+            written.append(path)
+        path = out / f"{self.name}.json"
+        path.write_text(json.dumps(self.summary(), indent=2, default=_jsonable) + "\n")
+        written.append(path)
+        if figure is not None:
+            path = out / f"{self.name}.png"
+            figure.savefig(path, dpi=110, bbox_inches="tight")
+            written.append(path)
+        return written
+
+
+def environment(session: Session) -> dict:
+    """Engine, model, device and versions: what every summary says about where its numbers come from."""
+    status = session.status()
+    versions = {}
+    for name in VERSIONED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return {
+        "engine": status.engine,
+        "model": status.model,
+        "device": status.device,
+        "paged": status.paged,
+        "attention": status.attention,
+        "cache_tokens": status.cache_tokens,
+        "max_batch_size": status.max_batch_size,
+        "engine_notes": list(status.notes),
+        "python": platform.python_version(),
+        "versions": versions,
+        "exlnb_commit": _git_commit(),
+        "cpu_count": os.cpu_count(),
+        "load_average_1min": os.getloadavg()[0],  # a busy 2-core machine halves what torch gets
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _short(estimate: Estimate) -> str:
+    """"0.41 s [0.38-0.45]", "44% [23%-67%]"; a single measurement has no interval to show."""
+    if estimate.unit == "fraction":
+        value, interval = f"{estimate.value:.0%}", f" [{estimate.low:.0%}-{estimate.high:.0%}]"
+    else:
+        unit = f" {estimate.unit}" if estimate.unit else ""
+        value, interval = f"{estimate.value:.3g}{unit}", f" [{estimate.low:.3g}-{estimate.high:.3g}]"
+    return value + (interval if estimate.n > 1 else "")
+
+
+def _git_commit() -> str | None:
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        )
+    except FileNotFoundError:  # no git on this machine
+        return None
+    return result.stdout.strip() or None
+
+
+def _jsonable(value):
+    """numpy scalars and similar: JSON has no type for them."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")

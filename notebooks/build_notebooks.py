@@ -1,0 +1,183 @@
+"""Writes the six investigation notebooks from the cell sources below: `python notebooks/build_notebooks.py`.
+
+The notebooks are thin on purpose: a parameters cell (tagged for papermill, with defaults small enough for
+CI on the CPU engine), a call into `exlnb.experiments`, a figure, and the saved results. Edit them here,
+not in Jupyter, so that the six stay alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).parent
+
+
+@dataclass(frozen=True)
+class Investigation:
+    name: str  # notebook file and exlnb.experiments module
+    title: str
+    story: str  # the field report in brief, and how this notebook reproduces it
+    parameters: str  # the experiment's own parameters, each passed to run() (engine, cache, output_dir added)
+    cache_tokens: int = 8192
+
+
+INVESTIGATIONS = (
+    Investigation(
+        name="latency",
+        title="Latency that grows from seconds to minutes (field report 1)",
+        story="""\
+A service answers requests one after another. Each consumer reads a few tokens and leaves on its own stop
+condition. The reporter's code left with `break` and never cancelled the job, so every job ran on to
+`max_new_tokens` with nobody reading: it kept its cache pages and its batch slot, and later requests queued
+behind it (5 s per request at first, up to 5 minutes after about 100 requests).
+
+`generate(..., cancel_when_abandoned=False)` restores that bug on purpose; exlnb's default cancels the job
+when its consumer leaves. The cache is small on purpose (4 pages of 256 tokens, one per request): the ratio
+of cache to request size decides how many abandoned jobs fit before new requests must wait.""",
+        parameters="""\
+requests = 8            # requests sent one after another: a multiple of the cache's 4 pages, so that
+                        # without the cancel the next job finds every page held by an abandoned job
+tokens_read = 4         # tokens each consumer reads before it leaves
+max_new_tokens = 80     # what each request asks for (an abandoned job runs on to this)
+next_job_tokens = 16    # the normal request measured afterwards, read to the end
+trials = 3              # repeats of the whole sequence per condition, for the intervals
+sample_interval_s = 0.2 # how often the job table and cache are sampled""",
+        cache_tokens=1024,
+    ),
+    Investigation(
+        name="repetition",
+        title="Repetition loops and sampler penalties (field reports 1 and 4)",
+        story="""\
+Small models fall into loops and then run to `max_new_tokens`, which is cause B of field report 1's slow
+service. The report suggests `token_repetition_penalty = 1.11` and `token_frequency_penalty = 0.03`
+instead of what it calls exllamav2's default of 1.05. Prompts that invite loops run over a grid of
+repetition penalty x frequency penalty x temperature (greedy, and report 4's 0.7 / top-k 50 / top-p 0.8).
+A loop is a tail whose 4-grams mostly occurred earlier (`exlnb.analysis.find_tail_loop`).""",
+        parameters="""\
+prompts = 4             # prompts from data/prompts/loop_inviting.json
+max_new_tokens = 80
+samples_per_prompt = 1  # draws per prompt at temperatures above 0 (greedy needs one)""",
+    ),
+    Investigation(
+        name="prompt_format",
+        title="Prompt format mistakes (field report 4)",
+        story="""\
+Inconsistent answers came from a wrongly applied ChatML template. The question set
+(`data/questions/short_answers.csv`, 36 questions with known short answers) goes through the correct
+template and through one variant per mistake the report lists: missing tags, newlines in the wrong place,
+special tokens encoded as plain text, and no template (the turns' bare text). The variants are
+`exlnb.templates.CHATML_VARIANTS`, the ones the template linter knows. All greedy.""",
+        parameters="""\
+questions = 36          # how many questions of the set to ask
+max_new_tokens = 40""",
+    ),
+    Investigation(
+        name="concurrency",
+        title="Concurrent requests mixing each other's context (field report 2)",
+        story="""\
+The reporter created a generator per request, all over one model cache; simultaneous requests returned
+blends of each other's prompts. The fix is one generator per model and one job per request. Both run here
+on the loaded engine; the broken pattern is built from the engine's own model and cache (separate
+`ExLlamaV2DynamicGenerator`s on the ExLlamaV2 engine; engine copies with their own page tables on the CPU
+engine). Every output is compared with the same prompt's output run alone (greedy).""",
+        parameters="""\
+prompts = 8                 # prompts from data/prompts/long_answers.json
+max_new_tokens = 32
+concurrency = (2, 4, 8)     # requests running at the same time""",
+    ),
+    Investigation(
+        name="streaming",
+        title="Streaming that stalls, then bursts (field report 3)",
+        story="""\
+Streamed to an HTTP client, the first half of the text arrived slowly and the rest at once. A real tornado
+server streams one job to a real client over a local socket, fed three ways: the reporter's nested async
+iteration with the generator on the event loop, the collector queue the report proposes (TabbyAPI's), and
+the exlnb session (generator on its own thread, results through a queue). The handler makes a chosen number
+of event-loop passes per chunk, as anyio-based web stacks do on every send.""",
+        parameters="""\
+max_new_tokens = 40
+checkpoints = (0, 1, 2, 3)  # event-loop passes the web handler makes per chunk
+symptom_checkpoints = 2     # the case shown in the timeline and the summary""",
+    ),
+    Investigation(
+        name="context",
+        title="Speed against context, and the impossible prompt speed (field reports 4 and 5)",
+        story="""\
+Report 4: a chat that keeps every earlier turn slows from 40 to about 10 tokens/s. Report 5: 31 tokens/s
+with a short prompt, 20 with about 1000 tokens, and a prompt speed of 14,982 tokens/s that was a clock read
+before the GPU had done the work. Measured here: decode speed per chat turn with history against amnesia,
+decode speed against context length, and prompt speed from a clock read when the call returns against one
+read after synchronising (on a GPU; the CPU has no asynchronous queue).""",
+        parameters="""\
+turns = 6
+answer_tokens = 32
+context_lengths = (128, 1024, 2048, 4096)
+decode_tokens = 16
+prompt_tokens = 1441     # the reporter's prompt length
+timing_repeats = 3""",
+    ),
+)
+
+
+def run_call(investigation: Investigation) -> str:
+    assignments = [line for line in investigation.parameters.splitlines() if not line.lstrip().startswith("#")]
+    names = [line.split("=")[0].strip() for line in assignments]
+    arguments = "".join(f"    {name}={name},\n" for name in names)
+    return f"result = experiment.run(\n    session,\n{arguments})"
+
+
+def build(investigation: Investigation) -> nbformat.NotebookNode:
+    parameters = new_code_cell(
+        f"""\
+engine = "auto"          # "auto": ExLlamaV2 where CUDA is available, else the CPU engine
+cache_tokens = {investigation.cache_tokens}
+output_dir = "results"   # the CSVs, the JSON summary and the PNG figure go here
+{investigation.parameters}"""
+    )
+    parameters.metadata["tags"] = ["parameters"]
+    cells = [
+        new_markdown_cell(f"# {investigation.title}\n\n{investigation.story}"),
+        parameters,
+        new_code_cell(
+            f"""\
+from IPython.display import Markdown, display
+
+from exlnb import get_session
+import exlnb.experiments.{investigation.name} as experiment
+
+session = get_session()
+print(session.load(engine=engine, cache_tokens=cache_tokens, progress=False).line())"""
+        ),
+        new_markdown_cell("## The symptom, then the fix"),
+        new_code_cell(
+            f"""\
+{run_call(investigation)}
+for name, table in result.tables.items():
+    display(Markdown(f"**{{name}}**: {{len(table)}} rows"), table.head())"""
+        ),
+        new_code_cell("figure = experiment.plot(result)"),
+        new_markdown_cell("## What the data say"),
+        new_code_cell("display(Markdown(result.markdown()))"),
+        new_code_cell("for path in result.save(output_dir, figure):\n    print(path)"),
+    ]
+    for number, cell in enumerate(cells):
+        cell.id = f"{investigation.name}-{number}"  # stable ids: rebuilding changes nothing that did not change
+    notebook = new_notebook(cells=cells)
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook.metadata["language_info"] = {"name": "python"}
+    return notebook
+
+
+def main() -> None:
+    for investigation in INVESTIGATIONS:
+        path = HERE / f"{investigation.name}.ipynb"
+        nbformat.write(build(investigation), path)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
