@@ -157,7 +157,7 @@ def test_long_prefill_is_computed_in_query_slices_with_the_same_result(device, s
     original, blocks = paged_attention._attend_block, []
 
     def counting(q, *rest):
-        blocks.append(q.shape[1])
+        blocks.append(q.shape[2])  # queries in this slice
         return original(q, *rest)
 
     monkeypatch.setattr(paged_attention, "_attend_block", counting)

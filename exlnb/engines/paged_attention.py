@@ -28,12 +28,13 @@ SCORE_BUDGET = 2**26
 class PagedLayout:
     """Where one forward pass's keys and values live in the paged cache, and which of them each query sees.
 
-    It depends only on the block table and sequence lengths, which every layer of a pass shares.
+    It depends only on the block table, sequence lengths and head shapes, which every layer of a pass shares.
     """
 
-    write_slots: torch.Tensor | None  # (batch * q_len,) rows of the flat cache that take the new keys/values
-    read_slots: torch.Tensor  # (batch, keys) rows of the flat cache each sequence reads, in position order
-    visible: torch.Tensor  # (batch, 1, q_len, keys) bool: the query may attend to the key
+    write_slots: torch.Tensor | None  # (batch * q_len,) rows of the (slots, kv_heads, dim) cache for new keys
+    read_rows: torch.Tensor  # (batch * heads * keys,) rows of the (slots * kv_heads, dim) cache, in the order
+    #                          (sequence, query head, position): the gather also repeats key heads for GQA
+    bias: torch.Tensor  # (batch, 1, q_len, keys): 0 where the query may attend to the key, -inf elsewhere
 
 
 def paged_layout(
@@ -45,6 +46,9 @@ def paged_layout(
     appends: bool,
     causal: bool,
     window_size: tuple[int, int],
+    heads: int,
+    kv_heads: int,
+    dtype: torch.dtype,
 ) -> PagedLayout:
     """Slots and mask for queries that follow `cache_seqlens` tokens (plus the `q_len` new ones if `appends`)."""
     device = block_table.device
@@ -60,12 +64,14 @@ def paged_layout(
 
     # every page in the table: exllamav2 sizes a pass's table to its longest sequence, so little is padding
     offsets = torch.arange(page_size, device=device)
-    read_slots = (block_table[:, :, None] * page_size + offsets).flatten(1)
-    keys = torch.arange(read_slots.shape[1], device=device)
+    slots = (block_table[:, :, None] * page_size + offsets).flatten(1)  # (batch, keys)
+    keys = torch.arange(slots.shape[1], device=device)
     padding = keys >= lengths[:, None]  # (batch, keys)
     # Padding reads the sequence's first key instead: flash-attn never reads past a sequence, and a padded
     # slot may hold anything (NaN, whose product with a zero weight is still NaN).
-    read_slots = torch.where(padding, read_slots[:, :1], read_slots)
+    slots = torch.where(padding, slots[:, :1], slots)
+    key_head = torch.arange(heads, device=device) // (heads // kv_heads)  # query head h reads key head h // group
+    read_rows = (slots[:, None, :] * kv_heads + key_head[None, :, None]).flatten()
 
     query = new_positions[:, :, None]
     left, right = window_size
@@ -76,63 +82,46 @@ def paged_layout(
         hidden = hidden | (keys > query + right)
     if left >= 0:
         hidden = hidden | (keys < query - left)
-    return PagedLayout(write_slots, read_slots, ~hidden[:, None])
+    bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, -math.inf)
+    return PagedLayout(write_slots, read_rows, bias[:, None])
 
 
 def attend(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    visible: torch.Tensor,
+    bias: torch.Tensor,
     scale: float,
     softcap: float,
 ) -> torch.Tensor:
-    """softmax(q k^T * scale, invisible keys left out) v, for q (batch, q_len, heads, dim) and keys/values
-    (batch, n_keys, kv_heads, dim); query head h reads key/value head h // (heads // kv_heads), as in
-    flash-attn. Long query blocks run in slices so that no more than SCORE_BUDGET scores exist at once."""
-    batch, q_len, heads, _ = q.shape
-    n_keys = keys.shape[1]
-    step = max(1, SCORE_BUDGET // (batch * heads * n_keys))
+    """softmax(q k^T * scale + bias) v for q (batch, heads, q_len, dim) and keys/values (batch, heads, keys,
+    dim). Long query blocks run in slices so that no more than SCORE_BUDGET scores exist at once."""
+    batch, heads, q_len, _ = q.shape
+    step = max(1, SCORE_BUDGET // (batch * heads * keys.shape[2]))
     if step >= q_len:
-        return _attend_block(q, keys, values, visible, scale, softcap)
+        return _attend_block(q, keys, values, bias, scale, softcap)
     out = torch.empty_like(q)
     for start in range(0, q_len, step):
         rows = slice(start, start + step)
-        out[:, rows] = _attend_block(q[:, rows], keys, values, visible[:, :, rows], scale, softcap)
+        out[:, :, rows] = _attend_block(q[:, :, rows], keys, values, bias[:, :, rows], scale, softcap)
     return out
 
 
-def _attend_block(q, keys, values, visible, scale: float, softcap: float) -> torch.Tensor:
+def _attend_block(q, keys, values, bias, scale: float, softcap: float) -> torch.Tensor:
     if softcap > 0:
-        return _attend_softcapped(q, keys, values, visible, scale, softcap)
-    # One fused call where it can be: decode of a small model is bound by kernel launches (gpu.md), and the
-    # explicit mask keeps clear of exllamav2's own SDPA path, which gives wrong logits with torch 2.11.
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=visible,
-        scale=scale,
-        enable_gqa=q.shape[2] != keys.shape[2],
-    )
-    return out.transpose(1, 2).contiguous()  # free at decode (q_len 1); exllamav2 views the result
+        return _attend_softcapped(q, keys, values, bias, scale, softcap)
+    # One fused kernel (memory-efficient attention takes an additive mask and equal head counts; a bool mask
+    # or enable_gqa would send it to the many-kernel math path): decode of a small model is bound by kernel
+    # launches (gpu.md). The explicit mask also keeps clear of exllamav2's own SDPA path, which gives wrong
+    # logits with torch 2.11.
+    return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scale)
 
 
-def _attend_softcapped(q, keys, values, visible, scale: float, softcap: float) -> torch.Tensor:
+def _attend_softcapped(q, keys, values, bias, scale: float, softcap: float) -> torch.Tensor:
     """Scores capped by tanh before the softmax (Gemma 2), which SDPA cannot do: float32 scores by hand."""
-    batch, q_len, heads, dim = q.shape
-    n_keys, kv_heads = keys.shape[1], keys.shape[2]
-    group = heads // kv_heads
-    k = keys.float().permute(0, 2, 3, 1)  # (batch, kv_heads, dim, n_keys)
-    v = values.float().transpose(1, 2)  # (batch, kv_heads, n_keys, dim)
-    queries = q.float().reshape(batch, q_len, kv_heads, group, dim)
-    queries = queries.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * q_len, dim)
-    scores = torch.matmul(queries, k).view(batch, kv_heads, group, q_len, n_keys)
-    scores = torch.tanh(scores * (scale / softcap)) * softcap
-    scores.masked_fill_(~visible[:, :, None], -math.inf)
-    probs = scores.softmax(-1).view(batch, kv_heads, group * q_len, n_keys)
-    context = torch.matmul(probs, v).view(batch, kv_heads, group, q_len, dim)
-    return context.permute(0, 3, 1, 2, 4).reshape(batch, q_len, heads, dim).to(q.dtype)
+    scores = torch.matmul(q.float(), keys.float().transpose(2, 3))
+    scores = torch.tanh(scores * (scale / softcap)) * softcap + bias
+    return torch.matmul(scores.softmax(-1), values.float()).to(q.dtype)
 
 
 class _LayoutMemo(threading.local):
@@ -198,17 +187,18 @@ def flash_attn_with_kvcache(
         appends=k is not None,
         causal=causal,
         window_size=tuple(window_size),
+        heads=heads,
+        kv_heads=kv_heads,
+        dtype=q.dtype,
     )
-    key_rows = k_cache.view(-1, kv_heads, dim)  # views: writes land in the caller's cache
-    value_rows = v_cache.view(-1, kv_heads, dim)
-    if k is not None:
-        key_rows.index_copy_(0, layout.write_slots, k.reshape(-1, kv_heads, dim))
-        value_rows.index_copy_(0, layout.write_slots, v.reshape(-1, kv_heads, dim))
-    slots = layout.read_slots.flatten()
-    keys = key_rows.index_select(0, slots).view(batch, -1, kv_heads, dim)
-    values = value_rows.index_select(0, slots).view(batch, -1, kv_heads, dim)
+    if k is not None:  # views of the caller's cache: the new keys and values land in its pages
+        k_cache.view(-1, kv_heads, dim).index_copy_(0, layout.write_slots, k.reshape(-1, kv_heads, dim))
+        v_cache.view(-1, kv_heads, dim).index_copy_(0, layout.write_slots, v.reshape(-1, kv_heads, dim))
+    keys = k_cache.view(-1, dim).index_select(0, layout.read_rows).view(batch, heads, -1, dim)
+    values = v_cache.view(-1, dim).index_select(0, layout.read_rows).view(batch, heads, -1, dim)
     scale = softmax_scale if softmax_scale is not None else dim**-0.5
-    return attend(q, keys, values, layout.visible, scale, softcap)
+    out = attend(q.transpose(1, 2), keys, values, layout.bias, scale, softcap)
+    return out.transpose(1, 2).contiguous()  # free at decode (q_len 1); exllamav2 views the result
 
 
 # -- exllamav2 -----------------------------------------------------------------------------------------------
