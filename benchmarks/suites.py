@@ -155,7 +155,8 @@ def concurrency(session: Session, plan: Plan) -> dict:
 
 
 def hardware(plan: Plan) -> dict:
-    """A 7B-shaped model decoded at batch 1 by the ExLlamaV2 engine, against weights / copy bandwidth."""
+    """A 7B-shaped model decoded at batch 1 by the ExLlamaV2 engine, against weights / copy bandwidth: as the
+    engine loads by default (paged where it can be) and unpaged (exllamav2's own attention, one job at a time)."""
     from benchmarks.hardware import copy_bandwidth, make_random_llama, scratch_folder
 
     bandwidth = copy_bandwidth()
@@ -164,29 +165,38 @@ def hardware(plan: Plan) -> dict:
         weight_bytes = make_random_llama(Path(tmp), resolve_model("smollm2-135m-instruct"))
         os.sync()  # no page-cache writeback left to compete with the timed decode
         written_s = time.perf_counter() - start
-        session = Session()
-        session.load(tmp, engine="exllamav2", cache_tokens=2048, progress=False)
-        try:
-            runs = [decode.raw_decode(session, decode.random_prompt(32, run), plan.new_tokens)
-                    for run in range(plan.warmup + plan.repeats)]
-            profile = profile_steps(session, tokens=32)
-        finally:
-            session.unload()
-    ms_per_token = [1000 / r.decode_tokens_per_s for r in runs]
+        default, profile = _decode_7b(tmp, "auto", plan, profile=True)
+        unpaged, _ = _decode_7b(tmp, False, plan, profile=False)
     floor_ms = 1000 * weight_bytes / bandwidth
-    decode_ms = summarise(ms_per_token[plan.warmup:])
     return {
         "copy_bandwidth_bytes_per_s": bandwidth,
         "weight_bytes_read_per_token": weight_bytes,
         "weights_folder": str(Path(tmp).parent),
         "weights_written_s": written_s,
         "floor_ms_per_token": floor_ms,
-        "warmup_ms_per_token": ms_per_token[: plan.warmup],
-        "ms_per_token": decode_ms,
-        "ratio_over_floor": decode_ms["median"] / floor_ms,
+        "status": default["status"],
+        "warmup_ms_per_token": default["warmup_ms_per_token"],
+        "ms_per_token": default["ms_per_token"],
+        "ratio_over_floor": default["ms_per_token"]["median"] / floor_ms,
+        "unpaged": {**unpaged, "ratio_over_floor": unpaged["ms_per_token"]["median"] / floor_ms},
         "profile": profile,
         "profile_kernel_ms_over_floor": profile["gpu_kernel_ms_per_step"] / floor_ms,
     }
+
+
+def _decode_7b(folder: str, paged: str | bool, plan: Plan, *, profile: bool) -> tuple[dict, dict | None]:
+    session = Session()
+    status = session.load(folder, engine="exllamav2", cache_tokens=2048, paged=paged, progress=False)
+    try:
+        runs = [decode.raw_decode(session, decode.random_prompt(32, run), plan.new_tokens)
+                for run in range(plan.warmup + plan.repeats)]
+        steps = profile_steps(session, tokens=32) if profile else None
+    finally:
+        session.unload()
+    ms_per_token = [1000 / r.decode_tokens_per_s for r in runs]
+    measured = {"status": status.line(), "warmup_ms_per_token": ms_per_token[: plan.warmup],
+                "ms_per_token": summarise(ms_per_token[plan.warmup:])}
+    return measured, steps
 
 
 def timed(run, *args) -> dict:

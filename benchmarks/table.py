@@ -47,6 +47,8 @@ RATIOS = [
     Row("engine / transformers, prefill tokens/s", lambda b: b["peer"]["ratio_prefill_engine_over_hf"]),
     Row("7B-shaped decode / weights-over-bandwidth floor", lambda b: b["hardware"]["ratio_over_floor"],
         gpu=Target("<=", 1.5)),
+    Row("7B-shaped decode unpaged (exllamav2's own attention) / floor", lambda b: b["hardware"]["unpaged"]["ratio_over_floor"],
+        gpu=Target("<=", 1.5)),
     Row("7B-shaped GPU kernel time / floor (profiler)", lambda b: b["hardware"]["profile_kernel_ms_over_floor"]),
     Row("aggregate tokens/s, 4 jobs / 1 job", lambda b: b["concurrency"]["ratio_4_over_1"], cpu=Target(">=", 1.5)),
 ]
@@ -68,8 +70,9 @@ RAW = [
     Row("decode tokens/s at the shortest / longest context", lambda b: " / ".join(
         f"{row['context_tokens']}: {row['decode_tokens_per_s']['median']:.1f}"
         for row in (b["context"]["rows"][0], b["context"]["rows"][-1]))),
-    Row("7B-shaped ms/token (floor)", lambda b: (
-        f"{b['hardware']['ms_per_token']['median']:.1f} ({b['hardware']['floor_ms_per_token']:.2f})")),
+    Row("7B-shaped ms/token, default / unpaged (floor)", lambda b: (
+        f"{b['hardware']['ms_per_token']['median']:.1f} / {b['hardware']['unpaged']['ms_per_token']['median']:.1f} "
+        f"({b['hardware']['floor_ms_per_token']:.2f})")),
     Row("aggregate tokens/s at 1 / 2 / 4 / 8 jobs", lambda b: " / ".join(
         f"{v['median']:.1f}" for v in b["concurrency"]["aggregate_tokens_per_s"].values())),
 ]
