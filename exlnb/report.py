@@ -50,7 +50,7 @@ PRESETS: dict[str, dict[str, dict]] = {
 @dataclass(frozen=True)
 class NotebookRun:
     name: str
-    seconds: float
+    seconds: float | None  # None for results found from an earlier run
     summary: dict | None  # the notebook's JSON summary; None when the notebook failed
     error: str | None = None
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{number}/{len(args.only)}] {name}: {outcome} in {run.seconds:.0f} s -> {args.out / name}", flush=True)
         runs.append(run)
     summary = args.out / "summary.md"
-    summary.write_text(summary_markdown(runs))
+    summary.write_text(summary_markdown(runs + earlier_runs(args.out, skip=args.only)))
     print(f"wrote {summary}")
     if args.publish:
         target = publish(runs, args.out, None if args.publish == "auto" else Path(args.publish))
@@ -142,6 +142,15 @@ def run_notebook(name: str, out_dir: Path, *, engine: str, parameters: dict) -> 
     return NotebookRun(name, seconds, summary, error)
 
 
+def earlier_runs(out: Path, *, skip: list[str]) -> list[NotebookRun]:
+    """Results an earlier run left in `out`, so that runs split with --only still add up to one summary."""
+    return [
+        NotebookRun(name, None, json.loads(path.read_text()))
+        for name in NOTEBOOKS
+        if name not in skip and (path := out / name / f"{name}.json").exists()
+    ]
+
+
 def _write_html(notebook: Path) -> None:
     from nbconvert import HTMLExporter
 
@@ -154,8 +163,9 @@ def summary_markdown(runs: list[NotebookRun]) -> str:
     lines = ["# exlnb investigations", ""]
     environments = {_environment_line(run.summary["environment"]) for run in runs if run.summary}
     lines += [f"- {line}" for line in sorted(environments)]
-    for run in runs:
-        lines += ["", f"## {run.name} ({run.seconds:.0f} s)", ""]
+    for run in sorted(runs, key=lambda run: NOTEBOOKS.index(run.name)):
+        when = "from an earlier run" if run.seconds is None else f"{run.seconds:.0f} s"
+        lines += ["", f"## {run.name} ({when})", ""]
         if run.error:
             lines.append(f"- FAILED: {run.error}")
             continue

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from exlnb.report import NotebookRun, _overrides, publish, summary_markdown
+from exlnb.report import NotebookRun, _overrides, earlier_runs, publish, summary_markdown
 
 
 def test_set_overrides_a_preset_with_python_literals():
@@ -46,3 +46,21 @@ def test_publish_copies_summaries_tables_and_figures_but_not_notebooks(tmp_path)
     target = publish([NotebookRun("latency", 1.0, summary)], out, tmp_path / "results")
 
     assert sorted(p.name for p in target.iterdir()) == ["latency-requests.csv", "latency.json", "latency.png"]
+
+
+def test_runs_split_with_only_add_up_to_one_summary(tmp_path):
+    summary = {
+        "environment": {"engine": "cpu", "model": "m", "device": "cpu", "paged": True, "attention": "a", "versions": {}},
+        "effects": [{"line": "next job: 17.9 s -> 1.33 s"}],
+        "findings": [],
+        "field_reports": [1],
+    }
+    (tmp_path / "latency").mkdir()
+    (tmp_path / "latency" / "latency.json").write_text(json.dumps(summary))
+
+    earlier = earlier_runs(tmp_path, skip=["context"])
+    text = summary_markdown([NotebookRun("context", 5.0, None, "boom"), *earlier])
+
+    assert [run.name for run in earlier] == ["latency"]
+    assert text.index("## latency (from an earlier run)") < text.index("## context (5 s)")
+    assert "- next job: 17.9 s -> 1.33 s" in text

@@ -72,6 +72,8 @@ def run(
                     "unread_jobs_left": sum(1 for row in left_behind if not row.consumed),
                     "pages_held_when_consumers_gone": view.total_pages - view.free_pages,
                     "total_pages": view.total_pages,
+                    # exllamav2 defragments only when idle after touching every page (field report 1's background)
+                    "defrags_so_far": view.defrag_count,
                     "next_job_elapsed_s": next_job.elapsed_s,
                     "next_job_ttft_s": next_job.time_to_first_token_s,
                     "jobs_cancelled_at_cleanup": session.cancel_all(),
@@ -262,8 +264,9 @@ def _findings(effects: list[Effect], values: dict, parameters: dict) -> list[str
 
 
 def plot(result: ExperimentResult):
-    """Request latency by request index; jobs nobody reads and pages held over time (one line per trial)."""
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    """Request latency by request index; jobs nobody reads and pages held over time (one line per trial); the
+    cache's pages when the next job arrived (the engine's own page table: exllamav2's on the GPU)."""
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2), gridspec_kw={"width_ratios": [1, 1, 1, 0.8]})
     requests, timeline = result.tables["requests"], result.tables["timeline"]
     sns.lineplot(data=requests, x="request", y="latency_s", hue="condition", marker="o", ax=axes[0])
     axes[0].set(yscale="log", xlabel="request index", ylabel="latency to the tokens wanted (s)",
@@ -275,5 +278,15 @@ def plot(result: ExperimentResult):
     total = result.values["total_pages"]
     axes[2].axhline(total, color="grey", linestyle=":", label=f"all {total} pages")
     axes[2].legend()
+    _page_map(result.tables["pages"], axes[3])
     fig.tight_layout()
     return fig
+
+
+def _page_map(pages: pd.DataFrame, ax) -> None:
+    """Each page's reference count and owner jobs when the next job arrived, first trial."""
+    first = pages[pages.trial == pages.trial.min()]
+    ref_counts = first.pivot(index="condition", columns="index", values="ref_count")
+    owners = first.pivot(index="condition", columns="index", values="owners").fillna("")
+    sns.heatmap(ref_counts, annot=owners, fmt="", cmap="Oranges", vmin=0, cbar_kws={"label": "reference count"}, ax=ax)
+    ax.set(xlabel="cache page", ylabel="", title="Pages as the next job came\n(numbers: owner job ids)")

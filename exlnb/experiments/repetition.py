@@ -121,44 +121,31 @@ def _cell(outputs: pd.DataFrame, rep: float, freq: float) -> pd.DataFrame:
     return outputs[(outputs.token_repetition_penalty == rep) & (outputs.token_frequency_penalty == freq)]
 
 
+def _rate(outputs: pd.DataFrame, column: str):
+    return rate_interval(int(outputs[column].sum()), len(outputs))
+
+
+def _label(repetition: float, frequency: float) -> str:
+    if (repetition, frequency) == NO_PENALTY:
+        return "no penalty"
+    return f"penalty {repetition:g}, frequency {frequency:g}"
+
+
 def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict) -> ExperimentResult:
     outputs = tables["outputs"]
-    symptom, fix = _cell(outputs, *REPORTED_DEFAULT), _cell(outputs, *REPORTED_SUGGESTION)
-    none = _cell(outputs, *NO_PENALTY)
+    fix = _cell(outputs, *REPORTED_SUGGESTION)
+    contrasts = (
+        ("loop rate (all temperatures and prompts)", lambda cell: _rate(cell, "loop"), REPORTED_DEFAULT),
+        ("loop rate (all temperatures and prompts)", lambda cell: _rate(cell, "loop"), NO_PENALTY),
+        ("distinct-2 of the output, mean", lambda cell: mean_interval(cell.distinct_2, "fraction"), REPORTED_DEFAULT),
+        ("jobs running to max_new_tokens", lambda cell: _rate(cell, "ran_to_max"), REPORTED_DEFAULT),
+    )
     effects = [
-        Effect(
-            name="loop rate (all temperatures and prompts)",
-            symptom=rate_interval(int(symptom.loop.sum()), len(symptom)),
-            fix=rate_interval(int(fix.loop.sum()), len(fix)),
-            symptom_label="penalty 1.05, frequency 0",
-            fix_label="penalty 1.11, frequency 0.03",
-        ),
-        Effect(
-            name="loop rate (all temperatures and prompts)",
-            symptom=rate_interval(int(none.loop.sum()), len(none)),
-            fix=rate_interval(int(fix.loop.sum()), len(fix)),
-            symptom_label="no penalty",
-            fix_label="penalty 1.11, frequency 0.03",
-        ),
-        Effect(
-            name="distinct-2 of the output, mean",
-            symptom=mean_interval(symptom.distinct_2, "fraction"),
-            fix=mean_interval(fix.distinct_2, "fraction"),
-            symptom_label="penalty 1.05, frequency 0",
-            fix_label="penalty 1.11, frequency 0.03",
-        ),
-        Effect(
-            name="jobs running to max_new_tokens",
-            symptom=rate_interval(int(symptom.ran_to_max.sum()), len(symptom)),
-            fix=rate_interval(int(fix.ran_to_max.sum()), len(fix)),
-            symptom_label="penalty 1.05, frequency 0",
-            fix_label="penalty 1.11, frequency 0.03",
-        ),
+        Effect(name, measure(_cell(outputs, *setting)), measure(fix), _label(*setting), _label(*REPORTED_SUGGESTION))
+        for name, measure, setting in contrasts
     ]
-    by_penalty = {
-        str(rep): rate_interval(int(g.loop.sum()), len(g)).as_dict() for rep, g in outputs.groupby("token_repetition_penalty")
-    }
-    by_temperature = {str(t): rate_interval(int(g.loop.sum()), len(g)).as_dict() for t, g in outputs.groupby("temperature")}
+    by_penalty = {str(rep): _rate(g, "loop").as_dict() for rep, g in outputs.groupby("token_repetition_penalty")}
+    by_temperature = {str(t): _rate(g, "loop").as_dict() for t, g in outputs.groupby("temperature")}
     grid = (
         outputs.groupby(["temperature", "token_repetition_penalty", "token_frequency_penalty"])
         .agg(loop_rate=("loop", "mean"), distinct_2=("distinct_2", "mean"), new_tokens=("new_tokens", "mean"), n=("loop", "size"))
