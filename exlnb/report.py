@@ -116,6 +116,7 @@ def _overrides(preset: str | None, assignments: list[str], names: list[str]) -> 
 def run_notebook(name: str, out_dir: Path, *, engine: str, parameters: dict) -> NotebookRun:
     """Execute one notebook into `out_dir` (notebook, HTML, results); a failure is reported, not raised."""
     import papermill
+    from nbclient.exceptions import DeadKernelError
 
     out_dir.mkdir(parents=True, exist_ok=True)
     executed = out_dir / f"{name}.ipynb"
@@ -132,6 +133,8 @@ def run_notebook(name: str, out_dir: Path, *, engine: str, parameters: dict) -> 
         )
     except papermill.PapermillExecutionError as failure:
         error = f"{failure.ename}: {failure.evalue} (see {executed})"
+    except DeadKernelError as failure:  # e.g. killed for memory: the other notebooks can still run
+        error = f"the kernel died: {failure} (see {executed})"
     seconds = time.perf_counter() - start
     if executed.exists():
         _write_html(executed)

@@ -188,40 +188,24 @@ def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict) -> 
     outputs, runs = tables["outputs"], tables["runs"]
     top = max(parameters["concurrency"])
     at_top = {p: outputs[(outputs.pattern == p) & (outputs.concurrency == top)] for p in PATTERNS}
-    mixed = {p: int((~g.identical_to_solo).sum()) for p, g in at_top.items()}
-    effects = [
-        Effect(
-            name=f"outputs that differ from their solo output ({top} concurrent requests)",
-            symptom=rate_interval(mixed["generator per request"], len(at_top["generator per request"])),
-            fix=rate_interval(mixed["one generator"], len(at_top["one generator"])),
-            symptom_label="generator per request",
-            fix_label="one generator",
-        ),
-        Effect(
-            name=f"similarity to own solo output ({top} concurrent requests), mean",
-            symptom=mean_interval(at_top["generator per request"].similarity_to_own_solo, "fraction"),
-            fix=mean_interval(at_top["one generator"].similarity_to_own_solo, "fraction"),
-            symptom_label="generator per request",
-            fix_label="one generator",
-        ),
-    ]
+    measures = (
+        (f"outputs that differ from their solo output ({top} concurrent requests)",
+         lambda g: rate_interval(int((~g.identical_to_solo).sum()), len(g))),
+        (f"similarity to own solo output ({top} concurrent requests), mean",
+         lambda g: mean_interval(g.similarity_to_own_solo, "fraction")),
+    )
+    broken, fixed = PATTERNS[1], PATTERNS[0]
+    effects = [Effect(name, measure(at_top[broken]), measure(at_top[fixed]), broken, fixed) for name, measure in measures]
     solo_rate = runs[runs.pattern == "solo"].tokens_per_s
-    throughput = {
-        p: {int(r.concurrency): float(r.tokens_per_s) for r in runs[runs.pattern == p].itertuples()} for p in PATTERNS
+    values = {
+        "concurrent_requests": top,
+        "identical_to_solo": {p: int(g.identical_to_solo.sum()) for p, g in at_top.items()},
+        "outputs_closer_to_another_prompt": {p: int((g.closest_solo != g.prompt).sum()) for p, g in at_top.items()},
+        "solo_tokens_per_s": mean_interval(solo_rate, "tokens/s").as_dict(),
+        "aggregate_tokens_per_s": {
+            p: {int(r.concurrency): float(r.tokens_per_s) for r in runs[runs.pattern == p].itertuples()} for p in PATTERNS
+        },
     }
-    closer_to_other = int((at_top["generator per request"].closest_solo != at_top["generator per request"].prompt).sum())
-    findings = [
-        f"With one generator, {top - mixed['one generator']} of {top} concurrent outputs equal their solo outputs "
-        f"token for token; with a generator per request, {top - mixed['generator per request']} of {top} do.",
-        f"With a generator per request, {closer_to_other} of {top} outputs resemble another prompt's solo output more "
-        "than their own: the blending of field report 2.",
-        f"Aggregate decode throughput, one generator: "
-        + ", ".join(f"{c} jobs {v:.1f} tokens/s" for c, v in throughput["one generator"].items())
-        + f" (one job alone: {solo_rate.median():.1f}); a generator per request does not batch: "
-        + ", ".join(f"{c} jobs {v:.1f} tokens/s" for c, v in throughput["generator per request"].items())
-        + ".",
-    ]
-    findings.append(PATTERN_SOURCE[env["engine"]])
     return ExperimentResult(
         name="concurrency",
         field_reports=(2,),
@@ -229,13 +213,27 @@ def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict) -> 
         effects=effects,
         parameters=parameters,
         environment=env,
-        findings=findings,
-        values={
-            "solo_tokens_per_s": mean_interval(solo_rate, "tokens/s").as_dict(),
-            "aggregate_tokens_per_s": throughput,
-            "outputs_closer_to_another_prompt": {p: int((g.closest_solo != g.prompt).sum()) for p, g in at_top.items()},
-        },
+        findings=[*_findings(values), PATTERN_SOURCE[env["engine"]]],
+        values=values,
     )
+
+
+def _findings(values: dict) -> list[str]:
+    top, same, closer = values["concurrent_requests"], values["identical_to_solo"], values["outputs_closer_to_another_prompt"]
+    throughput = values["aggregate_tokens_per_s"]
+
+    def rates(pattern: str) -> str:
+        return ", ".join(f"{c} jobs {v:.1f} tokens/s" for c, v in throughput[pattern].items())
+
+    return [
+        f"With one generator, {same['one generator']} of {top} concurrent outputs equal their solo outputs token for "
+        f"token; with a generator per request, {same['generator per request']} of {top} do.",
+        f"With a generator per request, {closer['generator per request']} of {top} outputs resemble another prompt's "
+        "solo output more than their own: the blending of field report 2.",
+        f"Aggregate throughput, one generator: {rates('one generator')} (one job alone: "
+        f"{values['solo_tokens_per_s']['value']:.1f}); a generator per request, each running its own forward passes: "
+        f"{rates('generator per request')}.",
+    ]
 
 
 def plot(result: ExperimentResult):

@@ -50,36 +50,6 @@ def run(
     """
     if tokens_read >= max_new_tokens:
         raise ValueError(f"tokens_read={tokens_read} must be below max_new_tokens={max_new_tokens}: the consumer stops early")
-    prompts = load_prompts("long_answers")
-    rows: dict[str, list[dict]] = {"requests": [], "timeline": [], "state": [], "pages": []}
-    for trial in range(trials):
-        for label, cancel in CONDITIONS:
-            tagged = {"trial": trial, "condition": label}
-            _wait_until_idle(session)
-            with SessionMonitor(session, sample_interval_s) as monitor:
-                for index in range(requests):
-                    prompt = prompts[index % len(prompts)]
-                    row = _request(session, prompt, index, tokens_read, max_new_tokens, seed + index, cancel)
-                    rows["requests"].append({**tagged, **row})
-                left_behind, view = session.jobs(), session.cache_view()
-                next_job = _next_job(session, next_job_tokens)
-            rows["timeline"] += [{**tagged, **sample} for sample in monitor.samples]
-            rows["pages"] += [{**tagged, **asdict(page), "owners": " ".join(map(str, page.owners))} for page in view.pages]
-            rows["state"].append(
-                {
-                    **tagged,
-                    "jobs_left_when_consumers_gone": len(left_behind),
-                    "unread_jobs_left": sum(1 for row in left_behind if not row.consumed),
-                    "pages_held_when_consumers_gone": view.total_pages - view.free_pages,
-                    "total_pages": view.total_pages,
-                    # exllamav2 defragments only when idle after touching every page (field report 1's background)
-                    "defrags_so_far": view.defrag_count,
-                    "next_job_elapsed_s": next_job.elapsed_s,
-                    "next_job_ttft_s": next_job.time_to_first_token_s,
-                    "jobs_cancelled_at_cleanup": session.cancel_all(),
-                }
-            )
-    tables = {name: pd.DataFrame(table) for name, table in rows.items()}
     parameters = dict(
         requests=requests,
         tokens_read=tokens_read,
@@ -89,7 +59,53 @@ def run(
         sample_interval_s=sample_interval_s,
         seed=seed,
     )
+    rows: dict[str, list[dict]] = {"requests": [], "timeline": [], "state": [], "pages": []}
+    for trial in range(trials):
+        for label, cancel in CONDITIONS:
+            measured = _sequence(session, cancel, requests, tokens_read, max_new_tokens, next_job_tokens, sample_interval_s, seed)
+            for table, new_rows in measured.items():
+                rows[table] += [{"trial": trial, "condition": label, **row} for row in new_rows]
+    tables = {name: pd.DataFrame(table) for name, table in rows.items()}
     return _summarise(tables, parameters, environment(session))
+
+
+def _sequence(
+    session: Session,
+    cancel: bool,
+    requests: int,
+    tokens_read: int,
+    max_new_tokens: int,
+    next_job_tokens: int,
+    sample_interval_s: float,
+    seed: int,
+) -> dict[str, list[dict]]:
+    """One sequence of requests, then the next job; what the monitor saw; the state the consumers left."""
+    prompts = load_prompts("long_answers")
+    _wait_until_idle(session)
+    with SessionMonitor(session, sample_interval_s) as monitor:
+        request_rows = [
+            _request(session, prompts[index % len(prompts)], index, tokens_read, max_new_tokens, seed + index, cancel)
+            for index in range(requests)
+        ]
+        left_behind, view = session.jobs(), session.cache_view()
+        next_job = _next_job(session, next_job_tokens)
+    state = {
+        "jobs_left_when_consumers_gone": len(left_behind),
+        "unread_jobs_left": sum(1 for row in left_behind if not row.consumed),
+        "pages_held_when_consumers_gone": view.total_pages - view.free_pages,
+        "total_pages": view.total_pages,
+        # exllamav2 defragments only when idle after touching every page (field report 1's background)
+        "defrags_so_far": view.defrag_count,
+        "next_job_elapsed_s": next_job.elapsed_s,
+        "next_job_ttft_s": next_job.time_to_first_token_s,
+        "jobs_cancelled_at_cleanup": session.cancel_all(),
+    }
+    return {
+        "requests": request_rows,
+        "timeline": monitor.samples,
+        "state": [state],
+        "pages": [{**asdict(page), "owners": " ".join(map(str, page.owners))} for page in view.pages],
+    }
 
 
 @dataclass(frozen=True)
