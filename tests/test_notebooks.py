@@ -1,6 +1,6 @@
 """The main command runs the six investigation notebooks on the CPU engine; their summaries hold up.
 
-The notebooks run once for the whole module (about ten minutes on two cores), through the same command a
+The notebooks run once for the whole module (about 13 minutes on two cores), through the same command a
 user runs (`python -m exlnb.report`), with the notebooks' own default parameters. The assertions check what
 follows from mechanism, not what a field report hopes for: an abandoned job that nobody cancels holds its
 pages until it finishes, so the next request must wait for it; a repetition penalty lowers the logits of
