@@ -23,6 +23,8 @@ class Investigation:
     story: str  # the field report in brief, and how this notebook reproduces it
     parameters: str  # the experiment's own parameters, each passed to run() (engine, cache, output_dir added)
     cache_tokens: int = 8192
+    inspect_text: str = ""  # an optional closing section: what it shows (markdown) ...
+    inspect_code: str = ""  # ... and its code; a last cell cancels the jobs it leaves running
 
 
 INVESTIGATIONS = (
@@ -47,6 +49,21 @@ next_job_tokens = 16    # the normal request measured afterwards, read to the en
 trials = 3              # repeats of the whole sequence per condition, for the intervals
 sample_interval_s = 0.2 # how often the job table and cache are sampled""",
         cache_tokens=1024,
+        inspect_text="""\
+## The cache inspector with abandoned jobs
+
+As many requests as the cache has pages, once more without the cancel, stopped while their jobs still run
+(one more would have to wait for a page): the job table and the
+cache inspector (a live widget in JupyterLab, text here) show which job holds which page. On the ExLlamaV2
+engine these are exllamav2's own pages.""",
+        inspect_code="""\
+from exlnb import show_cache, show_jobs
+
+pages = session.cache_view().total_pages
+experiment.abandon(session, requests=pages, tokens_read=tokens_read, max_new_tokens=max_new_tokens)
+show_jobs()
+show_cache()
+""",
     ),
     Investigation(
         name="repetition",
@@ -164,6 +181,12 @@ for name, table in result.tables.items():
         new_code_cell("display(Markdown(result.markdown()))"),
         new_code_cell("for path in result.save(output_dir, figure):\n    print(path)"),
     ]
+    if investigation.inspect_code:
+        cells += [
+            new_markdown_cell(investigation.inspect_text),
+            new_code_cell(investigation.inspect_code),
+            new_code_cell('print(session.cancel_all(), "jobs cancelled")'),
+        ]
     for number, cell in enumerate(cells):
         cell.id = f"{investigation.name}-{number}"  # stable ids: rebuilding changes nothing that did not change
     notebook = new_notebook(cells=cells)

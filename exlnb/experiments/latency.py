@@ -108,6 +108,14 @@ def _sequence(
     }
 
 
+def abandon(session: Session, *, requests: int, tokens_read: int, max_new_tokens: int, seed: int = 0) -> None:
+    """Send `requests` requests whose consumers leave without cancelling, and return with their jobs running:
+    the state to look at with the cache inspector and the job table. `session.cancel_all()` ends them."""
+    prompts = load_prompts("long_answers")
+    for index in range(requests):
+        _request(session, prompts[index % len(prompts)], index, tokens_read, max_new_tokens, seed + index, cancel=False)
+
+
 @dataclass(frozen=True)
 class SessionSample:
     t_s: float  # seconds since the monitor started
