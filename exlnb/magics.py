@@ -7,12 +7,13 @@ Every option maps to a keyword of `Session.load`, `exlnb.widgets.stream.generate
 from __future__ import annotations
 
 import re
+import shlex
 import string
 from contextlib import contextmanager
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from exlnb.models import BUNDLED_MODEL
 from exlnb.session import NoModelLoaded, get_session
@@ -40,6 +41,16 @@ def gpu_split(text: str) -> list[float]:
         return [float(part) for part in text.split(",")]
     except ValueError:
         raise UsageError(f"--gpu-split {text!r}: give GiB per GPU separated by commas, e.g. 20,24") from None
+
+
+def parse_options(magic, line: str):
+    """The magic's options, split like a shell line: IPython's own `parse_argstring` keeps the quotes, so
+    `--system "Be brief."` would reach the model with its quote marks."""
+    try:
+        argv = shlex.split(line)
+    except ValueError as error:
+        raise UsageError(f"the options do not parse ({error}): {line}") from None
+    return magic.parser.parse_args(argv)
 
 
 def escaped(text: str) -> str:
@@ -106,7 +117,7 @@ class ExlnbMagics(Magics):
     @line_magic
     def exl_load(self, line: str) -> None:
         """Load a model into the kernel's session; the same arguments again do nothing."""
-        args = parse_argstring(self.exl_load, line)
+        args = parse_options(self.exl_load, line)
         try:
             status = get_session().load(
                 args.model, engine=args.engine, cache_tokens=args.cache_tokens, cache=args.cache,
@@ -157,7 +168,7 @@ class ExlnbMagics(Magics):
         self._store(args, generation)
 
     def _generate_call(self, line: str, cell: str) -> tuple:
-        args = parse_argstring(self.exl_generate, line)
+        args = parse_options(self.exl_generate, line)
         prompt = fill_prompt(cell.strip(), self.shell.user_ns)
         sampler = {field: getattr(args, option) for option, field in SAMPLER_OPTIONS.items()
                    if getattr(args, option) is not None}
@@ -179,7 +190,7 @@ class ExlnbMagics(Magics):
     @line_magic
     def exl_cache(self, line: str) -> None:
         """The cache inspector: pages coloured by owner job, shared pages outlined, free pages, totals."""
-        args = parse_argstring(self.exl_cache, line)
+        args = parse_options(self.exl_cache, line)
         show_cache(display=args.display)
 
     @magic_arguments()
@@ -187,7 +198,7 @@ class ExlnbMagics(Magics):
     @line_magic
     def exl_jobs(self, line: str) -> None:
         """Pending and active jobs, whether their streams are read, with Cancel buttons."""
-        args = parse_argstring(self.exl_jobs, line)
+        args = parse_options(self.exl_jobs, line)
         show_jobs(display=args.display)
 
     @magic_arguments()
@@ -196,7 +207,7 @@ class ExlnbMagics(Magics):
     @line_magic
     def exl_cancel(self, line: str) -> None:
         """Cancel jobs by id, or all of them; their cache pages are free when this returns."""
-        args = parse_argstring(self.exl_cancel, line)
+        args = parse_options(self.exl_cancel, line)
         if not args.job_ids and not args.all:
             raise UsageError("name the jobs to cancel (see %exl_jobs), or pass --all")
         session = get_session()
