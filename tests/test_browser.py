@@ -1,7 +1,7 @@
 """The widgets in a real JupyterLab, driven by headless Chromium (Debian's, through Python playwright).
 
 Needs `apt-get install -y chromium` (the Makefile's browser-deps target); skipped with the reason when the
-browser is missing. Screenshots go to test-artifacts/ (the README's come from here).
+browser is missing, except under EXLNB_REQUIRE_BROWSER=1 (.ci/run), where a missing browser fails. Screenshots go to test-artifacts/ (the README's come from here).
 """
 
 from __future__ import annotations
@@ -40,7 +40,10 @@ def free_port() -> int:
 def lab(tmp_path_factory):
     """JupyterLab on localhost with a token, serving a notebook that loads exlnb on the CPU engine."""
     if not CHROMIUM.exists():
-        pytest.skip(f"no browser at {CHROMIUM}: apt-get install -y chromium (make browser-deps)")
+        missing = f"no browser at {CHROMIUM}: apt-get install -y chromium (make browser-deps)"
+        if os.environ.get("EXLNB_REQUIRE_BROWSER") == "1":
+            pytest.fail(missing)
+        pytest.skip(missing)
     root = tmp_path_factory.mktemp("lab")
     cells = [
         "%load_ext exlnb",
