@@ -27,7 +27,10 @@ CHROMIUM_FLAGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
-STORY = "Tell me a very long story about a dragon who learns to bake bread, with many chapters."
+# Notes longer than a 256-token page, so the four samples of the background cell share the prompt's full
+# pages (published when the first cell's job finished its prefill) and the inspector has shared pages to show.
+NOTES = " ".join(f"Chapter {i}: the dragon bakes loaf number {i} and learns something new." for i in range(1, 31))
+STORY = "{notes}\n\nTell me a very long story about a dragon who learns to bake bread, with many chapters."
 
 
 def free_port() -> int:
@@ -46,7 +49,7 @@ def lab(tmp_path_factory):
         pytest.skip(missing)
     root = tmp_path_factory.mktemp("lab")
     cells = [
-        "%load_ext exlnb",
+        f"%load_ext exlnb\nnotes = {NOTES!r}",
         "%exl_load --engine cpu",
         f"%%exl_generate --max-new-tokens 400 --temperature 0.8 --seed 3 --out story\n{STORY}",
         "from exlnb import get_session\nprint('jobs left:', len(get_session().jobs()), story.eos_reason.value)",
@@ -167,8 +170,9 @@ def test_cache_inspector_and_job_table_show_running_jobs(page):
     run_cell(page, 5)
     inspector = page.locator(".jp-Notebook .jp-Cell").nth(5).locator(".exlnb-cache")
     inspector.wait_for()
-    page.wait_for_function(
-        "el => el.querySelectorAll('.exlnb-page.exlnb-used, .exlnb-page.exlnb-shared').length > 0",
+    page.wait_for_function(  # prefix pages shared by the samples, and each sample's own pages
+        "el => el.querySelectorAll('.exlnb-page.exlnb-shared').length > 0"
+        " && el.querySelectorAll('.exlnb-page.exlnb-used').length >= 4",
         arg=inspector.element_handle(), timeout=60_000,
     )
     summary = inspector.locator(".exlnb-summary").inner_text()
