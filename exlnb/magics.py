@@ -15,11 +15,11 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from exlnb.generation import Generation
 from exlnb.models import BUNDLED_MODEL
 from exlnb.session import NoModelLoaded, get_session
 from exlnb.templates import TEMPLATES
 from exlnb.widgets.cache import show_cache, show_jobs
-from exlnb.generation import Generation
 from exlnb.widgets.stream import agenerate_live, generate_live
 
 # option name -> the SamplerSettings field it sets (exllamav2's names)

@@ -12,8 +12,8 @@ import traitlets
 
 from exlnb.engines.base import CacheView, PageInfo, wall_clock
 from exlnb.session import JobRow, Session, get_session
-from exlnb.widgets.live import LiveView, front_end_module
 from exlnb.widgets.frontend import widget_frontend
+from exlnb.widgets.live import LiveView, front_end_module
 
 # matplotlib's tab10: ten colours told apart easily, also by most colour-blind readers
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
