@@ -220,7 +220,7 @@ def start(
         if previous is not None:
             previous.cancel("re-run")
     streams = []
-    try:
+    try:  # a Ctrl-C anywhere in here leaves no job behind
         for i in range(n):
             streams.append(
                 session.generate(
@@ -229,15 +229,16 @@ def start(
                     **sampler_overrides,
                 )
             )
+        generation = Generation(session, text, ids, streams, user_turn=prompt if conv else None, chat=conv,
+                                loop_guard=loop_guard)
+        if owner is not None:
+            with _owned_lock:
+                _owned[owner] = generation
+        generation._begin()
     except BaseException:
         for stream in streams:
             stream.cancel()
         raise
-    generation = Generation(session, text, ids, streams, user_turn=prompt if conv else None, chat=conv, loop_guard=loop_guard)
-    if owner is not None:
-        with _owned_lock:
-            _owned[owner] = generation
-    generation._begin()
     return generation
 
 

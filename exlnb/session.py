@@ -157,8 +157,20 @@ class Session:
                     self._detached.add(job_id)
             return job_id
 
-        job_id = thread.call(enqueue)
+        try:
+            job_id = thread.call(enqueue)
+        except BaseException:
+            # Interrupted while waiting (Ctrl-C): the engine thread may enqueue the job all the same, and no
+            # stream would ever cancel it. Commands run in order, so this runs after the enqueue.
+            thread.post(lambda engine: self._cancel_orphans(engine, inbox))
+            raise
         return JobStream(job_id, inbox, self.cancel, self.request_cancel, cancel_when_abandoned)
+
+    def _cancel_orphans(self, engine: Engine, inbox: EventInbox) -> None:
+        with self._lock:
+            orphans = [job_id for job_id, box in self._inboxes.items() if box is inbox]
+        for job_id in orphans:
+            self._cancel_on_engine(engine, job_id)
 
     def generate(
         self,

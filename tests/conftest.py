@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from exlnb import SamplerSettings, get_session
@@ -39,6 +41,15 @@ def engine_session(engine_name: str) -> Session:
 @pytest.fixture
 def greedy() -> SamplerSettings:
     return SamplerSettings.greedy()
+
+
+@pytest.fixture
+def ctrl_c():
+    """Python's own Ctrl-C handler, as in a kernel or a terminal: a process started in the background (as CI
+    may start the suite) inherits SIGINT ignored, and then `_thread.interrupt_main()` does nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture

@@ -100,6 +100,7 @@ def test_exl_load_options_reach_the_session(shell, cpu_session, monkeypatch, cap
 
 
 def test_exl_load_with_the_same_arguments_does_nothing(shell, cpu_session, capsys):
+    shell.run_line_magic("exl_load", "--engine cpu")  # whatever an earlier test loaded
     engine = cpu_session._engine_thread().engine
     shell.run_line_magic("exl_load", "--engine cpu")
     assert cpu_session._engine_thread().engine is engine
@@ -203,7 +204,7 @@ def test_stop_button_cancels_every_sample(idle):
     assert idle.jobs() == []
 
 
-def test_keyboard_interrupt_while_waiting_cancels_the_samples(shell, idle):
+def test_keyboard_interrupt_while_waiting_cancels_the_samples(shell, idle, ctrl_c):
     started = threading.Event()
     original = exlnb.magics.generate_live
 

@@ -91,7 +91,7 @@ def test_exception_in_consumer_cancels_the_job(idle_session):
     assert idle_session.jobs() == []
 
 
-def test_keyboard_interrupt_cancels_the_job(idle_session):
+def test_keyboard_interrupt_cancels_the_job(idle_session, ctrl_c):
     import _thread
 
     stream = idle_session.generate(chatml("Count to one hundred."), max_new_tokens=3000, stop_at_eos=False)
