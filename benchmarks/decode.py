@@ -164,6 +164,8 @@ def aggregate_throughput(session: Session, concurrency: int, new_tokens: int, se
     """Total new tokens per second of `concurrency` jobs submitted together."""
     prompts = [random_prompt(64, seed * 100 + i) for i in range(concurrency)]
     start = clock()
-    streams = [session.generate(p, max_new_tokens=new_tokens, sampler=GREEDY, stop_at_eos=False) for p in prompts]
+    streams = session.submit_together(
+        [session.job_spec(p, max_new_tokens=new_tokens, sampler=GREEDY, stop_at_eos=False) for p in prompts]
+    )
     produced = sum(s.result().new_tokens for s in streams)
     return produced / (clock() - start)

@@ -54,7 +54,7 @@ def answers_alone(session: Session, questions: list[str], max_new_tokens: int) -
 
 def answers_together(session: Session, questions: list[str], max_new_tokens: int) -> list[JobStream]:
     """All prompts submitted at once, so they run batched where the engine batches (greedy)."""
-    return [session.generate(chatml(q), max_new_tokens=max_new_tokens, sampler=GREEDY) for q in questions]
+    return session.submit_together([session.job_spec(chatml(q), max_new_tokens=max_new_tokens, sampler=GREEDY) for q in questions])
 
 
 def first_difference(a: tuple[int, ...], b: tuple[int, ...]) -> int | None:
@@ -66,8 +66,9 @@ def first_difference(a: tuple[int, ...], b: tuple[int, ...]) -> int | None:
 
 
 def shared_prompt_pages(session: Session, timeout_s: float = 30.0) -> dict:
-    """Two running jobs with the same long prompt, then a third after them: what the cache shows."""
-    streams = [session.generate(LONG_PROMPT, max_new_tokens=200, sampler=GREEDY, stop_at_eos=False) for _ in range(2)]
+    """Two jobs with the same long prompt started together, then a third after them: what the cache shows."""
+    spec = session.job_spec(LONG_PROMPT, max_new_tokens=200, sampler=GREEDY, stop_at_eos=False)
+    streams = session.submit_together([spec, spec])
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         rows = session.jobs()

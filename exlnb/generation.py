@@ -221,14 +221,15 @@ def start(
             previous.cancel("re-run")
     streams = []
     try:  # a Ctrl-C anywhere in here leaves no job behind
-        for i in range(n):
-            streams.append(
-                session.generate(
-                    ids, max_new_tokens=max_new_tokens, sampler=sampler, stop=stops,
-                    seed=None if seed is None else seed + i, identifier=f"sample {i}" if n > 1 else None,
-                    **sampler_overrides,
-                )
+        specs = [
+            session.job_spec(
+                ids, max_new_tokens=max_new_tokens, sampler=sampler, stop=stops,
+                seed=None if seed is None else seed + i, identifier=f"sample {i}" if n > 1 else None,
+                **sampler_overrides,
             )
+            for i in range(n)
+        ]
+        streams = session.submit_together(specs)  # the samples start in one step and share the prompt's pages
         generation = Generation(session, text, ids, streams, user_turn=prompt if conv else None, chat=conv,
                                 loop_guard=loop_guard)
         if owner is not None:

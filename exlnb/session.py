@@ -145,34 +145,51 @@ class Session:
         With `cancel_when_abandoned=False` the job runs to the end even when nobody reads it: the bug of
         field report 1, kept reachable so the notebooks can reproduce it.
         """
-        thread = self._engine_thread()
-        inbox = EventInbox()
+        return self.submit_together([spec], cancel_when_abandoned=cancel_when_abandoned)[0]
 
-        def enqueue(engine: Engine) -> int:
+    def submit_together(self, specs: Sequence[JobSpec], *, cancel_when_abandoned: bool = True) -> list[JobStream]:
+        """Queue several jobs in one engine command, so that the engine starts them in the same step.
+
+        Jobs queued one by one may straddle a step: the first then decodes its first token alone and the
+        next joins it a step later, in a batch of another shape. fp16 kernels round rows of differently
+        shaped batches differently, so two greedy samples of one prompt may part ways; started together
+        they share the prompt's pages from the first pass and stay in the same batches (`--n` samples).
+        """
+        thread = self._engine_thread()
+        inboxes = [EventInbox() for _ in specs]
+
+        def enqueue(engine: Engine) -> list[int]:
             # registered on the engine thread before its first step, so no event can be missed
-            job_id = engine.enqueue(spec)
-            with self._lock:
-                self._inboxes[job_id] = inbox
-                if not cancel_when_abandoned:
-                    self._detached.add(job_id)
-            return job_id
+            job_ids = []
+            for spec, inbox in zip(specs, inboxes):
+                job_id = engine.enqueue(spec)
+                job_ids.append(job_id)
+                with self._lock:
+                    self._inboxes[job_id] = inbox
+                    if not cancel_when_abandoned:
+                        self._detached.add(job_id)
+            return job_ids
 
         try:
-            job_id = thread.call(enqueue)
+            job_ids = thread.call(enqueue)
         except BaseException:
-            # Interrupted while waiting (Ctrl-C): the engine thread may enqueue the job all the same, and no
-            # stream would ever cancel it. Commands run in order, so this runs after the enqueue.
-            thread.post(lambda engine: self._cancel_orphans(engine, inbox))
+            # Interrupted while waiting (Ctrl-C), or one spec refused after others were queued: the engine
+            # thread may have enqueued jobs all the same, and no stream would ever cancel them. Commands run
+            # in order, so this runs after the enqueue.
+            thread.post(lambda engine: self._cancel_orphans(engine, inboxes))
             raise
-        return JobStream(job_id, inbox, self.cancel, self.request_cancel, cancel_when_abandoned)
+        return [
+            JobStream(job_id, inbox, self.cancel, self.request_cancel, cancel_when_abandoned)
+            for job_id, inbox in zip(job_ids, inboxes)
+        ]
 
-    def _cancel_orphans(self, engine: Engine, inbox: EventInbox) -> None:
+    def _cancel_orphans(self, engine: Engine, inboxes: list[EventInbox]) -> None:
         with self._lock:
-            orphans = [job_id for job_id, box in self._inboxes.items() if box is inbox]
+            orphans = [job_id for job_id, box in self._inboxes.items() if any(box is mine for mine in inboxes)]
         for job_id in orphans:
             self._cancel_on_engine(engine, job_id)
 
-    def generate(
+    def job_spec(
         self,
         prompt: str | Sequence[int],
         *,
@@ -182,14 +199,13 @@ class Session:
         seed: int | None = None,
         identifier: Hashable | None = None,
         stop_at_eos: bool = True,
-        cancel_when_abandoned: bool = True,
         **sampler_overrides: float,
-    ) -> JobStream:
-        """Start generating from a prompt (text, special tokens encoded as such, or token ids).
+    ) -> JobSpec:
+        """What `generate` submits, for `submit_together`: the prompt encoded, the settings checked.
 
         Sampler settings come from `sampler` (default: exllamav2's defaults) with keyword overrides, e.g.
-        `generate(p, temperature=0.7, top_p=0.9)`. `stop` takes strings and token ids; the tokenizer's
-        end-of-sequence token stops generation unless `stop_at_eos=False`.
+        `temperature=0.7, top_p=0.9`. `stop` takes strings and token ids; the tokenizer's end-of-sequence
+        token stops generation unless `stop_at_eos=False`.
         """
         tokenizer = self.tokenizer
         input_ids = tokenizer.encode(prompt, special=True) if isinstance(prompt, str) else list(prompt)
@@ -197,7 +213,7 @@ class Session:
         stop_ids = {s for s in stop if isinstance(s, int)}
         if stop_at_eos:
             stop_ids.update(tokenizer.eos_token_ids)
-        spec = JobSpec(
+        return JobSpec(
             input_ids=tuple(input_ids),
             max_new_tokens=max_new_tokens,
             sampler=settings,
@@ -206,7 +222,16 @@ class Session:
             seed=seed,
             identifier=identifier,
         )
-        return self.submit(spec, cancel_when_abandoned=cancel_when_abandoned)
+
+    def generate(
+        self, prompt: str | Sequence[int], *, cancel_when_abandoned: bool = True, **options
+    ) -> JobStream:
+        """Start generating from a prompt (text, special tokens encoded as such, or token ids).
+
+        `options` are `job_spec`'s: `max_new_tokens`, `sampler`, `stop`, `seed`, `identifier`,
+        `stop_at_eos` and sampler overrides such as `temperature=0.7`.
+        """
+        return self.submit(self.job_spec(prompt, **options), cancel_when_abandoned=cancel_when_abandoned)
 
     def complete(self, prompt: str | Sequence[int], **options) -> GenerationResult:
         """`generate(...)` and wait for the whole result."""

@@ -230,6 +230,31 @@ def test_prompt_longer_than_the_cache_is_a_clear_error(idle_session, greedy):
     too_long = list(range(100, 100 + idle_session.status().cache_tokens + 10))
     with pytest.raises(ValueError, match="the prompt has .* tokens but the cache holds"):
         idle_session.generate(too_long, sampler=greedy)
+
+
+def test_jobs_submitted_together_start_in_the_same_step(idle_session, greedy):
+    spec = idle_session.job_spec(
+        chatml("Tell me a long story about a lighthouse keeper."), max_new_tokens=48, sampler=greedy, stop_at_eos=False
+    )
+    streams = idle_session.submit_together([spec, spec, spec])
+    results = [s.result() for s in streams]
+
+    first_tokens = [next(e for e in s.events if e.token_ids) for s in streams]
+    first_token_at = [e.time_enqueued + e.time_to_first_token_s for e in first_tokens]
+    assert max(first_token_at) - min(first_token_at) < 1e-6
+    assert len({r.token_ids for r in results}) == 1  # the same rows of the same batches: the same answer
+    assert all(r.new_tokens == 48 for r in results)
+
+
+def test_a_refused_job_among_jobs_submitted_together_leaves_none_behind(idle_session, greedy):
+    fits = idle_session.job_spec(chatml("Count to one hundred."), max_new_tokens=200, sampler=greedy)
+    too_long = idle_session.job_spec(list(range(100, 100 + idle_session.status().cache_tokens + 10)), sampler=greedy)
+
+    with pytest.raises(ValueError, match="the prompt has .* tokens but the cache holds"):
+        idle_session.submit_together([fits, too_long])
+    wait_until_idle(idle_session)
+
+    assert idle_session.jobs() == []
     assert "Paris" in idle_session.complete(chatml("What is the capital of France?"), sampler=greedy).text
 
 
