@@ -90,6 +90,7 @@ def shared_prompt_pages(session: Session, timeout_s: float = 30.0) -> dict:
         "cached_tokens": [r.cached_tokens for r in [*both, later]],
         "ttft_s": [r.time_to_first_token_s for r in [*both, later]],
         "same_text": len({r.text for r in both}) == 1,
+        "first_different_token": first_difference(both[0].token_ids, both[1].token_ids),
     }
 
 

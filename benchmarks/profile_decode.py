@@ -76,7 +76,7 @@ def _gpu_summary(prof, wall: float, steps: int) -> dict:
         "gpu_busy_fraction": (kernel_us / 1e6) / wall,
         "top_kernels": [{"name": e.key[:80], "ms_per_step": e.self_device_time_total / 1000 / steps,
                          "calls_per_step": e.count / steps} for e in top],
-    }
+    } | _cpu_summary(prof, wall, steps)  # where the host's time goes: decode of small models is host-bound
 
 
 def _cpu_summary(prof, wall: float, steps: int) -> dict:
