@@ -112,10 +112,11 @@ def _attend_block(q, keys, values, bias, scale: float, softcap: float) -> torch.
         return _attend_softcapped(q, keys, values, bias, scale, softcap)
     if q.is_cuda and q.shape[-1] % 8 == 0:
         # The memory-efficient kernel, called directly: one fused kernel that takes an additive mask. SDPA's
-        # own dispatch prefers cuDNN attention on Hopper (torch 2.11), whose per-call host cost showed as
-        # 6 ms per token of a 7B-shaped model's decode (32 calls per step) on an H100, where decode is bound
-        # by the host (gpu.md). The explicit mask also keeps clear of exllamav2's own SDPA path, which gives
-        # wrong logits with torch 2.11.
+        # own dispatch picks cuDNN attention on an H100 (torch 2.11): a 7B-shaped model then decoded at
+        # 23.0 ms/token paged against 16.8 unpaged, and with this call at 16.3 against 16.2 (decode there
+        # is bound by the host, gpu.md). Two greedy jobs of one prompt, decoding in the same batches, parted
+        # ways in one of two runs under cuDNN and in neither of two under this kernel. The explicit mask
+        # keeps clear of exllamav2's own SDPA path, which gives wrong logits with torch 2.11.
         batch, heads, q_len, _ = q.shape
         mask = bias.expand(batch, heads, q_len, bias.shape[-1])  # a broadcast view, no copy
         return torch.ops.aten._scaled_dot_product_efficient_attention(q, keys, values, mask, False, scale=scale)[0]
