@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import time
@@ -16,6 +15,8 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
+
+from exlnb.experiments.record import git_commit
 
 
 def sync() -> None:
@@ -55,7 +56,7 @@ def environment() -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "versions": versions,
-        "exlnb_commit": _git_commit(),
+        "exlnb_commit": git_commit(),
         "load_average_1min": os.getloadavg()[0],
         "cpu_count": os.cpu_count(),
     }
@@ -77,17 +78,6 @@ def _cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
-
-
-def _git_commit() -> str | None:
-    """The commit measured, where the benchmarks run from a git checkout (exlnb is often not installed
-    on a GPU machine, only put on PYTHONPATH, so its version says little)."""
-    if shutil.which("git") is None:
-        return None
-    result = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-    )
-    return result.stdout.strip() or None
 
 
 def device_slug(env: dict) -> str:

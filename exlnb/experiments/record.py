@@ -137,7 +137,7 @@ def environment(session: Session) -> dict:
         "engine_notes": list(status.notes),
         "python": platform.python_version(),
         "versions": versions,
-        "exlnb_commit": _git_commit(),
+        "exlnb_commit": git_commit(),
         "cpu_count": os.cpu_count(),
         "load_average_1min": os.getloadavg()[0],  # a busy 2-core machine halves what torch gets
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -154,10 +154,13 @@ def _short(estimate: Estimate) -> str:
     return value + (interval if estimate.n > 1 else "")
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
+    """The commit of the code that ran, `-dirty` where the working tree differs from it (a copy of the tree
+    on another machine may carry an older `.git`), or None outside a git checkout."""
     try:
         result = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+            ["git", "describe", "--always", "--dirty", "--abbrev=7"],
+            capture_output=True, text=True, cwd=Path(__file__).parent,
         )
     except FileNotFoundError:  # no git on this machine
         return None
