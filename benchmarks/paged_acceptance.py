@@ -54,7 +54,8 @@ def answers_alone(session: Session, questions: list[str], max_new_tokens: int) -
 
 def answers_together(session: Session, questions: list[str], max_new_tokens: int) -> list[JobStream]:
     """All prompts submitted at once, so they run batched where the engine batches (greedy)."""
-    return session.submit_together([session.job_spec(chatml(q), max_new_tokens=max_new_tokens, sampler=GREEDY) for q in questions])
+    specs = [session.job_spec(chatml(q), max_new_tokens=max_new_tokens, sampler=GREEDY) for q in questions]
+    return session.submit_together(specs)
 
 
 def first_difference(a: tuple[int, ...], b: tuple[int, ...]) -> int | None:

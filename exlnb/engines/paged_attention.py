@@ -114,9 +114,9 @@ def _attend_block(q, keys, values, bias, scale: float, softcap: float) -> torch.
         # The memory-efficient kernel, called directly: one fused kernel that takes an additive mask. SDPA's
         # own dispatch picks cuDNN attention on an H100 (torch 2.11): a 7B-shaped model then decoded at
         # 23.0 ms/token paged against 16.8 unpaged, and with this call at 16.3 against 16.2 (decode there
-        # is bound by the host, gpu.md). Two greedy jobs of one prompt, decoding in the same batches, parted
-        # ways in one of two runs under cuDNN and in neither of two under this kernel. The explicit mask
-        # keeps clear of exllamav2's own SDPA path, which gives wrong logits with torch 2.11.
+        # is bound by the host: benchmarks/README.md). Two greedy jobs of one prompt, decoding in the same
+        # batches, parted ways in one of two runs under cuDNN and in neither of two under this kernel. The
+        # explicit mask keeps clear of exllamav2's own SDPA path, which gives wrong logits with torch 2.11.
         batch, heads, q_len, _ = q.shape
         mask = bias.expand(batch, heads, q_len, bias.shape[-1])  # a broadcast view, no copy
         return torch.ops.aten._scaled_dot_product_efficient_attention(q, keys, values, mask, False, scale=scale)[0]
