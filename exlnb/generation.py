@@ -19,7 +19,7 @@ from exlnb.chat import Chat, get_chat
 from exlnb.engines.base import EosReason, SamplerSettings, StreamEvent, Tokenizer, wall_clock
 from exlnb.session import Session, get_session
 from exlnb.streaming import GenerationResult, JobStream
-from exlnb.templates import conversation, render
+from exlnb.templates import LintFinding, conversation, lint_rendered, render
 
 LOOP_CHECK_EVERY = 8  # tokens between loop checks; find_tail_loop looks at the last 32
 
@@ -60,10 +60,12 @@ class Generation:
     """N samples of one prompt, consumed in the background; `wait()` for the results."""
 
     def __init__(self, session: Session, prompt_text: str, prompt_ids: list[int], streams: list[JobStream],
-                 *, user_turn: str | None = None, chat: Chat | None = None, loop_guard: bool = False) -> None:
+                 *, user_turn: str | None = None, chat: Chat | None = None, loop_guard: bool = False,
+                 prompt_findings: Sequence[LintFinding] = ()) -> None:
         self.session = session
         self.prompt_text = prompt_text
         self.prompt_ids = prompt_ids
+        self.prompt_findings = list(prompt_findings)  # template mistakes in the prompt as the model gets it
         self.samples = [Sample(i, s) for i, s in enumerate(streams)]
         self.chat = chat
         self.loop_guard = loop_guard
@@ -213,6 +215,7 @@ def start(
     conv = _conversation_for(chat, system, amnesia)
     text = conv.prompt(prompt, template, tokenizer) if conv else render(template, conversation(prompt, system), tokenizer)
     ids = tokenizer.encode(text, special=True)
+    findings = lint_rendered(ids, template, tokenizer)
     stops = [_stop_as_id(s, tokenizer) for s in stop]
     if owner is not None:
         with _owned_lock:
@@ -231,7 +234,7 @@ def start(
         ]
         streams = session.submit_together(specs)  # the samples start in one step and share the prompt's pages
         generation = Generation(session, text, ids, streams, user_turn=prompt if conv else None, chat=conv,
-                                loop_guard=loop_guard)
+                                loop_guard=loop_guard, prompt_findings=findings)
         if owner is not None:
             with _owned_lock:
                 _owned[owner] = generation

@@ -12,8 +12,10 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Protocol
+
+DEFAULT_MAX_NEW_TOKENS = 256  # the one default for every entrance: API, magics, job specs
 
 
 def wall_clock() -> float:
@@ -49,15 +51,25 @@ class SamplerSettings:
     A temperature below 0.01 means greedy, as in exllamav2's `sample_basic`.
     """
 
-    temperature: float = 0.8
-    top_k: int = 50  # 0 disables
-    top_p: float = 0.8  # 1.0 disables
-    min_p: float = 0.0  # 0 disables
-    token_repetition_penalty: float = 1.025
-    token_repetition_range: int = -1  # -1: the whole sequence
-    token_repetition_decay: int = 0
-    token_frequency_penalty: float = 0.0
-    token_presence_penalty: float = 0.0
+    temperature: float = field(default=0.8, metadata={"help": "0 is greedy"})
+    top_k: int = field(default=50, metadata={"help": "keep the k most likely tokens; 0 disables"})
+    top_p: float = field(default=0.8, metadata={"help": "nucleus: smallest set with this probability; 1 disables"})
+    min_p: float = field(default=0.0, metadata={"help": "drop tokens below min_p x the top probability; 0 disables"})
+    token_repetition_penalty: float = field(
+        default=1.025, metadata={"help": "divide logits of tokens already in the sequence; 1 disables", "option": "rep_penalty"}
+    )
+    token_repetition_range: int = field(
+        default=-1, metadata={"help": "how many recent tokens the penalties look at; -1 is all", "option": "rep_range"}
+    )
+    token_repetition_decay: int = field(
+        default=0, metadata={"help": "tokens over which the repetition penalty fades in; 0 is none", "option": "rep_decay"}
+    )
+    token_frequency_penalty: float = field(
+        default=0.0, metadata={"help": "subtract this x the count of each earlier token", "option": "freq_penalty"}
+    )
+    token_presence_penalty: float = field(
+        default=0.0, metadata={"help": "subtract this once from every earlier token", "option": "presence_penalty"}
+    )
 
     def __post_init__(self) -> None:
         checks = [
@@ -84,13 +96,18 @@ class SamplerSettings:
     def is_greedy(self) -> bool:
         return self.temperature < 0.01 or self.top_k == 1
 
+    @classmethod
+    def option_names(cls) -> dict[str, str]:
+        """Short option name (`rep_penalty`) -> field name (`token_repetition_penalty`), for magics and errors."""
+        return {f.metadata.get("option", f.name): f.name for f in fields(cls)}
+
 
 @dataclass(frozen=True)
 class JobSpec:
     """What a caller asks an engine to do; engines turn it into their own job objects."""
 
     input_ids: tuple[int, ...]
-    max_new_tokens: int = 256
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     sampler: SamplerSettings = field(default_factory=SamplerSettings)
     stop_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
@@ -127,6 +144,72 @@ class StreamEvent:
     time_to_first_token_s: float | None = None  # submit -> first new token
     prefill_tokens_per_s: float | None = None  # prompt tokens actually computed (not cached) per second
     decode_tokens_per_s: float | None = None  # new tokens after the first, per second of decoding
+
+    @property
+    def computed_prompt_tokens(self) -> int:
+        """Prompt tokens the engine ran through the model (the rest came from the cache)."""
+        return self.prompt_tokens - self.cached_tokens
+
+    def ended(self, reason: EosReason, now: float) -> StreamEvent:
+        """The last event of a job ended from outside (cancelled, failed): its counts and timings so far."""
+        return replace(self, stage=Stage.DONE, time_produced=now, text="", token_ids=(), eos=True, eos_reason=reason)
+
+
+@dataclass
+class JobClock:
+    """The moments one job passes, each read on `wall_clock()` after the device synchronised.
+
+    Every engine keeps one per job and builds its events with `job_event`, so time to first token, prefill
+    and decode rates mean the same on every engine: the investigations compare engines by these numbers.
+    """
+
+    enqueued: float
+    admitted: float | None = None  # the job got its pages and its prompt started
+    first_token: float | None = None
+
+    def token_arrived(self, now: float) -> None:
+        if self.first_token is None:
+            self.first_token = now
+
+
+def job_event(
+    job_id: int,
+    stage: Stage,
+    clock: JobClock,
+    now: float,
+    *,
+    prompt_tokens: int,
+    cached_tokens: int,
+    new_tokens: int,
+    text: str = "",
+    token_ids: Sequence[int] = (),
+    eos_reason: EosReason | None = None,
+) -> StreamEvent:
+    """One job's event with its timings derived the one way exlnb defines them.
+
+    TTFT: submit -> first new token. Prefill rate: prompt tokens actually computed (cached ones excluded)
+    over admission -> first token. Decode rate: new tokens after the first over first token -> now.
+    """
+    first, admitted = clock.first_token, clock.admitted
+    computed = prompt_tokens - cached_tokens
+    prefill_rate = computed / (first - admitted) if first and admitted and first > admitted and computed > 0 else None
+    decode_rate = (new_tokens - 1) / (now - first) if first and new_tokens > 1 and now > first else None
+    return StreamEvent(
+        job_id=job_id,
+        stage=stage,
+        time_produced=now,
+        text=text,
+        token_ids=tuple(token_ids),
+        eos=eos_reason is not None,
+        eos_reason=eos_reason,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+        new_tokens=new_tokens,
+        time_enqueued=clock.enqueued,
+        time_to_first_token_s=(first - clock.enqueued) if first else None,
+        prefill_tokens_per_s=prefill_rate,
+        decode_tokens_per_s=decode_rate,
+    )
 
 
 @dataclass(frozen=True)
@@ -224,6 +307,18 @@ class Tokenizer(Protocol):
     def token_to_id(self, token: str) -> int | None: ...
 
 
+class JobFailed(Exception):
+    """Raised by `Engine.step()` when the engine can tell which jobs a failure belongs to.
+
+    Those jobs are removed from the engine and fail; every other job runs on.
+    """
+
+    def __init__(self, job_ids: Sequence[int], cause: BaseException) -> None:
+        super().__init__(f"job(s) {', '.join(map(str, job_ids))} failed: {cause}")
+        self.job_ids = tuple(job_ids)
+        self.cause = cause
+
+
 class Engine(ABC):
     """A model, its cache and a batching generator, driven by a single thread.
 
@@ -262,6 +357,15 @@ class Engine(ABC):
 
     def synchronize(self) -> None:
         """Wait for queued device work; called before every clock read (field report 5)."""
+
+    def run_with_separate_generators(self, specs: Sequence[JobSpec]) -> list[tuple[int, ...]]:
+        """Field report 2's mistake, on purpose: one generator per request over the one model cache.
+
+        Each generator keeps its own page table and believes the whole cache is its own, so their jobs
+        write keys and values over each other's. Runs the specs to the end that way and returns each one's
+        generated token ids; the engine is as before afterwards. For the concurrency investigation only.
+        """
+        raise NotImplementedError(f"the {self.name} engine cannot reproduce the generator-per-request pattern")
 
     def close(self) -> None:
         """Release model and cache memory."""

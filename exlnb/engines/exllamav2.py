@@ -11,17 +11,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from exlnb.engines import EngineOptions
+from exlnb.engines.options import EngineOptions
 from exlnb.engines.base import (
     CacheView,
     Engine,
     EngineStatus,
     EosReason,
+    JobClock,
     JobInfo,
     JobSpec,
     PageInfo,
     Stage,
     StreamEvent,
+    job_event,
     wall_clock,
 )
 from exlnb.engines.tokenizer import HfTokenizer
@@ -43,9 +45,7 @@ class _Tracked:
     job: object  # ExLlamaV2DynamicJob
     spec: JobSpec
     max_new_tokens: int  # possibly lowered so the job fits the cache
-    time_enqueued: float
-    time_started: float | None = None
-    time_first_token: float | None = None
+    clock: JobClock
     new_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
 
@@ -69,8 +69,6 @@ class ExLlamaV2Engine(Engine):
     name = "exllamav2"
 
     def __init__(self, options: EngineOptions, *, progress: bool = True) -> None:
-        if options.paged not in ("auto", True, False):
-            raise ValueError(f'paged={options.paged!r} is not one of "auto", True, False')
         exl = _import_exllamav2()
         from exllamav2.generator import ExLlamaV2DynamicGenerator
 
@@ -219,7 +217,7 @@ class ExLlamaV2Engine(Engine):
             identifier=job_id,
         )
         self.generator.enqueue(job)
-        self._jobs[job_id] = _Tracked(job, spec, max_new, wall_clock())
+        self._jobs[job_id] = _Tracked(job, spec, max_new, JobClock(enqueued=wall_clock()))
         return job_id
 
     def cancel(self, job_id: int) -> bool:
@@ -245,7 +243,7 @@ class ExLlamaV2Engine(Engine):
             if tracked is None:
                 continue
             if result["stage"] == "started":
-                tracked.time_started = now
+                tracked.clock.admitted = now
                 events.append(self._event(result["identifier"], tracked, Stage.PREFILL, now))
             elif result["stage"] == "streaming":
                 events.append(self._streaming_event(result, tracked, now))
@@ -258,8 +256,8 @@ class ExLlamaV2Engine(Engine):
             new_ids.append(result["eos_triggering_token_id"])
         tracked.token_ids += new_ids
         tracked.new_tokens = tracked.job.new_tokens
-        if tracked.time_first_token is None and tracked.new_tokens > 0:
-            tracked.time_first_token = now
+        if tracked.new_tokens > 0:
+            tracked.clock.token_arrived(now)
         eos_reason = None
         if result["eos"]:
             eos_reason = _EOS_REASONS[result["eos_reason"]]
@@ -280,26 +278,11 @@ class ExLlamaV2Engine(Engine):
         eos_reason: EosReason | None = None,
     ) -> StreamEvent:
         job = tracked.job
-        cached = job.cached_pages * self.generator.page_size + job.cached_tokens
-        prompt = len(tracked.spec.input_ids)
-        first, started = tracked.time_first_token, tracked.time_started
-        prefill_rate = (prompt - cached) / (first - started) if first and started and first > started else None
-        decode_rate = (tracked.new_tokens - 1) / (now - first) if first and tracked.new_tokens > 1 and now > first else None
-        return StreamEvent(
-            job_id=job_id,
-            stage=stage,
-            time_produced=now,
-            text=text,
-            token_ids=tuple(token_ids),
-            eos=eos_reason is not None,
-            eos_reason=eos_reason,
-            prompt_tokens=prompt,
-            cached_tokens=cached,
-            new_tokens=tracked.new_tokens,
-            time_enqueued=tracked.time_enqueued,
-            time_to_first_token_s=(first - tracked.time_enqueued) if first else None,
-            prefill_tokens_per_s=prefill_rate,
-            decode_tokens_per_s=decode_rate,
+        return job_event(
+            job_id, stage, tracked.clock, now,
+            prompt_tokens=len(tracked.spec.input_ids),
+            cached_tokens=job.cached_pages * self.generator.page_size + job.cached_tokens,
+            new_tokens=tracked.new_tokens, text=text, token_ids=token_ids, eos_reason=eos_reason,
         )
 
     # -- views ---------------------------------------------------------------------------------------------
@@ -322,7 +305,7 @@ class ExLlamaV2Engine(Engine):
                     prompt_tokens=len(tracked.spec.input_ids),
                     new_tokens=max(job.new_tokens, 0),
                     max_new_tokens=tracked.spec.max_new_tokens,
-                    time_enqueued=tracked.time_enqueued,
+                    time_enqueued=tracked.clock.enqueued,
                     pages=pages,
                 )
             )

@@ -16,7 +16,7 @@ from exlnb.templates.formats import (
     conversation,
     render,
 )
-from exlnb.templates.lint import LintFinding, LintKind, lint
+from exlnb.templates.lint import LintFinding, LintKind, lint, lint_rendered
 
 __all__ = [
     "CHATML",
@@ -35,5 +35,6 @@ __all__ = [
     "chatml_variant",
     "conversation",
     "lint",
+    "lint_rendered",
     "render",
 ]

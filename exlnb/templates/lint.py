@@ -81,6 +81,20 @@ def lint(
     return sorted(findings, key=lambda f: f.position)
 
 
+def lint_rendered(ids: Sequence[int], template: str, tokenizer: Tokenizer) -> list[LintFinding]:
+    """The findings for a prompt exlnb rendered itself in `template`, as `%%exl_generate` shows them.
+
+    "auto" is the model's own chat template, linted as the turn format it uses (if exlnb knows it);
+    formats without turn tags ("mistral", "raw") have nothing to lint.
+    """
+    if template == "auto":
+        own = tokenizer.chat_template or ""
+        template = next((f.name for f in TURN_FORMATS.values() if f.turn_start in own), "")
+    if template not in TURN_FORMATS:
+        return []
+    return lint(ids, tokenizer, template=template)
+
+
 def _turn_format(template: str) -> TurnFormat:
     try:
         return TURN_FORMATS[template]

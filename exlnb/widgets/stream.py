@@ -15,7 +15,6 @@ from contextlib import contextmanager
 
 from exlnb.engines.base import StreamEvent, Tokenizer, wall_clock
 from exlnb.generation import Generation, Sample, start
-from exlnb.templates import TURN_FORMATS, lint
 from exlnb.widgets.frontend import widget_frontend
 
 FRAME_S = 1 / 30  # renders per sample per second at most: smooth to the eye, cheap on the comm channel
@@ -50,16 +49,6 @@ def prompt_pieces(ids: Sequence[int], tokenizer: Tokenizer) -> list[tuple[str, b
     """The prompt exactly as the model gets it: (text of each token, whether it is a special token)."""
     specials = set(tokenizer.special_tokens().values())
     return [(tokenizer.decode([i]), i in specials) for i in ids]
-
-
-def _prompt_findings(generation: Generation, template: str, tokenizer: Tokenizer) -> list[str]:
-    fmt = template
-    if template == "auto":
-        own = tokenizer.chat_template or ""
-        fmt = next((f.name for f in TURN_FORMATS.values() if f.turn_start in own), "")
-    if fmt not in TURN_FORMATS:
-        return []
-    return [str(f) for f in lint(generation.prompt_ids, tokenizer, template=fmt)]
 
 
 # -- the widget --------------------------------------------------------------------------------------------
@@ -270,7 +259,7 @@ def _start_and_show(prompt: str, background: bool, show_prompt: bool, display: s
     with _cancel_on_exit(generation):
         tokenizer = generation.session.tokenizer
         pieces = prompt_pieces(generation.prompt_ids, tokenizer) if show_prompt else None
-        findings = _prompt_findings(generation, options.get("template", "auto"), tokenizer) if show_prompt else []
+        findings = [str(f) for f in generation.prompt_findings] if show_prompt else []
         if use_widget:
             show(StreamView(generation, prompt_html=prompt_html(pieces, findings) if pieces else None))
             return _Shown(generation, None)

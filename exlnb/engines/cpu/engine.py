@@ -11,17 +11,19 @@ from dataclasses import dataclass
 
 import torch
 
-from exlnb.engines import EngineOptions
+from exlnb.engines.options import PAGE_TOKENS, EngineOptions
 from exlnb.engines.base import (
     CacheView,
     Engine,
     EngineStatus,
     EosReason,
+    JobClock,
     JobInfo,
     JobSpec,
     PageInfo,
     Stage,
     StreamEvent,
+    job_event,
     wall_clock,
 )
 from exlnb.engines.cpu.pages import PagePool
@@ -31,7 +33,7 @@ from exlnb.engines.cpu.scheduler import CpuJob, Scheduler
 from exlnb.engines.text import IncrementalDecoder, StopStringFilter
 from exlnb.engines.tokenizer import HfTokenizer
 
-PAGE_SIZE = 256  # exllamav2's page size, so cache grids and cached-token counts read the same on both engines
+PAGE_SIZE = PAGE_TOKENS
 MAX_STEP_TOKENS = 512  # prompt tokens per forward pass: bounds how long decoding jobs wait for a prefill
 
 
@@ -84,7 +86,7 @@ class CpuEngine(Engine):
             decoder=IncrementalDecoder(self.tokenizer),
             stop_filter=StopStringFilter(spec.stop_strings),
             generator=generator,
-            time_enqueued=wall_clock(),
+            clock=JobClock(enqueued=wall_clock()),
             sequence=list(spec.input_ids),
         )
         self._scheduler.pending.append(job)
@@ -116,8 +118,7 @@ class CpuEngine(Engine):
     def _advance(self, job: CpuJob, logits: torch.Tensor, now: float) -> StreamEvent:
         token = sample_token(logits, torch.tensor(job.sequence), job.spec.sampler, job.generator)
         job.sequence.append(token)
-        if job.time_first_token is None:
-            job.time_first_token = now
+        job.clock.token_arrived(now)
         job.stage = Stage.DECODE
         outcome = self._outcome(job, token)
         if outcome.eos_reason is not None:
@@ -140,26 +141,10 @@ class CpuEngine(Engine):
     def _event(
         self, job: CpuJob, stage: Stage, *, text: str = "", token: int | None = None, eos_reason: EosReason | None = None
     ) -> StreamEvent:
-        now = wall_clock()
-        computed_prompt = job.prompt_tokens - job.cached_tokens
-        first, admitted = job.time_first_token, job.time_admitted
-        prefill_rate = computed_prompt / (first - admitted) if first and admitted and first > admitted else None
-        decode_rate = (job.new_tokens - 1) / (now - first) if first and job.new_tokens > 1 and now > first else None
-        return StreamEvent(
-            job_id=job.job_id,
-            stage=stage,
-            time_produced=now,
-            text=text,
-            token_ids=(token,) if token is not None else (),
-            eos=eos_reason is not None,
-            eos_reason=eos_reason,
-            prompt_tokens=job.prompt_tokens,
-            cached_tokens=job.cached_tokens,
-            new_tokens=job.new_tokens,
-            time_enqueued=job.time_enqueued,
-            time_to_first_token_s=(first - job.time_enqueued) if first else None,
-            prefill_tokens_per_s=prefill_rate,
-            decode_tokens_per_s=decode_rate,
+        return job_event(
+            job.job_id, stage, job.clock, wall_clock(),
+            prompt_tokens=job.prompt_tokens, cached_tokens=job.cached_tokens, new_tokens=job.new_tokens,
+            text=text, token_ids=(token,) if token is not None else (), eos_reason=eos_reason,
         )
 
     # -- views ---------------------------------------------------------------------------------------------
@@ -173,7 +158,7 @@ class CpuEngine(Engine):
                 prompt_tokens=job.prompt_tokens,
                 new_tokens=job.new_tokens,
                 max_new_tokens=job.spec.max_new_tokens,
-                time_enqueued=job.time_enqueued,
+                time_enqueued=job.clock.enqueued,
                 pages=len(job.reservation.page_table) if job.reservation else 0,
             )
             for job in sorted(

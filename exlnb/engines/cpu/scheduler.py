@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from exlnb.engines.base import JobSpec, Stage
+from exlnb.engines.base import JobClock, JobSpec, Stage
 from exlnb.engines.cpu.pages import PagePool, Reservation
 from exlnb.engines.cpu.runner import SequenceChunk
 from exlnb.engines.text import IncrementalDecoder, StopStringFilter
@@ -26,13 +26,11 @@ class CpuJob:
     decoder: IncrementalDecoder
     stop_filter: StopStringFilter
     generator: torch.Generator
-    time_enqueued: float
+    clock: JobClock
     sequence: list[int] = field(default_factory=list)
     reservation: Reservation | None = None
     computed: int = 0  # leading tokens whose keys and values are in the cache
     stage: Stage = Stage.PENDING
-    time_admitted: float | None = None
-    time_first_token: float | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -67,7 +65,7 @@ class Scheduler:
             job.reservation = reservation
             job.computed = reservation.cached_tokens
             job.stage = Stage.PREFILL
-            job.time_admitted = now
+            job.clock.admitted = now
             self.active.append(job)
             admitted.append(job)
         return admitted
