@@ -4,6 +4,10 @@ Jupyter's kernel runs an asyncio loop; a forward pass must never block it. So th
 thread, which alternates between running commands sent by other threads (submit, cancel, snapshots) and
 stepping the engine while it has work. Nothing else ever touches the engine, so engines need no locks,
 and a cancel requested from a garbage-collector callback in the middle of a step simply waits its turn.
+
+A command is answered through a `Future`: a thread waits on it (`call`), a coroutine awaits it (`submit`
+wrapped with `asyncio.wrap_future`), so the event loop never waits for a step. Once stopped, the thread
+refuses new commands at once instead of leaving their callers waiting for an answer that never comes.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from exlnb.engines.base import Engine, StreamEvent
+from exlnb.engines.base import Engine, JobFailed, StreamEvent
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -23,43 +27,74 @@ log = logging.getLogger(__name__)
 _STOP = object()
 
 
+class EngineStopped(RuntimeError):
+    """The engine thread was stopped (the model unloaded) before this command could run."""
+
+
 class EngineThread(threading.Thread):
-    """Runs `engine.step()` while there is work and hands every batch of events to `deliver`."""
+    """Runs `engine.step()` while there is work and hands every batch of events to `deliver`.
+
+    `on_job_failure(job_ids, error)` hears of jobs the engine failed one by one (`JobFailed`);
+    `on_step_error(error)` of a step that failed as a whole; `on_stop(engine)` runs on this thread after
+    the last command, before it ends: where the session ends every stream still open.
+    """
 
     def __init__(
         self,
         engine: Engine,
         deliver: Callable[[list[StreamEvent]], None],
-        on_step_error: Callable[[BaseException], None],
+        on_job_failure: Callable[[tuple[int, ...], BaseException], None],
+        on_step_error: Callable[[Engine, BaseException], None],
+        on_stop: Callable[[Engine], None],
     ) -> None:
         super().__init__(name=f"exlnb-{engine.name}-engine", daemon=True)
         self.engine = engine
         self._deliver = deliver
+        self._on_job_failure = on_job_failure
         self._on_step_error = on_step_error
+        self._on_stop = on_stop
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._accepting = threading.Lock()  # orders "refuse from now on" against every put
+        self._stopped = False
         self._stepping = False
+
+    def submit(self, fn: Callable[[Engine], T]) -> Future[T]:
+        """Queue `fn(engine)` to run between steps; its result (or error) arrives on the returned future."""
+        future: Future[T] = Future()
+        if threading.current_thread() is self and not self._stepping:
+            _run(fn, self.engine, future)
+            return future
+        with self._accepting:
+            if self._stopped:
+                future.set_exception(EngineStopped("the model was unloaded"))
+            else:
+                self._commands.put((fn, future))
+        return future
 
     def call(self, fn: Callable[[Engine], T]) -> T | None:
         """Run `fn(engine)` on the engine thread between steps and return its result (or raise its error).
 
-        Called on the engine thread itself (a finaliser that ran inside a step), it can only queue the
+        Called on the engine thread itself in the middle of a step (a finaliser), it can only queue the
         call: running it now would re-enter the engine mid-step. Then it returns None.
         """
-        if threading.current_thread() is self:
-            if self._stepping:
-                self.post(fn)
-                return None
-            return fn(self.engine)
-        future: Future[T] = Future()
-        self._commands.put((fn, future))
-        return future.result()
+        if threading.current_thread() is self and self._stepping:
+            self.post(fn)
+            return None
+        return self.submit(fn).result()
 
     def post(self, fn: Callable[[Engine], Any]) -> None:
-        """Queue `fn(engine)` without waiting: safe from any thread, even from a finaliser mid-step."""
-        self._commands.put((fn, None))
+        """Queue `fn(engine)` without waiting: safe from any thread, even from a finaliser mid-step.
+        After the thread has stopped there is no engine left to act on, and the call is dropped."""
+        with self._accepting:
+            if not self._stopped:
+                self._commands.put((fn, None))
 
     def stop(self) -> None:
-        self._commands.put(_STOP)
+        """Run every command already queued, then `on_stop`, then end. Later commands are refused."""
+        with self._accepting:
+            if not self._stopped:
+                self._stopped = True
+                self._commands.put(_STOP)
         if threading.current_thread() is not self:
             self.join()
 
@@ -71,29 +106,39 @@ class EngineThread(threading.Thread):
             except queue.Empty:
                 command = None
             if command is _STOP:
+                self._on_stop(self.engine)
                 return
             if command is not None:
-                self._run_command(*command)
+                fn, future = command
+                _run(fn, self.engine, future)
                 continue  # drain every waiting command before the next step
-            self._stepping = True
-            try:
-                events = self.engine.step()
-            except BaseException as error:  # noqa: BLE001 - reported to every consumer, thread lives on
-                self._on_step_error(error)
-                continue
-            finally:
-                self._stepping = False
-            if events:
-                self._deliver(events)
+            self._step()
 
-    def _run_command(self, fn: Callable[[Engine], Any], future: Future | None) -> None:
+    def _step(self) -> None:
+        self._stepping = True
         try:
-            result = fn(self.engine)
-        except BaseException as error:  # noqa: BLE001 - handed to the caller
-            if future is None:
-                log.exception("exlnb: a queued engine command failed")
-            else:
-                future.set_exception(error)
+            events = self.engine.step()
+        except JobFailed as failure:  # the engine named the jobs: only they fail
+            self._deliver(list(failure.events))
+            self._on_job_failure(failure.job_ids, failure.cause)
             return
-        if future is not None:
-            future.set_result(result)
+        except BaseException as error:  # noqa: BLE001 - reported to every consumer, thread lives on
+            self._on_step_error(self.engine, error)
+            return
+        finally:
+            self._stepping = False
+        if events:
+            self._deliver(events)
+
+
+def _run(fn: Callable[[Engine], Any], engine: Engine, future: Future | None) -> None:
+    try:
+        result = fn(engine)
+    except BaseException as error:  # noqa: BLE001 - handed to the caller
+        if future is None:
+            log.exception("exlnb: a queued engine command failed")
+        else:
+            future.set_exception(error)
+        return
+    if future is not None:
+        future.set_result(result)

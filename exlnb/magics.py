@@ -1,38 +1,60 @@
 """IPython magics: argument parsing, then one call into the Python API, nothing more.
 
-Every option maps to a keyword of `Session.load`, `exlnb.widgets.stream.generate_live`,
-`exlnb.widgets.cache.show_cache` / `show_jobs` or `Session.cancel`; `%exl_generate?` prints the help.
+`%%exl_generate`'s options are generated from `GenerationRequest` and `SamplerSettings`, so a new sampler
+setting is an option (with its help and default) the moment it is a field. Every other option maps to a
+keyword of `Session.load`, `generate_live`, `show_cache` / `show_jobs` or `Session.cancel`. `%exl_generate?`,
+`%%exl_generate?` and `--help` print the help; a user's mistake is a one-line `UsageError`.
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
+import difflib
 import re
 import shlex
 import string
+import typing
 from contextlib import contextmanager
+from dataclasses import fields
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import MagicHelpFormatter, argument, magic_arguments, real_name
 
+from exlnb.engines.base import SamplerSettings
+from exlnb.engines.options import CACHE_DTYPES, DISPLAY_HELP, DISPLAY_MODES, ENGINE_NAMES
 from exlnb.generation import Generation
 from exlnb.models import BUNDLED_MODEL
-from exlnb.session import NoModelLoaded, get_session
+from exlnb.request import REQUEST_HELP, GenerationRequest
+from exlnb.session import LoadFailed, NoModelLoaded, get_session
+from exlnb.streaming import JobError
 from exlnb.templates import TEMPLATES
 from exlnb.widgets.cache import show_cache, show_jobs
 from exlnb.widgets.stream import agenerate_live, generate_live
 
-# option name -> the SamplerSettings field it sets (exllamav2's names)
-SAMPLER_OPTIONS = {
-    "temperature": "temperature",
-    "top_k": "top_k",
-    "top_p": "top_p",
-    "min_p": "min_p",
-    "rep_penalty": "token_repetition_penalty",
-    "freq_penalty": "token_frequency_penalty",
-    "presence_penalty": "token_presence_penalty",
-}
-DISPLAY_HELP = "auto: a widget where the front end renders widgets, plain text otherwise (papermill, terminal)"
+# %%exl_generate options that say how to show the answer, not what to generate
+SHOW_OPTIONS = ("out", "background", "show_prompt", "display")
+
+
+class _HelpShown(Exception):
+    """`--help` printed the help: the magic has nothing more to do."""
+
+
+class _ShowHelp(argparse.Action):
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show this help and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(parser.format_help())
+        raise _HelpShown
+
+
+class _Help(MagicHelpFormatter):
+    """IPython's magic help without the reStructuredText `::` before the usage line."""
+
+    def add_usage(self, usage, actions, groups, prefix="%"):
+        super().add_usage(usage, actions, groups, prefix)
 
 
 def gpu_split(text: str) -> list[float]:
@@ -43,41 +65,139 @@ def gpu_split(text: str) -> list[float]:
         raise UsageError(f"--gpu-split {text!r}: give GiB per GPU separated by commas, e.g. 20,24") from None
 
 
-def parse_options(magic, line: str):
-    """The magic's options, split like a shell line: IPython's own `parse_argstring` keeps the quotes, so
-    `--system "Be brief."` would reach the model with its quote marks."""
-    try:
-        argv = shlex.split(line)
-    except ValueError as error:
-        raise UsageError(f"the options do not parse ({error}): {line}") from None
-    return magic.parser.parse_args(argv)
-
-
 def escaped(text: str) -> str:
     """Let `--stop "\\n\\n"` mean two newlines."""
     return text.replace("\\n", "\n").replace("\\t", "\t")
 
 
+def python_value(text: str):
+    """A setting written as a Python literal: `--token-bias "{42: -5.0}"`."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise UsageError(f"{text!r} is not a Python literal (e.g. 1.5, (1, 2), {{'a': 1}})") from None
+
+
+def parse_options(magic, line: str) -> argparse.Namespace | None:
+    """The magic's options, split like a shell line: IPython's own `parse_argstring` keeps the quotes, so
+    `--system "Be brief."` would reach the model with its quote marks. An unknown option names the valid ones.
+    None when `--help` printed the help."""
+    try:
+        argv = shlex.split(line)
+    except ValueError as error:
+        raise UsageError(f"the options do not parse ({error}): {line}") from None
+    parser = magic.parser
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except _HelpShown:
+        return None
+    if unknown:
+        raise UsageError(_unknown_options(unknown, parser, real_name(magic)))
+    return args
+
+
+def _unknown_options(unknown: list[str], parser: argparse.ArgumentParser, name: str) -> str:
+    known = sorted(s for action in parser._actions for s in action.option_strings if s.startswith("--"))
+    wrong = next((u for u in unknown if u.startswith("-")), unknown[0])
+    close = difflib.get_close_matches(wrong, known, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"%{name}: unknown option {wrong}{hint}; the options are {' '.join(known)}"
+
+
 def fill_prompt(body: str, namespace: dict) -> str:
     """`{name}` in the cell body becomes the value of `name` in the notebook (`{{` for a literal brace)."""
+    formatter = string.Formatter()
     try:
-        return string.Formatter().vformat(body, (), namespace)
-    except KeyError as error:
-        raise UsageError(
-            f"the prompt names {{{error.args[0]}}} but no variable {error.args[0]!r} exists: define it, or write "
-            "{{ and }} for literal braces"
-        ) from None
-    except (IndexError, ValueError, AttributeError) as error:
+        parsed = [field for _, field, _, _ in formatter.parse(body) if field is not None]
+    except ValueError as error:
         raise UsageError(f"the prompt's braces do not parse ({error}): write {{{{ and }}}} for literal braces") from None
+    for field in parsed:
+        variable = re.split(r"[.\[]", field, maxsplit=1)[0]
+        if not variable or variable.isdigit():
+            raise UsageError(f"the prompt has {{{field}}}: name a notebook variable inside braces, or write {{{{ and }}}}")
+        if variable not in namespace:
+            raise UsageError(
+                f"the prompt names {{{field}}} but no variable {variable!r} exists: define it, or write "
+                "{{ and }} for literal braces"
+            )
+        try:
+            formatter.get_field(field, (), namespace)
+        except (KeyError, IndexError, AttributeError, TypeError) as error:
+            raise UsageError(
+                f"the prompt's {{{field}}} could not be filled: {variable!r} has no {error} "
+                f"({type(error).__name__}); write {{{{ and }}}} for literal braces"
+            ) from None
+    try:
+        return formatter.vformat(body, (), namespace)
+    except (ValueError, TypeError) as error:  # a bad format spec or conversion, e.g. {x:q}
+        raise UsageError(f"the prompt's braces could not be filled ({error})") from None
 
 
 @contextmanager
-def _usage_errors():
-    """A bad option value or no model loaded reads as a one-line UsageError, not a traceback."""
+def usage_errors():
+    """A bad value, no model loaded, a failed load or a failed job reads as a one-line UsageError."""
     try:
         yield
-    except (ValueError, NoModelLoaded) as error:
+    except (ValueError, TypeError, FileNotFoundError, NotADirectoryError, NoModelLoaded, LoadFailed, JobError) as error:
         raise UsageError(str(error)) from None
+
+
+def generation_arguments(func):
+    """`%%exl_generate`'s options, one per `GenerationRequest` field and sampler setting, with help and defaults."""
+    defaults = GenerationRequest(prompt="")
+    declared = [_request_argument(f, getattr(defaults, f.name)) for f in fields(GenerationRequest)
+                if f.name not in ("prompt", "sampler")]
+    declared += [_sampler_argument(f) for f in fields(SamplerSettings)]
+    declared += [
+        argument("--out", metavar="VAR",
+                 help="store the result (a list for --n > 1; the running Generation with --background)"),
+        argument("--background", action="store_true", help="return at once; the widget keeps streaming"),
+        argument("--show-prompt", action="store_true", help="show the exact tokens, special tokens highlighted"),
+        argument("--display", choices=DISPLAY_MODES, default="auto", help=DISPLAY_HELP),
+        argument("-h", "--help", action=_ShowHelp),
+    ]
+    for decorate in reversed(declared):
+        func = decorate(func)
+    return magic_arguments()(func)
+
+
+def _request_argument(f, default):
+    flag, help_text = "--" + f.name.replace("_", "-"), REQUEST_HELP[f.name]
+    if f.name == "template":
+        return argument(flag, choices=TEMPLATES, default=default, help=f"{help_text} (default: {default})")
+    if f.name == "stop":
+        return argument(flag, action="append", default=[], type=escaped, help=help_text)
+    if isinstance(default, bool):
+        return argument(flag, action="store_true", help=help_text)
+    kind = _scalar_type(typing.get_type_hints(GenerationRequest)[f.name])
+    shown = f" (default: {default})" if default is not None else ""
+    return argument(flag, type=kind, default=default, metavar=_METAVARS.get(kind, "VALUE"), help=help_text + shown)
+
+
+def _sampler_argument(f):
+    option = f.metadata.get("option", f.name)
+    flag = "--" + option.replace("_", "-")
+    help_text = f"{f.metadata.get('help', f.name)} (default: {f.default})"
+    hint = typing.get_type_hints(SamplerSettings)[f.name]
+    if hint is bool:
+        return argument(flag, dest=option, action="store_const", const=not f.default, help=help_text)
+    kind = _scalar_type(hint)
+    return argument(flag, dest=option, type=kind, metavar=_METAVARS.get(kind, "VALUE"), help=help_text)
+
+
+_METAVARS = {int: "N", float: "X", str: "TEXT"}
+
+
+def _scalar_type(hint):
+    """The argparse type for a field: int, float, str, or a Python literal for anything richer."""
+    arms = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    return arms[0] if len(arms) == 1 and arms[0] in (int, float, str) else python_value
+
+
+def _tidy_help(magic) -> None:
+    """Help without IPython's `::` and with every default, for `%magic?` and `--help` alike."""
+    magic.parser.formatter_class = _Help
+    magic.__doc__ = magic.parser.format_help()
 
 
 # what IPython's cell-magic transform makes of a %%exl_generate cell
@@ -107,107 +227,104 @@ class ExlnbMagics(Magics):
     @magic_arguments()
     @argument("model", nargs="?", default=BUNDLED_MODEL,
               help=f'a model folder (HF fp16; EXL2 on the exllamav2 engine) or "{BUNDLED_MODEL}" (default)')
-    @argument("--engine", choices=("auto", "exllamav2", "cpu"), default="auto",
-              help="auto: exllamav2 where CUDA is available, cpu otherwise")
-    @argument("--cache-tokens", type=int, help="KV cache size in tokens (default: the engine's)")
-    @argument("--cache", choices=("fp16", "q4", "q6", "q8"), default="fp16", help="KV cache precision (exllamav2)")
-    @argument("--max-batch-size", type=int, help="most jobs decoded together")
+    @argument("--engine", choices=ENGINE_NAMES, default="auto",
+              help="auto: exllamav2 where CUDA is available, cpu otherwise (default: auto)")
+    @argument("--cache-tokens", type=int, help="KV cache size in tokens (default: the engine's, 8192)")
+    @argument("--cache", choices=CACHE_DTYPES, default="fp16", help="KV cache precision, exllamav2 (default: fp16)")
+    @argument("--max-batch-size", type=int, help="most jobs decoded together (default: 16)")
     @argument("--gpu-split", type=gpu_split, help="GiB per GPU, comma separated, e.g. 20,24 (exllamav2)")
-    @argument("--reload", action="store_true", help="load again even if the same model is loaded")
+    @argument("--reload", action="store_true",
+              help="load again even if the same model is loaded; replace a model while jobs run (they end)")
+    @argument("-h", "--help", action=_ShowHelp)
     @line_magic
     def exl_load(self, line: str) -> None:
         """Load a model into the kernel's session; the same arguments again do nothing."""
-        args = parse_options(self.exl_load, line)
-        try:
-            status = get_session().load(
+        if (args := parse_options(self.exl_load, line)) is None:
+            return
+        session = get_session()
+        before = session.options
+        with usage_errors():
+            status = session.load(
                 args.model, engine=args.engine, cache_tokens=args.cache_tokens, cache=args.cache,
                 max_batch_size=args.max_batch_size, gpu_split=args.gpu_split, reload=args.reload,
             )
-        except (ValueError, FileNotFoundError) as error:
-            raise UsageError(str(error)) from None
+        if before is not None and session.options != before:
+            print(f"replaced {before.model_dir.name} ({before.engine} engine)")
         print(status.line())
         for note in status.notes:
             print(note)
 
-    @magic_arguments()
-    @argument("--system", help="system prompt")
-    @argument("--template", choices=TEMPLATES, default="auto", help="prompt format; auto: the model's own chat template")
-    @argument("--max-new-tokens", type=int, default=256)
-    @argument("--temperature", type=float, help="0 is greedy (exllamav2 default 0.8)")
-    @argument("--top-k", type=int, help="0 disables (default 50)")
-    @argument("--top-p", type=float, help="1 disables (default 0.8)")
-    @argument("--min-p", type=float, help="0 disables (default 0)")
-    @argument("--rep-penalty", type=float, help="token_repetition_penalty (exllamav2 default 1.025)")
-    @argument("--freq-penalty", type=float, help="token_frequency_penalty (default 0)")
-    @argument("--presence-penalty", type=float, help="token_presence_penalty (default 0)")
-    @argument("--seed", type=int, help="sample i uses seed + i")
-    @argument("--stop", action="append", default=[], type=escaped,
-              help=r'stop string or special token, repeatable ("\n" for a newline)')
-    @argument("--n", type=int, default=1, help="samples run concurrently, shown side by side")
-    @argument("--chat", metavar="NAME", help="keep this conversation's turns in the session and answer after them")
-    @argument("--amnesia", action="store_true", help="forget the chat's earlier turns before this one")
-    @argument("--out", metavar="VAR", help="store the result (a list for --n > 1; the running Generation with --background)")
-    @argument("--background", action="store_true", help="return at once; the widget keeps streaming")
-    @argument("--loop-guard", action="store_true", help="cancel a sample caught in a repetition loop")
-    @argument("--show-prompt", action="store_true", help="show the exact tokens, special tokens highlighted")
-    @argument("--display", choices=("auto", "widget", "text"), default="auto", help=DISPLAY_HELP)
-    @cell_magic
-    def exl_generate(self, line: str, cell: str) -> None:
+    @generation_arguments
+    @line_cell_magic
+    def exl_generate(self, line: str, cell: str | None = None) -> None:
         """Generate from the cell body as the user's turn; `{name}` is filled from the notebook's variables."""
-        args, prompt, options = self._generate_call(line, cell)
-        with _usage_errors():
-            generation = generate_live(prompt, **options)
+        args, request, show = self._generate_call(line, cell)
+        if args is None:
+            return
+        with usage_errors():
+            generation = generate_live(request, **show)
         self._store(args, generation)
 
     async def exl_generate_async(self, line: str, cell: str) -> None:
         """`%%exl_generate` as a kernel runs it (see `await_generate_cells`): the cell awaits, so the Stop
         button is heard while it runs."""
-        args, prompt, options = self._generate_call(line, cell)
-        with _usage_errors():
-            generation = await agenerate_live(prompt, **options)
+        args, request, show = self._generate_call(line, cell)
+        if args is None:
+            return
+        with usage_errors():
+            generation = await agenerate_live(request, **show)
         self._store(args, generation)
 
-    def _generate_call(self, line: str, cell: str) -> tuple:
-        args = parse_options(self.exl_generate, line)
-        prompt = fill_prompt(cell.strip(), self.shell.user_ns)
-        sampler = {field: getattr(args, option) for option, field in SAMPLER_OPTIONS.items()
-                   if getattr(args, option) is not None}
-        options = dict(
-            system=args.system, template=args.template, max_new_tokens=args.max_new_tokens, stop=args.stop,
-            n=args.n, seed=args.seed, chat=args.chat, amnesia=args.amnesia, background=args.background,
-            loop_guard=args.loop_guard, show_prompt=args.show_prompt, display=args.display, owner=self.cell_id,
-            **sampler,
-        )
-        return args, prompt, options
+    def _generate_call(self, line: str, cell: str | None) -> tuple:
+        if (args := parse_options(self.exl_generate, line)) is None:
+            return None, None, None
+        if cell is None:
+            raise UsageError("%%exl_generate is a cell magic: options on the first line, the prompt in the cell "
+                             "below (see %exl_generate? for the options)")
+        values = {k: v for k, v in vars(args).items() if v is not None and k not in SHOW_OPTIONS}
+        with usage_errors():
+            request = GenerationRequest.build(fill_prompt(cell.strip(), self.shell.user_ns), **values)
+        show = dict(background=args.background, show_prompt=args.show_prompt, display=args.display,
+                    owner=self.cell_id)
+        return args, request, show
 
     def _store(self, args, generation: Generation) -> None:
         if args.out:
             results = None if args.background else generation.results
-            self.shell.user_ns[args.out] = generation if results is None else results[0] if args.n == 1 else results
+            one = len(generation.samples) == 1
+            self.shell.user_ns[args.out] = generation if results is None else results[0] if one else results
 
     @magic_arguments()
-    @argument("--display", choices=("auto", "widget", "text"), default="auto", help=DISPLAY_HELP)
+    @argument("--display", choices=DISPLAY_MODES, default="auto", help=DISPLAY_HELP)
+    @argument("-h", "--help", action=_ShowHelp)
     @line_magic
     def exl_cache(self, line: str) -> None:
         """The cache inspector: pages coloured by owner job, shared pages outlined, free pages, totals."""
-        args = parse_options(self.exl_cache, line)
-        show_cache(display=args.display)
+        if (args := parse_options(self.exl_cache, line)) is None:
+            return
+        with usage_errors():
+            show_cache(display=args.display)
 
     @magic_arguments()
-    @argument("--display", choices=("auto", "widget", "text"), default="auto", help=DISPLAY_HELP)
+    @argument("--display", choices=DISPLAY_MODES, default="auto", help=DISPLAY_HELP)
+    @argument("-h", "--help", action=_ShowHelp)
     @line_magic
     def exl_jobs(self, line: str) -> None:
         """Pending and active jobs, whether their streams are read, with Cancel buttons."""
-        args = parse_options(self.exl_jobs, line)
-        show_jobs(display=args.display)
+        if (args := parse_options(self.exl_jobs, line)) is None:
+            return
+        with usage_errors():
+            show_jobs(display=args.display)
 
     @magic_arguments()
     @argument("job_ids", nargs="*", type=int, help="jobs to cancel (ids from %%exl_jobs)")
     @argument("--all", action="store_true", help="cancel every pending and active job")
+    @argument("-h", "--help", action=_ShowHelp)
     @line_magic
     def exl_cancel(self, line: str) -> None:
         """Cancel jobs by id, or all of them; their cache pages are free when this returns."""
-        args = parse_options(self.exl_cancel, line)
+        if (args := parse_options(self.exl_cancel, line)) is None:
+            return
         if not args.job_ids and not args.all:
             raise UsageError("name the jobs to cancel (see %exl_jobs), or pass --all")
         session = get_session()
@@ -215,3 +332,8 @@ class ExlnbMagics(Magics):
             print(f"cancelled {session.cancel_all()} jobs")
         for job_id in args.job_ids:
             print(f"job {job_id}: {'cancelled' if session.cancel(job_id) else 'not running'}")
+
+
+for _magic in (ExlnbMagics.exl_load, ExlnbMagics.exl_generate, ExlnbMagics.exl_cache, ExlnbMagics.exl_jobs,
+               ExlnbMagics.exl_cancel):
+    _tidy_help(_magic)

@@ -57,12 +57,17 @@ def resolve_model(name_or_path: str | os.PathLike, *, progress: bool = True) -> 
     path = Path(text).expanduser()
     if path.exists():
         return check_model_folder(path)
-    if _looks_like_hub_repo(text) and not text.startswith((".", "/", "~")):
-        return _download_from_hub(text)
-    raise FileNotFoundError(
-        f"no model at {text!r}: pass a folder with config.json (HF fp16, or EXL2 for the ExLlamaV2 engine), "
-        f'a hub repo id, or "{BUNDLED_MODEL}"'
+    missing = FileNotFoundError(
+        f"no model at {path.absolute()}: pass a folder with config.json (HF fp16, or EXL2 for the "
+        f'ExLlamaV2 engine), a hub repo id (org/name), or "{BUNDLED_MODEL}"'
     )
+    if not _looks_like_hub_repo(text) or text.startswith((".", "/", "~")) or Path(text.split("/")[0]).exists():
+        raise missing
+    try:
+        return _download_from_hub(text)
+    except Exception as error:  # noqa: BLE001 - offline, unknown repo, gated: one line either way
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise FileNotFoundError(f"{missing}; as a hub repo id it could not be fetched either ({first})") from error
 
 
 def check_model_folder(path: Path) -> Path:
@@ -73,6 +78,14 @@ def check_model_folder(path: Path) -> Path:
             f"{path} has no config.json, so it is not a model folder; pass the folder that holds config.json "
             f'and the weights, or "{BUNDLED_MODEL}"'
         )
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path / 'config.json'} is not valid JSON ({error}): the folder's config is damaged") from None
+    if not isinstance(config, dict) or not (config.get("model_type") or config.get("architectures")):
+        raise ValueError(f"{path / 'config.json'} names no model_type or architectures: it is not a model's config")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise FileNotFoundError(f"{path} has a config.json but no weights (*.safetensors or *.bin)")
     return path
 
 

@@ -2,18 +2,24 @@
 
 Every cell, widget, magic and background job talks to `get_session()`. Field report 2 is what happens
 otherwise: generators created per request, sharing one cache, write over each other's pages.
+
+The session owns the lifecycle (load, replace, unload), the engine thread, submit and cancel. Delivering
+events to streams is `exlnb.streaming.Deliveries`' job.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
-from exlnb.engine_thread import EngineThread
-from exlnb.engines import EngineOptions, create_engine
+from exlnb.engine_thread import EngineStopped, EngineThread
+from exlnb.engines import create_engine
 from exlnb.engines.base import (
+    DEFAULT_MAX_NEW_TOKENS,
     CacheView,
     Engine,
     EngineStatus,
@@ -21,18 +27,23 @@ from exlnb.engines.base import (
     JobInfo,
     JobSpec,
     SamplerSettings,
-    Stage,
-    StreamEvent,
     Tokenizer,
-    wall_clock,
+    check_option_names,
 )
+from exlnb.engines.options import EngineOptions, check_cache_fits
 from exlnb.models import BUNDLED_MODEL, resolve_model
-from exlnb.streaming import EventInbox, GenerationResult, JobStream
+from exlnb.streaming import Deliveries, EventInbox, GenerationResult, JobError, JobStream, ModelUnloaded
+
+T = TypeVar("T")
 
 
 class NoModelLoaded(RuntimeError):
     def __init__(self) -> None:
-        super().__init__('no model is loaded: call get_session().load() or run %exl_load first')
+        super().__init__("no model is loaded: call get_session().load() or run %exl_load first")
+
+
+class LoadFailed(RuntimeError):
+    """Loading a model failed; the message says what is loaded now (the previous model, or nothing)."""
 
 
 @dataclass(frozen=True)
@@ -44,17 +55,17 @@ class JobRow:
     abandoned_ok: bool  # submitted with cancel_when_abandoned=False (runs on with nobody reading)
 
 
+JOB_SPEC_OPTIONS = ("max_new_tokens", "sampler", "stop", "seed", "identifier", "stop_at_eos")
+
+
 class Session:
     """Owns the engine and its thread; hands out `JobStream`s. Safe to use from any thread or task."""
 
     def __init__(self) -> None:
         self._load_lock = threading.RLock()  # load/unload; held while waiting on the engine thread
-        self._lock = threading.Lock()  # the inbox table; taken by the engine thread, never held while waiting
         self._thread: EngineThread | None = None
         self._options: EngineOptions | None = None
-        self._inboxes: dict[int, EventInbox] = {}
-        self._last_event: dict[int, StreamEvent] = {}
-        self._detached: set[int] = set()
+        self._deliveries = Deliveries()
 
     # -- loading ---------------------------------------------------------------------------------------
 
@@ -75,6 +86,9 @@ class Session:
 
         `model` is "smollm2-135m-instruct" (fetched and converted once, then cached) or a local folder.
         `engine` is "auto" (ExLlamaV2 where CUDA is available, else CPU), "exllamav2" or "cpu".
+        Replacing a loaded model while jobs run needs `reload=True` (they are ended); `reload=True` also
+        loads again with unchanged arguments. Everything that can be checked is checked before the loaded
+        model is touched; if the new one fails to load, the previous one is loaded again.
         """
         model_dir = resolve_model(model, progress=progress)
         options = EngineOptions.resolve(
@@ -86,24 +100,48 @@ class Session:
             gpu_split=tuple(gpu_split) if gpu_split else None,
             paged=paged,
         )
+        check_cache_fits(options)
         with self._load_lock:
             if self._thread is not None and options == self._options and not reload:
                 return self.status()
+            if self._thread is not None and not reload and self.jobs():
+                raise ValueError(
+                    f"{len(self.jobs())} job(s) are running on {self._options.model_dir.name}: loading another "
+                    "model would end them. Pass reload=True (%exl_load --reload) to replace it anyway"
+                )
+            previous = self._options
             self.unload()
-            engine_obj = create_engine(options, progress=progress)
-            self._options = options
-            self._thread = EngineThread(engine_obj, self._deliver, self._fail_all)
-            self._thread.start()
-            return engine_obj.status()
+            try:
+                self._start(options, progress)
+            except Exception as error:
+                if previous is None:
+                    raise LoadFailed(f"loading {options.model_dir.name} failed: {_one_line(error)}") from error
+                self._start(previous, progress=False)
+                raise LoadFailed(
+                    f"loading {options.model_dir.name} failed: {_one_line(error)}; "
+                    f"{previous.model_dir.name} is loaded again"
+                ) from error
+            return self.status()
+
+    def _start(self, options: EngineOptions, progress: bool) -> None:
+        engine = create_engine(options, progress=progress)
+        self._thread = EngineThread(
+            engine,
+            deliver=self._deliveries.deliver,
+            on_job_failure=self._fail_jobs,
+            on_step_error=self._fail_step,
+            on_stop=self._end_every_job,
+        )
+        self._options = options
+        self._thread.start()
 
     def unload(self) -> None:
-        """Cancel every job, stop the engine thread and free model and cache memory."""
+        """End every job (their streams raise `ModelUnloaded`), stop the engine thread, free model and cache."""
         with self._load_lock:
             if self._thread is None:
                 return
-            self.cancel_all()
             thread, self._thread, self._options = self._thread, None, None
-            thread.stop()
+            thread.stop()  # runs what is queued, then `_end_every_job`; later commands are refused
             thread.engine.close()
             del thread
             gc.collect()
@@ -112,14 +150,32 @@ class Session:
     def loaded(self) -> bool:
         return self._thread is not None
 
+    @property
+    def options(self) -> EngineOptions | None:
+        """What is loaded (None when nothing is)."""
+        return self._options
+
     def _engine_thread(self) -> EngineThread:
         thread = self._thread
         if thread is None:
             raise NoModelLoaded()
         return thread
 
+    def _call(self, fn: Callable[[Engine], T]) -> T:
+        try:
+            return self._engine_thread().call(fn)
+        except EngineStopped:
+            raise NoModelLoaded() from None
+
+    async def _acall(self, fn: Callable[[Engine], T]) -> T:
+        """`_call` for a coroutine: awaits the engine thread's answer, so the event loop never waits for a step."""
+        try:
+            return await asyncio.wrap_future(self._engine_thread().submit(fn))
+        except EngineStopped:
+            raise NoModelLoaded() from None
+
     def status(self) -> EngineStatus:
-        return self._engine_thread().call(lambda engine: engine.status())
+        return self._call(lambda engine: engine.status())
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -133,9 +189,9 @@ class Session:
         """
         return self._engine_thread().engine
 
-    def run_on_engine(self, fn):
+    def run_on_engine(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps and return its result."""
-        return self._engine_thread().call(fn)
+        return self._call(fn)
 
     # -- jobs ----------------------------------------------------------------------------------------------
 
@@ -147,73 +203,94 @@ class Session:
         """
         return self.submit_together([spec], cancel_when_abandoned=cancel_when_abandoned)[0]
 
-    def submit_together(self, specs: Sequence[JobSpec], *, cancel_when_abandoned: bool = True) -> list[JobStream]:
+    def submit_together(
+        self, specs: Sequence[JobSpec], *, cancel_when_abandoned: bool = True, shared: object | None = None
+    ) -> list[JobStream]:
         """Queue several jobs in one engine command, so that the engine starts them in the same step.
 
         Jobs queued one by one may straddle a step: the first then decodes its first token alone and the
         next joins it a step later, in a batch of another shape. fp16 kernels round rows of differently
         shaped batches differently, so two greedy samples of one prompt may part ways; started together
         they share the prompt's pages from the first pass and stay in the same batches (`--n` samples).
+        With `shared` (a `queue.SimpleQueue`), every job's events go to that one queue.
         """
+        inboxes = [EventInbox(shared) for _ in specs]
         thread = self._engine_thread()
-        inboxes = [EventInbox() for _ in specs]
+        try:
+            job_ids = self._call(self._enqueue(specs, inboxes, cancel_when_abandoned))
+        except BaseException:
+            self._cancel_orphans(thread, inboxes)
+            raise
+        return self._streams(job_ids, inboxes, cancel_when_abandoned)
 
+    async def asubmit_together(
+        self, specs: Sequence[JobSpec], *, cancel_when_abandoned: bool = True, shared: object | None = None
+    ) -> list[JobStream]:
+        """`submit_together` for a coroutine: the event loop runs on while the engine finishes its step."""
+        inboxes = [EventInbox(shared) for _ in specs]
+        thread = self._engine_thread()
+        try:
+            job_ids = await self._acall(self._enqueue(specs, inboxes, cancel_when_abandoned))
+        except BaseException:
+            self._cancel_orphans(thread, inboxes)
+            raise
+        return self._streams(job_ids, inboxes, cancel_when_abandoned)
+
+    def _enqueue(self, specs: Sequence[JobSpec], inboxes: list[EventInbox], cancel_when_abandoned: bool):
         def enqueue(engine: Engine) -> list[int]:
             # registered on the engine thread before its first step, so no event can be missed
             job_ids = []
             for spec, inbox in zip(specs, inboxes):
                 job_id = engine.enqueue(spec)
                 job_ids.append(job_id)
-                with self._lock:
-                    self._inboxes[job_id] = inbox
-                    if not cancel_when_abandoned:
-                        self._detached.add(job_id)
+                self._deliveries.register(job_id, inbox, detached=not cancel_when_abandoned)
             return job_ids
 
-        try:
-            job_ids = thread.call(enqueue)
-        except BaseException:
-            # Interrupted while waiting (Ctrl-C), or one spec refused after others were queued: the engine
-            # thread may have enqueued jobs all the same, and no stream would ever cancel them. Commands run
-            # in order, so this runs after the enqueue.
-            thread.post(lambda engine: self._cancel_orphans(engine, inboxes))
-            raise
+        return enqueue
+
+    def _streams(self, job_ids: list[int], inboxes: list[EventInbox], cancel_when_abandoned: bool) -> list[JobStream]:
         return [
             JobStream(job_id, inbox, self.cancel, self.request_cancel, cancel_when_abandoned)
             for job_id, inbox in zip(job_ids, inboxes)
         ]
 
-    def _cancel_orphans(self, engine: Engine, inboxes: list[EventInbox]) -> None:
-        with self._lock:
-            orphans = [job_id for job_id, box in self._inboxes.items() if any(box is mine for mine in inboxes)]
-        for job_id in orphans:
-            self._cancel_on_engine(engine, job_id)
+    def _cancel_orphans(self, thread: EngineThread, inboxes: list[EventInbox]) -> None:
+        """Interrupted while waiting (Ctrl-C, task cancelled), or one spec refused after others were queued:
+        the engine thread may have enqueued jobs all the same, and no stream would ever cancel them.
+        Commands run in order, so this runs after the enqueue."""
+        def cancel_mine(engine: Engine) -> None:
+            for job_id in self._deliveries.open_inboxes(inboxes):
+                self._cancel_on_engine(engine, job_id)
+
+        thread.post(cancel_mine)
 
     def job_spec(
         self,
         prompt: str | Sequence[int],
         *,
-        max_new_tokens: int = 256,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         sampler: SamplerSettings | None = None,
         stop: Sequence[str | int] = (),
         seed: int | None = None,
         identifier: Hashable | None = None,
         stop_at_eos: bool = True,
-        **sampler_overrides: float,
+        **sampler_options,
     ) -> JobSpec:
         """What `generate` submits, for `submit_together`: the prompt encoded, the settings checked.
 
         Sampler settings come from `sampler` (default: exllamav2's defaults) with keyword overrides, e.g.
         `temperature=0.7, top_p=0.9`. `stop` takes strings and token ids; the tokenizer's end-of-sequence
-        token stops generation unless `stop_at_eos=False`.
+        token stops generation unless `stop_at_eos=False`. The prompt and its answer must fit the cache:
+        every job reserves pages for its whole answer when it starts.
         """
+        check_option_names(sampler_options, valid=[*JOB_SPEC_OPTIONS, *SamplerSettings.option_names()])
+        settings = (sampler or SamplerSettings()).with_options(**sampler_options)
         tokenizer = self.tokenizer
         input_ids = tokenizer.encode(prompt, special=True) if isinstance(prompt, str) else list(prompt)
-        settings = replace(sampler or SamplerSettings(), **sampler_overrides)
         stop_ids = {s for s in stop if isinstance(s, int)}
         if stop_at_eos:
             stop_ids.update(tokenizer.eos_token_ids)
-        return JobSpec(
+        spec = JobSpec(
             input_ids=tuple(input_ids),
             max_new_tokens=max_new_tokens,
             sampler=settings,
@@ -222,16 +299,36 @@ class Session:
             seed=seed,
             identifier=identifier,
         )
+        self._check_fits(spec)
+        return spec
 
-    def generate(
-        self, prompt: str | Sequence[int], *, cancel_when_abandoned: bool = True, **options
-    ) -> JobStream:
+    def _check_fits(self, spec: JobSpec) -> None:
+        limit = self._engine_thread().engine.max_seq_len
+        prompt = len(spec.input_ids)
+        if prompt >= limit:
+            raise ValueError(
+                f"the prompt has {prompt} tokens but the cache holds {limit}: shorten the prompt or load with "
+                f"cache_tokens of at least {prompt + spec.max_new_tokens}"
+            )
+        if prompt + spec.max_new_tokens > limit:
+            raise ValueError(
+                f"max_new_tokens={spec.max_new_tokens} with a {prompt}-token prompt does not fit the cache "
+                f"({limit} tokens; a job reserves pages for its whole answer): ask for at most {limit - prompt}, "
+                "or load with a larger cache_tokens"
+            )
+
+    def generate(self, prompt: str | Sequence[int], *, cancel_when_abandoned: bool = True, **options) -> JobStream:
         """Start generating from a prompt (text, special tokens encoded as such, or token ids).
 
         `options` are `job_spec`'s: `max_new_tokens`, `sampler`, `stop`, `seed`, `identifier`,
-        `stop_at_eos` and sampler overrides such as `temperature=0.7`.
+        `stop_at_eos` and sampler settings such as `temperature=0.7`.
         """
         return self.submit(self.job_spec(prompt, **options), cancel_when_abandoned=cancel_when_abandoned)
+
+    async def agenerate(self, prompt: str | Sequence[int], *, cancel_when_abandoned: bool = True, **options) -> JobStream:
+        """`generate` for a coroutine: returns without waiting for the engine's current step."""
+        spec = self.job_spec(prompt, **options)
+        return (await self.asubmit_together([spec], cancel_when_abandoned=cancel_when_abandoned))[0]
 
     def complete(self, prompt: str | Sequence[int], **options) -> GenerationResult:
         """`generate(...)` and wait for the whole result."""
@@ -239,95 +336,91 @@ class Session:
 
     def cancel(self, job_id: int) -> bool:
         """Cancel a job; its pages are free when this returns. False if it had already finished."""
-        thread = self._thread
-        if thread is None:
+        try:
+            return bool(self._call(lambda engine: self._cancel_on_engine(engine, job_id)))
+        except NoModelLoaded:
             return False
-        return bool(thread.call(lambda engine: self._cancel_on_engine(engine, job_id)))
+
+    async def acancel(self, job_id: int) -> bool:
+        """`cancel` for a coroutine."""
+        try:
+            return bool(await self._acall(lambda engine: self._cancel_on_engine(engine, job_id)))
+        except NoModelLoaded:
+            return False
 
     def request_cancel(self, job_id: int) -> None:
-        """Ask for a cancel without waiting: what a garbage-collector finaliser may safely do."""
+        """Ask for a cancel without waiting: what a finaliser, a button or an event loop may safely do."""
         thread = self._thread
         if thread is not None:
             thread.post(lambda engine: self._cancel_on_engine(engine, job_id))
 
     def cancel_all(self) -> int:
         """Cancel every pending and active job; returns how many there were."""
-        thread = self._thread
-        if thread is None:
+        if self._thread is None:
             return 0
+        return self._call(self._cancel_everything)
 
-        def cancel_everything(engine: Engine) -> int:
-            return sum(self._cancel_on_engine(engine, info.job_id) for info in engine.jobs())
+    async def acancel_all(self) -> int:
+        if self._thread is None:
+            return 0
+        return await self._acall(self._cancel_everything)
 
-        return thread.call(cancel_everything)
+    def _cancel_everything(self, engine: Engine) -> int:
+        return sum(self._cancel_on_engine(engine, info.job_id) for info in engine.jobs())
 
     def _cancel_on_engine(self, engine: Engine, job_id: int) -> bool:
         if not engine.cancel(job_id):
             return False
-        last = self._last_event.get(job_id)
-        self._deliver(
-            [
-                StreamEvent(
-                    job_id=job_id,
-                    stage=Stage.DONE,
-                    time_produced=wall_clock(),
-                    eos=True,
-                    eos_reason=EosReason.CANCELLED,
-                    prompt_tokens=last.prompt_tokens if last else 0,
-                    cached_tokens=last.cached_tokens if last else 0,
-                    new_tokens=last.new_tokens if last else 0,
-                    time_enqueued=last.time_enqueued if last else 0.0,
-                    time_to_first_token_s=last.time_to_first_token_s if last else None,
-                    prefill_tokens_per_s=last.prefill_tokens_per_s if last else None,
-                    decode_tokens_per_s=last.decode_tokens_per_s if last else None,
-                )
-            ]
-        )
+        self._deliveries.end(job_id, EosReason.CANCELLED)
         return True
 
     def jobs(self) -> list[JobRow]:
         """Pending and active jobs with whether their streams are being read."""
-        infos = self._engine_thread().call(lambda engine: engine.jobs())
-        with self._lock:
-            inboxes = {info.job_id: self._inboxes.get(info.job_id) for info in infos}
-            return [
-                JobRow(
-                    info=info,
-                    consumed=inboxes[info.job_id] is not None and inboxes[info.job_id].consuming,
-                    abandoned_ok=info.job_id in self._detached,
-                )
-                for info in infos
-            ]
+        return self._rows(self._call(lambda engine: engine.jobs()))
+
+    async def ajobs(self) -> list[JobRow]:
+        """`jobs` for a coroutine."""
+        return self._rows(await self._acall(lambda engine: engine.jobs()))
+
+    def _rows(self, infos: list[JobInfo]) -> list[JobRow]:
+        return [
+            JobRow(info, self._deliveries.consumed(info.job_id), self._deliveries.detached(info.job_id))
+            for info in infos
+        ]
 
     def cache_view(self) -> CacheView:
-        return self._engine_thread().call(lambda engine: engine.cache_view())
+        return self._call(lambda engine: engine.cache_view())
 
-    # -- delivery (engine thread) ------------------------------------------------------------------------
+    async def acache_view(self) -> CacheView:
+        return await self._acall(lambda engine: engine.cache_view())
 
-    def _deliver(self, events: list[StreamEvent]) -> None:
-        with self._lock:
-            for event in events:
-                inbox = self._inboxes.get(event.job_id)
-                if event.eos:
-                    self._inboxes.pop(event.job_id, None)
-                    self._last_event.pop(event.job_id, None)
-                    self._detached.discard(event.job_id)
-                else:
-                    self._last_event[event.job_id] = event
-                if inbox is not None:
-                    inbox.put(event)
+    # -- failures and the end (engine thread) ----------------------------------------------------------------
 
-    def _fail_all(self, error: BaseException) -> None:
-        """An engine step raised: every job fails with that error, and the session stays usable."""
-        engine = self._engine_thread().engine
+    def _fail_jobs(self, job_ids: tuple[int, ...], error: BaseException) -> None:
+        """The engine failed these jobs alone: their streams raise, every other job runs on."""
+        self._deliveries.fail(job_ids, JobError(f"job failed inside the engine: {_one_line(error)}"))
+
+    def _fail_step(self, engine: Engine, error: BaseException) -> None:
+        """A whole engine step raised: every job fails with that error, and the session stays usable."""
         for info in engine.jobs():
             engine.cancel(info.job_id)
-        with self._lock:
-            inboxes, self._inboxes = self._inboxes, {}
-            self._last_event.clear()
-            self._detached.clear()
-        for inbox in inboxes.values():
-            inbox.put(error)
+        message = f"the engine step failed: {_one_line(error)}"
+        self._deliveries.fail_all(lambda job_id: JobError(f"job {job_id}: {message}"))
+
+    def _end_every_job(self, engine: Engine) -> None:
+        """The engine thread's last act: no job outlives the model, and no stream waits for ever."""
+        for info in engine.jobs():
+            engine.cancel(info.job_id)
+        self._deliveries.fail_all(
+            lambda job_id: ModelUnloaded(
+                f"job {job_id} ended: the model was unloaded after {self._deliveries.new_tokens(job_id)} new tokens"
+            )
+        )
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
 _session: Session | None = None

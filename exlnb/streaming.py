@@ -1,13 +1,16 @@
-"""Delivering one job's events to whoever consumes them, from the generator thread, through a queue.
+"""Delivering each job's events from the engine thread to whoever consumes them, through queues.
 
-Field report 3: nesting async iteration lets results pile up and arrive in bursts. Here the producer
-(the session's generator thread) only ever puts events on a queue; a sync consumer blocks on a
-`queue.Queue`, an async consumer awaits an `asyncio.Queue` fed with `call_soon_threadsafe`. Either way
-an event is deliverable the moment it is produced.
+Field report 3: nesting async iteration lets results pile up and arrive in bursts. Here the producer (the
+session's engine thread) only ever puts events on a queue; a sync consumer blocks on a `queue.Queue`, an
+async consumer awaits an `asyncio.Queue` fed with `call_soon_threadsafe`. Either way an event is
+deliverable the moment it is produced.
 
 Field report 1: a job nobody consumes any more must not keep running. A stream cancels its job when the
 consumer stops early (break, exception, KeyboardInterrupt, task cancellation) and when the stream object
 itself is garbage-collected.
+
+Every stream ends: with its last event, or with an error (the job failed, the model was unloaded). The
+`Deliveries` table is the one place that knows which streams are still open.
 """
 
 from __future__ import annotations
@@ -16,10 +19,29 @@ import asyncio
 import queue
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from exlnb.engines.base import EosReason, StreamEvent
+from exlnb.engines.base import EosReason, Stage, StreamEvent, wall_clock
+
+
+class JobError(RuntimeError):
+    """A job ended with an error instead of a result; the session and every other job carry on."""
+
+
+class ModelUnloaded(JobError):
+    """The model was unloaded (or replaced) while the job ran."""
+
+
+@dataclass(frozen=True)
+class StreamFailure:
+    """What a stream receives instead of an event when its job fails."""
+
+    job_id: int
+    error: JobError
+
+
+Delivered = StreamEvent | StreamFailure
 
 
 @dataclass(frozen=True)
@@ -57,31 +79,34 @@ class GenerationResult:
 
 
 class EventInbox:
-    """The producer's end of one job's stream. Lives in the session, not in the consumer's hands."""
+    """The producer's end of one job's stream. Lives in the session's `Deliveries`, not in the consumer's hands.
 
-    def __init__(self) -> None:
-        self._sync: queue.Queue[StreamEvent | BaseException] = queue.Queue()
+    With `shared`, events go to a queue that several inboxes feed (one consumer thread for all the samples
+    of a generation, rather than a thread each).
+    """
+
+    def __init__(self, shared: queue.SimpleQueue[Delivered] | None = None) -> None:
+        self._sync: queue.SimpleQueue[Delivered] = shared if shared is not None else queue.SimpleQueue()
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._async: asyncio.Queue[StreamEvent | BaseException] | None = None
+        self._async: asyncio.Queue[Delivered] | None = None
         self.consuming = False  # a consumer is iterating right now
         self.finished = False
 
-    def put(self, event: StreamEvent | BaseException) -> None:
-        """Deliver an event, or an engine error that the consumer will raise."""
+    def put(self, item: Delivered) -> None:
         with self._lock:
-            if isinstance(event, BaseException) or event.eos:
+            if isinstance(item, StreamFailure) or item.eos:
                 self.finished = True
             if self._loop is None:
-                self._sync.put(event)
+                self._sync.put(item)
                 return
             loop, target = self._loop, self._async
         try:
-            loop.call_soon_threadsafe(target.put_nowait, event)
+            loop.call_soon_threadsafe(target.put_nowait, item)
         except RuntimeError:  # the consumer's loop is closed: nobody will read this
             pass
 
-    def attach_loop(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[StreamEvent | BaseException]:
+    def attach_loop(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[Delivered]:
         """Switch delivery to `loop`, moving over anything already produced."""
         with self._lock:
             if self._loop is not None and self._loop is not loop:
@@ -92,16 +117,98 @@ class EventInbox:
                     self._async.put_nowait(self._sync.get_nowait())
             return self._async
 
-    def get(self, timeout: float | None) -> StreamEvent | BaseException:
-        return self._sync.get(timeout=timeout)
+    def get(self) -> Delivered:
+        return self._sync.get()
+
+
+class Deliveries:
+    """Which inbox receives each open job's events, each job's last event, and which jobs may run unread.
+
+    Written by the engine thread (`deliver`, `fail`) and read by any thread (`consumed`, `detached`).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inboxes: dict[int, EventInbox] = {}
+        self._last: dict[int, StreamEvent] = {}
+        self._detached: set[int] = set()
+
+    def register(self, job_id: int, inbox: EventInbox, *, detached: bool) -> None:
+        with self._lock:
+            self._inboxes[job_id] = inbox
+            if detached:
+                self._detached.add(job_id)
+
+    def deliver(self, events: Iterable[StreamEvent]) -> None:
+        with self._lock:
+            for event in events:
+                inbox = self._inboxes.get(event.job_id)
+                if event.eos:
+                    self._close(event.job_id)
+                else:
+                    self._last[event.job_id] = event
+                if inbox is not None:
+                    inbox.put(event)
+
+    def end(self, job_id: int, reason: EosReason) -> None:
+        """End a job's stream from outside the engine (cancelled): a last event with its counts so far."""
+        with self._lock:
+            last = self._last.get(job_id)
+        now = wall_clock()
+        final = last.ended(reason, now) if last else StreamEvent(
+            job_id=job_id, stage=Stage.DONE, time_produced=now, eos=True, eos_reason=reason, time_enqueued=now
+        )
+        self.deliver([final])
+
+    def fail(self, job_ids: Iterable[int], error: JobError) -> None:
+        """End these jobs' streams with `error`."""
+        with self._lock:
+            inboxes = [(job_id, self._inboxes.get(job_id)) for job_id in job_ids]
+            for job_id, _ in inboxes:
+                self._close(job_id)
+        for job_id, inbox in inboxes:
+            if inbox is not None:
+                inbox.put(StreamFailure(job_id, error))
+
+    def fail_all(self, error_for: Callable[[int], JobError]) -> None:
+        """End every open stream with an error made for its job."""
+        with self._lock:
+            open_jobs = list(self._inboxes)
+        for job_id in open_jobs:
+            self.fail([job_id], error_for(job_id))
+
+    def open_inboxes(self, owned: Iterable[EventInbox]) -> list[int]:
+        """The open jobs whose inbox is one of `owned`."""
+        mine = {id(inbox) for inbox in owned}
+        with self._lock:
+            return [job_id for job_id, inbox in self._inboxes.items() if id(inbox) in mine]
+
+    def consumed(self, job_id: int) -> bool:
+        with self._lock:
+            inbox = self._inboxes.get(job_id)
+        return inbox is not None and inbox.consuming
+
+    def detached(self, job_id: int) -> bool:
+        with self._lock:
+            return job_id in self._detached
+
+    def new_tokens(self, job_id: int) -> int:
+        with self._lock:
+            last = self._last.get(job_id)
+        return last.new_tokens if last else 0
+
+    def _close(self, job_id: int) -> None:
+        self._inboxes.pop(job_id, None)
+        self._last.pop(job_id, None)
+        self._detached.discard(job_id)
 
 
 class JobStream:
     """The consumer's handle on one job: iterate it (sync or async), or ask for its result.
 
-    Iterating yields `StreamEvent`s until the job ends. Leaving the loop early cancels the job. So does
-    dropping the last reference to the stream, unless the job was submitted with
-    `cancel_when_abandoned=False` (used to reproduce field report 1 on purpose).
+    Iterating yields `StreamEvent`s until the job ends, or raises `JobError` if it fails. Leaving the loop
+    early cancels the job. So does dropping the last reference to the stream, unless the job was submitted
+    with `cancel_when_abandoned=False` (used to reproduce field report 1 on purpose).
     """
 
     def __init__(
@@ -115,7 +222,9 @@ class JobStream:
         self.job_id = job_id
         self._inbox = inbox
         self._cancel = cancel
+        self._request_cancel = request_cancel
         self._events: list[StreamEvent] = []
+        self.error: JobError | None = None
         self.cancel_when_abandoned = cancel_when_abandoned
         if cancel_when_abandoned:
             # a finaliser must not block (it may run on the engine thread itself), so it only asks
@@ -123,7 +232,7 @@ class JobStream:
 
     @property
     def done(self) -> bool:
-        return bool(self._events) and self._events[-1].eos
+        return self.error is not None or (bool(self._events) and self._events[-1].eos)
 
     @property
     def events(self) -> list[StreamEvent]:
@@ -131,22 +240,31 @@ class JobStream:
         return list(self._events)
 
     def cancel(self) -> bool:
-        """Stop the job now; its cache pages are freed at once."""
-        return self._cancel(self.job_id)
+        """Stop the job now; its cache pages are free when this returns. False if it had already ended."""
+        # an ended stream's id may belong to a job of a model loaded since: never cancel by a stale id
+        return not self._inbox.finished and self._cancel(self.job_id)
 
-    def _receive(self, item: StreamEvent | BaseException) -> StreamEvent:
-        if isinstance(item, BaseException):
-            raise RuntimeError(f"the engine failed while running job {self.job_id}") from item
+    def request_cancel(self) -> None:
+        """Ask for the job to stop without waiting for the engine's current step (safe on an event loop)."""
+        if not self._inbox.finished:
+            self._request_cancel(self.job_id)
+
+    def receive(self, item: Delivered) -> StreamEvent:
+        """Record one delivered item; raises the job's error if it failed."""
+        if isinstance(item, StreamFailure):
+            self.error = item.error
+            raise item.error
         self._events.append(item)
         return item
 
     def __iter__(self) -> Iterator[StreamEvent]:
         if self.done:
+            self._raise_error()
             return
         self._inbox.consuming = True
         try:
             while True:
-                event = self._receive(self._inbox.get(timeout=None))
+                event = self.receive(self._inbox.get())
                 yield event
                 if event.eos:
                     return
@@ -157,36 +275,43 @@ class JobStream:
 
     async def __aiter__(self) -> AsyncIterator[StreamEvent]:
         if self.done:
+            self._raise_error()
             return
         inbox = self._inbox.attach_loop(asyncio.get_running_loop())
         self._inbox.consuming = True
         try:
             while True:
-                event = self._receive(await inbox.get())
+                event = self.receive(await inbox.get())
                 yield event
                 if event.eos:
                     return
         finally:
             self._inbox.consuming = False
             if not self.done and self.cancel_when_abandoned:
-                self.cancel()
+                self.request_cancel()  # never wait for an engine step on the event loop
+
+    def _raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
 
     def result(self) -> GenerationResult:
         """Consume the rest of the stream and return the whole result."""
         for _ in self:
             pass
+        self._raise_error()
         return GenerationResult.from_events(self.job_id, self._events)
 
     async def aresult(self) -> GenerationResult:
         async for _ in self:
             pass
+        self._raise_error()
         return GenerationResult.from_events(self.job_id, self._events)
 
     def text(self) -> str:
         return self.result().text
 
     def __repr__(self) -> str:
-        state = "done" if self.done else f"{len(self._events)} events so far"
+        state = "failed" if self.error else "done" if self.done else f"{len(self._events)} events so far"
         return f"<JobStream job {self.job_id}: {state}>"
 
 

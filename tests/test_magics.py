@@ -71,9 +71,9 @@ def generate(shell, line: str, body: str = QUESTION):
 def test_every_generate_option_reaches_the_api(shell, idle, monkeypatch, option, keyword, value):
     calls = []
 
-    def recording(prompt, **options):
-        calls.append(options)
-        return generate_live(prompt, **{**options, "max_new_tokens": min(options["max_new_tokens"], 4)})
+    def recording(request, **show):
+        calls.append((request, show))
+        return generate_live(request.with_options(max_new_tokens=min(request.max_new_tokens, 4)), **show)
 
     monkeypatch.setattr(exlnb.magics, "generate_live", recording)
     shell.run_cell_magic("exl_generate", f"{option} --out result", QUESTION)
@@ -82,7 +82,35 @@ def test_every_generate_option_reaches_the_api(shell, idle, monkeypatch, option,
         generation.wait(60)
     forget_chat("options-test")
 
-    assert calls[0][keyword] == value
+    request, show = calls[0]
+    if keyword in show:
+        actual = show[keyword]
+    else:
+        actual = getattr(request, keyword) if hasattr(request, keyword) else getattr(request.sampler, keyword)
+    assert actual == (tuple(value) if keyword == "stop" else value)
+
+
+def test_a_misspelt_option_names_the_valid_ones(shell, idle, cpu_session):
+    with pytest.raises(UsageError, match=r"unknown option --temprature \(did you mean --temperature\?\); the options are .*--top-k"):
+        shell.run_cell_magic("exl_generate", "--temprature 0.5", QUESTION)
+    with pytest.raises(TypeError, match=r"unknown option 'temprature' \(did you mean 'temperature'\?\).*top_p"):
+        cpu_session.generate(QUESTION, temprature=0.5)
+    with pytest.raises(TypeError, match=r"unknown option 'temprature'"):
+        start(QUESTION, temprature=0.5)
+    assert cpu_session.jobs() == []
+
+
+def test_generate_help_shows_every_option_with_its_default(shell, capsys):
+    shell.run_cell("%exl_generate?")
+    shown = capsys.readouterr().out
+    shell.run_line_magic("exl_generate", "--help")
+    by_flag = capsys.readouterr().out
+
+    assert not shown.lstrip().startswith("::")
+    for text in (shown, by_flag):
+        assert "--max-new-tokens N" in text and "(default: 256)" in text
+        assert "--temperature X" in text and "(default: 0.8)" in text
+        assert "--rep-penalty" in text and "(default: 1.025)" in text
 
 
 def test_exl_load_options_reach_the_session(shell, cpu_session, monkeypatch, capsys):

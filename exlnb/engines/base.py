@@ -7,15 +7,66 @@ like exllamav2's dynamic generator with its `enqueue()` and `iterate()`.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import math
 import time
+import types
+import typing
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Protocol
 
 DEFAULT_MAX_NEW_TOKENS = 256  # the one default for every entrance: API, magics, job specs
+SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
+
+
+def check_field_types(instance) -> None:
+    """Refuse a dataclass field whose value has the wrong type, in one line: `max_new_tokens=1.5` must fail
+    where the user passed it, not inside an engine step where it would take every running job down."""
+    hints = typing.get_type_hints(type(instance))
+    for f in fields(instance):
+        value = getattr(instance, f.name)
+        if not _has_type(value, hints[f.name]):
+            raise TypeError(f"{f.name}={value!r} has the wrong type: it must be {_type_name(hints[f.name])}")
+
+
+def _has_type(value, hint) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, arm) for arm in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is str:
+        return isinstance(value, str)
+    if origin in (tuple, frozenset):
+        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        return isinstance(value, origin) and all(any(_has_type(v, a) for a in args) for v in value)
+    return True  # richer types (settings objects, identifiers) are checked where they are used
+
+
+def _type_name(hint) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(arm) for arm in typing.get_args(hint))
+    names = {int: "an integer", float: "a finite number", bool: "True or False", str: "a string", type(None): "None"}
+    return names.get(hint, str(hint).replace("typing.", ""))
+
+
+def check_option_names(options: Mapping[str, object], *, valid: Iterable[str]) -> None:
+    """Refuse an unknown keyword with the closest valid name and the whole list (`TypeError`, as Python does)."""
+    valid = sorted(set(valid))
+    for name in options:
+        if name not in valid:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"unknown option {name!r}{hint}; the options are: {', '.join(valid)}")
 
 
 def wall_clock() -> float:
@@ -40,6 +91,7 @@ class EosReason(str, enum.Enum):
     MAX_NEW_TOKENS = "max_new_tokens"
     END_OF_CACHE = "end_of_cache"  # the sequence reached the cache's token limit
     CANCELLED = "cancelled"
+    FAILED = "failed"  # ended by an error (an engine failure, the model unloaded); the stream raised it
 
 
 @dataclass(frozen=True)
@@ -72,6 +124,7 @@ class SamplerSettings:
     )
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         checks = [
             (self.temperature >= 0 and math.isfinite(self.temperature), "temperature", "a number >= 0 (0 is greedy)"),
             (self.top_k >= 0, "top_k", "an integer >= 0 (0 disables it)"),
@@ -98,8 +151,17 @@ class SamplerSettings:
 
     @classmethod
     def option_names(cls) -> dict[str, str]:
-        """Short option name (`rep_penalty`) -> field name (`token_repetition_penalty`), for magics and errors."""
-        return {f.metadata.get("option", f.name): f.name for f in fields(cls)}
+        """Every name a setting answers to -> its field: exllamav2's (`token_repetition_penalty`) and the
+        short option name (`rep_penalty`) the magics use."""
+        names = {f.name: f.name for f in fields(cls)}
+        names.update({f.metadata["option"]: f.name for f in fields(cls) if "option" in f.metadata})
+        return names
+
+    def with_options(self, **options) -> SamplerSettings:
+        """These settings with some changed, by field or short option name; unknown names are refused."""
+        names = self.option_names()
+        check_option_names(options, valid=names)
+        return replace(self, **{names[k]: v for k, v in options.items()})
 
 
 @dataclass(frozen=True)
@@ -115,10 +177,13 @@ class JobSpec:
     identifier: Hashable | None = None  # the caller's label, shown in job tables and cache grids
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if not self.input_ids:
             raise ValueError("input_ids is empty: a job needs at least one prompt token")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.seed is not None and not 0 <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed={self.seed} is out of range: use 0 to {SEED_MAX}")
 
 
 @dataclass(frozen=True)
@@ -310,13 +375,15 @@ class Tokenizer(Protocol):
 class JobFailed(Exception):
     """Raised by `Engine.step()` when the engine can tell which jobs a failure belongs to.
 
-    Those jobs are removed from the engine and fail; every other job runs on.
+    The engine has already removed those jobs; they fail, and every other job runs on. `events` are what
+    the step produced for the other jobs, delivered as usual.
     """
 
-    def __init__(self, job_ids: Sequence[int], cause: BaseException) -> None:
+    def __init__(self, job_ids: Sequence[int], cause: BaseException, events: Sequence[StreamEvent] = ()) -> None:
         super().__init__(f"job(s) {', '.join(map(str, job_ids))} failed: {cause}")
         self.job_ids = tuple(job_ids)
         self.cause = cause
+        self.events = tuple(events)
 
 
 class Engine(ABC):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +71,50 @@ class EngineOptions:
             gpu_split=tuple(gpu_split) if gpu_split else None,
             paged=paged,
         )
+
+
+# bytes per cached key or value element, by cache type (exllamav2's quantized caches keep scales besides)
+_CACHE_ELEMENT_BYTES = {"fp16": 2.0, "q8": 1.0, "q6": 0.75, "q4": 0.5}
+
+
+def kv_cache_bytes(model_dir: Path, cache_tokens: int, element_bytes: float) -> int:
+    """Keys and values for `cache_tokens` positions of the model in `model_dir` (from its config.json)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config", config)
+    layers = text["num_hidden_layers"]
+    heads = text["num_attention_heads"]
+    kv_heads = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    return int(2 * layers * kv_heads * head_dim * cache_tokens * element_bytes)
+
+
+def check_cache_fits(options: EngineOptions) -> None:
+    """Refuse a cache larger than the device's whole memory before anything is unloaded or allocated."""
+    element = 4.0 if options.engine == "cpu" else _CACHE_ELEMENT_BYTES[options.cache_dtype]
+    try:
+        needed = kv_cache_bytes(options.model_dir, options.cache_tokens, element)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return  # a config without the usual fields: the engine's own loader decides
+    total, where = device_memory_bytes(options.engine)
+    if total and needed > total:
+        raise ValueError(
+            f"cache_tokens={options.cache_tokens} needs {needed / 2**30:,.1f} GiB for keys and values, more than "
+            f"the {total / 2**30:,.1f} GiB {where} has: choose a smaller cache_tokens (default {DEFAULT_CACHE_TOKENS})"
+        )
+
+
+def device_memory_bytes(engine: str) -> tuple[int | None, str]:
+    """The whole memory of the device an engine runs on, and what to call it."""
+    if engine == "cpu":
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine"
+        except (ValueError, OSError, AttributeError):
+            return None, "this machine"
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, "the GPU"
+    return torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
 
 
 def cuda_available() -> bool:

@@ -11,6 +11,7 @@ import html
 import traitlets
 
 from exlnb.engines.base import CacheView, PageInfo, wall_clock
+from exlnb.engines.options import check_display
 from exlnb.session import JobRow, Session, get_session
 from exlnb.widgets.frontend import widget_frontend
 from exlnb.widgets.live import LiveView, front_end_module
@@ -147,8 +148,7 @@ def _show(widget: type[LiveView], as_text, session: Session | None, display: str
     from IPython.display import display as show
 
     session = session or get_session()
-    if display not in ("auto", "widget", "text"):
-        raise ValueError(f'display={display!r}: use "auto", "widget" or "text"')
+    check_display(display)
     if display == "widget" or (display == "auto" and widget_frontend()):
         show(widget(session))
     else:

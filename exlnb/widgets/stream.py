@@ -14,7 +14,10 @@ from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 
 from exlnb.engines.base import StreamEvent, Tokenizer, wall_clock
-from exlnb.generation import Generation, Sample, start
+from exlnb.engines.options import check_display
+from exlnb.generation import Generation, Sample, as_request, astart, start
+from exlnb.request import GenerationRequest
+from exlnb.session import Session
 from exlnb.widgets.frontend import widget_frontend
 
 FRAME_S = 1 / 30  # renders per sample per second at most: smooth to the eye, cheap on the comm channel
@@ -70,7 +73,7 @@ class StreamView:
         ]
         self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger",
                                     tooltip="cancel every sample of this cell", layout=w.Layout(width="96px"))
-        self.stop_button.on_click(lambda _: generation.cancel("stop button"))
+        self.stop_button.on_click(lambda _: generation.cancel("stop button", wait=False))
         self.stop_button.add_class("exlnb-stop")
         head = [w.HTML(prompt_html)] if prompt_html else []
         self.widget = w.VBox(head + [w.HBox(columns), self.stop_button])
@@ -169,46 +172,54 @@ class PlainPrinter:
 
 
 def generate_live(
-    prompt: str,
+    request: GenerationRequest | str,
     *,
     background: bool = False,
     show_prompt: bool = False,
     display: str = "auto",
     owner: Hashable | None = None,
+    session: Session | None = None,
     **options,
 ) -> Generation:
-    """Start a generation (`exlnb.generation.start` options: system, template, chat, amnesia, n,
-    max_new_tokens, sampler settings, stop, seed, loop_guard, session) and show it as it runs.
+    """Start a generation and show it as it runs: a `GenerationRequest`, or a prompt with its options
+    (system, template, chat, amnesia, n, max_new_tokens, sampler settings, stop, seed, loop_guard).
 
     `display` is "auto" (a widget where a front end renders widgets, plain text otherwise), "widget" or
-    "text". Without `background` the call returns when every sample has ended; interrupting it cancels
-    them. With `background` it returns at once and the widget keeps streaming.
+    "text". Without `background` the call returns when every sample has ended (and raises the error of a
+    sample that failed); interrupting it cancels them. With `background` it returns at once and the widget
+    keeps streaming.
 
     A cell blocked in this call cannot hear the Stop button (ipykernel handles widget messages only while
     a cell awaits): in a notebook, `await agenerate_live(...)`, which is what `%%exl_generate` does.
     """
-    shown = _start_and_show(prompt, background, show_prompt, display, owner, options)
+    request, use_widget = as_request(request, options), _wants_widget(display)
+    shown = _show(start(request, owner=owner, session=session), background, show_prompt, use_widget)
     if not background:
-        with _cancel_on_exit(shown.generation):
+        with _cancel_on_exit(shown.generation, wait=True):
             shown.wait()
+        _raise_failure(shown.generation)
     return shown.generation
 
 
 async def agenerate_live(
-    prompt: str,
+    request: GenerationRequest | str,
     *,
     background: bool = False,
     show_prompt: bool = False,
     display: str = "auto",
     owner: Hashable | None = None,
+    session: Session | None = None,
     **options,
 ) -> Generation:
-    """`generate_live` for a notebook cell: awaits the samples, so the kernel handles the Stop button meanwhile;
-    interrupting the kernel cancels the cell's task and with it the samples."""
-    shown = _start_and_show(prompt, background, show_prompt, display, owner, options)
+    """`generate_live` for a notebook cell: awaits the samples, so the kernel handles the Stop button meanwhile
+    and its event loop never waits for an engine step; interrupting the kernel cancels the cell's task and
+    with it the samples."""
+    request, use_widget = as_request(request, options), _wants_widget(display)
+    shown = _show(await astart(request, owner=owner, session=session), background, show_prompt, use_widget)
     if not background:
-        with _cancel_on_exit(shown.generation):
+        with _cancel_on_exit(shown.generation, wait=False):
             await shown.wait_async()
+        _raise_failure(shown.generation)
     return shown.generation
 
 
@@ -239,24 +250,30 @@ class _Shown:
 
 
 @contextmanager
-def _cancel_on_exit(generation: Generation) -> Iterator[None]:
-    """KeyboardInterrupt, task cancellation or any error while waiting cancels every sample, then propagates."""
+def _cancel_on_exit(generation: Generation, *, wait: bool) -> Iterator[None]:
+    """KeyboardInterrupt, task cancellation or any error while waiting cancels every sample, then propagates.
+    On an event loop (`wait=False`) the cancels are queued, never waited for."""
     try:
         yield
     except BaseException:
-        generation.cancel("interrupted")
+        generation.cancel("interrupted", wait=wait)
         raise
 
 
-def _start_and_show(prompt: str, background: bool, show_prompt: bool, display: str, owner: Hashable | None,
-                    options: dict) -> _Shown:
+def _raise_failure(generation: Generation) -> None:
+    if generation.errors:
+        raise generation.errors[0]
+
+
+def _wants_widget(display: str) -> bool:
+    check_display(display)
+    return display == "widget" or (display == "auto" and widget_frontend())
+
+
+def _show(generation: Generation, background: bool, show_prompt: bool, use_widget: bool) -> _Shown:
     from IPython.display import display as show
 
-    if display not in ("auto", "widget", "text"):
-        raise ValueError(f'display={display!r}: use "auto", "widget" or "text"')
-    use_widget = display == "widget" or (display == "auto" and widget_frontend())
-    generation = start(prompt, owner=owner, **options)
-    with _cancel_on_exit(generation):
+    with _cancel_on_exit(generation, wait=False):
         tokenizer = generation.session.tokenizer
         pieces = prompt_pieces(generation.prompt_ids, tokenizer) if show_prompt else None
         findings = [str(f) for f in generation.prompt_findings] if show_prompt else []

@@ -1,0 +1,82 @@
+"""One generation request, typed and checked once where the user enters, then passed down unchanged.
+
+`%%exl_generate` and the Python calls (`generate_live`, `exlnb.generation.start`) build a
+`GenerationRequest` from the user's options; everything below reads its fields. A misspelt option fails
+here, naming the valid ones, instead of three layers down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from exlnb.engines.base import SEED_MAX, DEFAULT_MAX_NEW_TOKENS, SamplerSettings, check_field_types, check_option_names
+from exlnb.templates import TEMPLATES
+
+# what each request field means, for the magics' help and the docs
+REQUEST_HELP = {
+    "system": "system prompt",
+    "template": "prompt format; auto: the model's own chat template",
+    "chat": "keep this conversation's turns in the session and answer after them",
+    "amnesia": "forget the chat's earlier turns before this one (field report 4)",
+    "n": "samples run concurrently (batched by the engine), shown side by side",
+    "max_new_tokens": "most tokens to generate per sample",
+    "stop": 'stop string or special token, repeatable ("\\n" for a newline)',
+    "seed": "sample i uses seed + i",
+    "loop_guard": "cancel a sample caught in a repetition loop",
+}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A prompt as the user's turn, how to render it, how many samples, and how to sample them."""
+
+    prompt: str
+    system: str | None = None
+    template: str = "auto"
+    chat: str | None = None
+    amnesia: bool = False
+    n: int = 1
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    sampler: SamplerSettings = field(default_factory=SamplerSettings)
+    stop: tuple[str | int, ...] = ()
+    seed: int | None = None
+    loop_guard: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        check_field_types(self)
+        if self.template not in TEMPLATES:
+            raise ValueError(f"template={self.template!r}: choose one of {', '.join(TEMPLATES)}")
+        if self.n < 1:
+            raise ValueError(f"n={self.n} must be >= 1")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.chat is not None and self.n > 1:
+            raise ValueError(f"a chat records one answer per turn: use n=1 with chat={self.chat!r} (got n={self.n})")
+        if self.amnesia and self.chat is None:
+            raise ValueError("amnesia forgets a chat's history: name the chat too (chat=...)")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop has an empty string, which would stop before the first token: remove it")
+        if self.seed is not None and not 0 <= self.seed <= SEED_MAX - (self.n - 1):
+            raise ValueError(f"seed={self.seed} is out of range: use 0 to {SEED_MAX - (self.n - 1)} (sample i uses seed + i)")
+
+    @classmethod
+    def build(cls, prompt: str, **options) -> GenerationRequest:
+        """A request from keyword options as a user writes them.
+
+        Request fields by name, sampler settings by their exllamav2 name or short option name
+        (`temperature=0.7`, `rep_penalty=1.1`), or a whole `sampler=SamplerSettings(...)` to start from.
+        """
+        known = {f.name for f in fields(cls)} - {"prompt"}
+        check_option_names(options, valid=[*known, *SamplerSettings.option_names()])
+        request_options = {k: v for k, v in options.items() if k in known}
+        sampler_options = {k: v for k, v in options.items() if k not in known}
+        sampler = request_options.pop("sampler", None) or SamplerSettings()
+        return cls(prompt=prompt, sampler=sampler.with_options(**sampler_options), **request_options)
+
+    def with_options(self, **options) -> GenerationRequest:
+        """This request with some options changed (the same names `build` takes)."""
+        return GenerationRequest.build(**{**self.as_options(), **options})
+
+    def as_options(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
