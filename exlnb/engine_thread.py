@@ -132,6 +132,10 @@ class EngineThread(threading.Thread):
 
 
 def _run(fn: Callable[[Engine], Any], engine: Engine, future: Future | None) -> None:
+    if future is not None and not future.set_running_or_notify_cancel():
+        # the caller stopped waiting (a cancelled task): run the command all the same, since an enqueue must
+        # meet the cancel its caller queued behind it, but nobody takes the answer
+        future = None
     try:
         result = fn(engine)
     except BaseException as error:  # noqa: BLE001 - handed to the caller

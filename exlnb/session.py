@@ -10,6 +10,7 @@ events to streams is `exlnb.streaming.Deliveries`' job.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import gc
 import threading
 from collections.abc import Callable, Hashable, Sequence
@@ -428,9 +429,11 @@ _session_lock = threading.Lock()
 
 
 def get_session() -> Session:
-    """The kernel's one session, created on first use."""
+    """The kernel's one session, created on first use, unloaded when the process exits (an engine thread
+    stopped in the middle of a forward pass at interpreter shutdown aborts the process)."""
     global _session
     with _session_lock:
         if _session is None:
             _session = Session()
+            atexit.register(_session.unload)
         return _session

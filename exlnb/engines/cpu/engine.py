@@ -18,6 +18,7 @@ from exlnb.engines.base import (
     EngineStatus,
     EosReason,
     JobClock,
+    JobFailed,
     JobInfo,
     JobSpec,
     PageInfo,
@@ -105,6 +106,7 @@ class CpuEngine(Engine):
             return events
         logits = self._runner.forward([chunk for _, chunk in work])
         now = wall_clock()
+        failed: dict[int, BaseException] = {}
         for row, (job, chunk) in enumerate(work):
             job.computed = chunk.start + len(chunk.token_ids)
             self._pool.mark_filled(job.reservation.page_table, job.computed)
@@ -112,7 +114,13 @@ class CpuEngine(Engine):
                 self._pool.publish_prefix(job.reservation.page_table, job.reservation.prefix_hashes, job.computed)
             if job.computed < len(job.sequence):
                 continue  # prompt not finished: these logits are not for sampling
-            events.append(self._advance(job, logits[row], now))
+            try:
+                events.append(self._advance(job, logits[row], now))
+            except Exception as error:  # noqa: BLE001 - this job's sampling or decoding: fail it alone
+                self._scheduler.remove(job.job_id)
+                failed[job.job_id] = error
+        if failed:
+            raise JobFailed(list(failed), next(iter(failed.values())), events)
         return events
 
     def _advance(self, job: CpuJob, logits: torch.Tensor, now: float) -> StreamEvent:
