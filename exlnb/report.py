@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from exlnb.engines.options import ENGINE_NAMES
+
 REPOSITORY = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = REPOSITORY / "notebooks"
 RESULTS_DIR = REPOSITORY / "data" / "results"
@@ -79,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m exlnb.report", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--engine", default="auto", choices=("auto", "exllamav2", "cpu"),
+    parser.add_argument("--engine", default="auto", choices=ENGINE_NAMES,
                         help="auto: ExLlamaV2 where CUDA is available, else the CPU engine")
     parser.add_argument("--out", type=Path, default=Path("reports"), help="where reports go (default: reports)")
     parser.add_argument("--only", nargs="+", default=list(NOTEBOOKS), choices=NOTEBOOKS, metavar="NAME",

@@ -113,7 +113,7 @@ concurrency = (2, 4, 8)     # requests running at the same time""",
 Streamed to an HTTP client, the first half of the text arrived slowly and the rest at once. A real tornado
 server streams one job to a real client over a local socket, fed three ways: the reporter's nested async
 iteration with the generator on the event loop, the collector queue the report proposes (TabbyAPI's), and
-the exlnb session (generator on its own thread, results through a queue). The handler makes a chosen number
+the exlnb session (the engine on its own thread, results through a queue). The handler makes a chosen number
 of event-loop passes per chunk, as anyio-based web stacks do on every send.""",
         parameters="""\
 max_new_tokens = 40

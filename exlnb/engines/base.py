@@ -1,8 +1,8 @@
 """The vocabulary both engines speak: jobs, sampler settings, stream events, cache views.
 
 Nothing here touches torch, so the session, widgets and notebooks can import it freely. An engine is a
-synchronous object driven by one thread (the session's generator thread): `enqueue`, `cancel` and `step`,
-like exllamav2's dynamic generator with its `enqueue()` and `iterate()`.
+synchronous object driven by one thread (the session's `EngineThread`): `enqueue`, `cancel` and `step`, like
+exllamav2's dynamic generator with its `enqueue()` and `iterate()`.
 """
 
 from __future__ import annotations
@@ -305,6 +305,10 @@ class Tokenizer(Protocol):
     def special_tokens(self) -> dict[str, int]: ...
 
     def token_to_id(self, token: str) -> int | None: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+        """The model's own chat template rendered to text (template "auto")."""
+        ...
 
 
 class JobFailed(Exception):

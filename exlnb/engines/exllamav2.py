@@ -26,9 +26,9 @@ from exlnb.engines.base import (
     job_event,
     wall_clock,
 )
+from exlnb.engines.paged_attention import VERIFIED_EXLLAMAV2
 from exlnb.engines.tokenizer import HfTokenizer
 
-VERIFIED_EXLLAMAV2 = "0.3.2"
 SDPA_TOLERANCE = 1e-2  # relative error between exllamav2's SDPA and matmul attention paths
 
 _EOS_REASONS = {
@@ -112,7 +112,7 @@ class ExLlamaV2Engine(Engine):
     # -- load-time checks ----------------------------------------------------------------------------------
 
     def _check_sdpa(self) -> None:
-        """exllamav2 0.3.2 gives wrong logits through its SDPA path (measured with torch 2.11, gpu.md); the
+        """exllamav2 0.3.2 gives wrong logits through its SDPA path (measured with torch 2.11, docs/gpu.md); the
         matmul path is right. The likely cause is upstream: `ExLlamaV2Attention._attn_torch` takes
         `attn_params.get_block_diag_mask()` as the mask whenever `causal` is set, and that is None outside
         variable-length batches, so SDPA runs without a causal mask.
@@ -141,7 +141,7 @@ class ExLlamaV2Engine(Engine):
     def _choose_attention(self) -> tuple[bool, str]:
         """flash-attn's paged kernels where exllamav2 found them, else exlnb's paged attention, unless unpaged
         was asked for: unpaged, exllamav2 0.3.2's dynamic generator runs one job at a time on a one-page cache,
-        with no batching and no prefix sharing (gpu.md)."""
+        with no batching and no prefix sharing (docs/gpu.md)."""
         from exllamav2 import attn
 
         from exlnb.engines import paged_attention
