@@ -20,6 +20,7 @@ from benchmarks import suites
 from benchmarks.harness import clock, device_slug, environment
 from benchmarks.table import markdown
 from exlnb import get_session
+from exlnb.engines.options import ENGINE_NAMES
 
 ALL = ("kit", "peer", "context", "concurrency", "hardware")
 
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--quick", action="store_true", help="few, short runs: checks that everything runs")
     parser.add_argument("--only", default=",".join(ALL), help=f"comma-separated subset of {','.join(ALL)}")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--engine", default="auto", choices=("auto", "exllamav2", "cpu"))
+    parser.add_argument("--engine", default="auto", choices=ENGINE_NAMES)
     args = parser.parse_args(argv)
     chosen = [name for name in args.only.split(",") if name]
     unknown = set(chosen) - set(ALL)

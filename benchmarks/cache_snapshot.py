@@ -23,6 +23,7 @@ from benchmarks.decode import GREEDY
 from benchmarks.harness import device_slug, environment
 from exlnb import get_session
 from exlnb.engines.base import Stage
+from exlnb.engines.options import ENGINE_NAMES
 from exlnb.session import Session
 from exlnb.templates import chatml
 from exlnb.widgets.cache import CACHED, FREE, cache_summary, job_color, job_label, page_cell
@@ -82,7 +83,7 @@ def inspector_html(view, rows, title: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", default="auto", choices=["auto", "exllamav2", "cpu"])
+    parser.add_argument("--engine", default="auto", choices=ENGINE_NAMES)
     parser.add_argument("--cache-tokens", type=int, default=16384)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()

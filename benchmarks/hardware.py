@@ -25,7 +25,7 @@ WEIGHTS_BYTES = 13_360_000_000  # fp16, with the bundled tokenizer's 49152-token
 
 
 def copy_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:
-    """Device-to-device copy rate in bytes/s, counting bytes read and written (as gpu.md reports it)."""
+    """Device-to-device copy rate in bytes/s, counting bytes read and written (as docs/gpu.md reports it)."""
     n = int(gib * 2**30)
     src = torch.empty(n, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)

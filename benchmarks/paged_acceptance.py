@@ -20,6 +20,7 @@ from benchmarks.decode import GREEDY, aggregate_throughput
 from benchmarks.harness import device_slug, environment, summarise
 from exlnb import get_session
 from exlnb.engines.base import Stage
+from exlnb.engines.options import ENGINE_NAMES
 from exlnb.session import Session
 from exlnb.streaming import GenerationResult, JobStream
 from exlnb.templates import chatml
@@ -106,7 +107,7 @@ def throughput(session: Session, counts: tuple[int, ...], new_tokens: int, repea
 
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.paged_acceptance", description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", default="auto", choices=("auto", "exllamav2", "cpu"))
+    parser.add_argument("--engine", default="auto", choices=ENGINE_NAMES)
     parser.add_argument("--quick", action="store_true", help="4 prompts, short runs: checks that everything runs")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)

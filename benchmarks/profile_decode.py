@@ -21,6 +21,7 @@ import torch
 from benchmarks import decode
 from benchmarks.harness import environment, sync
 from exlnb.engines.base import JobSpec
+from exlnb.engines.options import ENGINE_NAMES
 from exlnb.models import resolve_model
 from exlnb.session import Session
 
@@ -91,7 +92,7 @@ def _cpu_summary(prof, wall: float, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_decode", description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("7b", "bundled"), default="bundled")
-    parser.add_argument("--engine", choices=("auto", "exllamav2", "cpu"), default="auto")
+    parser.add_argument("--engine", choices=ENGINE_NAMES, default="auto")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))

@@ -1,12 +1,12 @@
 """exlnb: one kernel-resident ExLlamaV2 (or CPU) generator for Jupyter research notebooks."""
 
+import importlib
+
 from exlnb.chat import Chat, get_chat
 from exlnb.engines.base import EosReason, SamplerSettings, Stage, StreamEvent
 from exlnb.generation import Generation
 from exlnb.session import Session, get_session
 from exlnb.streaming import GenerationResult, JobStream
-from exlnb.widgets.cache import show_cache, show_jobs
-from exlnb.widgets.stream import agenerate_live, generate_live
 
 __all__ = [
     "Chat",
@@ -27,6 +27,21 @@ __all__ = [
     "show_jobs",
 ]
 __version__ = "0.1.0"
+
+# The widgets load anywidget and traitlets: imported on first use, so a script that never shows one
+# does not pay for them.
+_WIDGETS = {
+    "show_cache": "exlnb.widgets.cache",
+    "show_jobs": "exlnb.widgets.cache",
+    "agenerate_live": "exlnb.widgets.stream",
+    "generate_live": "exlnb.widgets.stream",
+}
+
+
+def __getattr__(name: str):
+    if name not in _WIDGETS:
+        raise AttributeError(f"module 'exlnb' has no attribute {name!r}")
+    return getattr(importlib.import_module(_WIDGETS[name]), name)
 
 
 def load_ipython_extension(ipython) -> None:

@@ -33,10 +33,6 @@ class Chat:
         """Forget every turn (the system prompt stays)."""
         self.turns.clear()
 
-    @property
-    def messages(self) -> list[Message]:
-        return ([Message("system", self.system)] if self.system else []) + list(self.turns)
-
     def __repr__(self) -> str:
         return f"<Chat {self.name!r}: {len(self.turns) // 2} exchanges>"
 
@@ -49,12 +45,6 @@ def get_chat(name: str) -> Chat:
     """The chat called `name`, created empty on first use."""
     with _chats_lock:
         return _chats.setdefault(name, Chat(name))
-
-
-def chats() -> dict[str, Chat]:
-    """Every chat of this kernel, by name."""
-    with _chats_lock:
-        return dict(_chats)
 
 
 def forget_chat(name: str) -> bool:

@@ -21,10 +21,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from exlnb.engines.options import ENGINE_NAMES
+from exlnb.experiments.notebooks import NOTEBOOKS, check_parameters
+
 REPOSITORY = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = REPOSITORY / "notebooks"
 RESULTS_DIR = REPOSITORY / "data" / "results"
-NOTEBOOKS = ("latency", "repetition", "prompt_format", "concurrency", "streaming", "context")
 
 # Larger runs for a GPU (or a patient CPU): more requests, longer outputs, tighter intervals. Sized so
 # that all six finish in about ten minutes on an H100 with the bundled model.
@@ -79,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m exlnb.report", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--engine", default="auto", choices=("auto", "exllamav2", "cpu"),
+    parser.add_argument("--engine", default="auto", choices=ENGINE_NAMES,
                         help="auto: ExLlamaV2 where CUDA is available, else the CPU engine")
     parser.add_argument("--out", type=Path, default=Path("reports"), help="where reports go (default: reports)")
     parser.add_argument("--only", nargs="+", default=list(NOTEBOOKS), choices=NOTEBOOKS, metavar="NAME",
@@ -93,8 +95,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _overrides(preset: str | None, assignments: list[str], names: list[str]) -> dict[str, dict]:
-    """Notebook parameters from the preset, then from each `--set NAME.PARAMETER=VALUE`."""
+    """Notebook parameters from the preset, then from each `--set NAME.PARAMETER=VALUE`; each one checked
+    against those the notebook takes (its experiment's `run()`), so a misspelt name fails before any run."""
     overrides = {name: dict(values) for name, values in PRESETS.get(preset, {}).items()}
+    for name, values in overrides.items():
+        _check(f"--preset {preset}", name, values)
     for assignment in assignments:
         target, _, text = assignment.partition("=")
         name, _, parameter = target.partition(".")
@@ -105,12 +110,20 @@ def _overrides(preset: str | None, assignments: list[str], names: list[str]) -> 
             )
         if name not in names:
             raise SystemExit(f"--set {assignment!r}: the notebook {name!r} is not among those run (--only)")
+        _check(f"--set {assignment!r}", name, [parameter])
         try:
             value = ast.literal_eval(text)
         except (ValueError, SyntaxError):
             value = text  # a bare word is a string: --set latency.engine=cpu
         overrides.setdefault(name, {})[parameter] = value
     return overrides
+
+
+def _check(where: str, name: str, parameters) -> None:
+    try:
+        check_parameters(name, parameters)
+    except ValueError as error:
+        raise SystemExit(f"{where}: {error}") from None
 
 
 def run_notebook(name: str, out_dir: Path, *, engine: str, parameters: dict) -> NotebookRun:

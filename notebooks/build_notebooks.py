@@ -1,19 +1,30 @@
 """Writes the six investigation notebooks from the cell sources below: `python notebooks/build_notebooks.py`.
 
-The notebooks are thin on purpose: a parameters cell (tagged for papermill, with defaults small enough for
-CI on the CPU engine), a call into `exlnb.experiments`, a figure, and the saved results. Edit them here,
-not in Jupyter, so that the six stay alike.
+The notebooks are thin on purpose: a parameters cell (tagged for papermill), a call into `exlnb.experiments`,
+a figure, and the saved results. Edit them here, not in Jupyter, so that the six stay alike. The parameters
+and their defaults (small enough for CI on the CPU engine) come from each experiment's `run()` signature
+through `exlnb.experiments.notebooks`; only their comments are written here.
 """
 
 from __future__ import annotations
 
+import json
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
+from exlnb.experiments.notebooks import check_parameters, notebook_parameters, run_parameters
+
 HERE = Path(__file__).parent
+COMMENT_COLUMN = 28
+# what every notebook's first parameters mean (the report passes engine and output_dir to each notebook)
+SESSION_NOTES = {
+    "engine": '"auto": ExLlamaV2 where CUDA is available, else the CPU engine',
+    "output_dir": "the CSVs, the JSON summary and the PNG figure go here",
+}
 
 
 @dataclass(frozen=True)
@@ -21,8 +32,7 @@ class Investigation:
     name: str  # notebook file and exlnb.experiments module
     title: str
     story: str  # the field report in brief, and how this notebook reproduces it
-    parameters: str  # the experiment's own parameters, each passed to run() (engine, cache, output_dir added)
-    cache_tokens: int = 8192
+    notes: dict[str, str]  # a comment for some of the experiment's parameters (the rest speak for themselves)
     inspect_text: str = ""  # an optional closing section: what it shows (markdown) ...
     inspect_code: str = ""  # ... and its code; a last cell cancels the jobs it leaves running
 
@@ -40,15 +50,16 @@ behind it (5 s per request at first, up to 5 minutes after about 100 requests).
 `generate(..., cancel_when_abandoned=False)` restores that bug on purpose; exlnb's default cancels the job
 when its consumer leaves. The cache is small on purpose (4 pages of 256 tokens, one per request): the ratio
 of cache to request size decides how many abandoned jobs fit before new requests must wait.""",
-        parameters="""\
-requests = 8            # requests sent one after another: a multiple of the cache's 4 pages, so that
-                        # without the cancel the next job finds every page held by an abandoned job
-tokens_read = 4         # tokens each consumer reads before it leaves
-max_new_tokens = 80     # what each request asks for (an abandoned job runs on to this)
-next_job_tokens = 16    # the normal request measured afterwards, read to the end
-trials = 3              # repeats of the whole sequence per condition, for the intervals
-sample_interval_s = 0.2 # how often the job table and cache are sampled""",
-        cache_tokens=1024,
+        notes={
+            "cache_tokens": "4 pages of 256 tokens, one per request",
+            "requests": "requests sent one after another: a multiple of the cache's 4 pages, so that without the "
+            "cancel the next job finds every page held by an abandoned job",
+            "tokens_read": "tokens each consumer reads before it leaves",
+            "max_new_tokens": "what each request asks for (an abandoned job runs on to this)",
+            "next_job_tokens": "the normal request measured afterwards, read to the end",
+            "trials": "repeats of the whole sequence per condition, for the intervals",
+            "sample_interval_s": "how often the job table and cache are sampled",
+        },
         inspect_text="""\
 ## The cache inspector with abandoned jobs
 
@@ -74,10 +85,10 @@ service. The report suggests `token_repetition_penalty = 1.11` and `token_freque
 instead of what it calls exllamav2's default of 1.05. Prompts that invite loops run over a grid of
 repetition penalty x frequency penalty x temperature (greedy, and report 4's 0.7 / top-k 50 / top-p 0.8).
 A loop is a tail whose 4-grams mostly occurred earlier (`exlnb.analysis.find_tail_loop`).""",
-        parameters="""\
-prompts = 4             # prompts from data/prompts/loop_inviting.json
-max_new_tokens = 80
-samples_per_prompt = 1  # draws per prompt at temperatures above 0 (greedy needs one)""",
+        notes={
+            "prompts": "prompts from data/prompts/loop_inviting.json",
+            "samples_per_prompt": "draws per prompt at temperatures above 0 (greedy needs one)",
+        },
     ),
     Investigation(
         name="prompt_format",
@@ -88,9 +99,7 @@ Inconsistent answers came from a wrongly applied ChatML template. The question s
 template and through one variant per mistake the report lists: missing tags, newlines in the wrong place,
 special tokens encoded as plain text, and no template (the turns' bare text). The variants are
 `exlnb.templates.CHATML_VARIANTS`, the ones the template linter knows. All greedy.""",
-        parameters="""\
-questions = 36          # how many questions of the set to ask
-max_new_tokens = 40""",
+        notes={"questions": "how many questions of the set to ask"},
     ),
     Investigation(
         name="concurrency",
@@ -101,10 +110,10 @@ blends of each other's prompts. The fix is one generator per model and one job p
 on the loaded engine; the broken pattern is built from the engine's own model and cache (separate
 `ExLlamaV2DynamicGenerator`s on the ExLlamaV2 engine; engine copies with their own page tables on the CPU
 engine). Every output is compared with the same prompt's output run alone (greedy).""",
-        parameters="""\
-prompts = 8                 # prompts from data/prompts/long_answers.json
-max_new_tokens = 32
-concurrency = (2, 4, 8)     # requests running at the same time""",
+        notes={
+            "prompts": "prompts from data/prompts/long_answers.json",
+            "concurrency": "requests running at the same time",
+        },
     ),
     Investigation(
         name="streaming",
@@ -113,12 +122,12 @@ concurrency = (2, 4, 8)     # requests running at the same time""",
 Streamed to an HTTP client, the first half of the text arrived slowly and the rest at once. A real tornado
 server streams one job to a real client over a local socket, fed three ways: the reporter's nested async
 iteration with the generator on the event loop, the collector queue the report proposes (TabbyAPI's), and
-the exlnb session (generator on its own thread, results through a queue). The handler makes a chosen number
+the exlnb session (the engine on its own thread, results through a queue). The handler makes a chosen number
 of event-loop passes per chunk, as anyio-based web stacks do on every send.""",
-        parameters="""\
-max_new_tokens = 40
-checkpoints = (0, 1, 2, 3)  # event-loop passes the web handler makes per chunk
-symptom_checkpoints = 2     # the case shown in the timeline and the summary""",
+        notes={
+            "checkpoints": "event-loop passes the web handler makes per chunk",
+            "symptom_checkpoints": "the case shown in the timeline and the summary",
+        },
     ),
     Investigation(
         name="context",
@@ -129,32 +138,31 @@ with a short prompt, 20 with about 1000 tokens, and a prompt speed of 14,982 tok
 before the GPU had done the work. Measured here: decode speed per chat turn with history against amnesia,
 decode speed against context length, and prompt speed from a clock read when the call returns against one
 read after synchronising (on a GPU; the CPU has no asynchronous queue).""",
-        parameters="""\
-turns = 6
-answer_tokens = 32
-context_lengths = (128, 1024, 2048, 4096)
-decode_tokens = 16
-prompt_tokens = 1441     # the reporter's prompt length
-timing_repeats = 3""",
+        notes={"prompt_tokens": "the reporter's prompt length"},
     ),
 )
 
 
 def run_call(investigation: Investigation) -> str:
-    assignments = [line for line in investigation.parameters.splitlines() if not line.lstrip().startswith("#")]
-    names = [line.split("=")[0].strip() for line in assignments]
-    arguments = "".join(f"    {name}={name},\n" for name in names)
+    arguments = "".join(f"    {name}={name},\n" for name in run_parameters(investigation.name))
     return f"result = experiment.run(\n    session,\n{arguments})"
 
 
+def parameters_source(investigation: Investigation) -> str:
+    """One assignment per notebook parameter, its default from the experiment, its comment from here."""
+    notes = SESSION_NOTES | investigation.notes
+    check_parameters(investigation.name, investigation.notes)
+    lines = []
+    for name, default in notebook_parameters(investigation.name).items():
+        assignment = f"{name} = {json.dumps(default) if isinstance(default, str) else repr(default)}"
+        comment = textwrap.wrap(notes.get(name, ""), 110 - COMMENT_COLUMN)
+        lines += [f"{assignment:<{COMMENT_COLUMN - 1}} # {comment[0]}" if comment else assignment]
+        lines += [f"{'':<{COMMENT_COLUMN - 1}} # {more}" for more in comment[1:]]
+    return "\n".join(lines)
+
+
 def build(investigation: Investigation) -> nbformat.NotebookNode:
-    parameters = new_code_cell(
-        f"""\
-engine = "auto"          # "auto": ExLlamaV2 where CUDA is available, else the CPU engine
-cache_tokens = {investigation.cache_tokens}
-output_dir = "results"   # the CSVs, the JSON summary and the PNG figure go here
-{investigation.parameters}"""
-    )
+    parameters = new_code_cell(parameters_source(investigation))
     parameters.metadata["tags"] = ["parameters"]
     cells = [
         new_markdown_cell(f"# {investigation.title}\n\n{investigation.story}"),

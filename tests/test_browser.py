@@ -17,7 +17,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from playwright.sync_api import TimeoutError, expect
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright: pip install playwright")
+TimeoutError, expect = sync_api.TimeoutError, sync_api.expect
 
 pytestmark = pytest.mark.browser
 

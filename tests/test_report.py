@@ -6,10 +6,16 @@ Running the notebooks themselves is tests/test_notebooks.py's job (once per test
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import nbformat
 import pytest
 
-from exlnb.report import NotebookRun, _overrides, earlier_runs, publish, summary_markdown
+from exlnb import report
+from exlnb.experiments.notebooks import NOTEBOOKS, notebook_parameters
+from exlnb.report import NotebookRun, _overrides, earlier_runs, main, publish, summary_markdown
+
+NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 
 
 def test_set_overrides_a_preset_with_python_literals():
@@ -27,6 +33,50 @@ def test_set_overrides_a_preset_with_python_literals():
 def test_a_malformed_or_unused_override_says_what_to_write(assignment, message):
     with pytest.raises(SystemExit, match=message):
         _overrides(None, [assignment], ["latency"])
+
+
+def test_an_unknown_parameter_is_refused_naming_the_valid_ones(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="latency notebook has no parameter 'nonsense'") as refused:
+        main(["--out", str(tmp_path), "--only", "latency", "--set", "latency.nonsense=3"])
+
+    valid = "its parameters are engine, cache_tokens, output_dir, requests, tokens_read, max_new_tokens"
+    assert valid in str(refused.value)
+    assert list(tmp_path.iterdir()) == []  # refused before anything ran
+
+
+def test_an_unknown_notebook_is_refused_naming_the_valid_ones():
+    with pytest.raises(SystemExit, match="NAME one of latency, repetition, prompt_format, concurrency"):
+        _overrides(None, ["nonsense.requests=3"], ["latency"])
+
+
+def test_every_preset_parameter_is_one_its_notebook_takes(monkeypatch):
+    assert _overrides("full", [], list(NOTEBOOKS)).keys() == report.PRESETS["full"].keys()
+
+    monkeypatch.setitem(report.PRESETS, "full", {"concurrency": {"prompt": 16}})
+    with pytest.raises(SystemExit, match="--preset full: the concurrency notebook has no parameter 'prompt'"):
+        _overrides("full", [], list(NOTEBOOKS))
+
+
+def test_notebook_parameters_are_the_run_signature_after_engine_cache_and_output():
+    assert notebook_parameters("concurrency") == {
+        "engine": "auto",
+        "cache_tokens": 8192,
+        "output_dir": "results",
+        "prompts": 8,
+        "max_new_tokens": 32,
+        "concurrency": (2, 4, 8),
+    }
+    assert notebook_parameters("latency")["cache_tokens"] == 1024
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_each_notebook_declares_exactly_its_parameters_with_their_defaults(name):
+    notebook = nbformat.read(NOTEBOOK_DIR / f"{name}.ipynb", as_version=4)
+    cell = next(c for c in notebook.cells if "parameters" in c.metadata.get("tags", []))
+    declared: dict = {}
+    exec(cell.source, {}, declared)
+
+    assert declared == notebook_parameters(name), "rebuild the notebooks: python notebooks/build_notebooks.py"
 
 
 def test_a_failed_notebook_is_reported_in_the_summary_not_hidden():

@@ -1,8 +1,8 @@
 """The vocabulary both engines speak: jobs, sampler settings, stream events, cache views.
 
 Nothing here touches torch, so the session, widgets and notebooks can import it freely. An engine is a
-synchronous object driven by one thread (the session's generator thread): `enqueue`, `cancel` and `step`,
-like exllamav2's dynamic generator with its `enqueue()` and `iterate()`.
+synchronous object driven by one thread (the session's `EngineThread`): `enqueue`, `cancel` and `step`, like
+exllamav2's dynamic generator with its `enqueue()` and `iterate()`.
 """
 
 from __future__ import annotations
@@ -371,6 +371,10 @@ class Tokenizer(Protocol):
 
     def token_to_id(self, token: str) -> int | None: ...
 
+    def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+        """The model's own chat template rendered to text (template "auto")."""
+        ...
+
 
 class JobFailed(Exception):
     """Raised by `Engine.step()` when the engine can tell which jobs a failure belongs to.
@@ -396,6 +400,8 @@ class Engine(ABC):
     name: str
     tokenizer: Tokenizer
     max_seq_len: int
+    # how this engine builds field report 2's generator-per-request pattern, in a sentence for a reader
+    separate_generators_note: str = ""
 
     @abstractmethod
     def enqueue(self, spec: JobSpec) -> int:
@@ -432,7 +438,37 @@ class Engine(ABC):
         write keys and values over each other's. Runs the specs to the end that way and returns each one's
         generated token ids; the engine is as before afterwards. For the concurrency investigation only.
         """
+        if self.has_work():
+            raise RuntimeError("the engine has jobs running; the generator-per-request run would overwrite their cache")
+        try:
+            generators = [self._separate_generator(first_job_id=1 + 1000 * k) for k in range(len(specs))]
+            return _step_in_turn(generators, specs)
+        finally:
+            self._forget_cache_contents()
+
+    def _separate_generator(self, first_job_id: int) -> Engine:
+        """Another generator over this engine's model and cache, with a page table of its own (the bug)."""
         raise NotImplementedError(f"the {self.name} engine cannot reproduce the generator-per-request pattern")
+
+    def _forget_cache_contents(self) -> None:
+        """Forget which prompts the cache holds: separate generators wrote over them, and a later job
+        reusing a "cached" prompt page would read their keys and values."""
 
     def close(self) -> None:
         """Release model and cache memory."""
+
+
+def _step_in_turn(generators: Sequence[Engine], specs: Sequence[JobSpec]) -> list[tuple[int, ...]]:
+    """One job per generator, each stepped in turn as concurrent request handlers would; their token ids."""
+    tokens: dict[int, list[int]] = {}
+    running: dict[int, Engine] = {}
+    for generator, spec in zip(generators, specs):
+        job_id = generator.enqueue(spec)
+        tokens[job_id], running[job_id] = [], generator
+    while running:
+        for generator in list(running.values()):
+            for event in generator.step():
+                tokens[event.job_id] += event.token_ids
+                if event.eos:
+                    running.pop(event.job_id, None)
+    return [tuple(ids) for ids in tokens.values()]

@@ -6,6 +6,7 @@ Verified against exllamav2 0.3.2, whose quirks on current torch and transformers
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 
@@ -26,9 +27,9 @@ from exlnb.engines.base import (
     job_event,
     wall_clock,
 )
+from exlnb.engines.paged_attention import VERIFIED_EXLLAMAV2
 from exlnb.engines.tokenizer import HfTokenizer
 
-VERIFIED_EXLLAMAV2 = "0.3.2"
 SDPA_TOLERANCE = 1e-2  # relative error between exllamav2's SDPA and matmul attention paths
 
 _EOS_REASONS = {
@@ -67,6 +68,10 @@ def _import_exllamav2():
 
 class ExLlamaV2Engine(Engine):
     name = "exllamav2"
+    separate_generators_note = (
+        "The generator-per-request outputs come from real extra ExLlamaV2DynamicGenerators over the engine's "
+        "model and cache, the reporter's own pattern."
+    )
 
     def __init__(self, options: EngineOptions, *, progress: bool = True) -> None:
         exl = _import_exllamav2()
@@ -112,7 +117,7 @@ class ExLlamaV2Engine(Engine):
     # -- load-time checks ----------------------------------------------------------------------------------
 
     def _check_sdpa(self) -> None:
-        """exllamav2 0.3.2 gives wrong logits through its SDPA path (measured with torch 2.11, gpu.md); the
+        """exllamav2 0.3.2 gives wrong logits through its SDPA path (measured with torch 2.11, docs/gpu.md); the
         matmul path is right. The likely cause is upstream: `ExLlamaV2Attention._attn_torch` takes
         `attn_params.get_block_diag_mask()` as the mask whenever `causal` is set, and that is None outside
         variable-length batches, so SDPA runs without a causal mask.
@@ -141,7 +146,7 @@ class ExLlamaV2Engine(Engine):
     def _choose_attention(self) -> tuple[bool, str]:
         """flash-attn's paged kernels where exllamav2 found them, else exlnb's paged attention, unless unpaged
         was asked for: unpaged, exllamav2 0.3.2's dynamic generator runs one job at a time on a one-page cache,
-        with no batching and no prefix sharing (gpu.md)."""
+        with no batching and no prefix sharing (docs/gpu.md)."""
         from exllamav2 import attn
 
         from exlnb.engines import paged_attention
@@ -284,6 +289,28 @@ class ExLlamaV2Engine(Engine):
             cached_tokens=job.cached_pages * self.generator.page_size + job.cached_tokens,
             new_tokens=tracked.new_tokens, text=text, token_ids=token_ids, eos_reason=eos_reason,
         )
+
+    # -- field report 2's mistake, on purpose --------------------------------------------------------------
+
+    def _separate_generator(self, first_job_id: int) -> ExLlamaV2Engine:
+        """The reporter's code: another ExLlamaV2DynamicGenerator over the same model and cache. Its constructor
+        builds a fresh page table over every page of the cache (exllamav2 0.3.2, `reset_page_table`), so it
+        allocates the same pages the engine's generator and the other requests' generators use."""
+        from exllamav2.generator import ExLlamaV2DynamicGenerator
+
+        twin = copy.copy(self)
+        twin.generator = ExLlamaV2DynamicGenerator(
+            model=self.model,
+            cache=self.cache,
+            tokenizer=self.generator.tokenizer,
+            max_batch_size=self.generator.max_batch_size,
+            paged=self.paged,
+        )
+        twin._jobs, twin._next_id = {}, first_job_id
+        return twin
+
+    def _forget_cache_contents(self) -> None:
+        self.generator.reset_page_table()
 
     # -- views ---------------------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-VERIFIED_EXLLAMAV2 = "0.3.2"
+VERIFIED_EXLLAMAV2 = "0.3.2"  # the one exllamav2 release exlnb is verified against (docs/gpu.md)
 
 # float32 attention scores held at once: 2**26 of them is 256 MiB. A long prompt chunk against a long cache
 # (2048 queries x 8192 keys x 32 heads would be 2 GiB) runs in slices of queries instead.
@@ -136,7 +136,7 @@ class _LayoutMemo(threading.local):
     exllamav2 passes the same block-table and lengths tensors to every layer of a pass and makes new ones
     for the next pass (`PagedParams` copies them to the device once); building the layout once instead of
     per layer saves about twenty kernel launches a layer, and decode of a small model is bound by launches
-    (gpu.md). The tensors are compared by identity (their version counters are not tracked under
+    (docs/gpu.md). The tensors are compared by identity (their version counters are not tracked under
     `torch.inference_mode`, where exllamav2 runs) and held, so a later tensor cannot reuse their ids.
     """
 

@@ -41,9 +41,6 @@ class HfTokenizer:
         tid = self._tok.convert_tokens_to_ids(token)
         return None if tid is None or tid == self._tok.unk_token_id and token != self._tok.unk_token else tid
 
-    def id_to_piece(self, token_id: int) -> str:
-        return self._tok.convert_ids_to_tokens(token_id)
-
     def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
         return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 

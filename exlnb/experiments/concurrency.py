@@ -5,15 +5,15 @@ The broken pattern: a generator per request, all over the one model cache. Each 
 own page table and believes the whole cache is its own, so their jobs write keys and values into the same
 cache positions and read each other's.
 
-Both patterns run here on the loaded engine. The broken one is built from the engine's own parts: on the
-ExLlamaV2 engine, extra `ExLlamaV2DynamicGenerator`s over the engine's model and cache (exactly the
-reporter's code); on the CPU engine, copies of the engine that share its model and KV storage but have their
-own page pool and scheduler. Each prompt's output is compared with its output when run alone (greedy).
+Both patterns run here on the loaded engine. The broken one is the engine's own
+`run_with_separate_generators`: on the ExLlamaV2 engine, extra `ExLlamaV2DynamicGenerator`s over the
+engine's model and cache (exactly the reporter's code); on the CPU engine, copies of the engine that share
+its model and KV storage but have their own page pool and scheduler. Each prompt's output is compared with
+its output when run alone (greedy).
 """
 
 from __future__ import annotations
 
-import copy
 import difflib
 import itertools
 
@@ -22,23 +22,13 @@ import pandas as pd
 import seaborn as sns
 
 from exlnb.analysis import mean_interval, rate_interval
-from exlnb.engines.base import Engine, JobSpec, SamplerSettings, wall_clock
-from exlnb.engines.cpu.pages import PagePool
-from exlnb.engines.cpu.scheduler import Scheduler
+from exlnb.engines.base import JobSpec, SamplerSettings, wall_clock
 from exlnb.experiments.datasets import load_prompts
 from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.session import Session
 from exlnb.templates import chatml
 
 PATTERNS = ("one generator", "generator per request")
-PATTERN_SOURCE = {
-    "exllamav2": "The generator-per-request outputs come from real extra ExLlamaV2DynamicGenerators over the engine's "
-    "model and cache, the reporter's own pattern.",
-    "cpu": "The CPU engine has no ExLlamaV2DynamicGenerator to create twice, so it cannot express the reporter's code "
-    "as such. It approximates it with copies of the engine that share the model and its KV storage but keep their own "
-    "page pools and schedulers: independent page tables over one cache, the collision separate exllamav2 generators "
-    "have. Run this notebook on the ExLlamaV2 engine for the reporter's exact pattern.",
-}
 
 
 def run(
@@ -70,95 +60,13 @@ def run(
             streams = [session.submit(spec) for spec in batch]
             produced = [stream.result().token_ids for stream in streams]
         else:
-            produced = session.run_on_engine(lambda engine: _run_on_separate_generators(engine, batch))
+            produced = session.run_on_engine(lambda engine: engine.run_with_separate_generators(batch))
         runs.append(_run_row(pattern, level, produced, wall_clock() - start))
         outputs += [_compare(pattern, level, i, ids, solo, tokenizer) for i, ids in enumerate(produced)]
     tables = {"outputs": pd.DataFrame(outputs), "runs": pd.DataFrame(runs)}
     parameters = dict(prompts=prompts, max_new_tokens=max_new_tokens, concurrency=list(concurrency))
-    return _summarise(tables, parameters, environment(session))
-
-
-def separate_generators(engine: Engine, count: int) -> list[Engine]:
-    """`count` generators over the engine's one model and cache, each with its own page table (the bug).
-
-    Built from the engine's own parts, which only this experiment reaches into: the point is to misuse them.
-    """
-    if engine.name == "exllamav2":
-        return [_exllamav2_generator(engine, first_job_id=1 + 1000 * k) for k in range(count)]
-    if engine.name == "cpu":
-        return [_cpu_generator(engine, first_job_id=1 + 1000 * k) for k in range(count)]
-    raise ValueError(f"no generator-per-request pattern for the {engine.name!r} engine")
-
-
-def _exllamav2_generator(engine: Engine, first_job_id: int) -> Engine:
-    """The reporter's code: another ExLlamaV2DynamicGenerator over the same model and cache. Its constructor
-    builds a fresh page table over every page of the cache (exllamav2 0.3.2, `reset_page_table`), so it
-    allocates the same pages the engine's generator and the other requests' generators use."""
-    from exllamav2.generator import ExLlamaV2DynamicGenerator
-
-    twin = copy.copy(engine)
-    twin.generator = ExLlamaV2DynamicGenerator(
-        model=engine.model,
-        cache=engine.cache,
-        tokenizer=engine.generator.tokenizer,
-        max_batch_size=engine.generator.max_batch_size,
-        paged=engine.paged,
-    )
-    twin._jobs, twin._next_id = {}, first_job_id
-    return twin
-
-
-def _cpu_generator(engine: Engine, first_job_id: int) -> Engine:
-    """The CPU engine's equivalent: a copy that shares the model and its KV storage (`_runner`) but has its
-    own page pool and scheduler, so it too believes every page is free."""
-    from exlnb.engines.cpu.engine import MAX_STEP_TOKENS
-
-    twin = copy.copy(engine)
-    twin._pool = _fresh_page_pool(engine)
-    twin._scheduler = Scheduler(twin._pool, engine._scheduler.max_batch_size, MAX_STEP_TOKENS)
-    twin._ids = itertools.count(first_job_id)
-    return twin
-
-
-def _fresh_page_pool(engine: Engine) -> PagePool:
-    return PagePool(len(engine._pool.pages), engine._pool.page_size)
-
-
-def _run_on_separate_generators(engine: Engine, specs: list[JobSpec]) -> list[tuple[int, ...]]:
-    """One generator per request, stepped in turn as concurrent request handlers would (on the engine thread).
-
-    Afterwards the engine forgets what its cache pages hold: the other generators wrote over them, and a
-    later job reusing a "cached" prompt page would read their keys and values.
-    """
-    if engine.has_work():
-        raise RuntimeError("the engine has jobs running; the generator-per-request run would overwrite their cache")
-    try:
-        return _step_in_turn(separate_generators(engine, len(specs)), specs)
-    finally:
-        _forget_cache_contents(engine)
-
-
-def _forget_cache_contents(engine: Engine) -> None:
-    if engine.name == "exllamav2":
-        engine.generator.reset_page_table()
-    else:
-        engine._pool = engine._scheduler.pool = _fresh_page_pool(engine)
-
-
-def _step_in_turn(generators: list[Engine], specs: list[JobSpec]) -> list[tuple[int, ...]]:
-    tokens: dict[int, list[int]] = {}
-    running = {}
-    for generator, spec in zip(generators, specs):
-        job_id = generator.enqueue(spec)
-        tokens[job_id], running[job_id] = [], generator
-    order = list(tokens)
-    while running:
-        for job_id, generator in list(running.items()):
-            for event in generator.step():
-                tokens[event.job_id] += event.token_ids
-                if event.eos:
-                    running.pop(event.job_id, None)
-    return [tuple(tokens[job_id]) for job_id in order]
+    pattern_source = session.run_on_engine(lambda engine: engine.separate_generators_note)
+    return _summarise(tables, parameters, environment(session), pattern_source)
 
 
 def _run_row(pattern: str, level: int, produced: list[tuple[int, ...]], seconds: float) -> dict:
@@ -184,7 +92,7 @@ def _compare(pattern, level, index, ids, solo, tokenizer) -> dict:
     }
 
 
-def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict) -> ExperimentResult:
+def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict, pattern_source: str) -> ExperimentResult:
     outputs, runs = tables["outputs"], tables["runs"]
     top = max(parameters["concurrency"])
     at_top = {p: outputs[(outputs.pattern == p) & (outputs.concurrency == top)] for p in PATTERNS}
@@ -213,7 +121,7 @@ def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict) -> 
         effects=effects,
         parameters=parameters,
         environment=env,
-        findings=[*_findings(values), PATTERN_SOURCE[env["engine"]]],
+        findings=[*_findings(values), pattern_source],
         values=values,
     )
 

@@ -8,7 +8,7 @@ over a local socket; the client stamps each chunk's arrival. Three ways of feedi
   the handler's body is an async generator doing `async for` over the job.
 - "collector queue": the fix field report 3 proposes (TabbyAPI's): a task iterates the job and puts
   results on an `asyncio.Queue`; the handler reads the queue. The generator still runs on the event loop.
-- "exlnb session": the generator runs on the session's own thread and puts results on the stream's
+- "exlnb session": the engine runs on the session's engine thread and puts results on the stream's
   queue (`call_soon_threadsafe`); the event loop only ever delivers.
 
 What a web stack does per chunk matters: anyio-based stacks (Starlette's middleware streams, sse-starlette's

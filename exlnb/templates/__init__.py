@@ -12,7 +12,6 @@ from exlnb.templates.formats import (
     TurnFormat,
     as_messages,
     chatml,
-    chatml_variant,
     conversation,
     render,
 )
@@ -32,7 +31,6 @@ __all__ = [
     "TurnFormat",
     "as_messages",
     "chatml",
-    "chatml_variant",
     "conversation",
     "lint",
     "lint_rendered",

@@ -196,12 +196,3 @@ CHATML_VARIANTS: dict[str, ChatmlVariant] = {
         ChatmlVariant("no_template", "no template: the turns' bare text", render_raw, lint_kind="missing_tag"),
     )
 }
-
-
-def chatml_variant(name: str, messages: MessagesLike) -> str:
-    """The prompt text of one named variant; encode it with `CHATML_VARIANTS[name].special`."""
-    try:
-        variant = CHATML_VARIANTS[name]
-    except KeyError:
-        raise ValueError(f"unknown ChatML variant {name!r}: use one of {', '.join(CHATML_VARIANTS)}") from None
-    return variant.render(messages)

@@ -6,6 +6,7 @@ and exllamav2's sampler semantics, so the kit, its notebooks and its tests run w
 
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import dataclass
 
@@ -46,6 +47,12 @@ class _Outcome:
 
 class CpuEngine(Engine):
     name = "cpu"
+    separate_generators_note = (
+        "The CPU engine has no ExLlamaV2DynamicGenerator to create twice, so it cannot express the reporter's code "
+        "as such. It approximates it with copies of the engine that share the model and its KV storage but keep their "
+        "own page pools and schedulers: independent page tables over one cache, the collision separate exllamav2 "
+        "generators have. Run this notebook on the ExLlamaV2 engine for the reporter's exact pattern."
+    )
 
     def __init__(self, options: EngineOptions, *, progress: bool = True) -> None:
         from transformers import AutoModelForCausalLM
@@ -154,6 +161,20 @@ class CpuEngine(Engine):
             prompt_tokens=job.prompt_tokens, cached_tokens=job.cached_tokens, new_tokens=job.new_tokens,
             text=text, token_ids=(token,) if token is not None else (), eos_reason=eos_reason,
         )
+
+    # -- field report 2's mistake, on purpose --------------------------------------------------------------
+
+    def _separate_generator(self, first_job_id: int) -> CpuEngine:
+        """A copy sharing the model and its KV storage (`_runner`) but with its own page pool and scheduler, so
+        it too believes every page is free."""
+        twin = copy.copy(self)
+        twin._pool = PagePool(len(self._pool.pages), PAGE_SIZE)
+        twin._scheduler = Scheduler(twin._pool, self._scheduler.max_batch_size, MAX_STEP_TOKENS)
+        twin._ids = itertools.count(first_job_id)
+        return twin
+
+    def _forget_cache_contents(self) -> None:
+        self._pool.forget_contents()
 
     # -- views ---------------------------------------------------------------------------------------------
 

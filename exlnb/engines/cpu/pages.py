@@ -113,6 +113,11 @@ class PagePool:
                     page.tokens_filled = 0
                 self._free[index] = None
 
+    def forget_contents(self) -> None:
+        """Forget what every free page holds, after something other than this pool wrote into the cache."""
+        for index in self._free:
+            self._forget(index)
+
     def _take(self, index: int, job_id: int) -> None:
         page = self.pages[index]
         page.ref_count += 1

@@ -45,10 +45,6 @@ class PagedRunner:
         self.keys = torch.zeros(shape, dtype=model.dtype)
         self.values = torch.zeros(shape, dtype=model.dtype)
 
-    @property
-    def cache_bytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
-
     def slots(self, page_table: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
         positions = torch.arange(start, stop)
         pages = torch.tensor(page_table, dtype=torch.long)[positions // self.page_size]
