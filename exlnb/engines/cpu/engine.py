@@ -108,8 +108,6 @@ class CpuEngine(Engine):
         for row, (job, chunk) in enumerate(work):
             job.computed = chunk.start + len(chunk.token_ids)
             self._pool.mark_filled(job.reservation.page_table, job.computed)
-            if job.stage is Stage.PREFILL:
-                self._pool.publish_prefix(job.reservation.page_table, job.reservation.prefix_hashes, job.computed)
             if job.computed < len(job.sequence):
                 continue  # prompt not finished: these logits are not for sampling
             events.append(self._advance(job, logits[row], now))
