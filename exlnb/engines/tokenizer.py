@@ -23,6 +23,7 @@ class HfTokenizer:
         self.eos_token_id: int = self.eos_token_ids[0]
         self.chat_template: str | None = getattr(self._tok, "chat_template", None)
         self.vocab_size: int = len(self._tok)
+        self._pieces: tuple[str, ...] | None = None
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:
         if special:
@@ -39,6 +40,12 @@ class HfTokenizer:
     def token_to_id(self, token: str) -> int | None:
         tid = self._tok.convert_tokens_to_ids(token)
         return None if tid is None or tid == self._tok.unk_token_id and token != self._tok.unk_token else tid
+
+    def pieces(self) -> tuple[str, ...]:
+        """Each token's own text, by id (exllamav2's id_to_piece list): what DRY and XTC classify tokens by."""
+        if self._pieces is None:
+            self._pieces = tuple(self._tok.batch_decode([[i] for i in range(self.vocab_size)]))
+        return self._pieces
 
     def id_to_piece(self, token_id: int) -> str:
         return self._tok.convert_ids_to_tokens(token_id)

@@ -15,7 +15,8 @@ import torch
 from exlnb.engines.base import JobClock, JobSpec, Stage
 from exlnb.engines.cpu.pages import PagePool, Reservation
 from exlnb.engines.cpu.runner import SequenceChunk
-from exlnb.engines.text import IncrementalDecoder, StopStringFilter
+from exlnb.engines.cpu.sampler import SamplerState, TokenClasses
+from exlnb.engines.text import BannedStrings, IncrementalDecoder, StopStringFilter
 
 
 @dataclass
@@ -27,6 +28,9 @@ class CpuJob:
     stop_filter: StopStringFilter
     generator: torch.Generator
     clock: JobClock
+    classes: TokenClasses
+    banned: BannedStrings
+    sampler_state: SamplerState = field(default_factory=SamplerState)
     sequence: list[int] = field(default_factory=list)
     reservation: Reservation | None = None
     computed: int = 0  # leading tokens whose keys and values are in the cache
