@@ -26,7 +26,7 @@ from exlnb.engines.base import (
     job_event,
     wall_clock,
 )
-from exlnb.engines.cpu import vocab
+from exlnb.engines import vocab
 from exlnb.engines.cpu.loops import only_repeats
 from exlnb.engines.cpu.pages import PagePool
 from exlnb.engines.cpu.runner import PagedRunner
