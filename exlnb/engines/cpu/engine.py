@@ -150,8 +150,8 @@ class CpuEngine(Engine):
 
     def _outcome(self, job: CpuJob, token: int) -> _Outcome:
         if token in job.spec.stop_token_ids:
-            text, tokens = job.banned.flush()
-            return _Outcome(job.stop_filter.feed(text)[0] + job.stop_filter.flush(), EosReason.STOP_TOKEN, (*tokens, token))
+            text, tokens = self._drain(job)
+            return _Outcome(text, EosReason.STOP_TOKEN, (*tokens, token))
         before = job.decoder.state()
         released = job.banned.feed(token, job.decoder.push(token), len(job.sequence) - 1, before)
         if isinstance(released, Rewind):
@@ -165,9 +165,14 @@ class CpuEngine(Engine):
             return _Outcome(text, EosReason.STOP_STRING, tokens)
         reason = self._limit_reached(job)
         if reason is not None:
-            held, more = job.banned.flush()
-            return _Outcome(text + job.stop_filter.feed(held)[0] + job.stop_filter.flush(), reason, (*tokens, *more))
+            more_text, more_tokens = self._drain(job)
+            return _Outcome(text + more_text, reason, (*tokens, *more_tokens))
         return _Outcome(text, None, tokens)
+
+    def _drain(self, job: CpuJob) -> tuple[str, tuple[int, ...]]:
+        """What is still held back when a job ends: the start of a banned string or of a stop string."""
+        held, tokens = job.banned.flush()
+        return job.stop_filter.feed(held)[0] + job.stop_filter.flush(), tuple(tokens)
 
     def _limit_reached(self, job: CpuJob) -> EosReason | None:
         if job.new_tokens >= job.spec.max_new_tokens:
