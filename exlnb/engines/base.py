@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Mapping, Sequence
@@ -62,7 +63,7 @@ class SamplerSettings:
     tfs: float = field(default=0.0, metadata={"help": "tail-free sampling: keep this share of the curvature; 0 disables"})
     typical: float = field(default=0.0, metadata={"help": "locally typical sampling: keep this mass nearest the entropy; 0 disables"})
     smoothing_factor: float = field(
-        default=0.0, metadata={"help": "quadratic sampling: squash logits around the top one; 0 disables", "option": "smoothing"}
+        default=0.0, metadata={"help": "quadratic sampling: squash logits around the top one; 0 disables"}
     )
     min_temp: float = field(default=0.0, metadata={"help": "dynamic temperature: the temperature at zero entropy"})
     max_temp: float = field(default=0.0, metadata={"help": "dynamic temperature at full entropy; on when above min_temp"})
@@ -90,7 +91,7 @@ class SamplerSettings:
         default=0.0, metadata={"help": "subtract this once from every earlier token", "option": "presence_penalty"}
     )
     token_bias: tuple[tuple[int, float], ...] = field(
-        default=(), metadata={"help": "token id -> value added to its logit (-inf bans it)", "option": "bias"}
+        default=(), metadata={"help": "token id -> value added to its logit (-inf bans it)"}
     )
     dry_multiplier: float = field(default=0.0, metadata={"help": "DRY: penalise tokens that extend a repeat; 0 disables"})
     dry_base: float = field(default=1.75, metadata={"help": "DRY: penalty grows by this factor per repeated token"})
@@ -180,9 +181,10 @@ class SamplerSettings:
 
 
 def _is_number(value: object, kind: type) -> bool:
-    """An int, or for `float` an int or a float; never a bool, which Python counts as an int."""
-    allowed = (int, float) if kind is float else (kind,)
-    return isinstance(value, allowed) and (kind is bool or not isinstance(value, bool))
+    """An integer (numpy's too), or for `float` any real number; never a bool, which Python counts as an int."""
+    if kind is bool:
+        return isinstance(value, bool)
+    return isinstance(value, numbers.Integral if kind is int else numbers.Real) and not isinstance(value, bool)
 
 
 def _check_type(name: str, value: object, annotation: str) -> None:
