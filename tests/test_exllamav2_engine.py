@@ -6,6 +6,8 @@ the default `paged="auto"` and no flash-attn, that is paged mode served by exlnb
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -141,3 +143,39 @@ def test_paged_attention_refuses_an_unverified_exllamav2(exl_session, monkeypatc
     monkeypatch.setattr(exllamav2, "__version__", "0.3.3")
     with pytest.raises(RuntimeError, match="verified against exllamav2 0.3.2, found 0.3.3"):
         paged_attention.install()
+
+
+def test_every_sampler_setting_reaches_exllamav2(exl_session):
+    from dataclasses import fields
+
+    from exllamav2.generator import ExLlamaV2Sampler
+
+    from exlnb import SamplerSettings
+
+    ours = SamplerSettings(
+        temperature=0.9, top_a=0.1, tfs=0.9, typical=0.9, smoothing_factor=0.2, min_temp=0.5, max_temp=1.5,
+        temperature_last=True, skew=0.5, mirostat=True, mirostat_tau=2.0, mirostat_eta=0.2, token_bias={5: -2.0},
+        dry_multiplier=0.8, dry_sequence_breakers={"\n"}, dry_range=64, xtc_probability=0.5, xtc_threshold=0.2,
+    )
+    theirs = exl_session.run_on_engine(lambda e: e._upstream_settings(ours, ExLlamaV2Sampler.Settings))
+    for f in fields(ours):
+        if f.name not in ("token_bias", "dry_sequence_breakers"):
+            assert getattr(theirs, f.name) == getattr(ours, f.name), f.name
+    assert theirs.token_bias[5] == -2.0 and theirs.token_bias.numel() % 32 == 0
+    assert exl_session.tokenizer.encode("\n")[0] in theirs.dry_sequence_breakers
+
+
+def test_the_exllamav2_engine_refuses_the_loop_detector(exl_session):
+    with pytest.raises(ValueError, match="the exllamav2 engine does not implement stop_on_loop"):
+        exl_session.submit(replace(exl_session.job_spec("Hi", max_new_tokens=4), stop_on_loop=(300, 3)))
+
+
+def test_new_settings_sample_on_the_gpu(exl_session):
+    from exlnb import SamplerSettings
+
+    settings = SamplerSettings(
+        temperature=1.0, dry_multiplier=0.8, xtc_probability=0.5, typical=0.9, tfs=0.95, top_a=0.1, mirostat=True,
+        smoothing_factor=0.3, max_temp=1.5, min_temp=0.5, skew=0.2, token_bias={5: -2.0},
+    )
+    result = exl_session.complete("Once upon a time", max_new_tokens=16, sampler=settings, seed=1)
+    assert result.new_tokens > 0

@@ -195,7 +195,8 @@ def test_a_stream_of_an_unloaded_model_says_so():
     session = Session()
     session.load("smollm2-135m-instruct", engine="cpu", progress=False, cache_tokens=512)
     stream = session.generate(PROMPT, max_new_tokens=200)
-    next(iter(stream))
+    reading = iter(stream)
+    next(reading)  # a consumer in the middle of the answer
     session.unload()
 
     with pytest.raises(ModelUnloaded, match=r"job \d+ ended: the model was unloaded after \d+ new tokens"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -22,11 +22,13 @@ from exlnb.engines.base import (
     JobInfo,
     JobSpec,
     PageInfo,
+    SamplerSettings,
     Stage,
     StreamEvent,
     job_event,
     wall_clock,
 )
+from exlnb.engines import vocab
 from exlnb.engines.paged_attention import VERIFIED_EXLLAMAV2
 from exlnb.engines.tokenizer import HfTokenizer
 
@@ -198,18 +200,8 @@ class ExLlamaV2Engine(Engine):
                 f"the prompt has {prompt} tokens but the cache holds {self.max_seq_len}: shorten the prompt "
                 f"or load with cache_tokens of at least {prompt + spec.max_new_tokens}"
             )
-        s = spec.sampler
-        settings = ExLlamaV2Sampler.Settings(
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            min_p=s.min_p,
-            token_repetition_penalty=s.token_repetition_penalty,
-            token_repetition_range=s.token_repetition_range,
-            token_repetition_decay=s.token_repetition_decay,
-            token_frequency_penalty=s.token_frequency_penalty,
-            token_presence_penalty=s.token_presence_penalty,
-        )
+        self.refuse_unsupported(spec)
+        settings = self._upstream_settings(spec.sampler, ExLlamaV2Sampler.Settings)
         max_new = min(spec.max_new_tokens, self.max_seq_len - prompt)
         job_id, self._next_id = self._next_id, self._next_id + 1
         job = ExLlamaV2DynamicJob(
@@ -218,12 +210,36 @@ class ExLlamaV2Engine(Engine):
             gen_settings=settings,
             seed=spec.seed,
             stop_conditions=[*spec.stop_token_ids, *spec.stop_strings],
+            min_new_tokens=spec.min_new_tokens,
+            banned_strings=list(spec.banned_strings) or None,
             decode_special_tokens=True,  # like the CPU engine: a generated <|im_start|> is visible
             identifier=job_id,
         )
         self.generator.enqueue(job)
         self._jobs[job_id] = _Tracked(job, spec, max_new, JobClock(enqueued=wall_clock()))
         return job_id
+
+    def unsupported(self, spec: JobSpec) -> list[str]:
+        if spec.stop_on_loop:
+            return [f"stop_on_loop={spec.stop_on_loop!r} (exllamav2 0.3.2 has no loop detector; ExLlamaV3 has)"]
+        return []
+
+    def _upstream_settings(self, s: SamplerSettings, settings_class):
+        """exllamav2's Settings from ours: the fields share exllamav2's names; two need its tensor or id forms."""
+        values = {f.name: getattr(s, f.name) for f in fields(s)}
+        vocab_size = self.config.vocab_size
+        if s.token_bias:
+            # the shape exllamav2's own Settings.disallow_tokens gives the bias: the vocabulary padded to 32
+            bias = torch.zeros(vocab_size + -vocab_size % 32, dtype=torch.float)
+            ids, amounts = zip(*s.token_bias)
+            bias[list(ids)] = torch.tensor(amounts)
+            values["token_bias"] = bias
+        else:
+            values["token_bias"] = None
+        if s.dry_sequence_breakers is not None:  # None: exllamav2 derives its default set itself
+            mask = vocab.dry_breakers(self.tokenizer, s.dry_sequence_breakers, vocab_size)
+            values["dry_sequence_breakers"] = set(torch.nonzero(mask).flatten().tolist())
+        return settings_class(**values)
 
     def cancel(self, job_id: int) -> bool:
         tracked = self._jobs.pop(job_id, None)

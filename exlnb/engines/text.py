@@ -6,6 +6,7 @@ Shared by engines that produce tokens themselves (the CPU engine); exllamav2 doe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from exlnb.engines.base import Tokenizer
 
@@ -31,6 +32,14 @@ class IncrementalDecoder:
             return ""
         self._prefix, self._read = self._read, len(self._ids)
         return after[len(before) :]
+
+    def state(self) -> tuple[int, int, int]:
+        return len(self._ids), self._prefix, self._read
+
+    def restore(self, state: tuple[int, int, int]) -> None:
+        """Go back to an earlier `state()`, forgetting the tokens pushed since."""
+        count, self._prefix, self._read = state
+        del self._ids[count:]
 
 
 class StopStringFilter:
@@ -62,3 +71,55 @@ def _overlap(text: str, stop: str) -> int:
         if text.endswith(stop[:n]):
             return n
     return 0
+
+
+@dataclass(frozen=True)
+class Rewind:
+    """Take the sequence back to `length` tokens and the decoder to `decoder_state`: a banned string appeared."""
+
+    length: int
+    decoder_state: tuple[int, int, int]
+
+
+class BannedStrings:
+    """exllamav2's banned strings (dynamic.py): hold back text that could begin one, case-insensitively; when the
+    held text contains one, go back to where the hold began and ban there the token that began it.
+
+    The ban lasts while generation stays at that position; each new attempt that ends in a banned string is
+    banned too, so the job always moves on.
+    """
+
+    def __init__(self, banned: Sequence[str]) -> None:
+        self._banned = [b.lower() for b in banned]
+        self._text = ""
+        self._tokens: list[int] = []
+        self._start: Rewind | None = None  # where the current hold began
+        self._bans: tuple[int, list[int]] | None = None  # (position, tokens banned there)
+
+    def blocked(self, length: int) -> list[int]:
+        """Tokens that may not be sampled at sequence position `length`."""
+        return self._bans[1] if self._bans and self._bans[0] == length else []
+
+    def feed(self, token: int, text: str, length: int, decoder_state: tuple[int, int, int]) -> tuple[str, list[int]] | Rewind:
+        """Text and tokens now safe to emit, or a Rewind. `length` and `decoder_state` are from before `token`."""
+        if not self._tokens:
+            self._start = Rewind(length, decoder_state)
+        self._text += text
+        self._tokens.append(token)
+        held = self._text.lower()
+        if any(b in held for b in self._banned):
+            start, first = self._start, self._tokens[0]
+            if self._bans and self._bans[0] == start.length:
+                self._bans[1].append(first)
+            else:
+                self._bans = (start.length, [first])
+            self._text, self._tokens = "", []
+            return start
+        if any(_overlap(held, b) for b in self._banned):
+            return "", []
+        return self.flush()
+
+    def flush(self) -> tuple[str, list[int]]:
+        out = self._text, self._tokens
+        self._text, self._tokens = "", []
+        return out

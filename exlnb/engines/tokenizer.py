@@ -23,6 +23,7 @@ class HfTokenizer:
         self.eos_token_id: int = self.eos_token_ids[0]
         self.chat_template: str | None = getattr(self._tok, "chat_template", None)
         self.vocab_size: int = len(self._tok)
+        self._pieces: tuple[str, ...] | None = None
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:
         _check_encodable(text)
@@ -40,6 +41,12 @@ class HfTokenizer:
     def token_to_id(self, token: str) -> int | None:
         tid = self._tok.convert_tokens_to_ids(token)
         return None if tid is None or tid == self._tok.unk_token_id and token != self._tok.unk_token else tid
+
+    def pieces(self) -> tuple[str, ...]:
+        """Each token's own text, by id (exllamav2's id_to_piece list): what DRY and XTC classify tokens by."""
+        if self._pieces is None:
+            self._pieces = tuple(self._tok.batch_decode([[i] for i in range(self.vocab_size)]))
+        return self._pieces
 
     def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
         return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)

@@ -28,11 +28,13 @@ from exlnb.engines.base import (
     job_event,
     wall_clock,
 )
+from exlnb.engines import vocab
+from exlnb.engines.cpu.loops import only_repeats
 from exlnb.engines.cpu.pages import PagePool
 from exlnb.engines.cpu.runner import PagedRunner
-from exlnb.engines.cpu.sampler import sample_token
+from exlnb.engines.cpu.sampler import TokenClasses, sample_token
 from exlnb.engines.cpu.scheduler import CpuJob, Scheduler
-from exlnb.engines.text import IncrementalDecoder, StopStringFilter
+from exlnb.engines.text import BannedStrings, IncrementalDecoder, Rewind, StopStringFilter
 from exlnb.engines.tokenizer import HfTokenizer
 
 PAGE_SIZE = PAGE_TOKENS
@@ -43,6 +45,7 @@ MAX_STEP_TOKENS = 512  # prompt tokens per forward pass: bounds how long decodin
 class _Outcome:
     text: str
     eos_reason: EosReason | None
+    token_ids: tuple[int, ...] = ()
 
 
 class CpuEngine(Engine):
@@ -81,9 +84,10 @@ class CpuEngine(Engine):
                 f"the prompt has {prompt} tokens but the cache holds {self.max_seq_len}: shorten the prompt "
                 f"or load with cache_tokens of at least {prompt + spec.max_new_tokens}"
             )
-        bad = [t for t in spec.input_ids if not 0 <= t < self._vocab_size]
+        bad = [t for t in spec.input_ids + tuple(t for t, _ in spec.sampler.token_bias) if not 0 <= t < self._vocab_size]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{self._vocab_size - 1})")
+        self.refuse_unsupported(spec)
         job_id = next(self._ids)
         generator = torch.Generator()
         generator.manual_seed(spec.seed if spec.seed is not None else torch.seed())
@@ -95,10 +99,19 @@ class CpuEngine(Engine):
             stop_filter=StopStringFilter(spec.stop_strings),
             generator=generator,
             clock=JobClock(enqueued=wall_clock()),
+            classes=self._token_classes(spec),
+            banned=BannedStrings(spec.banned_strings),
             sequence=list(spec.input_ids),
         )
         self._scheduler.pending.append(job)
         return job_id
+
+    def _token_classes(self, spec: JobSpec) -> TokenClasses:
+        s = spec.sampler
+        return TokenClasses(
+            dry_breakers=vocab.dry_breakers(self.tokenizer, s.dry_sequence_breakers, self._vocab_size) if s.dry_multiplier else None,
+            xtc_excludable=vocab.xtc_excludable(self.tokenizer, self._vocab_size) if s.xtc_probability else None,
+        )
 
     def cancel(self, job_id: int) -> bool:
         return self._scheduler.remove(job_id) is not None
@@ -117,8 +130,6 @@ class CpuEngine(Engine):
         for row, (job, chunk) in enumerate(work):
             job.computed = chunk.start + len(chunk.token_ids)
             self._pool.mark_filled(job.reservation.page_table, job.computed)
-            if job.stage is Stage.PREFILL:
-                self._pool.publish_prefix(job.reservation.page_table, job.reservation.prefix_hashes, job.computed)
             if job.computed < len(job.sequence):
                 continue  # prompt not finished: these logits are not for sampling
             try:
@@ -131,7 +142,10 @@ class CpuEngine(Engine):
         return events
 
     def _advance(self, job: CpuJob, logits: torch.Tensor, now: float) -> StreamEvent:
-        token = sample_token(logits, torch.tensor(job.sequence), job.spec.sampler, job.generator)
+        token = sample_token(
+            logits, torch.tensor(job.sequence), job.spec.sampler, job.generator,
+            blocked=self._blocked(job), classes=job.classes, state=job.sampler_state,
+        )
         job.sequence.append(token)
         job.clock.token_arrived(now)
         job.stage = Stage.DECODE
@@ -139,27 +153,65 @@ class CpuEngine(Engine):
         if outcome.eos_reason is not None:
             self._scheduler.remove(job.job_id)
             job.stage = Stage.DONE
-        return self._event(job, job.stage, text=outcome.text, token=token, eos_reason=outcome.eos_reason)
+        return self._event(job, job.stage, text=outcome.text, token_ids=outcome.token_ids, eos_reason=outcome.eos_reason)
+
+    def _blocked(self, job: CpuJob) -> list[int]:
+        """Tokens banned here: the starts of banned strings tried at this position, and stop tokens until
+        min_new_tokens (exllamav2's dynamic job passes both to its sampler as blocked_tokens)."""
+        blocked = job.banned.blocked(len(job.sequence))
+        if job.new_tokens < job.spec.min_new_tokens:
+            blocked = [*blocked, *job.spec.stop_token_ids]
+        return blocked
 
     def _outcome(self, job: CpuJob, token: int) -> _Outcome:
         if token in job.spec.stop_token_ids:
-            return _Outcome(job.stop_filter.flush(), EosReason.STOP_TOKEN)
-        text, stopped = job.stop_filter.feed(job.decoder.push(token))
+            text, tokens = self._drain(job)
+            return _Outcome(text, EosReason.STOP_TOKEN, (*tokens, token))
+        before = job.decoder.state()
+        released = job.banned.feed(token, job.decoder.push(token), len(job.sequence) - 1, before)
+        if isinstance(released, Rewind):
+            self._rewind(job, released)
+            return _Outcome("", None)
+        # banned strings are checked before the length limits, unlike exllamav2's job, so none ever slips out
+        text, tokens = released
+        text, stopped = job.stop_filter.feed(text)
+        tokens = tuple(tokens)
         if stopped:
-            return _Outcome(text, EosReason.STOP_STRING)
+            return _Outcome(text, EosReason.STOP_STRING, tokens)
+        reason = self._limit_reached(job)
+        if reason is not None:
+            more_text, more_tokens = self._drain(job)
+            return _Outcome(text + more_text, reason, (*tokens, *more_tokens))
+        return _Outcome(text, None, tokens)
+
+    def _drain(self, job: CpuJob) -> tuple[str, tuple[int, ...]]:
+        """What is still held back when a job ends: the start of a banned string or of a stop string."""
+        held, tokens = job.banned.flush()
+        return job.stop_filter.feed(held)[0] + job.stop_filter.flush(), tuple(tokens)
+
+    def _limit_reached(self, job: CpuJob) -> EosReason | None:
         if job.new_tokens >= job.spec.max_new_tokens:
-            return _Outcome(text + job.stop_filter.flush(), EosReason.MAX_NEW_TOKENS)
+            return EosReason.MAX_NEW_TOKENS
         if len(job.sequence) >= job.max_total_tokens:
-            return _Outcome(text + job.stop_filter.flush(), EosReason.END_OF_CACHE)
-        return _Outcome(text, None)
+            return EosReason.END_OF_CACHE
+        loop = job.spec.stop_on_loop
+        if loop and only_repeats(job.sequence[job.prompt_tokens :], *loop):
+            return EosReason.LOOP_DETECTED
+        return None
+
+    def _rewind(self, job: CpuJob, to: Rewind) -> None:
+        """Take back the tokens that spelled a banned string; the last kept token runs again for fresh logits."""
+        del job.sequence[to.length :]
+        job.decoder.restore(to.decoder_state)
+        job.computed = to.length - 1
 
     def _event(
-        self, job: CpuJob, stage: Stage, *, text: str = "", token: int | None = None, eos_reason: EosReason | None = None
+        self, job: CpuJob, stage: Stage, *, text: str = "", token_ids: tuple[int, ...] = (), eos_reason: EosReason | None = None
     ) -> StreamEvent:
         return job_event(
             job.job_id, stage, job.clock, wall_clock(),
             prompt_tokens=job.prompt_tokens, cached_tokens=job.cached_tokens, new_tokens=job.new_tokens,
-            text=text, token_ids=(token,) if token is not None else (), eos_reason=eos_reason,
+            text=text, token_ids=token_ids, eos_reason=eos_reason,
         )
 
     # -- field report 2's mistake, on purpose --------------------------------------------------------------

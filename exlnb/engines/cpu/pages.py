@@ -3,9 +3,11 @@
 Like exllamav2's dynamic generator (and nano-vllm's block manager): a job reserves every page it can ever
 need when it is admitted, so a running job never stalls for memory. A full page of prompt tokens is
 identified by a hash chained over every token before it; a later job whose prompt starts the same way
-references that page instead of recomputing it. Pages whose ref count drops to zero go back to the free
-list but keep their contents and hash until they are reused (least recently freed first), so a prompt
-repeated after its first job ended is still found.
+references that page instead of recomputing it, even while the page is still being computed (jobs admitted
+together, such as `--n` samples, share from the start): one job, the page's writer, computes it and the
+others wait for it. Pages whose ref count drops to zero go back to the free list but keep their contents
+and hash until they are reused (least recently freed first), so a prompt repeated after its first job
+ended is still found.
 """
 
 from __future__ import annotations
@@ -20,17 +22,17 @@ class Page:
     index: int
     ref_count: int = 0
     tokens_filled: int = 0
-    prefix_hash: int | None = None  # set once the page is full of known prompt tokens
+    prefix_hash: int | None = None  # set for a page of prompt tokens that other jobs may share
     owners: set[int] = field(default_factory=set)
+    writer: int | None = None  # the job computing this shared page; None once it is full
 
 
 @dataclass(frozen=True)
 class Reservation:
-    """What a job got: its page table and how many leading prompt tokens were already in the cache."""
+    """What a job got: its page table, whose first `shared_pages` pages it found by prefix hash."""
 
     page_table: tuple[int, ...]
-    cached_tokens: int
-    prefix_hashes: tuple[int, ...]  # one per full prompt page, for registering after prefill
+    shared_pages: int
 
 
 def prefix_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
@@ -80,11 +82,30 @@ class PagePool:
             self._forget(index)
             self._take(index, job_id)
             fresh.append(index)
-        return Reservation(
-            page_table=tuple(reused + fresh),
-            cached_tokens=len(reused) * self.page_size,
-            prefix_hashes=tuple(prefix_hashes(prompt_ids, self.page_size)),
-        )
+        page_table = tuple(reused + fresh)
+        # exllamav2 0.3.2 (dynamic.py, allocate_pages) registers a prompt page's hash when it allocates the page,
+        # not when it is filled, so jobs started together find each other's pages
+        for n, h in enumerate(prefix_hashes(prompt_ids, self.page_size)[len(reused) :], len(reused)):
+            if self._by_hash.get(h) is None:
+                self._by_hash[h] = page_table[n]
+                self.pages[page_table[n]].prefix_hash = h
+                self.pages[page_table[n]].writer = job_id
+        return Reservation(page_table=page_table, shared_pages=len(reused))
+
+    def prefill_span(self, job_id: int, reservation: Reservation, computed: int) -> tuple[int, int | None]:
+        """Where a prefilling job's next chunk starts, and where it must stop (None: no limit).
+
+        Like exllamav2's prefill, which skips pages another job has filled: shared pages that are full are
+        skipped, and a job never runs into a shared page another job is still writing (start == stop: wait).
+        """
+        table, shared = reservation.page_table, reservation.shared_pages
+        n = computed // self.page_size
+        while n < shared and self.pages[table[n]].writer is None:
+            n += 1
+        start = max(computed, n * self.page_size)
+        while n < shared and self.pages[table[n]].writer == job_id:
+            n += 1
+        return start, (n * self.page_size if n < shared else None)
 
     def mark_filled(self, page_table: Sequence[int], tokens: int) -> None:
         """Record that the first `tokens` positions of a job's sequence now hold keys and values."""
@@ -92,22 +113,19 @@ class PagePool:
             filled = min(self.page_size, max(0, tokens - n * self.page_size))
             page = self.pages[index]
             page.tokens_filled = max(page.tokens_filled, filled)
-
-    def publish_prefix(self, page_table: Sequence[int], hashes: Sequence[int], computed_tokens: int) -> None:
-        """Make full prompt pages findable once their contents have been computed."""
-        for n, h in enumerate(hashes):
-            if (n + 1) * self.page_size > computed_tokens:
-                break
-            index = page_table[n]
-            if self._by_hash.get(h) is None:
-                self._by_hash[h] = index
-                self.pages[index].prefix_hash = h
+            if page.tokens_filled == self.page_size:
+                page.writer = None
 
     def release(self, job_id: int, page_table: Sequence[int]) -> None:
+        """Drop a job's references; a shared page it was still writing passes to another owner, or is forgotten."""
         for index in page_table:
             page = self.pages[index]
             page.ref_count -= 1
             page.owners.discard(job_id)
+            if page.writer == job_id:
+                page.writer = min(page.owners, default=None)
+                if page.writer is None:
+                    self._forget(index)
             if page.ref_count == 0:
                 if page.prefix_hash is None:
                     page.tokens_filled = 0
@@ -129,4 +147,5 @@ class PagePool:
         if page.prefix_hash is not None and self._by_hash.get(page.prefix_hash) == index:
             del self._by_hash[page.prefix_hash]
         page.prefix_hash = None
+        page.writer = None
         page.tokens_filled = 0

@@ -1,16 +1,38 @@
 """Token sampling with exllamav2 0.3.2's semantics, so an experiment means the same on either engine.
 
-Mirrors `ExLlamaV2Sampler.sample` and the C++ it calls (`apply_rep_penalty_cpu`, `sample_basic`):
-penalties on the raw logits, then a softmax at the temperature, then top-k, top-p, min-p, each followed by
-renormalisation, then a draw: the first candidate (in descending probability) whose cumulative probability
-reaches a uniform random number.
+Mirrors `ExLlamaV2Sampler.sample` and the C++ it calls, in its order: on the raw logits, the penalties
+(`apply_rep_penalty_cpu`), blocked tokens, token bias and DRY; then `sample_basic`'s steps over the
+candidates (candidates.py); then a draw: the first candidate, in descending probability, whose cumulative
+probability reaches a uniform random number.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 from exlnb.engines.base import SamplerSettings
+from exlnb.engines.cpu import candidates as steps
+from exlnb.engines.cpu.dry import apply_dry
+
+BLOCKED_LOGIT = -1e30  # what exllamav2 writes over a temporarily banned token
+
+
+@dataclass(frozen=True)
+class TokenClasses:
+    """Per-vocabulary masks DRY and XTC read; built once per job from the tokenizer (vocab.py)."""
+
+    dry_breakers: torch.Tensor | None = None
+    xtc_excludable: torch.Tensor | None = None
+
+
+@dataclass
+class SamplerState:
+    """What one job's sampler carries from token to token: mirostat's mu (exllamav2 starts it at 2 x tau)."""
+
+    mirostat_mu: float | None = None
 
 
 def apply_penalties(logits: torch.Tensor, sequence: torch.Tensor, s: SamplerSettings) -> torch.Tensor:
@@ -51,29 +73,62 @@ def apply_penalties(logits: torch.Tensor, sequence: torch.Tensor, s: SamplerSett
     return out
 
 
-def sample_token(
-    logits: torch.Tensor, sequence: torch.Tensor, s: SamplerSettings, generator: torch.Generator
-) -> int:
-    """Pick the next token from one position's logits (1-D, float32)."""
+def adjust_logits(
+    logits: torch.Tensor, sequence: torch.Tensor, s: SamplerSettings, blocked: Sequence[int], classes: TokenClasses
+) -> torch.Tensor:
+    """Everything exllamav2 does to the raw logits before its softmax, in its order."""
     if s.token_repetition_penalty != 1.0 or s.token_frequency_penalty or s.token_presence_penalty:
         logits = apply_penalties(logits, sequence, s)
+    if blocked:
+        logits = logits.index_fill(0, torch.tensor(list(blocked), dtype=torch.long), BLOCKED_LOGIT)
+    if s.token_bias:
+        ids, bias = zip(*s.token_bias)
+        logits = logits.index_add(0, torch.tensor(ids, dtype=torch.long), torch.tensor(bias, dtype=logits.dtype))
+    if s.dry_multiplier > 0:
+        logits = apply_dry(logits, sequence, s, classes.dry_breakers)
+    return logits
+
+
+def truncate(c: steps.Candidates, s: SamplerSettings, state: SamplerState) -> steps.Candidates:
+    """sample_basic's steps after the softmax, each applied only while more than one candidate is left."""
+    for step in (
+        lambda c: steps.top_k(c, s.top_k),
+        lambda c: steps.top_p(c, s.top_p),
+        lambda c: steps.top_a(c, s.top_a),
+        lambda c: steps.min_p(c, s.min_p),
+        lambda c: steps.tail_free(c, s.tfs),
+        lambda c: steps.typical(c, s.typical),
+        lambda c: steps.mirostat_truncate(c, state.mirostat_mu) if s.mirostat else c,
+        lambda c: steps.temperature_after(c, s.temperature if s.temperature_last else 1.0, s.min_temp, s.max_temp,
+                                          s.temp_exponent) if s.temperature_last or s.max_temp > s.min_temp else c,
+    ):
+        if len(c) > 1:
+            c = step(c)
+    return c
+
+
+def sample_token(
+    logits: torch.Tensor,
+    sequence: torch.Tensor,
+    s: SamplerSettings,
+    generator: torch.Generator,
+    *,
+    blocked: Sequence[int] = (),
+    classes: TokenClasses = TokenClasses(),
+    state: SamplerState | None = None,
+) -> int:
+    """Pick the next token from one position's logits (1-D, float32); `blocked` tokens cannot be picked."""
+    logits = adjust_logits(logits, sequence, s, blocked, classes)
     if s.is_greedy:  # exllamav2: temperature < 0.01 means top_k = 1
         return int(torch.argmax(logits))
-
-    probs, order = torch.sort(torch.softmax(logits.float() / s.temperature, dim=-1), descending=True)
-    if 0 < s.top_k < probs.numel():
-        probs, order = probs[: s.top_k], order[: s.top_k]
-        probs = probs / probs.sum()
-    if s.top_p < 1.0 and probs.numel() > 1:
-        # exllamav2 keeps the largest head of the distribution whose mass stays within top_p (at least one)
-        keep = max(1, int((torch.cumsum(probs, 0) <= s.top_p).sum()))
-        probs, order = probs[:keep], order[:keep]
-        probs = probs / probs.sum()
-    if s.min_p > 0 and probs.numel() > 1:
-        keep = int((probs >= probs[0] * s.min_p).sum())
-        probs, order = probs[:keep], order[:keep]
-        probs = probs / probs.sum()
-
-    draw = torch.rand((), generator=generator)
-    index = int(torch.searchsorted(torch.cumsum(probs, 0), draw))
-    return int(order[min(index, order.numel() - 1)])
+    state = state or SamplerState()
+    if s.mirostat and state.mirostat_mu is None:
+        state.mirostat_mu = 2.0 * s.mirostat_tau
+    c = steps.softmax(logits.float(), 1.0 if s.temperature_last else s.temperature, s.smoothing_factor)
+    c = truncate(c, s, state)
+    if s.xtc_probability > 0:
+        c = steps.exclude_top_choices(c, s.xtc_probability, s.xtc_threshold, classes.xtc_excludable)
+    index = steps.draw(c, float(torch.rand((), generator=generator)), s.skew)
+    if s.mirostat:
+        state.mirostat_mu = steps.mirostat_update(state.mirostat_mu, s.mirostat_tau, s.mirostat_eta, float(c.probs[index]))
+    return int(c.tokens[index])

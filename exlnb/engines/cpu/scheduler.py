@@ -15,7 +15,8 @@ import torch
 from exlnb.engines.base import JobClock, JobSpec, Stage
 from exlnb.engines.cpu.pages import PagePool, Reservation
 from exlnb.engines.cpu.runner import SequenceChunk
-from exlnb.engines.text import IncrementalDecoder, StopStringFilter
+from exlnb.engines.cpu.sampler import SamplerState, TokenClasses
+from exlnb.engines.text import BannedStrings, IncrementalDecoder, StopStringFilter
 
 
 @dataclass
@@ -27,9 +28,13 @@ class CpuJob:
     stop_filter: StopStringFilter
     generator: torch.Generator
     clock: JobClock
+    classes: TokenClasses
+    banned: BannedStrings
+    sampler_state: SamplerState = field(default_factory=SamplerState)
     sequence: list[int] = field(default_factory=list)
     reservation: Reservation | None = None
     computed: int = 0  # leading tokens whose keys and values are in the cache
+    cached_tokens: int = 0  # prompt tokens another job computed (shared pages this job skipped)
     stage: Stage = Stage.PENDING
 
     @property
@@ -39,10 +44,6 @@ class CpuJob:
     @property
     def new_tokens(self) -> int:
         return len(self.sequence) - self.prompt_tokens
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.reservation.cached_tokens if self.reservation else 0
 
 
 class Scheduler:
@@ -63,7 +64,6 @@ class Scheduler:
                 break  # first come, first served: a big job is not overtaken forever by small ones
             self.pending.popleft()
             job.reservation = reservation
-            job.computed = reservation.cached_tokens
             job.stage = Stage.PREFILL
             job.clock.admitted = now
             self.active.append(job)
@@ -77,12 +77,13 @@ class Scheduler:
         budget = max(self.max_step_tokens - len(decoding), 1)
         work = []
         for job in decoding + prefilling:
-            todo = len(job.sequence) - job.computed
-            take = 1 if job.stage is Stage.DECODE else min(todo, budget)
+            if job.stage is Stage.DECODE:
+                take = 1
+            else:
+                take = min(self._prefill_take(job), budget)
+                budget -= max(take, 0)
             if take <= 0:
                 continue
-            if job.stage is Stage.PREFILL:
-                budget -= take
             chunk = SequenceChunk(
                 token_ids=tuple(job.sequence[job.computed : job.computed + take]),
                 start=job.computed,
@@ -90,6 +91,13 @@ class Scheduler:
             )
             work.append((job, chunk))
         return work
+
+    def _prefill_take(self, job: CpuJob) -> int:
+        """How many prompt tokens the job may compute now, after skipping shared pages others computed."""
+        start, stop = self.pool.prefill_span(job.job_id, job.reservation, job.computed)
+        job.cached_tokens += start - job.computed
+        job.computed = start
+        return (len(job.sequence) if stop is None else stop) - start
 
     def remove(self, job_id: int) -> CpuJob | None:
         """Take a job out of the queue or the batch, returning its pages to the pool."""

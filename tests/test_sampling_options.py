@@ -1,0 +1,111 @@
+"""The whole exllamav2 sampler and the job options, end to end on the CPU engine with the bundled model."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from exlnb import EosReason, SamplerSettings
+from exlnb.engines.base import JobSpec
+from exlnb.engines.exllamav2 import ExLlamaV2Engine
+from tests.conftest import chatml
+
+QUESTION = chatml("What is the capital of France?")
+PLAIN = SamplerSettings(temperature=1.0, top_k=0, top_p=1.0, token_repetition_penalty=1.0)  # the bare softmax
+HOT = replace(PLAIN, temperature=2.0, min_p=0.1)
+
+
+def sample(session, settings: SamplerSettings, prompt=QUESTION, **spec_options):
+    spec = replace(session.job_spec(prompt, max_new_tokens=10, sampler=settings, seed=3), **spec_options)
+    return session.submit(spec).result()
+
+
+@pytest.mark.parametrize(
+    ("base", "change"),
+    [
+        (PLAIN, dict(top_a=0.5)),
+        (PLAIN, dict(tfs=0.5)),
+        (PLAIN, dict(typical=0.3)),
+        (PLAIN, dict(smoothing_factor=3.0)),
+        (PLAIN, dict(min_temp=0.2, max_temp=0.5)),
+        (PLAIN, dict(skew=3.0)),
+        (PLAIN, dict(mirostat=True, mirostat_tau=1.0)),
+        (PLAIN, dict(xtc_probability=1.0, xtc_threshold=0.05)),
+        (PLAIN, dict(token_bias={504: float("-inf")})),  # "The", the first token of the answer
+        (HOT, dict(temperature_last=True)),
+    ],
+    ids=lambda v: "" if isinstance(v, SamplerSettings) else ",".join(v),
+)
+def test_each_setting_changes_seeded_sampling(idle_session, base, change):
+    before = sample(idle_session, base)
+    after = sample(idle_session, replace(base, **change))
+    assert after.token_ids != before.token_ids
+
+
+def test_dry_breaks_a_greedy_repeat(idle_session, greedy):
+    ids = idle_session.tokenizer.encode("one two three four five one two three four five one two three")
+    plain = idle_session.complete(ids, max_new_tokens=6, sampler=greedy, stop_at_eos=False)
+    dry = idle_session.complete(ids, max_new_tokens=6, sampler=replace(greedy, dry_multiplier=2.0), stop_at_eos=False)
+    assert "five one two" in plain.text
+    assert "five one two" not in dry.text
+
+
+def test_banned_strings_never_appear_in_the_output(idle_session, greedy):
+    assert "Paris" in idle_session.complete(QUESTION, max_new_tokens=12, sampler=greedy).text
+    result = sample(idle_session, greedy, banned_strings=("paris",), max_new_tokens=30)
+
+    assert "paris" not in result.text.lower()
+    assert result.eos_reason is EosReason.STOP_TOKEN
+    assert idle_session.tokenizer.decode(result.token_ids[:-1]) == result.text  # the taken-back tokens are gone
+
+
+def test_min_new_tokens_holds_back_the_stop_token(idle_session, greedy):
+    short = sample(idle_session, greedy, max_new_tokens=20)
+    assert short.eos_reason is EosReason.STOP_TOKEN and short.new_tokens < 12
+
+    longer = sample(idle_session, greedy, max_new_tokens=20, min_new_tokens=12)
+    assert longer.new_tokens >= 12
+    assert longer.text.startswith(short.text)
+
+
+def test_stop_on_loop_ends_a_job_that_only_repeats(cpu_session, greedy):
+    ids = cpu_session.tokenizer.encode("a b c a b c a b c a b c")
+    result = sample(cpu_session, greedy, prompt=ids, max_new_tokens=60, stop_on_loop=(12, 3), stop_token_ids=frozenset())
+    assert result.eos_reason is EosReason.LOOP_DETECTED
+    assert result.new_tokens < 60
+
+
+def test_an_engine_refuses_what_it_does_not_implement():
+    engine = object.__new__(ExLlamaV2Engine)  # no GPU needed to ask what it supports
+    with pytest.raises(ValueError, match=r"the exllamav2 engine does not implement stop_on_loop=\(300, 3\)"):
+        engine.refuse_unsupported(JobSpec(input_ids=(1,), stop_on_loop=(300, 3)))
+    engine.refuse_unsupported(JobSpec(input_ids=(1,), sampler=SamplerSettings(dry_multiplier=0.8, xtc_probability=0.5)))
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(top_k=2.5), "top_k=2.5 has the wrong type: it must be an integer"),
+        (dict(mirostat=1), "mirostat=1 has the wrong type: it must be True or False"),
+        (dict(typical=1.5), r"typical=1.5 is out of range"),
+        (dict(dry_range=10), r"dry_range=10 is out of range: it must be 0 \(everything\) or more than dry_max_ngram"),
+        (dict(token_bias={3: "a lot"}), "token_bias=.* must map token ids to numbers"),
+    ],
+)
+def test_settings_refuse_wrong_values_in_one_line(settings, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        SamplerSettings(**settings)
+
+
+def test_settings_with_collections_stay_hashable():
+    a = SamplerSettings(token_bias={7: -1, 3: 2.0}, dry_sequence_breakers=["\n", ":"])
+    b = SamplerSettings(token_bias=((3, 2.0), (7, -1.0)), dry_sequence_breakers=frozenset({":", "\n"}))
+    assert a == b and hash(a) == hash(b)
+
+
+def test_job_options_are_checked_where_they_enter():
+    with pytest.raises(ValueError, match="min_new_tokens=5 must be between 0 and max_new_tokens"):
+        JobSpec(input_ids=(1,), max_new_tokens=4, min_new_tokens=5)
+    with pytest.raises((TypeError, ValueError), match="banned_strings"):
+        JobSpec(input_ids=(1,), banned_strings="Paris")
