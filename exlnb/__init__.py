@@ -30,7 +30,7 @@ __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython) -> None:
-    """`%load_ext exlnb`: registers %exl_load, %%exl_generate, %exl_cache, %exl_jobs and %exl_cancel."""
+    """`%load_ext exlnb`: registers %exl_load, %%exl_generate, %exl_cache, %exl_jobs, %exl_cancel and %exl_quantize."""
     from exlnb.magics import ExlnbMagics, await_generate_cells
 
     magics = ExlnbMagics(ipython)

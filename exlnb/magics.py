@@ -17,6 +17,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from exlnb.generation import Generation
 from exlnb.models import BUNDLED_MODEL
+from exlnb.quantize import DEFAULT_HEAD_BITS, QUANT_FORMATS, quantize
 from exlnb.session import NoModelLoaded, get_session
 from exlnb.templates import TEMPLATES
 from exlnb.widgets.cache import show_cache, show_jobs
@@ -215,3 +216,19 @@ class ExlnbMagics(Magics):
             print(f"cancelled {session.cancel_all()} jobs")
         for job_id in args.job_ids:
             print(f"job {job_id}: {'cancelled' if session.cancel(job_id) else 'not running'}")
+
+    @magic_arguments()
+    @argument("model", nargs="?", default=BUNDLED_MODEL,
+              help=f'an unquantized model folder, a hub repo id, or "{BUNDLED_MODEL}" (default)')
+    @argument("--format", choices=QUANT_FORMATS, default="exl3", help="exl3 (exllamav3) or exl2 (exllamav2)")
+    @argument("--bits", type=float, default=4.0, help="bits per weight (EXL3 1-8, EXL2 2-8)")
+    @argument("--head-bits", type=int, help=f"bits per weight of the output layer (default {DEFAULT_HEAD_BITS})")
+    @line_magic
+    def exl_quantize(self, line: str) -> None:
+        """Quantize with the library's own converter (cached, resumable) and print the folder to %exl_load."""
+        args = parse_options(self.exl_quantize, line)
+        try:
+            folder = quantize(args.model, format=args.format, bits=args.bits, head_bits=args.head_bits)
+        except (ValueError, FileNotFoundError, RuntimeError) as error:
+            raise UsageError(str(error)) from None
+        print(folder)

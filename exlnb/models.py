@@ -195,3 +195,8 @@ def _download_from_hub(repo_id: str) -> Path:
     return check_model_folder(
         Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"]))
     )
+
+
+# `exlnb.models.quantize` is the notebook's entrance to quantizing; it lives in exlnb.quantize, which needs
+# the names above (so it is imported last).
+from exlnb.quantize import quantize  # noqa: E402
