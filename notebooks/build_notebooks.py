@@ -1,8 +1,8 @@
-"""Writes the six investigation notebooks from the cell sources below: `python notebooks/build_notebooks.py`.
+"""Writes the investigation notebooks from the cell sources below: `python notebooks/build_notebooks.py`.
 
 The notebooks are thin on purpose: a parameters cell (tagged for papermill, with defaults small enough for
 CI on the CPU engine), a call into `exlnb.experiments`, a figure, and the saved results. Edit them here,
-not in Jupyter, so that the six stay alike.
+not in Jupyter, so that they stay alike.
 """
 
 from __future__ import annotations
@@ -136,6 +136,24 @@ context_lengths = (128, 1024, 2048, 4096)
 decode_tokens = 16
 prompt_tokens = 1441     # the reporter's prompt length
 timing_repeats = 3""",
+    ),
+    Investigation(
+        name="quantization",
+        title="What quantizing costs and buys: EXL2 and EXL3 against fp16 (GPU only)",
+        story="""\
+People load quantized models at 2.5 to 8 bits per weight: EXL2 with ExLlamaV2, EXL3 with ExLlamaV3. The
+bundled model is quantized with each library's own converter (`exlnb.models.quantize`, cached after the
+first run) at several bit widths and compared with fp16: greedy agreement with fp16, accuracy on the
+question set (`data/questions/short_answers.csv`), perplexity on a fixed text, decode speed and memory.
+Quantizing needs CUDA: on a machine without it the notebook says so and stops.""",
+        parameters="""\
+formats = ("exl2", "exl3")
+bits = (3.0, 4.0, 6.0, 8.0)
+questions = 36
+max_new_tokens = 40
+perplexity_tokens = 512
+decode_tokens = 64
+repeats = 3""",
     ),
 )
 
