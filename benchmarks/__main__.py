@@ -2,7 +2,8 @@
 
     python -m benchmarks [--quick] [--only kit,peer,context,concurrency,hardware] [--out benchmarks/results]
 
-The engine is chosen as in the kit (ExLlamaV2 with CUDA, else CPU); `hardware` needs the ExLlamaV2 engine.
+The engine is chosen as in the kit (ExLlamaV2 with CUDA, else CPU; `--engine exllamav3` for ExLlamaV3);
+`hardware` needs the ExLlamaV2 engine; `peer` adds exllamav3's own generator where it is installed.
 Numbers are medians of repeats after warm-ups, clocks read after device synchronisation; the JSON keeps
 the raw samples, the spread, and where they were taken (device, driver, versions, commit, load, date).
 """
@@ -20,6 +21,7 @@ from benchmarks import suites
 from benchmarks.harness import clock, device_slug, environment
 from benchmarks.table import markdown
 from exlnb import get_session
+from exlnb.engines.options import ENGINE_NAMES
 
 ALL = ("kit", "peer", "context", "concurrency", "hardware")
 
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--quick", action="store_true", help="few, short runs: checks that everything runs")
     parser.add_argument("--only", default=",".join(ALL), help=f"comma-separated subset of {','.join(ALL)}")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--engine", default="auto", choices=("auto", "exllamav2", "cpu"))
+    parser.add_argument("--engine", default="auto", choices=ENGINE_NAMES)
     args = parser.parse_args(argv)
     chosen = [name for name in args.only.split(",") if name]
     unknown = set(chosen) - set(ALL)
