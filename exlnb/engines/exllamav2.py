@@ -11,39 +11,14 @@ import json
 import torch
 
 from exlnb.engines.options import EngineOptions
-from exlnb.engines.base import (
-    CacheView,
-    Engine,
-    EngineStatus,
-    EosReason,
-    JobClock,
-    JobInfo,
-    JobSpec,
-    Stage,
-    StreamEvent,
-    wall_clock,
-)
-from exlnb.engines.exllama_jobs import (
-    TrackedJob,
-    import_library,
-    job_table,
-    max_new_tokens_within,
-    page_view,
-    tracked_event,
-)
+from exlnb.engines.base import CacheView, EngineStatus, JobSpec, StreamEvent, wall_clock
+from exlnb.engines.library_engine import LibraryEngine, import_library, max_new_tokens_within, page_view
 from exlnb.engines.tokenizer import HfTokenizer
 
 VERIFIED_EXLLAMAV2 = "0.3.2"
 SDPA_TOLERANCE = 1e-2  # relative error between exllamav2's SDPA and matmul attention paths
 
-_EOS_REASONS = {
-    "stop_token": EosReason.STOP_TOKEN,
-    "stop_string": EosReason.STOP_STRING,
-    "max_new_tokens": EosReason.MAX_NEW_TOKENS,
-}
-
-
-class ExLlamaV2Engine(Engine):
+class ExLlamaV2Engine(LibraryEngine):
     name = "exllamav2"
 
     def __init__(self, options: EngineOptions, *, progress: bool = True) -> None:
@@ -82,10 +57,11 @@ class ExLlamaV2Engine(Engine):
             max_batch_size=options.max_batch_size,
             paged=self.paged,
         )
-        self._count_defrags()
+        self.page_size = self.generator.page_size
+        self._start_tracking()
+        # exllamav2 defragments only when idle after touching every page
+        self._count_defrags(self.generator, "defrag_cache")
         self.max_seq_len = min(config.max_seq_len, cache_tokens)
-        self._jobs: dict[int, TrackedJob] = {}
-        self._next_id = 1
 
     # -- load-time checks ----------------------------------------------------------------------------------
 
@@ -146,20 +122,6 @@ class ExLlamaV2Engine(Engine):
         )
         return True, "exlnb paged attention (PyTorch)"
 
-    def _count_defrags(self) -> None:
-        """exllamav2 defragments only when idle after touching every page; count the times it really did."""
-        self.defrag_count = 0
-        generator = self.generator
-        original = generator.defrag_cache
-
-        def counting_defrag():
-            before = generator.last_defrag_serial
-            original()
-            if generator.last_defrag_serial != before:
-                self.defrag_count += 1
-
-        generator.defrag_cache = counting_defrag
-
     # -- jobs ----------------------------------------------------------------------------------------------
 
     def enqueue(self, spec: JobSpec) -> int:
@@ -178,7 +140,7 @@ class ExLlamaV2Engine(Engine):
             token_frequency_penalty=s.token_frequency_penalty,
             token_presence_penalty=s.token_presence_penalty,
         )
-        job_id, self._next_id = self._next_id, self._next_id + 1
+        job_id = self._new_job_id()
         job = ExLlamaV2DynamicJob(
             input_ids=torch.tensor([spec.input_ids], dtype=torch.long),
             max_new_tokens=max_new,
@@ -189,21 +151,7 @@ class ExLlamaV2Engine(Engine):
             identifier=job_id,
         )
         self.generator.enqueue(job)
-        self._jobs[job_id] = TrackedJob(job, spec, max_new, JobClock(enqueued=wall_clock()))
-        return job_id
-
-    def cancel(self, job_id: int) -> bool:
-        tracked = self._jobs.pop(job_id, None)
-        if tracked is None:
-            return False
-        self.generator.cancel(tracked.job)
-        return True
-
-    def has_work(self) -> bool:
-        return bool(self._jobs)
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()
+        return self._track(job_id, job, spec, max_new)
 
     def step(self) -> list[StreamEvent]:
         results = self.generator.iterate()
@@ -211,43 +159,26 @@ class ExLlamaV2Engine(Engine):
         now = wall_clock()
         events = []
         for result in results:
-            tracked = self._jobs.get(result.get("identifier"))
+            job_id = result.get("identifier")
+            tracked = self._jobs.get(job_id)
             if tracked is None:
                 continue
             if result["stage"] == "started":
-                tracked.clock.admitted = now
-                events.append(tracked_event(result["identifier"], tracked, Stage.PREFILL, now, self.generator.page_size))
+                events.append(self._started(job_id, tracked, now))
             elif result["stage"] == "streaming":
-                events.append(self._streaming_event(result, tracked, now))
+                ids = result.get("token_ids")
+                new_ids = ids.flatten().tolist() if ids is not None else []
+                if result.get("eos_reason") == "stop_token":  # exllamav2 holds the stop token back; report it
+                    new_ids.append(result["eos_triggering_token_id"])  # like the CPU engine
+                events.append(self._produced(job_id, tracked, now, result.get("text", ""), new_ids, result.get("eos_reason")))
         return events
 
-    def _streaming_event(self, result: dict, tracked: TrackedJob, now: float) -> StreamEvent:
-        ids = result.get("token_ids")
-        new_ids = ids.flatten().tolist() if ids is not None else []
-        if result.get("eos_reason") == "stop_token":  # exllamav2 holds the stop token back; report it like the CPU engine
-            new_ids.append(result["eos_triggering_token_id"])
-        tracked.token_ids += new_ids
-        if tracked.new_tokens > 0:
-            tracked.clock.token_arrived(now)
-        eos_reason = None
-        if result["eos"]:
-            eos_reason = tracked.eos_reason(_EOS_REASONS[result["eos_reason"]])
-            del self._jobs[result["identifier"]]
-        stage = Stage.DONE if eos_reason else Stage.DECODE
-        return tracked_event(
-            result["identifier"], tracked, stage, now, self.generator.page_size,
-            result.get("text", ""), new_ids, eos_reason,
-        )
-
     # -- views ---------------------------------------------------------------------------------------------
-
-    def jobs(self) -> list[JobInfo]:
-        return job_table(self._jobs, self.generator.pending_jobs)
 
     def cache_view(self) -> CacheView:
         return CacheView(
             paged=self.paged,
-            page_size=self.generator.page_size,
+            page_size=self.page_size,
             pages=page_view(self._jobs, self.generator.all_pages),
             max_tokens=self.generator.max_total_tokens,
             defrag_count=self.defrag_count if self.paged else None,
@@ -270,9 +201,7 @@ class ExLlamaV2Engine(Engine):
         )
 
     def close(self) -> None:
-        for tracked in list(self._jobs.values()):
-            self.generator.cancel(tracked.job)
-        self._jobs.clear()
+        self._cancel_all()
         self.model.unload()
         del self.generator, self.cache, self.model
         torch.cuda.empty_cache()

@@ -13,48 +13,29 @@ import torch
 
 from exlnb.engines.base import (
     CacheView,
-    Engine,
     EngineStatus,
-    EosReason,
-    JobClock,
     JobFailed,
-    JobInfo,
     JobSpec,
     SamplerSettings,
-    Stage,
     StreamEvent,
     wall_clock,
 )
-from exlnb.engines.exllama_jobs import (
-    TrackedJob,
-    import_library,
-    job_table,
-    max_new_tokens_within,
-    page_view,
-    tracked_event,
-)
+from exlnb.engines.library_engine import LibraryEngine, TrackedJob, import_library, max_new_tokens_within, page_view
 from exlnb.engines.exllamav3_sampler import sampler_steps
 from exlnb.engines.options import PAGE_TOKENS, EngineOptions
 from exlnb.engines.tokenizer import HfTokenizer
 
 VERIFIED_EXLLAMAV3 = "1.6.5"
-PAGE_SIZE = PAGE_TOKENS  # exllamav3.constants.PAGE_SIZE is 256, like exllamav2's pages
 
 # stop_on_loop=(window, min_reps): exllamav3's LoopDetector ends a job once the last `window` sampled tokens are
 # one exact cycle of at most window // min_reps tokens repeated. 64 and 3 catch a cycle of up to 21 tokens
 # (a sentence of SmolLM2's) after about three turns, the point where `--loop-guard` cancels on other engines.
 LOOP_WINDOW, LOOP_MIN_REPS = 64, 3
 
-_EOS_REASONS = {
-    "stop_token": EosReason.STOP_TOKEN,
-    "stop_string": EosReason.STOP_STRING,
-    "max_new_tokens": EosReason.MAX_NEW_TOKENS,
-    "loop_detected": EosReason.LOOP_DETECTED,
-}
 
-
-class ExLlamaV3Engine(Engine):
+class ExLlamaV3Engine(LibraryEngine):
     name = "exllamav3"
+    page_size = PAGE_TOKENS  # exllamav3.constants.PAGE_SIZE is 256, like exllamav2's pages
 
     def __init__(self, options: EngineOptions, *, progress: bool = True) -> None:
         exl3 = import_library("exllamav3", VERIFIED_EXLLAMAV3, "ExLlamaV3")
@@ -64,7 +45,7 @@ class ExLlamaV3Engine(Engine):
             config = exl3.Config.from_directory(str(options.model_dir))
         except AssertionError as error:  # exllamav3 asserts on an architecture it does not know
             raise ValueError(f"exllamav3 {VERIFIED_EXLLAMAV3} cannot load {options.model_dir}: {error}") from error
-        cache_tokens = options.cache_tokens - options.cache_tokens % PAGE_SIZE  # exllamav3 asserts whole pages
+        cache_tokens = options.cache_tokens - options.cache_tokens % self.page_size  # exllamav3 asserts whole pages
         self.model = exl3.Model.from_config(config)
         self.cache = exl3.Cache(self.model, max_num_tokens=cache_tokens, **_cache_layers(exl3, options.cache_dtype))
         self.model.load(
@@ -79,10 +60,11 @@ class ExLlamaV3Engine(Engine):
             max_batch_size=options.max_batch_size,
         )
         self.max_seq_len = min(config.max_position_embeddings or cache_tokens, cache_tokens)
-        self.defrag_count = 0
-        self._jobs: dict[int, TrackedJob] = {}
+        self._start_tracking()
+        # exllamav3 defragments its page table when the queue drains (`on_queue_drained`), at most once per
+        # 8 x pages of allocations
+        self._count_defrags(self.generator.pagetable, "defrag")
         self._failed_step_events: list[StreamEvent] = []
-        self._next_id = 1
 
     # -- jobs ----------------------------------------------------------------------------------------------
 
@@ -91,7 +73,7 @@ class ExLlamaV3Engine(Engine):
 
         max_new = max_new_tokens_within(spec, self.max_seq_len)
         sampler = build_sampler(spec.sampler)
-        job_id, self._next_id = self._next_id, self._next_id + 1
+        job_id = self._new_job_id()
         job = Job(
             input_ids=torch.tensor([spec.input_ids], dtype=torch.long),
             max_new_tokens=max_new,
@@ -107,25 +89,14 @@ class ExLlamaV3Engine(Engine):
         except AssertionError as error:  # exllamav3 asserts when a job can never fit its cache
             raise ValueError(f"exllamav3 refused the job: {error}") from error
         # exllamav3 lowers max_new_tokens in enqueue so that prompt + output + 1 fit the cache
-        self._jobs[job_id] = TrackedJob(job, spec, job.max_new_tokens, JobClock(enqueued=wall_clock()))
-        return job_id
-
-    def cancel(self, job_id: int) -> bool:
-        tracked = self._jobs.pop(job_id, None)
-        if tracked is None:
-            return False
-        self._counting_defrags(self.generator.cancel, tracked.job)
-        return True
+        return self._track(job_id, job, spec, job.max_new_tokens)
 
     def has_work(self) -> bool:
         return bool(self._jobs) or bool(self._failed_step_events)
 
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()
-
     def step(self) -> list[StreamEvent]:
         events, self._failed_step_events = self._failed_step_events, []
-        results = self._counting_defrags(self.generator.iterate)
+        results = self.generator.iterate()
         self.synchronize()  # field report 5: read the clock only after the GPU has done the work
         now = wall_clock()
         failures: dict[int, BaseException] = {}
@@ -138,8 +109,7 @@ class ExLlamaV3Engine(Engine):
                 del self._jobs[job_id]
                 failures[job_id] = result["error"]
             elif result["stage"] == "started":
-                tracked.clock.admitted = now
-                events.append(tracked_event(job_id, tracked, Stage.PREFILL, now, PAGE_SIZE))
+                events.append(self._started(job_id, tracked, now))
             elif result["stage"] == "streaming":
                 events.append(self._streaming_event(job_id, result, tracked, now))
         if failures:
@@ -155,34 +125,14 @@ class ExLlamaV3Engine(Engine):
             held = result.get("held", {})
             text += held.get("text", "").removesuffix(result["eos_triggering_token_str"])
             new_ids += _ids(held.get("token_ids"))
-        tracked.token_ids += new_ids
-        if tracked.new_tokens > 0:
-            tracked.clock.token_arrived(now)
-        eos_reason = None
-        if result["eos"]:
-            eos_reason = tracked.eos_reason(_EOS_REASONS[result["eos_reason"]])
-            del self._jobs[job_id]
-        stage = Stage.DONE if eos_reason else Stage.DECODE
-        return tracked_event(job_id, tracked, stage, now, PAGE_SIZE, text, new_ids, eos_reason)
-
-    def _counting_defrags(self, action, *args):
-        """exllamav3 defragments its page table when the queue drains (`on_queue_drained`), at most once per
-        8 x pages of allocations; `last_defrag_serial` moves only when it really did."""
-        before = self.generator.pagetable.last_defrag_serial
-        result = action(*args)
-        if self.generator.pagetable.last_defrag_serial != before:
-            self.defrag_count += 1
-        return result
+        return self._produced(job_id, tracked, now, text, new_ids, result.get("eos_reason"))
 
     # -- views ---------------------------------------------------------------------------------------------
-
-    def jobs(self) -> list[JobInfo]:
-        return job_table(self._jobs, self.generator.pending_jobs)
 
     def cache_view(self) -> CacheView:
         return CacheView(
             paged=True,
-            page_size=PAGE_SIZE,
+            page_size=self.page_size,
             pages=page_view(self._jobs, self.generator.pagetable.all_pages),
             max_tokens=self.generator.max_total_tokens,
             defrag_count=self.defrag_count,
@@ -203,9 +153,7 @@ class ExLlamaV3Engine(Engine):
         )
 
     def close(self) -> None:
-        for tracked in list(self._jobs.values()):
-            self.generator.cancel(tracked.job)
-        self._jobs.clear()
+        self._cancel_all()
         self.generator.close()
         self.model.unload()
         del self.generator, self.cache, self.model
