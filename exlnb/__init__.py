@@ -1,4 +1,4 @@
-"""exlnb: one kernel-resident ExLlamaV2 (or CPU) generator for Jupyter research notebooks."""
+"""exlnb: one kernel-resident ExLlamaV2, ExLlamaV3 (or CPU) generator for Jupyter research notebooks."""
 
 from exlnb.chat import Chat, get_chat
 from exlnb.engines.base import EosReason, SamplerSettings, Stage, StreamEvent
