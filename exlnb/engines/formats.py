@@ -1,6 +1,6 @@
 """What a model folder holds (fp16 Hugging Face weights, EXL2 or EXL3), and which engines can load it.
 
-Read from config.json alone, without importing any engine: both converters write a `quantization_config`
+Read from config.json, without importing any engine: both converters write a `quantization_config`
 whose `quant_method` names the format (`"exl2"`: exllamav2 0.3.2 `conversion/compile.py`; `"exl3"`:
 exllamav3 1.6.5 `conversion/compile.py`). A folder without one holds unquantized Hugging Face weights.
 """
@@ -35,8 +35,8 @@ def model_format(folder: Path) -> str:
             f"{path} names no architectures, so no engine knows which model this is; a transformers "
             'config.json lists one, e.g. "architectures": ["LlamaForCausalLM"]'
         )
-    if not any(Path(folder).glob("*.safetensors")):
-        raise ValueError(f"{folder} has no .safetensors weights: exlnb's engines read safetensors only")
+    if not any(Path(folder).glob("*.safetensors")) and not any(Path(folder).glob("*.bin")):
+        raise ValueError(f"{folder} holds no weights (*.safetensors or *.bin): pass the folder with the model's weights")
     method = (config.get("quantization_config") or {}).get("quant_method")
     if method is None:
         return "hf"
