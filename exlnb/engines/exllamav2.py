@@ -18,6 +18,7 @@ from exlnb.engines.tokenizer import HfTokenizer
 VERIFIED_EXLLAMAV2 = "0.3.2"
 SDPA_TOLERANCE = 1e-2  # relative error between exllamav2's SDPA and matmul attention paths
 
+
 class ExLlamaV2Engine(LibraryEngine):
     name = "exllamav2"
 
