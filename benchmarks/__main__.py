@@ -2,7 +2,8 @@
 
     python -m benchmarks [--quick] [--only kit,peer,context,concurrency,hardware] [--out benchmarks/results]
 
-The engine is chosen as in the kit (ExLlamaV2 with CUDA, else CPU); `hardware` needs the ExLlamaV2 engine.
+The engine is chosen as in the kit (ExLlamaV2 with CUDA, else CPU; `--engine exllamav3` for ExLlamaV3);
+`hardware` needs the ExLlamaV2 engine; `peer` adds exllamav3's own generator where it is installed.
 Numbers are medians of repeats after warm-ups, clocks read after device synchronisation; the JSON keeps
 the raw samples, the spread, and where they were taken (device, driver, versions, commit, load, date).
 """

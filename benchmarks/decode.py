@@ -74,12 +74,15 @@ def session_decode(session: Session, prompt: list[int], new_tokens: int) -> Run:
     return timer.run()
 
 
+LIBRARY_ENGINES = ("exllamav2", "exllamav3")  # engines that wrap a library generator a user could drive by hand
+
+
 def raw_decode(session: Session, prompt: list[int], new_tokens: int) -> Run:
     """The engine's own generator driven by hand on the engine thread, no session in between."""
 
     def drive(engine) -> Run:
-        if engine.name == "exllamav2":
-            return _exllamav2_by_hand(engine.generator, prompt, new_tokens)
+        if engine.name in LIBRARY_ENGINES:
+            return library_by_hand(engine.generator, library_job(engine.name, prompt, new_tokens), len(prompt))
         timer = TokenClock(len(prompt))
         engine.enqueue(JobSpec(tuple(prompt), max_new_tokens=new_tokens, sampler=GREEDY))
         while engine.has_work():
@@ -90,24 +93,49 @@ def raw_decode(session: Session, prompt: list[int], new_tokens: int) -> Run:
     return session.run_on_engine(drive)
 
 
-def _exllamav2_by_hand(generator, prompt: list[int], new_tokens: int) -> Run:
-    """What a user writes without exlnb: enqueue a dynamic job, loop over `iterate()`."""
-    from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
-
-    timer = TokenClock(len(prompt))
-    generator.enqueue(
-        ExLlamaV2DynamicJob(
-            input_ids=torch.tensor([prompt]),
-            max_new_tokens=new_tokens,
-            gen_settings=ExLlamaV2Sampler.Settings.greedy(),
-            stop_conditions=[],
-        )
-    )
+def library_by_hand(generator, job, prompt_tokens: int) -> Run:
+    """What a user writes without exlnb: enqueue a job, loop over `iterate()` (exllamav2 and exllamav3 alike)."""
+    timer = TokenClock(prompt_tokens)
+    generator.enqueue(job)
     while generator.num_remaining_jobs():
         for result in generator.iterate():
             if result["stage"] == "streaming" and result.get("token_ids") is not None:
                 timer.arrived(result["token_ids"].numel())
     return timer.run()
+
+
+def library_job(library: str, prompt: list[int], new_tokens: int):
+    """A greedy job without stop conditions, in the library's own terms."""
+    if library == "exllamav2":
+        from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+
+        return ExLlamaV2DynamicJob(input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens,
+                                   gen_settings=ExLlamaV2Sampler.Settings.greedy(), stop_conditions=[])
+    from exllamav3 import ArgmaxSampler, Job
+
+    return Job(input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens, sampler=ArgmaxSampler(), stop_conditions=[])
+
+
+def exllamav3_peer_available(session: Session) -> bool:
+    """exllamav3 is the peer of another engine on a CUDA machine where it is installed."""
+    import importlib.util
+
+    return torch.cuda.is_available() and session.status().engine != "exllamav3" and bool(importlib.util.find_spec("exllamav3"))
+
+
+def load_exllamav3_peer(model_dir, cache_tokens: int = 8192):
+    """exllamav3's own generator over the model, loaded as its README does it, outside exlnb."""
+    from exllamav3 import Cache, Config, Generator, Model, Tokenizer
+
+    config = Config.from_directory(str(model_dir))
+    model = Model.from_config(config)
+    cache = Cache(model, max_num_tokens=cache_tokens)  # built before load(): exllamav3 allocates it then
+    model.load()
+    return Generator(model=model, cache=cache, tokenizer=Tokenizer.from_config(config))
+
+
+def exllamav3_by_hand(generator, prompt: list[int], new_tokens: int) -> Run:
+    return library_by_hand(generator, library_job("exllamav3", prompt, new_tokens), len(prompt))
 
 
 def magic_ttft(session: Session, text: str) -> tuple[float, float]:

@@ -54,13 +54,10 @@ def profile_steps(session: Session, tokens: int, batch: int = 1) -> dict:
 def _decoding_jobs(engine, batch: int, new_tokens: int):
     """Start `batch` greedy jobs on the engine; returns (one step, drop the jobs)."""
     prompts = [decode.random_prompt(32, seed) for seed in range(batch)]
-    if engine.name == "exllamav2":
-        from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
-
+    if engine.name in decode.LIBRARY_ENGINES:
         generator = engine.generator
         for prompt in prompts:
-            generator.enqueue(ExLlamaV2DynamicJob(input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens,
-                                                  gen_settings=ExLlamaV2Sampler.Settings.greedy(), stop_conditions=[]))
+            generator.enqueue(decode.library_job(engine.name, prompt, new_tokens))
         return generator.iterate, generator.clear_queue
     ids = [engine.enqueue(JobSpec(tuple(p), max_new_tokens=new_tokens, sampler=decode.GREEDY)) for p in prompts]
     return engine.step, lambda: [engine.cancel(i) for i in ids]

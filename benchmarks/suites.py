@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,10 +97,13 @@ def magic(session: Session, plan: Plan) -> dict:
 
 
 def peer(session: Session, plan: Plan) -> dict:
-    """The engine against transformers `generate` on the same device and model (batch 1, greedy)."""
-    model = decode.load_hf_peer(resolve_model("smollm2-135m-instruct"))
+    """The engine against transformers `generate` on the same device and model (batch 1, greedy), and against
+    exllamav3's own generator (ExLlamaV3, the maintained successor) where it is installed on a CUDA machine."""
+    model_dir = resolve_model("smollm2-135m-instruct")
+    model = decode.load_hf_peer(model_dir)
+    exllamav3 = decode.load_exllamav3_peer(model_dir) if decode.exllamav3_peer_available(session) else None
     prefill_tokens = 4 * plan.prompt_tokens
-    rows = {"engine_decode": [], "hf_decode": [], "engine_prefill": [], "hf_prefill": []}
+    rows: dict[str, list[float]] = defaultdict(list)
     for run in range(plan.warmup + plan.repeats):
         prompt = decode.random_prompt(plan.prompt_tokens, 2000 + run)
         long_prompt = decode.random_prompt(prefill_tokens, 3000 + run)
@@ -109,20 +113,31 @@ def peer(session: Session, plan: Plan) -> dict:
             "engine_prefill": decode.session_decode(session, long_prompt, 1).prefill_tokens_per_s,
             "hf_prefill": decode.hf_prefill(model, long_prompt),
         }
+        if exllamav3 is not None:
+            result["exllamav3_decode"] = decode.exllamav3_by_hand(exllamav3, prompt, plan.new_tokens).decode_tokens_per_s
+            result["exllamav3_prefill"] = decode.exllamav3_by_hand(exllamav3, long_prompt, 1).prefill_tokens_per_s
         if run >= plan.warmup:
             for key, value in result.items():
                 rows[key].append(value)
     del model
+    if exllamav3 is not None:
+        exllamav3.model.unload()
+        del exllamav3
     profile = profile_steps(session, tokens=max(plan.new_tokens // 4, 2))
     out = {f"{key}_tokens_per_s": summarise(values) for key, values in rows.items()}
     out |= {
         "prefill_prompt_tokens": prefill_tokens,
-        "prefill_method": "engine: submit to first token through the session; transformers: one forward pass",
+        "prefill_method": "engine: submit to first token through the session; transformers: one forward pass; "
+                          "exllamav3: its generator's submit to first token",
         "hf_dtype": "float16" if torch.cuda.is_available() else "float32",
         "engine_profile": profile,
-        "ratio_decode_engine_over_hf": out["engine_decode_tokens_per_s"]["median"] / out["hf_decode_tokens_per_s"]["median"],
-        "ratio_prefill_engine_over_hf": out["engine_prefill_tokens_per_s"]["median"] / out["hf_prefill_tokens_per_s"]["median"],
     }
+    for peer_name in ("hf", "exllamav3"):
+        for kind in ("decode", "prefill"):
+            if f"{peer_name}_{kind}" in rows:
+                out[f"ratio_{kind}_engine_over_{peer_name}"] = (
+                    out[f"engine_{kind}_tokens_per_s"]["median"] / out[f"{peer_name}_{kind}_tokens_per_s"]["median"]
+                )
     return out
 
 

@@ -45,6 +45,8 @@ RATIOS = [
     Row("engine / transformers `generate`, decode tokens/s", lambda b: b["peer"]["ratio_decode_engine_over_hf"],
         gpu=Target(">=", 2.0), cpu=Target(">=", 0.9)),
     Row("engine / transformers, prefill tokens/s", lambda b: b["peer"]["ratio_prefill_engine_over_hf"]),
+    Row("engine / exllamav3's own generator, decode tokens/s", lambda b: b["peer"]["ratio_decode_engine_over_exllamav3"]),
+    Row("engine / exllamav3's own generator, prefill tokens/s", lambda b: b["peer"]["ratio_prefill_engine_over_exllamav3"]),
     Row("7B-shaped decode / weights-over-bandwidth floor", lambda b: b["hardware"]["ratio_over_floor"],
         gpu=Target("<=", 1.5)),
     Row("7B-shaped decode unpaged (exllamav2's own attention) / floor", lambda b: b["hardware"]["unpaged"]["ratio_over_floor"],
@@ -95,7 +97,7 @@ def _cell(row: Row, run: dict) -> str:
         return "not run"
     if isinstance(value, str):
         return value
-    target = row.gpu if run["engine"].startswith("exllamav2") else row.cpu
+    target = row.gpu if run["engine"].startswith(("exllamav2", "exllamav3")) else row.cpu
     verdict = "" if target is None else (" met" if target.met(value) else " **missed**")
     return f"{value:.2f}{verdict}"
 

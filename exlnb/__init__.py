@@ -1,4 +1,4 @@
-"""exlnb: one kernel-resident ExLlamaV2 (or CPU) generator for Jupyter research notebooks."""
+"""exlnb: one kernel-resident ExLlamaV2, ExLlamaV3 (or CPU) generator for Jupyter research notebooks."""
 
 import importlib
 
@@ -45,7 +45,7 @@ def __getattr__(name: str):
 
 
 def load_ipython_extension(ipython) -> None:
-    """`%load_ext exlnb`: registers %exl_load, %%exl_generate, %exl_cache, %exl_jobs and %exl_cancel."""
+    """`%load_ext exlnb`: registers %exl_load, %%exl_generate, %exl_cache, %exl_jobs, %exl_cancel and %exl_quantize."""
     from exlnb.magics import ExlnbMagics, await_generate_cells
 
     magics = ExlnbMagics(ipython)

@@ -26,6 +26,7 @@ from exlnb.engines.base import SamplerSettings
 from exlnb.engines.options import CACHE_DTYPES, DISPLAY_HELP, DISPLAY_MODES, ENGINE_NAMES
 from exlnb.generation import Generation
 from exlnb.models import BUNDLED_MODEL
+from exlnb.quantize import DEFAULT_HEAD_BITS, QUANT_FORMATS, quantize
 from exlnb.request import REQUEST_HELP, GenerationRequest
 from exlnb.session import LoadFailed, NoModelLoaded, get_session
 from exlnb.streaming import JobError
@@ -333,7 +334,25 @@ class ExlnbMagics(Magics):
         for job_id in args.job_ids:
             print(f"job {job_id}: {'cancelled' if session.cancel(job_id) else 'not running'}")
 
+    @magic_arguments()
+    @argument("model", nargs="?", default=BUNDLED_MODEL,
+              help=f'an unquantized model folder, a hub repo id, or "{BUNDLED_MODEL}" (default)')
+    @argument("--format", choices=QUANT_FORMATS, default="exl3", help="exl3 (exllamav3) or exl2 (exllamav2)")
+    @argument("--bits", type=float, default=4.0, help="bits per weight (EXL3 1-8, EXL2 2-8)")
+    @argument("--head-bits", type=int, help=f"bits per weight of the output layer (default {DEFAULT_HEAD_BITS})")
+    @argument("-h", "--help", action=_ShowHelp)
+    @line_magic
+    def exl_quantize(self, line: str) -> None:
+        """Quantize with the library's own converter (cached, resumable) and print the folder to %exl_load."""
+        if (args := parse_options(self.exl_quantize, line)) is None:
+            return
+        try:
+            folder = quantize(args.model, format=args.format, bits=args.bits, head_bits=args.head_bits)
+        except (ValueError, FileNotFoundError, RuntimeError) as error:
+            raise UsageError(str(error)) from None
+        print(folder)
+
 
 for _magic in (ExlnbMagics.exl_load, ExlnbMagics.exl_generate, ExlnbMagics.exl_cache, ExlnbMagics.exl_jobs,
-               ExlnbMagics.exl_cancel):
+               ExlnbMagics.exl_cancel, ExlnbMagics.exl_quantize):
     _tidy_help(_magic)

@@ -1,7 +1,7 @@
-"""Writes the six investigation notebooks from the cell sources below: `python notebooks/build_notebooks.py`.
+"""Writes the investigation notebooks from the cell sources below: `python notebooks/build_notebooks.py`.
 
 The notebooks are thin on purpose: a parameters cell (tagged for papermill), a call into `exlnb.experiments`,
-a figure, and the saved results. Edit them here, not in Jupyter, so that the six stay alike. The parameters
+a figure, and the saved results. Edit them here, not in Jupyter, so that they stay alike. The parameters
 and their defaults (small enough for CI on the CPU engine) come from each experiment's `run()` signature
 through `exlnb.experiments.notebooks`; only their comments are written here.
 """
@@ -139,6 +139,21 @@ before the GPU had done the work. Measured here: decode speed per chat turn with
 decode speed against context length, and prompt speed from a clock read when the call returns against one
 read after synchronising (on a GPU; the CPU has no asynchronous queue).""",
         notes={"prompt_tokens": "the reporter's prompt length"},
+    ),
+    Investigation(
+        name="quantization",
+        title="What quantizing costs and buys: EXL2 and EXL3 against fp16 (GPU only)",
+        story="""\
+People load quantized models at 2.5 to 8 bits per weight: EXL2 with ExLlamaV2, EXL3 with ExLlamaV3. The
+bundled model is quantized with each library's own converter (`exlnb.quantize.quantize`, cached after the
+first run) at several bit widths and compared with fp16: greedy agreement with fp16, accuracy on the
+question set (`data/questions/short_answers.csv`), perplexity on a fixed text, decode speed and memory.
+Quantizing needs CUDA: on a machine without it the notebook says so and stops.""",
+        notes={
+            "bits": "bits per weight for each format",
+            "perplexity_tokens": "tokens of the fixed text scored for perplexity",
+            "decode_tokens": "tokens generated per timed decode",
+        },
     ),
 )
 

@@ -20,15 +20,27 @@ def cpu_session() -> Session:
     return session
 
 
-@pytest.fixture(scope="session", params=["cpu", pytest.param("exllamav2", marks=pytest.mark.gpu)])
+@pytest.fixture(
+    scope="session",
+    params=["cpu", pytest.param("exllamav2", marks=pytest.mark.gpu), pytest.param("exllamav3", marks=pytest.mark.gpu)],
+)
 def engine_name(request) -> str:
-    """Engine-level acceptance runs on both engines: the CPU one in CI, ExLlamaV2 with `pytest -m gpu`."""
-    if request.param == "exllamav2":
-        import torch
-
-        if not torch.cuda.is_available():
-            pytest.skip("the ExLlamaV2 engine needs CUDA")
+    """Engine-level acceptance runs on every engine: the CPU one in CI, ExLlamaV2 and ExLlamaV3 with `pytest -m gpu`."""
+    if request.param != "cpu":
+        skip_without_library(request.param)
     return request.param
+
+
+def skip_without_library(library: str) -> None:
+    """Skip where CUDA or the engine's library is missing, so `pytest -m gpu` runs what the machine has."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip(f"the {library} engine needs CUDA")
+    if importlib.util.find_spec(library) is None:
+        pytest.skip(f"{library} is not installed")
 
 
 @pytest.fixture(scope="session")

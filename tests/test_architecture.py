@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "exlnb"
 # Lowest first. A module may import its own layer and those below; every module must be in one.
 LAYERS = (
     ("engines", ("exlnb.engines",)),
-    ("prompts, measures and model folders", ("exlnb.templates", "exlnb.analysis", "exlnb.models")),
+    ("prompts, measures and model folders", ("exlnb.templates", "exlnb.analysis", "exlnb.models", "exlnb.quantize")),
     ("session", ("exlnb.streaming", "exlnb.engine_thread", "exlnb.session")),
     ("generation", ("exlnb.chat", "exlnb.request", "exlnb.generation")),
     ("widgets and magics", ("exlnb.widgets", "exlnb.magics")),

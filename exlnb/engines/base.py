@@ -87,7 +87,7 @@ class EosReason(str, enum.Enum):
     STOP_STRING = "stop_string"
     MAX_NEW_TOKENS = "max_new_tokens"
     END_OF_CACHE = "end_of_cache"  # the sequence reached the cache's token limit
-    LOOP_DETECTED = "loop_detected"  # exllamav3's name: the last tokens only repeat (JobSpec.stop_on_loop)
+    LOOP_DETECTED = "loop_detected"  # the engine's own loop detector ended the job (exllamav3's stop_on_loop)
     CANCELLED = "cancelled"
     FAILED = "failed"  # ended by an error (an engine failure, the model unloaded); the stream raised it
 
@@ -435,12 +435,14 @@ class EngineStatus:
     max_batch_size: int
     device_memory_bytes: int | None = None
     notes: tuple[str, ...] = ()  # things the user should know once (e.g. SDPA turned off)
+    library: str = ""  # the inference library and its version, e.g. "exllamav3 1.6.5"
 
     def line(self) -> str:
         mem = f", {self.device_memory_bytes / 2**30:.2f} GiB on device" if self.device_memory_bytes else ""
         mode = "paged" if self.paged else "unpaged"
+        library = f" ({self.library})" if self.library else ""
         return (
-            f"{self.engine} engine | {self.model} | {self.device} | {mode} ({self.attention}) | "
+            f"{self.engine} engine{library} | {self.model} | {self.device} | {mode} ({self.attention}) | "
             f"cache {self.cache_tokens} tokens {self.cache_dtype} | batch {self.max_batch_size}{mem}"
         )
 

@@ -8,67 +8,21 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 
 import torch
 
 from exlnb.engines.options import EngineOptions
-from exlnb.engines.base import (
-    CacheView,
-    Engine,
-    EngineStatus,
-    EosReason,
-    JobClock,
-    JobInfo,
-    JobSpec,
-    PageInfo,
-    SamplerSettings,
-    Stage,
-    StreamEvent,
-    job_event,
-    wall_clock,
-)
 from exlnb.engines import vocab
+from exlnb.engines.base import CacheView, EngineStatus, JobSpec, SamplerSettings, StreamEvent, wall_clock
+from exlnb.engines.library_engine import LibraryEngine, import_library, max_new_tokens_within, page_view
 from exlnb.engines.paged_attention import VERIFIED_EXLLAMAV2
 from exlnb.engines.tokenizer import HfTokenizer
 
 SDPA_TOLERANCE = 1e-2  # relative error between exllamav2's SDPA and matmul attention paths
 
-_EOS_REASONS = {
-    "stop_token": EosReason.STOP_TOKEN,
-    "stop_string": EosReason.STOP_STRING,
-    "max_new_tokens": EosReason.MAX_NEW_TOKENS,
-}
 
-
-@dataclass
-class _Tracked:
-    """What we know of one exllamav2 job beyond what exllamav2 reports."""
-
-    job: object  # ExLlamaV2DynamicJob
-    spec: JobSpec
-    max_new_tokens: int  # possibly lowered so the job fits the cache
-    clock: JobClock
-    new_tokens: int = 0
-    token_ids: list[int] = field(default_factory=list)
-
-
-def _import_exllamav2():
-    if not torch.cuda.is_available():
-        raise RuntimeError('the ExLlamaV2 engine needs a CUDA GPU; on this machine use engine="cpu"')
-    try:
-        import exllamav2
-    except ImportError as error:
-        raise RuntimeError(f"the ExLlamaV2 engine needs exllamav2=={VERIFIED_EXLLAMAV2}: pip install it") from error
-    if exllamav2.__version__ != VERIFIED_EXLLAMAV2:
-        raise RuntimeError(
-            f"exlnb's ExLlamaV2 engine is verified against exllamav2 {VERIFIED_EXLLAMAV2}, found "
-            f"{exllamav2.__version__}: install exllamav2=={VERIFIED_EXLLAMAV2}"
-        )
-    return exllamav2
-
-
-class ExLlamaV2Engine(Engine):
+class ExLlamaV2Engine(LibraryEngine):
     name = "exllamav2"
     separate_generators_note = (
         "The generator-per-request outputs come from real extra ExLlamaV2DynamicGenerators over the engine's "
@@ -76,7 +30,7 @@ class ExLlamaV2Engine(Engine):
     )
 
     def __init__(self, options: EngineOptions, *, progress: bool = True) -> None:
-        exl = _import_exllamav2()
+        exl = import_library("exllamav2", VERIFIED_EXLLAMAV2, "ExLlamaV2")
         from exllamav2.generator import ExLlamaV2DynamicGenerator
 
         self.options = options
@@ -111,10 +65,11 @@ class ExLlamaV2Engine(Engine):
             max_batch_size=options.max_batch_size,
             paged=self.paged,
         )
-        self._count_defrags()
+        self.page_size = self.generator.page_size
+        self._start_tracking()
+        # exllamav2 defragments only when idle after touching every page
+        self._count_defrags(self.generator, "defrag_cache")
         self.max_seq_len = min(config.max_seq_len, cache_tokens)
-        self._jobs: dict[int, _Tracked] = {}
-        self._next_id = 1
 
     # -- load-time checks ----------------------------------------------------------------------------------
 
@@ -175,35 +130,15 @@ class ExLlamaV2Engine(Engine):
         )
         return True, "exlnb paged attention (PyTorch)"
 
-    def _count_defrags(self) -> None:
-        """exllamav2 defragments only when idle after touching every page; count the times it really did."""
-        self.defrag_count = 0
-        generator = self.generator
-        original = generator.defrag_cache
-
-        def counting_defrag():
-            before = generator.last_defrag_serial
-            original()
-            if generator.last_defrag_serial != before:
-                self.defrag_count += 1
-
-        generator.defrag_cache = counting_defrag
-
     # -- jobs ----------------------------------------------------------------------------------------------
 
     def enqueue(self, spec: JobSpec) -> int:
         from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
 
-        prompt = len(spec.input_ids)
-        if prompt + 1 > self.max_seq_len:
-            raise ValueError(
-                f"the prompt has {prompt} tokens but the cache holds {self.max_seq_len}: shorten the prompt "
-                f"or load with cache_tokens of at least {prompt + spec.max_new_tokens}"
-            )
+        max_new = max_new_tokens_within(spec, self.max_seq_len)
         self.refuse_unsupported(spec)
         settings = self._upstream_settings(spec.sampler, ExLlamaV2Sampler.Settings)
-        max_new = min(spec.max_new_tokens, self.max_seq_len - prompt)
-        job_id, self._next_id = self._next_id, self._next_id + 1
+        job_id = self._new_job_id()
         job = ExLlamaV2DynamicJob(
             input_ids=torch.tensor([spec.input_ids], dtype=torch.long),
             max_new_tokens=max_new,
@@ -216,8 +151,7 @@ class ExLlamaV2Engine(Engine):
             identifier=job_id,
         )
         self.generator.enqueue(job)
-        self._jobs[job_id] = _Tracked(job, spec, max_new, JobClock(enqueued=wall_clock()))
-        return job_id
+        return self._track(job_id, job, spec, max_new)
 
     def unsupported(self, spec: JobSpec) -> list[str]:
         if spec.stop_on_loop:
@@ -241,70 +175,25 @@ class ExLlamaV2Engine(Engine):
             values["dry_sequence_breakers"] = set(torch.nonzero(mask).flatten().tolist())
         return settings_class(**values)
 
-    def cancel(self, job_id: int) -> bool:
-        tracked = self._jobs.pop(job_id, None)
-        if tracked is None:
-            return False
-        self.generator.cancel(tracked.job)
-        return True
-
-    def has_work(self) -> bool:
-        return bool(self._jobs)
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()
-
     def step(self) -> list[StreamEvent]:
         results = self.generator.iterate()
         self.synchronize()  # field report 5: read the clock only after the GPU has done the work
         now = wall_clock()
         events = []
         for result in results:
-            tracked = self._jobs.get(result.get("identifier"))
+            job_id = result.get("identifier")
+            tracked = self._jobs.get(job_id)
             if tracked is None:
                 continue
             if result["stage"] == "started":
-                tracked.clock.admitted = now
-                events.append(self._event(result["identifier"], tracked, Stage.PREFILL, now))
+                events.append(self._started(job_id, tracked, now))
             elif result["stage"] == "streaming":
-                events.append(self._streaming_event(result, tracked, now))
+                ids = result.get("token_ids")
+                new_ids = ids.flatten().tolist() if ids is not None else []
+                if result.get("eos_reason") == "stop_token":  # exllamav2 holds the stop token back; report it
+                    new_ids.append(result["eos_triggering_token_id"])  # like the CPU engine
+                events.append(self._produced(job_id, tracked, now, result.get("text", ""), new_ids, result.get("eos_reason")))
         return events
-
-    def _streaming_event(self, result: dict, tracked: _Tracked, now: float) -> StreamEvent:
-        ids = result.get("token_ids")
-        new_ids = ids.flatten().tolist() if ids is not None else []
-        if result.get("eos_reason") == "stop_token":  # exllamav2 holds the stop token back; report it like the CPU engine
-            new_ids.append(result["eos_triggering_token_id"])
-        tracked.token_ids += new_ids
-        tracked.new_tokens = tracked.job.new_tokens
-        if tracked.new_tokens > 0:
-            tracked.clock.token_arrived(now)
-        eos_reason = None
-        if result["eos"]:
-            eos_reason = _EOS_REASONS[result["eos_reason"]]
-            if eos_reason is EosReason.MAX_NEW_TOKENS and tracked.max_new_tokens < tracked.spec.max_new_tokens:
-                eos_reason = EosReason.END_OF_CACHE
-            del self._jobs[result["identifier"]]
-        stage = Stage.DONE if eos_reason else Stage.DECODE
-        return self._event(result["identifier"], tracked, stage, now, result.get("text", ""), new_ids, eos_reason)
-
-    def _event(
-        self,
-        job_id: int,
-        tracked: _Tracked,
-        stage: Stage,
-        now: float,
-        text: str = "",
-        token_ids: list[int] = (),
-        eos_reason: EosReason | None = None,
-    ) -> StreamEvent:
-        job = tracked.job
-        return job_event(
-            job_id, stage, tracked.clock, now,
-            prompt_tokens=len(tracked.spec.input_ids),
-            cached_tokens=job.cached_pages * self.generator.page_size + job.cached_tokens,
-            new_tokens=tracked.new_tokens, text=text, token_ids=token_ids, eos_reason=eos_reason,
-        )
 
     # -- field report 2's mistake, on purpose --------------------------------------------------------------
 
@@ -330,51 +219,11 @@ class ExLlamaV2Engine(Engine):
 
     # -- views ---------------------------------------------------------------------------------------------
 
-    def jobs(self) -> list[JobInfo]:
-        pending = {id(j) for j in self.generator.pending_jobs}
-        infos = []
-        for job_id, tracked in sorted(self._jobs.items()):
-            job = tracked.job
-            if id(job) in pending:
-                stage, pages = Stage.PENDING, 0
-            else:
-                stage = Stage.DECODE if job.new_tokens > 0 else Stage.PREFILL
-                pages = sum(len(seq.allocated_pages or ()) for seq in job.sequences)
-            infos.append(
-                JobInfo(
-                    job_id=job_id,
-                    identifier=tracked.spec.identifier,
-                    stage=stage,
-                    prompt_tokens=len(tracked.spec.input_ids),
-                    new_tokens=max(job.new_tokens, 0),
-                    max_new_tokens=tracked.spec.max_new_tokens,
-                    time_enqueued=tracked.clock.enqueued,
-                    pages=pages,
-                )
-            )
-        return infos
-
     def cache_view(self) -> CacheView:
-        owners: dict[int, set[int]] = {}
-        for job_id, tracked in self._jobs.items():
-            for seq in tracked.job.sequences:
-                for page in seq.allocated_pages or ():
-                    owners.setdefault(page.page_index, set()).add(job_id)
-        pages = tuple(
-            PageInfo(
-                index=page.page_index,
-                owners=tuple(sorted(owners.get(page.page_index, ()))),
-                ref_count=page.ref_count,
-                tokens_filled=page.kv_position,
-                shared=page.ref_count > 1,
-                cached=page.ref_count == 0 and page.kv_position > 0,
-            )
-            for page in sorted(self.generator.all_pages, key=lambda p: p.page_index)
-        )
         return CacheView(
             paged=self.paged,
-            page_size=self.generator.page_size,
-            pages=pages,
+            page_size=self.page_size,
+            pages=page_view(self._jobs, self.generator.all_pages),
             max_tokens=self.generator.max_total_tokens,
             defrag_count=self.defrag_count if self.paged else None,
         )
@@ -392,12 +241,11 @@ class ExLlamaV2Engine(Engine):
             max_batch_size=self.generator.max_batch_size if self.paged else 1,
             device_memory_bytes=torch.cuda.memory_allocated(),
             notes=tuple(self._notes),
+            library=f"exllamav2 {VERIFIED_EXLLAMAV2}",
         )
 
     def close(self) -> None:
-        for tracked in list(self._jobs.values()):
-            self.generator.cancel(tracked.job)
-        self._jobs.clear()
+        self._cancel_all()
         self.model.unload()
         del self.generator, self.cache, self.model
         torch.cuda.empty_cache()

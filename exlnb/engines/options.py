@@ -8,7 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-ENGINE_NAMES = ("auto", "exllamav2", "cpu")
+from exlnb.engines.formats import check_engine_can_load, engine_for, model_format
+
+ENGINE_NAMES = ("auto", "exllamav2", "exllamav3", "cpu")
 CACHE_DTYPES = ("fp16", "q4", "q6", "q8")
 DISPLAY_MODES = ("auto", "widget", "text")
 DISPLAY_HELP = "auto: a widget where the front end renders widgets, plain text otherwise (papermill, terminal)"
@@ -52,10 +54,14 @@ class EngineOptions:
             raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINE_NAMES)}")
         if cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"unknown cache type {cache_dtype!r}: choose one of {', '.join(CACHE_DTYPES)}")
+        fmt = model_format(model_dir)
         if engine == "auto":
-            engine = "exllamav2" if cuda_available() else "cpu"
+            engine = engine_for(fmt, cuda=cuda_available())
+        check_engine_can_load(engine, fmt, model_dir)
         if engine == "cpu" and cache_dtype != "fp16":
-            raise ValueError(f"the CPU engine keeps its cache in full precision; --cache {cache_dtype} needs exllamav2")
+            raise ValueError(
+                f"the CPU engine keeps its cache in full precision; --cache {cache_dtype} needs exllamav2 or exllamav3"
+            )
         if cache_tokens is not None and cache_tokens < PAGE_TOKENS:
             raise ValueError(f"cache_tokens={cache_tokens} is too small: give at least {PAGE_TOKENS} (one page)")
         if max_batch_size is not None and max_batch_size < 1:

@@ -20,7 +20,7 @@ import pandas as pd
 from exlnb.analysis import Estimate
 from exlnb.session import Session
 
-VERSIONED_PACKAGES = ("exlnb", "torch", "transformers", "exllamav2", "numpy", "pandas")
+VERSIONED_PACKAGES = ("exlnb", "torch", "transformers", "exllamav2", "exllamav3", "numpy", "pandas")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,182 @@
+"""The ExLlamaV3 engine: an ExLlamaV3 model and paged cache, and exactly one exllamav3 `Generator`.
+
+exllamav3 is imported here only: importing it JIT-builds its CUDA extension (about 7 minutes the first time,
+gpu.md). Verified against exllamav3 1.6.5, whose API this module uses as it is: `Config.from_directory`,
+`Model.from_config`, a `Cache` built before `model.load()` (its generator asserts that order), and
+`Generator.enqueue / iterate / cancel` over `Job`s. Attention runs on exllamav3's own paged kernels, so
+continuous batching and prefix sharing need no flash-attn.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from exlnb.engines.base import (
+    CacheView,
+    EngineStatus,
+    JobFailed,
+    JobSpec,
+    SamplerSettings,
+    StreamEvent,
+    wall_clock,
+)
+from exlnb.engines.library_engine import LibraryEngine, TrackedJob, import_library, max_new_tokens_within, page_view
+from exlnb.engines.exllamav3_sampler import sampler_steps
+from exlnb.engines.options import PAGE_TOKENS, EngineOptions
+from exlnb.engines.tokenizer import HfTokenizer
+
+VERIFIED_EXLLAMAV3 = "1.6.5"
+
+# stop_on_loop=(window, min_reps): exllamav3's LoopDetector ends a job once the last `window` sampled tokens are
+# one exact cycle of at most window // min_reps tokens repeated. (64, 3) catches a cycle of up to 21 tokens
+# (a sentence of SmolLM2's) after about three turns, the point where `--loop-guard` cancels on other engines.
+LOOP_DETECTOR = (64, 3)
+
+
+class ExLlamaV3Engine(LibraryEngine):
+    name = "exllamav3"
+    page_size = PAGE_TOKENS  # exllamav3.constants.PAGE_SIZE is 256, like exllamav2's pages
+
+    def __init__(self, options: EngineOptions, *, progress: bool = True) -> None:
+        exl3 = import_library("exllamav3", VERIFIED_EXLLAMAV3, "ExLlamaV3")
+        self.options = options
+        self.tokenizer = HfTokenizer(options.model_dir)
+        try:
+            config = exl3.Config.from_directory(str(options.model_dir))
+        except AssertionError as error:  # exllamav3 asserts on an architecture it does not know
+            raise ValueError(f"exllamav3 {VERIFIED_EXLLAMAV3} cannot load {options.model_dir}: {error}") from error
+        cache_tokens = options.cache_tokens - options.cache_tokens % self.page_size  # exllamav3 asserts whole pages
+        self.model = exl3.Model.from_config(config)
+        self.cache = exl3.Cache(self.model, max_num_tokens=cache_tokens, **_cache_layers(exl3, options.cache_dtype))
+        self.model.load(
+            use_per_device=list(options.gpu_split) if options.gpu_split else None,
+            progressbar=progress,
+            max_batch_size=options.max_batch_size,
+        )
+        self.generator = exl3.Generator(
+            model=self.model,
+            cache=self.cache,
+            tokenizer=exl3.Tokenizer.from_config(config),
+            max_batch_size=options.max_batch_size,
+        )
+        self.max_seq_len = min(config.max_position_embeddings or cache_tokens, cache_tokens)
+        self._start_tracking()
+        # exllamav3 defragments its page table when the queue drains (`on_queue_drained`), at most once per
+        # 8 x pages of allocations
+        self._count_defrags(self.generator.pagetable, "defrag")
+        self._failed_step_events: list[StreamEvent] = []
+
+    # -- jobs ----------------------------------------------------------------------------------------------
+
+    def enqueue(self, spec: JobSpec) -> int:
+        from exllamav3 import Job
+
+        max_new = max_new_tokens_within(spec, self.max_seq_len)
+        sampler = build_sampler(spec.sampler)
+        job_id = self._new_job_id()
+        job = Job(
+            input_ids=torch.tensor([spec.input_ids], dtype=torch.long),
+            max_new_tokens=max_new,
+            sampler=sampler,
+            seed=spec.seed,
+            stop_conditions=[*spec.stop_token_ids, *spec.stop_strings],
+            min_new_tokens=spec.min_new_tokens,
+            banned_strings=list(spec.banned_strings) or None,
+            decode_special_tokens=True,  # like the CPU engine: a generated <|im_start|> is visible
+            identifier=job_id,
+            stop_on_loop=spec.stop_on_loop,
+        )
+        try:
+            self.generator.enqueue(job)
+        except AssertionError as error:  # exllamav3 asserts when a job can never fit its cache
+            raise ValueError(f"exllamav3 refused the job: {error}") from error
+        # exllamav3 lowers max_new_tokens in enqueue so that prompt + output + 1 fit the cache
+        return self._track(job_id, job, spec, job.max_new_tokens)
+
+    def has_work(self) -> bool:
+        return bool(self._jobs) or bool(self._failed_step_events)
+
+    def step(self) -> list[StreamEvent]:
+        events, self._failed_step_events = self._failed_step_events, []
+        results = self.generator.iterate()
+        self.synchronize()  # field report 5: read the clock only after the GPU has done the work
+        now = wall_clock()
+        failures: dict[int, BaseException] = {}
+        for result in results:
+            job_id = result["job"].identifier  # "error" results carry the job, not the identifier
+            tracked = self._jobs.get(job_id)
+            if tracked is None:
+                continue
+            if result["stage"] == "error":  # exllamav3 reaped the job (reap_failed_job); the rest run on
+                del self._jobs[job_id]
+                failures[job_id] = result["error"]
+            elif result["stage"] == "started":
+                events.append(self._started(job_id, tracked, now))
+            elif result["stage"] == "streaming":
+                events.append(self._streaming_event(job_id, result, tracked, now))
+        if failures:
+            self._failed_step_events = events  # delivered by the next step, so no other job loses an event
+            raise JobFailed(list(failures), next(iter(failures.values())))
+        return events
+
+    def _streaming_event(self, job_id: int, result: dict, tracked: TrackedJob, now: float) -> StreamEvent:
+        text, new_ids = result.get("text", ""), _ids(result.get("token_ids"))
+        if result.get("eos_reason") == "stop_token":
+            # exllamav3 keeps the stop token, and text held back with it, in "held"; report the token like the
+            # CPU engine does and the held text without the stop token's own piece
+            held = result.get("held", {})
+            text += held.get("text", "").removesuffix(result["eos_triggering_token_str"])
+            new_ids += _ids(held.get("token_ids"))
+        return self._produced(job_id, tracked, now, text, new_ids, result.get("eos_reason"))
+
+    # -- views ---------------------------------------------------------------------------------------------
+
+    def cache_view(self) -> CacheView:
+        return CacheView(
+            paged=True,
+            page_size=self.page_size,
+            pages=page_view(self._jobs, self.generator.pagetable.all_pages),
+            max_tokens=self.generator.max_total_tokens,
+            defrag_count=self.defrag_count,
+        )
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(
+            engine=self.name,
+            model=self.options.model_dir.name,
+            device=torch.cuda.get_device_name(),
+            paged=True,
+            attention="exllamav3 paged attention",
+            cache_tokens=self.generator.max_total_tokens,
+            cache_dtype=self.options.cache_dtype,
+            max_batch_size=self.generator.max_batch_size,
+            device_memory_bytes=torch.cuda.memory_allocated(),
+            library=f"exllamav3 {VERIFIED_EXLLAMAV3}",
+        )
+
+    def close(self) -> None:
+        self._cancel_all()
+        self.generator.close()
+        self.model.unload()
+        del self.generator, self.cache, self.model
+        torch.cuda.empty_cache()
+
+
+def build_sampler(settings: SamplerSettings):
+    """An exllamav3 `CustomSampler` from the planned steps (ValueError for a setting it lacks)."""
+    from exllamav3.generator import sampler as exl3_sampler
+
+    steps = [getattr(exl3_sampler, step.name)(*step.args) for step in sampler_steps(settings)]
+    return exl3_sampler.CustomSampler(steps)
+
+
+def _cache_layers(exl3, cache_dtype: str) -> dict:
+    """Cache keyword arguments: fp16 layers, or quantized ones with `k_bits` = `v_bits` = 4, 6 or 8."""
+    if cache_dtype == "fp16":
+        return {"layer_type": exl3.CacheLayer_fp16}
+    bits = int(cache_dtype.removeprefix("q"))
+    return {"layer_type": exl3.CacheLayer_quant, "k_bits": bits, "v_bits": bits}
+
+
+def _ids(tensor) -> list[int]:
+    return tensor.flatten().tolist() if tensor is not None else []

@@ -1,0 +1,217 @@
+"""What the two ExLlama engines share: importing a verified library, tracking its jobs, cancelling them, and
+reading the job table and cache pages off its objects.
+
+exllamav2 0.3.2 and exllamav3 1.6.5 agree on these shapes: a generator with `enqueue`, `iterate`, `cancel` and
+`pending_jobs`; a job holding `sequences`, each with `allocated_pages`, and counting `new_tokens`,
+`cached_pages` and `cached_tokens`; a page (`CachePage`) with `page_index`, `ref_count` and `kv_position`
+(tokens filled); a defragmenter that does its work only now and then and moves `last_defrag_serial` when it does.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from exlnb.engines.base import (
+    Engine,
+    EosReason,
+    JobClock,
+    JobInfo,
+    JobSpec,
+    PageInfo,
+    Stage,
+    StreamEvent,
+    job_event,
+    wall_clock,
+)
+
+# the libraries' `eos_reason` strings; exllamav2 never reports a loop
+LIBRARY_EOS_REASONS = {
+    "stop_token": EosReason.STOP_TOKEN,
+    "stop_string": EosReason.STOP_STRING,
+    "max_new_tokens": EosReason.MAX_NEW_TOKENS,
+    "loop_detected": EosReason.LOOP_DETECTED,
+}
+
+
+def import_library(name: str, version: str, engine: str) -> ModuleType:
+    """Import `name` where CUDA is present and its version is the one exlnb is verified against."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(f'the {engine} engine needs a CUDA GPU; on this machine use engine="cpu"')
+    try:
+        library = importlib.import_module(name)
+    except ImportError as error:
+        raise RuntimeError(f"the {engine} engine needs {name}=={version}: pip install {name}=={version}") from error
+    if library.__version__ != version:
+        raise RuntimeError(
+            f"exlnb's {engine} engine is verified against {name} {version}, found {library.__version__}: "
+            f"install {name}=={version}"
+        )
+    return library
+
+
+def max_new_tokens_within(spec: JobSpec, max_seq_len: int) -> int:
+    """The job's token limit lowered to what the cache holds after its prompt; a prompt that fills it is refused."""
+    prompt = len(spec.input_ids)
+    if prompt + 1 > max_seq_len:
+        raise ValueError(
+            f"the prompt has {prompt} tokens but the cache holds {max_seq_len}: shorten the prompt "
+            f"or load with cache_tokens of at least {prompt + spec.max_new_tokens}"
+        )
+    return min(spec.max_new_tokens, max_seq_len - prompt)
+
+
+@dataclass
+class TrackedJob:
+    """What we know of one library job beyond what the library reports."""
+
+    job: object  # the library's job object
+    spec: JobSpec
+    max_new_tokens: int  # possibly lowered so the job fits the cache
+    clock: JobClock
+
+    @property
+    def new_tokens(self) -> int:
+        return max(self.job.new_tokens, 0)  # exllamav2 counts -1 while a healed token is pending
+
+    def eos_reason(self, library_reason: str) -> EosReason:
+        """The library's reason, except that a limit lowered to fit the cache is the cache's end."""
+        reason = LIBRARY_EOS_REASONS[library_reason]
+        if reason is EosReason.MAX_NEW_TOKENS and self.max_new_tokens < self.spec.max_new_tokens:
+            return EosReason.END_OF_CACHE
+        return reason
+
+
+class LibraryEngine(Engine):
+    """An engine over exactly one exllamav2 or exllamav3 generator: exlnb job ids, events, cancel, job table."""
+
+    generator: object
+    page_size: int
+
+    def _start_tracking(self) -> None:
+        self._jobs: dict[int, TrackedJob] = {}
+        self._next_id = 1
+        self.defrag_count = 0
+
+    def _new_job_id(self) -> int:
+        job_id, self._next_id = self._next_id, self._next_id + 1
+        return job_id
+
+    def _track(self, job_id: int, job: object, spec: JobSpec, max_new_tokens: int) -> int:
+        """Follow an enqueued library job, whose identifier is `job_id`."""
+        self._jobs[job_id] = TrackedJob(job, spec, max_new_tokens, JobClock(enqueued=wall_clock()))
+        return job_id
+
+    def _count_defrags(self, owner: object, method: str) -> None:
+        """Wrap the library's defragmenter to count the times it really moved pages."""
+        original = getattr(owner, method)
+
+        def counting(*args, **kwargs):
+            before = owner.last_defrag_serial
+            original(*args, **kwargs)
+            if owner.last_defrag_serial != before:
+                self.defrag_count += 1
+
+        setattr(owner, method, counting)
+
+    def _started(self, job_id: int, tracked: TrackedJob, now: float) -> StreamEvent:
+        tracked.clock.admitted = now
+        return self._event(job_id, tracked, Stage.PREFILL, now)
+
+    def _produced(
+        self, job_id: int, tracked: TrackedJob, now: float, text: str, new_ids: list[int], library_eos: str | None
+    ) -> StreamEvent:
+        """The event for a job's new tokens, and its end where the library reports one (it is then forgotten)."""
+        if tracked.new_tokens > 0:
+            tracked.clock.token_arrived(now)
+        eos_reason = tracked.eos_reason(library_eos) if library_eos else None
+        if eos_reason:
+            del self._jobs[job_id]
+        return self._event(job_id, tracked, Stage.DONE if eos_reason else Stage.DECODE, now, text, new_ids, eos_reason)
+
+    def _event(
+        self,
+        job_id: int,
+        tracked: TrackedJob,
+        stage: Stage,
+        now: float,
+        text: str = "",
+        token_ids: Sequence[int] = (),
+        eos_reason: EosReason | None = None,
+    ) -> StreamEvent:
+        job = tracked.job
+        return job_event(
+            job_id, stage, tracked.clock, now,
+            prompt_tokens=len(tracked.spec.input_ids),
+            cached_tokens=job.cached_pages * self.page_size + job.cached_tokens,
+            new_tokens=tracked.new_tokens, text=text, token_ids=token_ids, eos_reason=eos_reason,
+        )
+
+    def cancel(self, job_id: int) -> bool:
+        tracked = self._jobs.pop(job_id, None)
+        if tracked is None:
+            return False
+        self.generator.cancel(tracked.job)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._jobs)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def jobs(self) -> list[JobInfo]:
+        return job_table(self._jobs, self.generator.pending_jobs)
+
+    def _cancel_all(self) -> None:
+        for tracked in list(self._jobs.values()):
+            self.generator.cancel(tracked.job)
+        self._jobs.clear()
+
+
+def job_table(jobs: Mapping[int, TrackedJob], pending_jobs: Iterable[object]) -> list[JobInfo]:
+    pending = {id(j) for j in pending_jobs}
+    infos = []
+    for job_id, tracked in sorted(jobs.items()):
+        job = tracked.job
+        if id(job) in pending:
+            stage, pages = Stage.PENDING, 0
+        else:
+            stage = Stage.DECODE if tracked.new_tokens > 0 else Stage.PREFILL
+            pages = sum(len(seq.allocated_pages or ()) for seq in job.sequences)
+        infos.append(
+            JobInfo(
+                job_id=job_id,
+                identifier=tracked.spec.identifier,
+                stage=stage,
+                prompt_tokens=len(tracked.spec.input_ids),
+                new_tokens=tracked.new_tokens,
+                max_new_tokens=tracked.spec.max_new_tokens,
+                time_enqueued=tracked.clock.enqueued,
+                pages=pages,
+            )
+        )
+    return infos
+
+
+def page_view(jobs: Mapping[int, TrackedJob], all_pages: Iterable[object]) -> tuple[PageInfo, ...]:
+    owners: dict[int, set[int]] = {}
+    for job_id, tracked in jobs.items():
+        for seq in tracked.job.sequences:
+            for page in seq.allocated_pages or ():
+                owners.setdefault(page.page_index, set()).add(job_id)
+    return tuple(
+        PageInfo(
+            index=page.page_index,
+            owners=tuple(sorted(owners.get(page.page_index, ()))),
+            ref_count=page.ref_count,
+            tokens_filled=page.kv_position,
+            shared=page.ref_count > 1,
+            cached=page.ref_count == 0 and page.kv_position > 0,
+        )
+        for page in sorted(all_pages, key=lambda p: p.page_index)
+    )

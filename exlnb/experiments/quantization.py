@@ -1,0 +1,193 @@
+"""What quantizing costs and buys: the bundled model at several bit widths in EXL2 and EXL3 against fp16.
+
+Per condition: greedy agreement with fp16 (the share of fp16's greedy tokens reproduced before the first
+difference), accuracy on the short-answer question set, perplexity on a fixed text, decode speed and memory.
+fp16 is the session the notebook loaded; each quantized model is made with `exlnb.quantize.quantize` (cached
+after the first run) and loaded by `engine="auto"` into a session of its own, one at a time. Quantizing and
+both quantized formats need CUDA: on a CPU machine the run says so and measures nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+import torch
+
+from exlnb.analysis import mean_interval, median_interval, rate_interval, ratio_of_medians
+from exlnb.engines.base import SamplerSettings
+from exlnb.engines.options import cuda_available
+from exlnb.experiments.context import filler_ids
+from exlnb.experiments.datasets import load_questions
+from exlnb.experiments.prompt_format import is_correct
+from exlnb.experiments.record import Effect, ExperimentResult, environment
+from exlnb.models import BUNDLED_MODEL, resolve_model
+from exlnb.quantize import quantize
+from exlnb.session import Session
+
+CONDITION_COLUMNS = ["condition", "format", "bits", "engine", "perplexity", "weights_gib", "device_memory_gib"]
+NEEDS_CUDA = "Quantizing and both quantized formats need CUDA: on this machine the notebook measured nothing."
+
+
+@dataclass(frozen=True)
+class Condition:
+    format: str  # "fp16", "exl2" or "exl3"
+    bits: float
+
+    @property
+    def label(self) -> str:
+        return "fp16" if self.format == "fp16" else f"{self.format.upper()} {self.bits:g} bpw"
+
+
+def run(
+    session: Session,
+    *,
+    model: str = BUNDLED_MODEL,
+    formats: tuple[str, ...] = ("exl2", "exl3"),
+    bits: tuple[float, ...] = (3.0, 4.0, 6.0, 8.0),
+    questions: int = 36,
+    max_new_tokens: int = 40,
+    perplexity_tokens: int = 512,
+    decode_tokens: int = 64,
+    repeats: int = 3,
+) -> ExperimentResult:
+    parameters = dict(model=str(model), formats=list(formats), bits=list(bits), questions=questions,
+                      max_new_tokens=max_new_tokens, perplexity_tokens=perplexity_tokens,
+                      decode_tokens=decode_tokens, repeats=repeats)
+    env = environment(session)
+    if not cuda_available():
+        empty = {"conditions": pd.DataFrame(columns=CONDITION_COLUMNS)}
+        return ExperimentResult("quantization", (), empty, [], parameters, env, findings=[NEEDS_CUDA])
+    table = load_questions().head(questions)
+    measure = dict(table=table, max_new_tokens=max_new_tokens, perplexity_tokens=perplexity_tokens,
+                   decode_tokens=decode_tokens, repeats=repeats)
+    reference = _measure(session, Condition("fp16", 16.0), resolve_model(model), reference=None, **measure)
+    measured = [reference]
+    for fmt in formats:
+        for width in bits:
+            folder = quantize(model, format=fmt, bits=width, progress=False)
+            quantized = Session()
+            quantized.load(str(folder), cache_tokens=session.status().cache_tokens, progress=False)
+            try:
+                measured.append(_measure(quantized, Condition(fmt, width), folder, reference=reference, **measure))
+            finally:
+                quantized.unload()
+    tables = {name: pd.concat([m[name] for m in measured], ignore_index=True) for name in ("conditions", "answers", "decode")}
+    return _summarise(tables, parameters, env)
+
+
+def _measure(session: Session, condition: Condition, folder: Path, *, reference: dict | None, table: pd.DataFrame,
+             max_new_tokens: int, perplexity_tokens: int, decode_tokens: int, repeats: int) -> dict[str, pd.DataFrame]:
+    tokenizer, greedy = session.tokenizer, SamplerSettings.greedy()
+    streams = [
+        session.generate(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}])),
+                         max_new_tokens=max_new_tokens, sampler=greedy)
+        for q in table.question
+    ]
+    results = [s.result() for s in streams]
+    fp16_ids = [r.token_ids for r in results] if reference is None else reference["token_ids"]
+    answers = pd.DataFrame({
+        "condition": condition.label, "format": condition.format, "bits": condition.bits,
+        "question_id": table.id.values,
+        "correct": [is_correct(r.text, a) for r, a in zip(results, table.answers)],
+        "agreement": [agreement(r.token_ids, ref) for r, ref in zip(results, fp16_ids)],
+        "answer": [r.text for r in results],
+    })
+    decode = pd.DataFrame({
+        "condition": condition.label, "format": condition.format, "bits": condition.bits, "repeat": range(repeats),
+        "decode_tokens_per_s": [
+            session.complete(filler_ids(session, 64, label=f"decode {r}"), max_new_tokens=decode_tokens,
+                             sampler=greedy, stop_at_eos=False).decode_tokens_per_s
+            for r in range(repeats)
+        ],
+    })
+    status = session.status()
+    conditions = pd.DataFrame([{
+        "condition": condition.label, "format": condition.format, "bits": condition.bits, "engine": status.engine,
+        "perplexity": perplexity(session, filler_ids(session, perplexity_tokens, label="perplexity")),
+        "weights_gib": sum(p.stat().st_size for p in folder.glob("*.safetensors")) / 2**30,
+        "device_memory_gib": (status.device_memory_bytes or 0) / 2**30,
+    }])
+    return {"conditions": conditions, "answers": answers, "decode": decode, "token_ids": fp16_ids}
+
+
+def agreement(tokens: tuple[int, ...], reference: tuple[int, ...]) -> float:
+    """The share of the reference's tokens reproduced before the first difference (1.0 for the same output)."""
+    same = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+    return same / max(len(reference), 1)
+
+
+def perplexity(session: Session, ids: list[int]) -> float:
+    """exp(mean negative log-likelihood) of `ids`, from one forward pass without a cache: exllamav2 0.3.2's and
+    exllamav3 1.6.5's `model.forward(input_ids)` both return the logits of every position."""
+
+    def nll(engine) -> float:
+        with torch.inference_mode():
+            logits = engine.model.forward(torch.tensor([ids])).float().cpu()[0, :-1]
+        return float(torch.nn.functional.cross_entropy(logits[:, : engine.tokenizer.vocab_size], torch.tensor(ids[1:])))
+
+    return math.exp(session.run_on_engine(nll))
+
+
+def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict) -> ExperimentResult:
+    answers, decode, conditions = tables["answers"], tables["decode"], tables["conditions"]
+    fp16_answers, fp16_decode = answers[answers.format == "fp16"], decode[decode.format == "fp16"].decode_tokens_per_s
+    effects = []
+    for label in conditions.condition[conditions.format != "fp16"]:
+        ours = answers[answers.condition == label]
+        speed = decode[decode.condition == label].decode_tokens_per_s
+        effects += [
+            Effect(f"accuracy, {label}", rate_interval(int(fp16_answers.correct.sum()), len(fp16_answers)),
+                   rate_interval(int(ours.correct.sum()), len(ours)), "fp16", label),
+            Effect(f"decode tokens/s, {label}", median_interval(fp16_decode, "tokens/s"),
+                   median_interval(speed, "tokens/s"), "fp16", label, ratio_of_medians(fp16_decode, speed)),
+        ]
+    summary = conditions.set_index("condition").assign(
+        accuracy=answers.groupby("condition").correct.mean(),
+        agreement=answers.groupby("condition").agreement.mean(),
+        decode_tokens_per_s=decode.groupby("condition").decode_tokens_per_s.median(),
+    )
+    values = {"by_condition": summary.reset_index().to_dict(orient="records"),
+              "agreement": {c: mean_interval(g.agreement, "fraction").as_dict() for c, g in answers.groupby("condition")}}
+    return ExperimentResult("quantization", (), tables, effects, parameters, env, _findings(summary), values)
+
+
+def _findings(summary: pd.DataFrame) -> list[str]:
+    fp16 = summary.loc["fp16"]
+    lines = [f"fp16 ({fp16.engine} engine): perplexity {fp16.perplexity:.2f}, accuracy {fp16.accuracy:.0%}, "
+             f"decode {fp16.decode_tokens_per_s:.0f} tokens/s, {fp16.weights_gib:.2f} GiB of weights."]
+    for fmt, rows in summary[summary.format != "fp16"].groupby("format"):
+        points = "; ".join(
+            f"{row.bits:g} bpw: agreement {row.agreement:.0%}, accuracy {row.accuracy:.0%}, perplexity "
+            f"{row.perplexity:.2f}, {row.decode_tokens_per_s:.0f} tokens/s, {row.weights_gib:.3f} GiB"
+            for row in rows.sort_values("bits").itertuples()
+        )
+        lines.append(f"{fmt.upper()} ({rows.engine.iloc[0]} engine): {points}.")
+    return lines
+
+
+def plot(result: ExperimentResult):
+    conditions = result.tables["conditions"]
+    if conditions.empty:
+        fig, ax = plt.subplots(figsize=(6, 1.2))
+        ax.axis("off")
+        ax.text(0.5, 0.5, NEEDS_CUDA, ha="center", va="center", wrap=True)
+        return fig
+    summary = pd.DataFrame(result.values["by_condition"])
+    quantized, fp16 = summary[summary.format != "fp16"], summary[summary.format == "fp16"].iloc[0]
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    for ax, column, title in zip(
+        axes,
+        ("agreement", "accuracy", "perplexity", "decode_tokens_per_s"),
+        ("greedy agreement with fp16", "accuracy on the question set", "perplexity on a fixed text", "decode tokens/s"),
+    ):
+        sns.lineplot(data=quantized, x="bits", y=column, hue="format", marker="o", ax=ax)
+        ax.axhline(fp16[column], color="grey", linestyle="--", label="fp16")
+        ax.set(xlabel="bits per weight", ylabel=column.replace("_", " "), title=title)
+    axes[0].legend()
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,65 @@
+"""Quantized models on the GPU (`pytest -m gpu`): the bundled model quantized once per run to 4.0 bits in
+EXL2 and EXL3, each loaded by `engine="auto"`, answering greedily, with a q4 cache too."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from exlnb import EosReason, SamplerSettings
+from exlnb.models import BUNDLED_MODEL
+from exlnb.quantize import quantize
+from exlnb.session import Session
+from tests.conftest import chatml, skip_without_library
+
+pytestmark = pytest.mark.gpu
+
+ENGINE_OF = {"exl2": "exllamav2", "exl3": "exllamav3"}
+
+
+@pytest.fixture(scope="session", params=["exl2", "exl3"])
+def quantized(request):
+    """(format, folder) of the bundled model at 4.0 bits."""
+    skip_without_library(ENGINE_OF[request.param])
+    if request.param == "exl2":
+        skip_without_library("fastparquet")
+    return request.param, quantize(BUNDLED_MODEL, format=request.param, bits=4.0, progress=False)
+
+
+def test_the_converter_writes_the_format_into_config(quantized):
+    fmt, folder = quantized
+    config = json.loads((folder / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == fmt
+    assert config["quantization_config"]["bits"] == pytest.approx(4.0, abs=0.3)
+
+
+def test_asking_again_returns_the_cached_folder_at_once(quantized):
+    fmt, folder = quantized
+    started = time.perf_counter()
+    assert quantize(BUNDLED_MODEL, format=fmt, bits=4.0, progress=False) == folder
+    assert time.perf_counter() - started < 5.0
+
+
+@pytest.mark.parametrize("cache", ["fp16", "q4"])
+def test_auto_loads_it_on_its_engine_and_it_answers(quantized, cache):
+    fmt, folder = quantized
+    session = Session()
+    try:
+        status = session.load(str(folder), cache=cache, progress=False)
+        assert status.engine == ENGINE_OF[fmt] and status.cache_dtype == cache
+        result = session.complete(
+            chatml("What is the capital of France?"), max_new_tokens=40, sampler=SamplerSettings.greedy()
+        )
+    finally:
+        session.unload()
+    assert "Paris" in result.text
+    assert result.eos_reason is EosReason.STOP_TOKEN
+
+
+def test_the_other_engine_refuses_the_folder(quantized):
+    fmt, folder = quantized
+    other = "exllamav2" if fmt == "exl3" else "exllamav3"
+    with pytest.raises(ValueError, match=f"the {other} engine cannot load {fmt.upper()} weights"):
+        Session().load(str(folder), engine=other, progress=False)
