@@ -1,5 +1,6 @@
 """exlnb: one kernel-resident ExLlamaV2 (or CPU) generator for Jupyter research notebooks."""
 
+from exlnb.loadtest import bench
 from exlnb.chat import Chat, get_chat
 from exlnb.engines.base import EosReason, SamplerSettings, Stage, StreamEvent
 from exlnb.generation import Generation
@@ -19,6 +20,7 @@ __all__ = [
     "Stage",
     "StreamEvent",
     "agenerate_live",
+    "bench",
     "generate_live",
     "get_chat",
     "get_session",

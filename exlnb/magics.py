@@ -15,12 +15,14 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from exlnb.loadtest import bench
 from exlnb.generation import Generation
 from exlnb.models import BUNDLED_MODEL
 from exlnb.session import NoModelLoaded, get_session
 from exlnb.templates import TEMPLATES
 from exlnb.widgets.cache import show_cache, show_jobs
 from exlnb.widgets.stream import agenerate_live, generate_live
+from exlnb.workload import length_argument, rates_argument, slo_argument
 
 # option name -> the SamplerSettings field it sets (exllamav2's names)
 SAMPLER_OPTIONS = {
@@ -215,3 +217,33 @@ class ExlnbMagics(Magics):
             print(f"cancelled {session.cancel_all()} jobs")
         for job_id in args.job_ids:
             print(f"job {job_id}: {'cancelled' if session.cancel(job_id) else 'not running'}")
+
+    @magic_arguments()
+    @argument("--request-rate", type=rates_argument, default=[float("inf")],
+              help="requests per second, comma separated to sweep, inf for all at once (default inf)")
+    @argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps; 1 is Poisson")
+    @argument("--max-concurrency", type=int, help="most requests in flight (default: no limit)")
+    @argument("--prompt-len", type=length_argument, default=128, help="prompt tokens, or a range such as 64-256")
+    @argument("--output-len", type=length_argument, default=32, help="exact output tokens, or a range such as 8-64")
+    @argument("--dataset", help="prompts from data/prompts/NAME.json instead of random tokens")
+    @argument("--num-requests", type=int, help="requests per rate (default 16)")
+    @argument("--duration", type=float, help="send for this many seconds instead of --num-requests")
+    @argument("--seed", type=int, default=0, help="the same seed sends the same requests at the same times")
+    @argument("--slo", action="append", type=slo_argument, default=[],
+              help="goodput objective, repeatable: ttft_ms=500, tpot_ms=50, e2el_ms=2000")
+    @argument("--no-progress", action="store_true", help="no progress bar")
+    @argument("--out", metavar="VAR", help="store the BenchResult (requests, summary, figure())")
+    @line_magic
+    def exl_bench(self, line: str) -> None:
+        """Load-test the loaded model as vLLM's benchmark_serving does and print its summary table."""
+        args = parse_options(self.exl_bench, line)
+        with _usage_errors():
+            result = bench(
+                args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+                prompt_len=args.prompt_len, output_len=args.output_len, dataset=args.dataset,
+                num_requests=args.num_requests, duration_s=args.duration, seed=args.seed,
+                slos=dict(args.slo) or None, progress=not args.no_progress,
+            )
+        print(result.table())
+        if args.out:
+            self.shell.user_ns[args.out] = result

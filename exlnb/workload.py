@@ -8,6 +8,7 @@ sends every request at once. Nothing here touches the session, so a plan can be 
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from exlnb.engines.base import Tokenizer
+from exlnb.experiments.datasets import DATA_DIR, load_prompts
 from exlnb.metrics import check_slos
 from exlnb.templates import conversation, render
 
@@ -68,6 +70,10 @@ class Workload:
                 )
         if self.slos:
             check_slos(self.slos)
+        if self.dataset is not None and self.dataset not in prompt_sets():
+            raise ValueError(
+                f"dataset={self.dataset!r}: no data/prompts/{self.dataset}.json; choose from {', '.join(prompt_sets())}"
+            )
 
     @property
     def requests_per_rate(self) -> int:
@@ -130,12 +136,15 @@ def arrival_times(rng: np.random.Generator, request_rate: float, burstiness: flo
     return np.concatenate([[0.0], np.cumsum(gaps)])
 
 
+def prompt_sets() -> list[str]:
+    """The names `dataset` accepts: the prompt files in the checkout's data/prompts/."""
+    return sorted(path.stem for path in (DATA_DIR / "prompts").glob("*.json"))
+
+
 def _prompts(rng: np.random.Generator, workload: Workload, tokenizer: Tokenizer, count: int) -> list[list[int]]:
     if workload.dataset is None:
         lengths = _lengths(rng, workload.prompt_len, count)
         return [rng.integers(*RANDOM_TOKEN_IDS, size=n).tolist() for n in lengths]
-    from exlnb.experiments.datasets import load_prompts
-
     texts = load_prompts(workload.dataset)
     chosen = rng.choice(len(texts), size=count, replace=count > len(texts))
     return [tokenizer.encode(_as_turn(texts[i], tokenizer), special=True) for i in chosen]
@@ -163,3 +172,32 @@ def _check_length(name: str, length: Length) -> None:
     low, high = length
     if not 1 <= low <= high:
         raise ValueError(f"{name}={tuple(length)}: a range needs 1 <= low <= high")
+
+
+# -- the settings as command lines write them (%exl_bench and benchmarks/serving.py) ------------------------
+
+
+def rates_argument(text: str) -> list[float]:
+    """'1,2,4,inf' -> [1.0, 2.0, 4.0, inf] requests per second."""
+    try:
+        return [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give requests per second separated by commas, e.g. 1,2,inf") from None
+
+
+def length_argument(text: str) -> Length:
+    """'128' -> 128 tokens; '64-256' -> the range (64, 256)."""
+    try:
+        low, _, high = text.partition("-")
+        return (int(low), int(high)) if high else int(low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of tokens, or a range such as 64-256") from None
+
+
+def slo_argument(text: str) -> tuple[str, float]:
+    """'ttft_ms=500' -> ("ttft_ms", 500.0); the name is checked with the other settings."""
+    name, _, value = text.partition("=")
+    try:
+        return name.strip(), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give an objective as NAME=MILLISECONDS, e.g. ttft_ms=500") from None

@@ -56,32 +56,37 @@ class LoadRun:
     def run(self, duration_s: float | None, on_finish: Callable[[RequestRecord], None]) -> float:
         """Send and wait until every sent request has ended; returns the run's duration in seconds.
 
-        Any exception here, KeyboardInterrupt included, cancels every job of the run before it propagates.
+        Any exception, KeyboardInterrupt included, cancels every job of the run before it propagates. The
+        loop lives in its own method: on CPython 3.11.7 a Ctrl-C landing on a `continue` escaped an
+        `except BaseException` wrapped round the loop in the same function.
         """
-        start = self.started_at = wall_clock()
+        self.started_at = wall_clock()
         try:
-            while self.pending or self.in_flight:
-                now = wall_clock() - start
-                if duration_s is not None and now >= duration_s:
-                    self.pending.clear()
-                self._submit_due(now, start)
-                if not self.in_flight and not self.pending:
-                    break
-                try:
-                    index, outcome = self._finished.get(timeout=self._wait_s(now))
-                except queue.Empty:
-                    continue
-                self.in_flight.pop(index).join()
-                if isinstance(outcome, BaseException):
-                    raise RuntimeError(f"request {index} failed: {outcome}") from outcome
-                self.records[index] = outcome
-                on_finish(outcome)
+            self._send_and_collect(duration_s, on_finish)
         except BaseException:
             self.cancel()
             raise
-        return wall_clock() - start
+        return wall_clock() - self.started_at
 
-    def _submit_due(self, now: float, start: float) -> None:
+    def _send_and_collect(self, duration_s: float | None, on_finish: Callable[[RequestRecord], None]) -> None:
+        while self.pending or self.in_flight:
+            now = wall_clock() - self.started_at
+            if duration_s is not None and now >= duration_s:
+                self.pending.clear()
+            self._submit_due(now)
+            if not self.in_flight and not self.pending:
+                return
+            try:
+                index, outcome = self._finished.get(timeout=self._wait_s(now))
+            except queue.Empty:
+                continue
+            self.in_flight.pop(index).join()
+            if isinstance(outcome, BaseException):
+                raise RuntimeError(f"request {index} failed: {outcome}") from outcome
+            self.records[index] = outcome
+            on_finish(outcome)
+
+    def _submit_due(self, now: float) -> None:
         due: list[PlannedRequest] = []
         while self.pending and self.pending[0].arrival_s <= now and self._has_slot(len(due)):
             due.append(self.pending.popleft())
@@ -211,7 +216,7 @@ class BenchResult:
                 order = [rate_label(run.request_rate) for run in self.runs]
                 sns.pointplot(data=data, x="rate", y=column, order=order, estimator="median", errorbar=("pi", 80),
                               ax=ax)
-                ax.set(xlabel="request rate (req/s)", ylabel=label, title=f"{label}: median, 10th-90th percentile")
+                ax.set(xlabel="request rate (req/s)", ylabel=label, title="median, 10th to 90th percentile")
             else:
                 sns.scatterplot(data=data, x="submitted_s", y=column, ax=ax)
                 ax.set(xlabel="submitted (s after the start)", ylabel=label,
