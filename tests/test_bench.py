@@ -135,6 +135,21 @@ def test_ctrl_c_while_waiting_cancels_the_run(idle_session, ctrl_c):
     assert_idle(idle_session)
 
 
+def test_the_serving_script_writes_strict_json_with_every_request(idle_session, tmp_path):
+    from benchmarks.serving import main
+
+    path = main(["--engine", "cpu", "--rates", "inf,40", "--requests", "2", "--prompt-len", "8", "--output-len", "2",
+                 "--out", str(tmp_path / "serving-cpu.json")])
+    record = json.loads(path.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in strict JSON"))
+
+    assert record["environment"]["device"].startswith("cpu") and record["environment"]["versions"]["torch"]
+    assert [run["request_rate"] for run in record["runs"]] == ["inf", "40"]
+    for run in record["runs"]:
+        assert run["metrics"]["successful_requests"] == 2 and run["metrics"]["total_output_tokens"] == 4
+        assert [len(r["token_times_s"]) for r in run["requests"]] == [2, 2]
+    assert_idle(idle_session)
+
+
 @pytest.fixture(scope="module")
 def shell(cpu_session):
     shell = InteractiveShell.instance()
