@@ -38,14 +38,23 @@ class RateRun:
     records: tuple[RequestRecord, ...]  # in request order; a duration leaves later requests unsent
     started_at: float  # wall_clock() when the first request could go
     metrics: ServingMetrics
+    stopped: bool = False  # ended early by `stop`: requests in flight were cancelled, later ones never sent
 
 
 class LoadRun:
     """Sends one rate's plan to the session and collects a record per request."""
 
-    def __init__(self, session: Session, planned: Sequence[PlannedRequest], max_concurrency: int | None) -> None:
+    def __init__(
+        self,
+        session: Session,
+        planned: Sequence[PlannedRequest],
+        max_concurrency: int | None,
+        stop: threading.Event | None = None,
+    ) -> None:
         self.session = session
         self.max_concurrency = max_concurrency
+        self.stop = stop or threading.Event()
+        self.stopped = False  # the stop was seen: unsent requests dropped, those in flight cancelled
         self.tag = f"bench-{next(_run_numbers)}"  # job tables show (tag, request index)
         self.pending = deque(planned)
         self.in_flight: dict[int, threading.Thread] = {}
@@ -73,6 +82,11 @@ class LoadRun:
             now = wall_clock() - self.started_at
             if duration_s is not None and now >= duration_s:
                 self.pending.clear()
+            if self.stop.is_set() and not self.stopped:
+                # the readers then hand back cancelled records, which end the loop as failed requests
+                self.stopped = True
+                self.pending.clear()
+                self._cancel_jobs()
             self._submit_due(now)
             if not self.in_flight and not self.pending:
                 return
@@ -107,6 +121,13 @@ class LoadRun:
             self.in_flight[request.index] = thread
             thread.start()
 
+    def _cancel_jobs(self) -> None:
+        """By the run's tag, so a job whose stream an interrupt kept from being registered goes too."""
+        for row in self.session.jobs():
+            identifier = row.info.identifier
+            if isinstance(identifier, tuple) and identifier[:1] == (self.tag,):
+                self.session.cancel(row.info.job_id)
+
     def _has_slot(self, about_to_submit: int) -> bool:
         return self.max_concurrency is None or len(self.in_flight) + about_to_submit < self.max_concurrency
 
@@ -126,11 +147,8 @@ class LoadRun:
         self._finished.put((index, outcome))
 
     def cancel(self) -> None:
-        """Cancel every job of this run, even one whose stream the interrupt kept from being registered."""
-        for row in self.session.jobs():
-            identifier = row.info.identifier
-            if isinstance(identifier, tuple) and identifier[:1] == (self.tag,):
-                self.session.cancel(row.info.job_id)
+        """Cancel every job of this run and wait for its readers."""
+        self._cancel_jobs()
         for thread in self.in_flight.values():
             thread.join(timeout=5)  # each reader ends on its job's cancelled event
         self.in_flight.clear()
@@ -199,7 +217,8 @@ class BenchResult:
         """vLLM's printout for every rate, headed by what ran."""
         parts = [self.engine]
         for run in self.runs:
-            parts.append(f"Traffic request rate: {rate_label(run.request_rate)}\n{run.metrics.table()}")
+            stopped = " (stopped early: requests in flight cancelled, later ones not sent)" if run.stopped else ""
+            parts.append(f"Traffic request rate: {rate_label(run.request_rate)}{stopped}\n{run.metrics.table()}")
         return "\n".join(parts)
 
     def figure(self):
@@ -272,6 +291,7 @@ def bench(
     slos: Mapping[str, float] | None = None,
     progress: bool = True,
     on_finish: Callable[[RequestRecord], None] | None = None,
+    stop: threading.Event | None = None,
     session: Session | None = None,
 ) -> BenchResult:
     """Load-test the loaded model: send requests at `request_rate` per second (several rates: one run each,
@@ -284,7 +304,9 @@ def bench(
     `num_requests` (default 16) per rate, or send for `duration_s` seconds. `slos` in ms (`ttft_ms`,
     `tpot_ms`, `e2el_ms`) add goodput. `on_finish(record)` is called as each request ends.
 
-    Ctrl-C (or an exception from `on_finish`) cancels every job the run started, then propagates.
+    Ctrl-C (or an exception from `on_finish`) cancels every job the run started, then propagates. Setting
+    `stop` (a Stop button, another thread) ends the run without an error: requests in flight are cancelled
+    and count as failed, later requests and rates are not sent, and the result holds what ran.
     """
     rates = tuple(float(r) for r in request_rate) if isinstance(request_rate, Sequence) else (float(request_rate),)
     workload = Workload(
@@ -295,8 +317,12 @@ def bench(
     session = session or get_session()
     status = session.status()
     plans = [plan_requests(workload, rate, session.tokenizer, status.cache_tokens) for rate in rates]
-    runs = tuple(run_rate(session, workload, rate, plan, progress, on_finish) for rate, plan in zip(rates, plans))
-    return BenchResult(workload, status.line(), runs)
+    runs: list[RateRun] = []
+    for rate, plan in zip(rates, plans):
+        runs.append(run_rate(session, workload, rate, plan, progress, on_finish, stop))
+        if runs[-1].stopped:
+            break
+    return BenchResult(workload, status.line(), tuple(runs))
 
 
 def run_rate(
@@ -306,12 +332,13 @@ def run_rate(
     planned: list[PlannedRequest],
     progress: bool,
     on_finish: Callable[[RequestRecord], None] | None,
+    stop: threading.Event | None = None,
 ) -> RateRun:
     """Send one rate's plan with a progress bar (a widget in a notebook, text elsewhere)."""
     from tqdm.auto import tqdm
 
     total = None if workload.duration_s is not None else len(planned)
-    load = LoadRun(session, planned, workload.max_concurrency)
+    load = LoadRun(session, planned, workload.max_concurrency, stop)
     with tqdm(total=total, desc=f"{rate_label(request_rate)} req/s", unit="req", disable=not progress) as bar:
 
         def finished(record: RequestRecord) -> None:
@@ -322,7 +349,7 @@ def run_rate(
         duration = load.run(workload.duration_s, finished)
     records = tuple(load.records[i] for i in sorted(load.records))
     return RateRun(request_rate, tuple(planned), records, load.started_at,
-                   serving_metrics(records, duration, workload.slos))
+                   serving_metrics(records, duration, workload.slos), load.stopped)
 
 
 def rate_label(request_rate: float) -> str:

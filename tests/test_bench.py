@@ -5,6 +5,7 @@ result. No test asserts a speed."""
 from __future__ import annotations
 
 import _thread
+import asyncio
 import json
 import math
 import threading
@@ -15,6 +16,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from exlnb import bench
 from exlnb.loadtest import BenchResult
+from exlnb.widgets.loadtest import abench
 from exlnb.workload import Workload, plan_requests
 
 SMALL = dict(num_requests=3, prompt_len=(8, 24), output_len=(2, 6), progress=False)
@@ -132,6 +134,29 @@ def test_ctrl_c_while_waiting_cancels_the_run(idle_session, ctrl_c):
             bench(num_requests=4, prompt_len=8, output_len=8, progress=False)
     finally:
         timer.cancel()
+    assert_idle(idle_session)
+
+
+def test_the_stop_button_ends_the_run_and_keeps_what_ran(idle_session, monkeypatch):
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", shown.append)
+
+    async def run_and_press_stop():
+        task = asyncio.create_task(
+            abench([math.inf, 1], num_requests=4, prompt_len=8, output_len=8, display="widget", progress=False)
+        )
+        while not any(row.info.new_tokens for row in idle_session.jobs()):
+            await asyncio.sleep(0.02)
+        shown[0].click()
+        return await task
+
+    result = asyncio.run(run_and_press_stop())
+
+    assert [run.stopped for run in result.runs] == [True]  # the second rate was never sent
+    assert result.runs[0].metrics.failed_requests >= 1  # cancelled in flight
+    assert "stopped early" in result.table()
     assert_idle(idle_session)
 
 
