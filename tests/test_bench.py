@@ -73,6 +73,16 @@ def test_max_concurrency_one_sends_each_request_after_the_last_has_ended(idle_se
     assert_idle(idle_session)
 
 
+def test_a_duration_keeps_max_concurrency_requests_in_flight_until_it_ends(idle_session):
+    result = bench(duration_s=1.0, max_concurrency=2, prompt_len=8, output_len=2, progress=False)
+    requests = result.requests
+
+    assert len(requests) >= 2 and requests.succeeded.all()
+    assert requests.submitted_s.max() < 1.0 + 0.25  # nothing sent after the duration (checked every 0.25 s)
+    assert result.summary.successful_requests.iloc[0] == len(requests)
+    assert_idle(idle_session)
+
+
 def test_the_same_seed_gives_the_same_plan_and_a_rate_only_scales_the_arrivals(cpu_session):
     workload = Workload(request_rates=(2.0, 4.0), burstiness=0.5, num_requests=5, prompt_len=(4, 40), seed=3)
     tokenizer = cpu_session.tokenizer
