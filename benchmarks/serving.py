@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> Path:
     env["load_average_1min_at_end"] = os.getloadavg()[0]
 
     mode = "paged" if status.paged else "unpaged"
-    path = args.out or Path("benchmarks/results") / f"serving-{status.engine}-{mode}-{device_slug(env)}-{env['date'][:10]}.json"
+    stem = f"serving-{status.engine}-{mode}-{device_slug(env)}-{env['date'][:10]}"
+    path = args.out or Path("benchmarks/results") / f"{stem}.json"
     record = {
         "benchmark": "serving",
         "command": " ".join(["python -m benchmarks.serving", *(sys.argv[1:] if argv is None else argv)]),

@@ -22,7 +22,7 @@ from exlnb.session import NoModelLoaded, get_session
 from exlnb.templates import TEMPLATES
 from exlnb.widgets.cache import show_cache, show_jobs
 from exlnb.widgets.stream import agenerate_live, generate_live
-from exlnb.workload import length_argument, rates_argument, slo_argument
+from exlnb.workload import DEFAULT_REQUESTS, Workload, length_argument, rates_argument, slo_argument
 
 # option name -> the SamplerSettings field it sets (exllamav2's names)
 SAMPLER_OPTIONS = {
@@ -219,17 +219,20 @@ class ExlnbMagics(Magics):
             print(f"job {job_id}: {'cancelled' if session.cancel(job_id) else 'not running'}")
 
     @magic_arguments()
-    @argument("--request-rate", type=rates_argument, default=[float("inf")],
+    @argument("--request-rate", type=rates_argument, default=list(Workload.request_rates), metavar="RATES",
               help="requests per second, comma separated to sweep, inf for all at once (default inf)")
-    @argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps; 1 is Poisson")
-    @argument("--max-concurrency", type=int, help="most requests in flight (default: no limit)")
-    @argument("--prompt-len", type=length_argument, default=128, help="prompt tokens, or a range such as 64-256")
-    @argument("--output-len", type=length_argument, default=32, help="exact output tokens, or a range such as 8-64")
-    @argument("--dataset", help="prompts from data/prompts/NAME.json instead of random tokens")
-    @argument("--num-requests", type=int, help="requests per rate (default 16)")
-    @argument("--duration", type=float, help="send for this many seconds instead of --num-requests")
-    @argument("--seed", type=int, default=0, help="the same seed sends the same requests at the same times")
-    @argument("--slo", action="append", type=slo_argument, default=[],
+    @argument("--burstiness", type=float, default=Workload.burstiness,
+              help="gamma shape of the arrival gaps; 1 is Poisson")
+    @argument("--max-concurrency", type=int, metavar="N", help="most requests in flight (default: no limit)")
+    @argument("--prompt-len", type=length_argument, default=Workload.prompt_len, metavar="TOKENS",
+              help=f"prompt tokens, or a range such as 64-256 (default {Workload.prompt_len})")
+    @argument("--output-len", type=length_argument, default=Workload.output_len, metavar="TOKENS",
+              help=f"exact output tokens, or a range such as 8-64 (default {Workload.output_len})")
+    @argument("--dataset", metavar="NAME", help="prompts from data/prompts/NAME.json instead of random tokens")
+    @argument("--num-requests", type=int, metavar="N", help=f"requests per rate (default {DEFAULT_REQUESTS})")
+    @argument("--duration", type=float, metavar="SECONDS", help="send for this long instead of --num-requests")
+    @argument("--seed", type=int, default=Workload.seed, help="the same seed sends the same requests at the same times")
+    @argument("--slo", action="append", type=slo_argument, default=[], metavar="NAME=MS",
               help="goodput objective, repeatable: ttft_ms=500, tpot_ms=50, e2el_ms=2000")
     @argument("--no-progress", action="store_true", help="no progress bar")
     @argument("--out", metavar="VAR", help="store the BenchResult (requests, summary, figure())")

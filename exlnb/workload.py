@@ -182,7 +182,9 @@ def rates_argument(text: str) -> list[float]:
     try:
         return [float(part) for part in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give requests per second separated by commas, e.g. 1,2,inf") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give requests per second separated by commas, e.g. 1,2,inf"
+        ) from None
 
 
 def length_argument(text: str) -> Length:
@@ -200,4 +202,6 @@ def slo_argument(text: str) -> tuple[str, float]:
     try:
         return name.strip(), float(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give an objective as NAME=MILLISECONDS, e.g. ttft_ms=500") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give an objective as NAME=MILLISECONDS, e.g. ttft_ms=500"
+        ) from None
