@@ -23,7 +23,7 @@ from exlnb.engines.base import SamplerSettings, wall_clock
 from exlnb.metrics import RequestRecord, ServingMetrics, request_record, serving_metrics
 from exlnb.session import Session, get_session
 from exlnb.streaming import JobStream
-from exlnb.workload import Length, PlannedRequest, Workload, plan_requests
+from exlnb.workload import Length, PlannedRequest, Workload, plan_requests, rate_label
 
 POLL_S = 0.25  # longest wait between looks at the clock: a duration ends at most this late
 _run_numbers = itertools.count()
@@ -350,10 +350,6 @@ def run_rate(
     records = tuple(load.records[i] for i in sorted(load.records))
     return RateRun(request_rate, tuple(planned), records, load.started_at,
                    serving_metrics(records, duration, workload.slos), load.stopped)
-
-
-def rate_label(request_rate: float) -> str:
-    return "inf" if math.isinf(request_rate) else f"{request_rate:g}"
 
 
 def _ms(seconds: float | None) -> float:

@@ -84,7 +84,7 @@ class Workload:
 
     def as_dict(self) -> dict:
         return {
-            "request_rates": list(self.request_rates),
+            "request_rates": [rate_label(rate) for rate in self.request_rates],
             "burstiness": self.burstiness,
             "max_concurrency": self.max_concurrency,
             "prompt_len": self.prompt_len,
@@ -95,6 +95,11 @@ class Workload:
             "seed": self.seed,
             "slos": dict(self.slos) if self.slos else None,
         }
+
+
+def rate_label(request_rate: float) -> str:
+    """How tables, figures and JSON name a rate: "4", "0.5", "inf"."""
+    return "inf" if math.isinf(request_rate) else f"{request_rate:g}"
 
 
 @dataclass(frozen=True)
