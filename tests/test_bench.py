@@ -9,6 +9,7 @@ import asyncio
 import json
 import math
 import threading
+import time
 
 import pytest
 from IPython.core.error import UsageError
@@ -137,13 +138,17 @@ def test_an_interrupt_mid_run_leaves_no_job_and_every_page_free(idle_session):
 
 
 def test_ctrl_c_while_waiting_cancels_the_run(idle_session, ctrl_c):
-    timer = threading.Timer(0.5, _thread.interrupt_main)
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            bench(num_requests=4, prompt_len=8, output_len=8, progress=False)
-    finally:
-        timer.cancel()
+    def interrupt_once_tokens_flow():
+        deadline = time.monotonic() + 30  # never left to interrupt a later test
+        while time.monotonic() < deadline:
+            if any(row.info.new_tokens for row in idle_session.jobs()):
+                _thread.interrupt_main()
+                return
+            time.sleep(0.01)
+
+    with pytest.raises(KeyboardInterrupt):
+        threading.Thread(target=interrupt_once_tokens_flow, daemon=True).start()
+        bench(num_requests=4, prompt_len=8, output_len=8, progress=False)
     assert_idle(idle_session)
 
 
