@@ -162,7 +162,7 @@ def test_the_stop_button_ends_the_run_and_keeps_what_ran(idle_session, monkeypat
         task = asyncio.create_task(
             abench([math.inf, 1], num_requests=4, prompt_len=8, output_len=8, display="widget", progress=False)
         )
-        while not any(row.info.new_tokens for row in idle_session.jobs()):
+        while not task.done() and not any(row.info.new_tokens for row in idle_session.jobs()):
             await asyncio.sleep(0.02)
         shown[0].click()
         return await task
