@@ -5,6 +5,7 @@ import importlib
 from exlnb.chat import Chat, get_chat
 from exlnb.engines.base import EosReason, SamplerSettings, Stage, StreamEvent
 from exlnb.generation import Generation
+from exlnb.loadtest import bench
 from exlnb.session import Session, get_session
 from exlnb.streaming import GenerationResult, JobStream
 
@@ -19,6 +20,7 @@ __all__ = [
     "Stage",
     "StreamEvent",
     "agenerate_live",
+    "bench",
     "generate_live",
     "get_chat",
     "get_session",

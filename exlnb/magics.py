@@ -25,6 +25,7 @@ from IPython.core.magic_arguments import MagicHelpFormatter, argument, magic_arg
 from exlnb.engines.base import SamplerSettings
 from exlnb.engines.options import CACHE_DTYPES, DISPLAY_HELP, DISPLAY_MODES, ENGINE_NAMES
 from exlnb.generation import Generation
+from exlnb.loadtest import bench
 from exlnb.models import BUNDLED_MODEL
 from exlnb.quantize import DEFAULT_HEAD_BITS, QUANT_FORMATS, quantize
 from exlnb.request import REQUEST_HELP, GenerationRequest
@@ -33,6 +34,7 @@ from exlnb.streaming import JobError
 from exlnb.templates import TEMPLATES
 from exlnb.widgets.cache import show_cache, show_jobs
 from exlnb.widgets.stream import agenerate_live, generate_live
+from exlnb.workload import DEFAULT_REQUESTS, Workload, length_argument, rates_argument, slo_argument
 
 # %%exl_generate options that say how to show the answer, not what to generate
 SHOW_OPTIONS = ("out", "background", "show_prompt", "display")
@@ -352,7 +354,42 @@ class ExlnbMagics(Magics):
             raise UsageError(str(error)) from None
         print(folder)
 
+    @magic_arguments()
+    @argument("--request-rate", type=rates_argument, default=list(Workload.request_rates), metavar="RATES",
+              help="requests per second, comma separated to sweep, inf for all at once (default inf)")
+    @argument("--burstiness", type=float, default=Workload.burstiness,
+              help="gamma shape of the arrival gaps; 1 is Poisson")
+    @argument("--max-concurrency", type=int, metavar="N", help="most requests in flight (default: no limit)")
+    @argument("--prompt-len", type=length_argument, default=Workload.prompt_len, metavar="TOKENS",
+              help=f"prompt tokens, or a range such as 64-256 (default {Workload.prompt_len})")
+    @argument("--output-len", type=length_argument, default=Workload.output_len, metavar="TOKENS",
+              help=f"exact output tokens, or a range such as 8-64 (default {Workload.output_len})")
+    @argument("--dataset", metavar="NAME", help="prompts from data/prompts/NAME.json instead of random tokens")
+    @argument("--num-requests", type=int, metavar="N", help=f"requests per rate (default {DEFAULT_REQUESTS})")
+    @argument("--duration", type=float, metavar="SECONDS", help="send for this long instead of --num-requests")
+    @argument("--seed", type=int, default=Workload.seed, help="the same seed sends the same requests at the same times")
+    @argument("--slo", action="append", type=slo_argument, default=[], metavar="NAME=MS",
+              help="goodput objective, repeatable: ttft_ms=500, tpot_ms=50, e2el_ms=2000")
+    @argument("--no-progress", action="store_true", help="no progress bar")
+    @argument("--out", metavar="VAR", help="store the BenchResult (requests, summary, figure())")
+    @argument("-h", "--help", action=_ShowHelp)
+    @line_magic
+    def exl_bench(self, line: str) -> None:
+        """Load-test the loaded model as vLLM's benchmark_serving does and print its summary table."""
+        if (args := parse_options(self.exl_bench, line)) is None:
+            return
+        with usage_errors():
+            result = bench(
+                args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+                prompt_len=args.prompt_len, output_len=args.output_len, dataset=args.dataset,
+                num_requests=args.num_requests, duration_s=args.duration, seed=args.seed,
+                slos=dict(args.slo) or None, progress=not args.no_progress,
+            )
+        print(result.table())
+        if args.out:
+            self.shell.user_ns[args.out] = result
+
 
 for _magic in (ExlnbMagics.exl_load, ExlnbMagics.exl_generate, ExlnbMagics.exl_cache, ExlnbMagics.exl_jobs,
-               ExlnbMagics.exl_cancel, ExlnbMagics.exl_quantize):
+               ExlnbMagics.exl_cancel, ExlnbMagics.exl_quantize, ExlnbMagics.exl_bench):
     _tidy_help(_magic)

@@ -17,9 +17,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "exlnb"
 # Lowest first. A module may import its own layer and those below; every module must be in one.
 LAYERS = (
     ("engines", ("exlnb.engines",)),
-    ("prompts, measures and model folders", ("exlnb.templates", "exlnb.analysis", "exlnb.models", "exlnb.quantize")),
+    ("prompts, measures and model folders", ("exlnb.templates", "exlnb.analysis", "exlnb.models", "exlnb.quantize",
+                                              "exlnb.datasets", "exlnb.metrics")),
     ("session", ("exlnb.streaming", "exlnb.engine_thread", "exlnb.session")),
-    ("generation", ("exlnb.chat", "exlnb.request", "exlnb.generation")),
+    ("generation", ("exlnb.chat", "exlnb.request", "exlnb.generation", "exlnb.workload", "exlnb.loadtest")),
     ("widgets and magics", ("exlnb.widgets", "exlnb.magics")),
     ("experiments and notebooks", ("exlnb.experiments", "exlnb.report")),
     ("the package's front door", ("exlnb",)),

@@ -23,7 +23,7 @@ import seaborn as sns
 
 from exlnb.analysis import mean_interval, rate_interval
 from exlnb.engines.base import JobSpec, SamplerSettings, wall_clock
-from exlnb.experiments.datasets import load_prompts
+from exlnb.datasets import load_prompts
 from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.session import Session
 from exlnb.templates import chatml

@@ -18,7 +18,7 @@ import seaborn as sns
 
 from exlnb.analysis import Estimate, median_interval, ratio_of_medians
 from exlnb.engines.base import Engine, SamplerSettings, wall_clock
-from exlnb.experiments.datasets import load_prompts, load_questions
+from exlnb.datasets import load_prompts, load_questions
 from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.session import Session
 

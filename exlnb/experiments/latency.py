@@ -21,7 +21,7 @@ import seaborn as sns
 
 from exlnb.analysis import mean_interval, median_interval, ratio_of_medians
 from exlnb.engines.base import SamplerSettings, Stage, wall_clock
-from exlnb.experiments.datasets import load_prompts
+from exlnb.datasets import load_prompts
 from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.session import Session
 from exlnb.templates import chatml

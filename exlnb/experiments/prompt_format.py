@@ -15,7 +15,7 @@ import seaborn as sns
 
 from exlnb.analysis import find_tail_loop, mean_interval, paired_difference, rate_interval
 from exlnb.engines.base import EosReason, SamplerSettings
-from exlnb.experiments.datasets import load_questions
+from exlnb.datasets import load_questions
 from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.session import Session
 from exlnb.templates import CHATML_VARIANTS, SMOLLM2_SYSTEM, ChatmlVariant, conversation

@@ -22,7 +22,7 @@ from exlnb.analysis import mean_interval, median_interval, rate_interval, ratio_
 from exlnb.engines.base import SamplerSettings
 from exlnb.engines.options import cuda_available
 from exlnb.experiments.context import filler_ids
-from exlnb.experiments.datasets import load_questions
+from exlnb.datasets import load_questions
 from exlnb.experiments.prompt_format import is_correct
 from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.models import BUNDLED_MODEL, resolve_model

@@ -23,7 +23,7 @@ from exlnb.analysis import (
     tail_repeated_fraction,
 )
 from exlnb.engines.base import EosReason, SamplerSettings
-from exlnb.experiments.datasets import load_prompts
+from exlnb.datasets import load_prompts
 from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.session import Session
 from exlnb.templates import chatml

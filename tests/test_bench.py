@@ -1,0 +1,226 @@
+"""The load generator on the real bundled model and CPU engine: a small load finishes and its counts add up,
+the plan is seeded, limits are clear errors, an interrupt leaves no job behind, and `%exl_bench` stores its
+result. No test asserts a speed."""
+
+from __future__ import annotations
+
+import _thread
+import asyncio
+import json
+import math
+import threading
+import time
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+from exlnb import bench
+from exlnb.loadtest import BenchResult
+from exlnb.widgets.loadtest import abench
+from exlnb.workload import Workload, plan_requests
+
+SMALL = dict(num_requests=3, prompt_len=(8, 24), output_len=(2, 6), progress=False)
+
+
+@pytest.fixture(scope="module")
+def sweep(cpu_session) -> BenchResult:
+    """Two rates of three short requests each: all at once, then 20 per second one at a time."""
+    assert cpu_session.jobs() == []
+    return bench([math.inf, 20], max_concurrency=None, seed=1, slos={"ttft_ms": 60_000}, **SMALL)
+
+
+def assert_idle(session) -> None:
+    view = session.cache_view()
+    assert session.jobs() == []
+    assert view.free_pages == view.total_pages
+
+
+def test_a_small_load_finishes_and_its_counts_add_up(sweep, cpu_session):
+    planned = {(run.request_rate, r.index): r for run in sweep.runs for r in run.planned}
+    requests = sweep.requests
+
+    assert len(requests) == 6 and requests.succeeded.all()
+    for row in requests.itertuples():
+        plan = planned[(row.request_rate, row.request)]
+        assert row.output_tokens == plan.output_tokens  # exact: end-of-sequence ignored
+        assert row.prompt_tokens == len(plan.prompt_ids)
+        assert row.itl_count == row.output_tokens - 1  # one token per event on the CPU engine
+    summary = sweep.summary
+    assert list(summary.index) == ["inf", "20"]
+    assert (summary.successful_requests == 3).all() and (summary.failed_requests == 0).all()
+    for run in sweep.runs:
+        assert run.metrics.total_output_tokens == sum(r.output_tokens for r in run.planned)
+        assert run.metrics.itl_ms.n == run.metrics.total_output_tokens - 3
+        assert run.metrics.goodput.good_requests == 3
+    assert_idle(cpu_session)
+
+
+def test_the_result_prints_plots_and_serialises(sweep):
+    assert "Successful requests:                     3" in sweep.table()
+    assert "Traffic request rate: 20" in repr(sweep)
+    assert len(sweep.figure().axes) == 3
+    record = json.loads(json.dumps(sweep.as_dict(), allow_nan=False))
+    assert [run["request_rate"] for run in record["runs"]] == ["inf", "20"]
+    assert len(record["runs"][0]["requests"][0]["token_times_s"]) == record["runs"][0]["requests"][0]["output_tokens"]
+
+
+def test_max_concurrency_one_sends_each_request_after_the_last_has_ended(idle_session):
+    result = bench(50, max_concurrency=1, **SMALL)
+    rows = result.requests.sort_values("submitted_s")
+    ended = rows.submitted_s + rows.e2el_ms / 1000
+
+    assert (rows.submitted_s.iloc[1:].to_numpy() >= ended.iloc[:-1].to_numpy()).all()
+    assert_idle(idle_session)
+
+
+def test_a_duration_keeps_max_concurrency_requests_in_flight_until_it_ends(idle_session):
+    result = bench(duration_s=1.0, max_concurrency=2, prompt_len=8, output_len=2, progress=False)
+    requests = result.requests
+
+    assert len(requests) >= 2 and requests.succeeded.all()
+    assert requests.submitted_s.max() < 1.0 + 0.25  # nothing sent after the duration (checked every 0.25 s)
+    assert result.summary.successful_requests.iloc[0] == len(requests)
+    assert_idle(idle_session)
+
+
+def test_the_same_seed_gives_the_same_plan_and_a_rate_only_scales_the_arrivals(cpu_session):
+    workload = Workload(request_rates=(2.0, 4.0), burstiness=0.5, num_requests=5, prompt_len=(4, 40), seed=3)
+    tokenizer = cpu_session.tokenizer
+    at_2 = plan_requests(workload, 2.0, tokenizer, 8192)
+    at_4 = plan_requests(workload, 4.0, tokenizer, 8192)
+
+    assert at_2 == plan_requests(workload, 2.0, tokenizer, 8192)
+    assert [(r.prompt_ids, r.output_tokens) for r in at_2] == [(r.prompt_ids, r.output_tokens) for r in at_4]
+    assert [r.arrival_s for r in at_4] == pytest.approx([r.arrival_s / 2 for r in at_2])
+    assert at_2[0].arrival_s == 0 and len({len(r.prompt_ids) for r in at_2}) > 1
+
+
+def test_prompts_can_come_from_the_data_folder(idle_session):
+    result = bench(num_requests=2, dataset="long_answers", output_len=2, progress=False)
+    assert (result.requests.prompt_tokens > 10).all() and result.summary.successful_requests.iloc[0] == 2
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(request_rate=0), r"request_rate=0\.0 must be > 0"),
+        (dict(request_rate=[1, -2]), r"request_rate=-2\.0 must be > 0"),
+        (dict(burstiness=0), "burstiness=0 must be a positive number"),
+        (dict(num_requests=100_000), "num_requests=100000 must be between 1 and 10000"),
+        (dict(num_requests=2, duration_s=1), "give num_requests or duration_s, not both"),
+        (dict(duration_s=1), "set max_concurrency"),
+        (dict(output_len=(8, 2)), r"output_len=\(8, 2\): a range needs 1 <= low <= high"),
+        (dict(slos={"ttft": 1}), r"unknown SLO \['ttft'\]"),
+        (dict(dataset="nowhere"), "no data/prompts/nowhere.json; choose from long_answers"),
+        (dict(prompt_len=9000), "needs 9032 tokens .* but the cache holds 8192"),
+    ],
+)
+def test_bad_settings_are_one_line_errors_and_send_nothing(idle_session, settings, message):
+    with pytest.raises(ValueError, match=message):
+        bench(**{"progress": False, **settings})
+    assert idle_session.jobs() == []
+
+
+def test_an_interrupt_mid_run_leaves_no_job_and_every_page_free(idle_session):
+    in_flight_at_interrupt = []
+
+    def interrupt(record):
+        in_flight_at_interrupt.append(len(idle_session.jobs()))
+        raise KeyboardInterrupt
+
+    # seed 3 draws output lengths 7, 1, 2, 2: the one-token request ends while the others still run
+    with pytest.raises(KeyboardInterrupt):
+        bench(num_requests=4, prompt_len=8, output_len=(1, 8), seed=3, on_finish=interrupt, progress=False)
+
+    assert in_flight_at_interrupt[0] > 0
+    assert_idle(idle_session)
+
+
+def test_ctrl_c_while_waiting_cancels_the_run(idle_session, ctrl_c):
+    def interrupt_once_tokens_flow():
+        deadline = time.monotonic() + 30  # never left to interrupt a later test
+        while time.monotonic() < deadline:
+            if any(row.info.new_tokens for row in idle_session.jobs()):
+                _thread.interrupt_main()
+                return
+            time.sleep(0.01)
+
+    with pytest.raises(KeyboardInterrupt):
+        threading.Thread(target=interrupt_once_tokens_flow, daemon=True).start()
+        bench(num_requests=4, prompt_len=8, output_len=8, progress=False)
+    assert_idle(idle_session)
+
+
+def test_the_stop_button_ends_the_run_and_keeps_what_ran(idle_session, monkeypatch):
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", shown.append)
+
+    async def run_and_press_stop():
+        task = asyncio.create_task(
+            abench([math.inf, 1], num_requests=4, prompt_len=8, output_len=8, display="widget", progress=False)
+        )
+        while not task.done() and not any(row.info.new_tokens for row in idle_session.jobs()):
+            await asyncio.sleep(0.02)
+        shown[0].click()
+        return await task
+
+    result = asyncio.run(run_and_press_stop())
+
+    assert [run.stopped for run in result.runs] == [True]  # the second rate was never sent
+    assert result.runs[0].metrics.failed_requests >= 1  # cancelled in flight
+    assert "stopped early" in result.table()
+    assert_idle(idle_session)
+
+
+def test_the_serving_script_writes_strict_json_with_every_request(idle_session, tmp_path):
+    from benchmarks.serving import main
+
+    path = main(["--engine", "cpu", "--rates", "inf,40", "--requests", "2", "--prompt-len", "8", "--output-len", "2",
+                 "--out", str(tmp_path / "serving-cpu.json")])
+    record = json.loads(path.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in strict JSON"))
+
+    assert record["environment"]["device"].startswith("cpu") and record["environment"]["versions"]["torch"]
+    assert [run["request_rate"] for run in record["runs"]] == ["inf", "40"]
+    for run in record["runs"]:
+        assert run["metrics"]["successful_requests"] == 2 and run["metrics"]["total_output_tokens"] == 4
+        assert [len(r["token_times_s"]) for r in run["requests"]] == [2, 2]
+    assert_idle(idle_session)
+
+
+@pytest.fixture(scope="module")
+def shell(cpu_session):
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "exlnb")
+    return shell
+
+
+def test_the_magic_runs_and_stores_its_result(shell, idle_session, capsys):
+    shell.run_line_magic(
+        "exl_bench", "--request-rate 20,inf --num-requests 2 --prompt-len 8-16 --output-len 2 --max-concurrency 2 "
+                     "--slo ttft_ms=60000 --seed 4 --no-progress --out load",
+    )
+    result = shell.user_ns.pop("load")
+
+    assert isinstance(result, BenchResult)
+    assert result.workload == Workload(request_rates=(20.0, math.inf), max_concurrency=2, prompt_len=(8, 16),
+                                       output_len=2, num_requests=2, seed=4, slos={"ttft_ms": 60000.0})
+    assert list(result.summary.successful_requests) == [2, 2]
+    assert "Request goodput (req/s):" in capsys.readouterr().out
+    assert_idle(idle_session)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("--request-rate 0", "request_rate=0.0 must be > 0"),
+        ("--request-rate fast", "give requests per second separated by commas"),
+        ("--prompt-len 8-x", "a range such as 64-256"),
+        ("--slo ttft=5", r"unknown SLO \['ttft'\]"),
+    ],
+)
+def test_magic_mistakes_are_usage_errors(shell, idle_session, line, message):
+    with pytest.raises(UsageError, match=message):
+        shell.run_line_magic("exl_bench", f"{line} --no-progress")
