@@ -84,10 +84,12 @@ samples_per_prompt = 1  # draws per prompt at temperatures above 0 (greedy needs
         title="Prompt format mistakes (field report 4)",
         story="""\
 Inconsistent answers came from a wrongly applied ChatML template. The question set
-(`data/questions/short_answers.csv`, 36 questions with known short answers) goes through the correct
+(`data/questions/short_answers.csv`, 405 questions with known short answers) goes through the correct
 template and through one variant per mistake the report lists: missing tags, newlines in the wrong place,
 special tokens encoded as plain text, and no template (the turns' bare text). The variants are
-`exlnb.templates.CHATML_VARIANTS`, the ones the template linter knows. All greedy.""",
+`exlnb.templates.CHATML_VARIANTS`, the ones the template linter knows. All greedy. Each variant's accuracy
+is compared with ChatML's question by question; the summary says whether the intervals of these differences
+allow the formats to be ranked (with 36 questions the order of the broken variants changed with the set).""",
         parameters="""\
 questions = 36          # how many questions of the set to ask
 max_new_tokens = 40""",
