@@ -171,7 +171,7 @@ def _findings(per_format: dict, ranking: dict) -> list[str]:
         verdicts.setdefault(verdict, []).append(name)
         lines.append(
             f"{name}: accuracy {stats['accuracy']['value']:.0%} against ChatML's {ref['accuracy']['value']:.0%} "
-            f"(paired difference {diff['value']:+.0%}, 95% CI {low:+.0%} to {high:+.0%}, "
+            f"(paired difference {diff['value']:+.1%}, 95% CI {low:+.1%} to {high:+.1%}, "
             f"{'excludes' if stats['difference_excludes_zero'] else 'includes'} zero: {verdict}); early end "
             f"{stats['early_eos_rate']['value']:.0%}, loops {stats['loop_rate']['value']:.0%} (ChatML "
             f"{ref['loop_rate']['value']:.0%}), {stats['new_tokens']['value']:.0f} tokens on average (ChatML "
