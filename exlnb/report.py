@@ -35,7 +35,7 @@ PRESETS: dict[str, dict[str, dict]] = {
         # 8 pages, one per request (prompt and 200 new tokens fit one 256-token page): two rounds of requests
         "latency": {"requests": 16, "max_new_tokens": 200, "cache_tokens": 2048, "trials": 5},
         "repetition": {"prompts": 12, "max_new_tokens": 160, "samples_per_prompt": 3},
-        "prompt_format": {"max_new_tokens": 48},
+        "prompt_format": {"questions": None, "max_new_tokens": 48},  # None: all of data/questions/short_answers.csv
         "concurrency": {"prompts": 16, "max_new_tokens": 96, "concurrency": [2, 4, 8, 16]},
         "streaming": {"max_new_tokens": 200},
         "context": {

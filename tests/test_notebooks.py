@@ -108,7 +108,7 @@ def test_a_loop_runs_its_job_to_max_new_tokens(report):
     assert looping.ran_to_max.mean() > 0.5, looping[["eos_reason", "new_tokens"]].to_dict("records")
 
 
-def test_special_tokens_encoded_as_text_make_longer_prompts_and_each_variant_gets_a_verdict(report):
+def test_special_tokens_encoded_as_text_make_longer_prompts_and_each_variant_gets_a_verdict_and_a_ranking(report):
     answers = report.table("prompt_format", "answers").set_index(["format", "question_id"]).prompt_tokens
     assert (answers["special_as_text"] > answers["chatml"]).all()
     summary = report.summary("prompt_format")
@@ -118,6 +118,9 @@ def test_special_tokens_encoded_as_text_make_longer_prompts_and_each_variant_get
         low, high = stats["accuracy_minus_chatml"]["ci95"]
         verdict = "worse than ChatML" if high < 0 else "better than ChatML" if low > 0 else "not distinguishable"
         assert any(line.startswith(f"{name}:") and verdict in line for line in summary["findings"]), name
+    ranking = summary["values"]["ranking"]
+    assert ranking["statement"] in summary["findings"]
+    assert ("can be ranked" if ranking["rankable"] else "cannot be ranked") in ranking["statement"]
 
 
 def test_one_generator_keeps_outputs_apart_and_generators_per_request_mix_them(report):

@@ -3,6 +3,9 @@
 A question set with known short answers (`data/questions/short_answers.csv`) is asked greedily through
 the correct template and through variants with one mistake each. Per variant: accuracy (an accepted answer
 appears in the output), early end-of-sequence (a stop token before any answer text), loop rate and length.
+Each variant's accuracy is compared with ChatML's question by question (a paired difference with a bootstrap
+interval); the summary says which differences exclude zero and whether the intervals allow the formats to be
+ranked at all: with 36 questions the order of the broken variants changed from one question set to another.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ from exlnb.templates import CHATML_VARIANTS, SMOLLM2_SYSTEM, ChatmlVariant, conv
 REFERENCE = "chatml"
 
 
-def run(session: Session, *, questions: int = 36, max_new_tokens: int = 40, formats: tuple[str, ...] | None = None) -> ExperimentResult:
-    """Every question through every prompt format, greedy, all submitted at once."""
-    table = load_questions().head(questions)
+def run(
+    session: Session, *, questions: int | None = None, max_new_tokens: int = 40, formats: tuple[str, ...] | None = None
+) -> ExperimentResult:
+    """Every question (the first `questions`; None: all) through every prompt format, greedy, all submitted at once."""
+    table = load_questions()
+    table = table if questions is None else table.head(questions)
     unknown = set(formats or ()) - set(CHATML_VARIANTS)
     if unknown:
         raise ValueError(f"unknown prompt formats {sorted(unknown)}: choose from {', '.join(CHATML_VARIANTS)}")
@@ -89,6 +95,7 @@ def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict) -> 
                 group.correct.to_numpy(float), reference.correct.to_numpy(float), "fraction"
             ).as_dict(),
         }
+        per_format[name]["difference_excludes_zero"] = _excludes_zero(per_format[name]["accuracy_minus_chatml"])
         if name == REFERENCE:
             continue
         effects.append(
@@ -100,6 +107,7 @@ def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict) -> 
                 fix_label=REFERENCE,
             )
         )
+    ranking = rank_formats({name: stats["accuracy_minus_chatml"] for name, stats in per_format.items()})
     return ExperimentResult(
         name="prompt_format",
         field_reports=(4,),
@@ -107,12 +115,51 @@ def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict) -> 
         effects=effects,
         parameters=parameters,
         environment=env,
-        findings=_findings(per_format),
-        values={"per_format": per_format, "mistakes": {name: CHATML_VARIANTS[name].mistake for name in by_format}},
+        findings=_findings(per_format, ranking),
+        values={
+            "per_format": per_format,
+            "ranking": ranking,
+            "mistakes": {name: CHATML_VARIANTS[name].mistake for name in by_format},
+        },
     )
 
 
-def _findings(per_format: dict) -> list[str]:
+def rank_formats(differences: dict[str, dict]) -> dict:
+    """Which formats the accuracy differences from ChatML put in order, best first.
+
+    Formats whose 95% intervals overlap, directly or through a chain of overlapping intervals, share a tier:
+    the data do not order them. ChatML's difference from itself is exactly zero, so a variant shares ChatML's
+    tier when its interval includes zero. The formats can be ranked when every tier holds one format.
+    """
+    def overlap(a: str, b: str) -> bool:
+        (a_low, a_high), (b_low, b_high) = differences[a]["ci95"], differences[b]["ci95"]
+        return a_low <= b_high and b_low <= a_high
+
+    tiers: list[list[str]] = []
+    for name in sorted(differences, key=lambda name: -differences[name]["value"]):
+        joined = [tier for tier in tiers if any(overlap(name, other) for other in tier)]
+        merged = [other for tier in joined for other in tier] + [name]
+        tiers = [tier for tier in tiers if tier not in joined] + [merged]
+    for tier in tiers:
+        tier.sort(key=lambda name: -differences[name]["value"])
+    tiers.sort(key=lambda tier: -differences[tier[0]]["value"])
+    rankable = all(len(tier) == 1 for tier in tiers)
+    shown = " > ".join(" ~ ".join(tier) for tier in tiers)
+    if rankable:
+        statement = (
+            "The formats can be ranked on accuracy: no two 95% intervals of their differences from ChatML overlap "
+            f"(best first: {shown})."
+        )
+    else:
+        statement = (
+            "The formats cannot be ranked on accuracy: the 95% intervals of their differences from ChatML overlap, "
+            f"directly or through a chain of overlaps, within the groups joined by ~ (best first: {shown}); only "
+            "groups separated by > are in order."
+        )
+    return {"rankable": rankable, "tiers": tiers, "statement": statement}
+
+
+def _findings(per_format: dict, ranking: dict) -> list[str]:
     ref = per_format[REFERENCE]
     lines, verdicts = [], {}
     for name, stats in per_format.items():
@@ -124,7 +171,8 @@ def _findings(per_format: dict) -> list[str]:
         verdicts.setdefault(verdict, []).append(name)
         lines.append(
             f"{name}: accuracy {stats['accuracy']['value']:.0%} against ChatML's {ref['accuracy']['value']:.0%} "
-            f"(paired difference {diff['value']:+.0%}, 95% CI {low:+.0%} to {high:+.0%}: {verdict}); early end "
+            f"(paired difference {diff['value']:+.1%}, 95% CI {low:+.1%} to {high:+.1%}, "
+            f"{'excludes' if stats['difference_excludes_zero'] else 'includes'} zero: {verdict}); early end "
             f"{stats['early_eos_rate']['value']:.0%}, loops {stats['loop_rate']['value']:.0%} (ChatML "
             f"{ref['loop_rate']['value']:.0%}), {stats['new_tokens']['value']:.0f} tokens on average (ChatML "
             f"{ref['new_tokens']['value']:.0f})."
@@ -132,15 +180,22 @@ def _findings(per_format: dict) -> list[str]:
     lines.append(
         "Field report 4 expects the correct template to answer best. On accuracy, the data say: "
         + "; ".join(f"{verdict}: {', '.join(names)}" for verdict, names in verdicts.items())
-        + "."
+        + f" ({ref['accuracy']['n']} questions)."
     )
+    lines.append(ranking["statement"])
     return lines
 
 
 def _verdict(difference: dict) -> str:
     """What a paired accuracy difference's 95% interval allows one to say."""
+    if not _excludes_zero(difference):
+        return "not distinguishable from ChatML"
+    return "worse than ChatML" if difference["value"] < 0 else "better than ChatML"
+
+
+def _excludes_zero(difference: dict) -> bool:
     low, high = difference["ci95"]
-    return "worse than ChatML" if high < 0 else "better than ChatML" if low > 0 else "not distinguishable from ChatML"
+    return high < 0 or low > 0
 
 
 def plot(result: ExperimentResult):
