@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from exlnb.experiments.datasets import load_questions
+from exlnb.datasets import load_questions
 from exlnb.experiments.prompt_format import is_correct, rank_formats
 
 
