@@ -168,8 +168,9 @@ def _request_argument(f, default):
     flag, help_text = "--" + f.name.replace("_", "-"), REQUEST_HELP[f.name]
     if f.name == "template":
         return argument(flag, choices=TEMPLATES, default=default, help=f"{help_text} (default: {default})")
-    if f.name == "stop":
-        return argument(flag, action="append", default=[], type=escaped, help=help_text)
+    if f.name in ("stop", "banned_strings"):  # repeatable: one value per use
+        flag = {"stop": "--stop", "banned_strings": "--ban"}[f.name]
+        return argument(flag, dest=f.name, action="append", default=[], type=escaped, metavar="TEXT", help=help_text)
     if isinstance(default, bool):
         return argument(flag, action="store_true", help=help_text)
     kind = _scalar_type(typing.get_type_hints(GenerationRequest)[f.name])

@@ -21,6 +21,8 @@ REQUEST_HELP = {
     "n": "samples run concurrently (batched by the engine), shown side by side",
     "max_new_tokens": "most tokens to generate per sample",
     "stop": 'stop string or special token, repeatable ("\\n" for a newline)',
+    "min_new_tokens": "no end of sequence before this many tokens",
+    "banned_strings": "text that must never appear (case-insensitive), repeatable; the engine backtracks",
     "seed": "sample i uses seed + i",
     "loop_guard": "cancel a sample caught in a repetition loop",
 }
@@ -41,9 +43,12 @@ class GenerationRequest:
     stop: tuple[str | int, ...] = ()
     seed: int | None = None
     loop_guard: bool = False
+    min_new_tokens: int = 0
+    banned_strings: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "banned_strings", tuple(self.banned_strings))
         check_field_types(self)
         if self.template not in TEMPLATES:
             raise ValueError(f"template={self.template!r}: choose one of {', '.join(TEMPLATES)}")
