@@ -8,6 +8,7 @@ still answers afterwards. Generated, so the table cannot drift from the code; `-
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Callable
@@ -120,6 +121,7 @@ def _what_the_user_sees(row: Row, shell, places: dict, tmp: str) -> str:
     else:
         seen = "(no error)"
     seen = seen.replace(tmp + "/", "").replace(str(Path.cwd()) + "/", "")
+    seen = re.sub(r"the [\d,.]+ GiB this machine has", "the memory this machine has (N GiB)", seen)  # per machine
     if "\n" in seen:
         seen = "TRACEBACK OR MULTI-LINE: " + seen.replace("\n", " / ")
     return seen

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from exlnb.engines.base import SEED_MAX, DEFAULT_MAX_NEW_TOKENS, SamplerSettings, check_field_types, check_option_names
+from exlnb.engines.base import (
+    DEFAULT_MAX_NEW_TOKENS,
+    SEED_MAX,
+    SamplerSettings,
+    check_field_types,
+    check_option_names,
+    check_text,
+)
 from exlnb.templates import TEMPLATES
 
 # what each request field means, for the magics' help and the docs
@@ -50,6 +57,9 @@ class GenerationRequest:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "banned_strings", tuple(self.banned_strings))
         check_field_types(self)
+        check_text("the prompt", self.prompt)
+        if self.system is not None:
+            check_text("the system prompt", self.system)
         if self.template not in TEMPLATES:
             raise ValueError(f"template={self.template!r}: choose one of {', '.join(TEMPLATES)}")
         if self.n < 1:
@@ -66,6 +76,11 @@ class GenerationRequest:
             raise ValueError(f"seed={self.seed} is out of range: use 0 to {SEED_MAX - (self.n - 1)} (sample i uses seed + i)")
 
     @classmethod
+    def option_names(cls) -> list[str]:
+        """Every keyword `build` takes: the request's fields and every name of a sampler setting."""
+        return [*(f.name for f in fields(cls) if f.name != "prompt"), *SamplerSettings.option_names()]
+
+    @classmethod
     def build(cls, prompt: str, **options) -> GenerationRequest:
         """A request from keyword options as a user writes them.
 
@@ -73,7 +88,7 @@ class GenerationRequest:
         (`temperature=0.7`, `rep_penalty=1.1`), or a whole `sampler=SamplerSettings(...)` to start from.
         """
         known = {f.name for f in fields(cls)} - {"prompt"}
-        check_option_names(options, valid=[*known, *SamplerSettings.option_names()])
+        check_option_names(options, valid=cls.option_names())
         request_options = {k: v for k, v in options.items() if k in known}
         sampler_options = {k: v for k, v in options.items() if k not in known}
         sampler = request_options.pop("sampler", None) or SamplerSettings()

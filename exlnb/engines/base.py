@@ -56,6 +56,19 @@ def _type_name(hint) -> str:
     return names.get(hint, str(hint).replace("typing.", ""))
 
 
+def check_text(name: str, text: str) -> None:
+    """Text a tokenizer can take: a string of real characters (a lone surrogate such as '\\ud800' has no UTF-8)."""
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a string, not {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"{name} has {text[error.start]!r} at position {error.start}, a lone surrogate that is not a "
+            "character and cannot be tokenised: remove it, or decode the text it came from properly"
+        ) from None
+
+
 def check_option_names(options: Mapping[str, object], *, valid: Iterable[str]) -> None:
     """Refuse an unknown keyword with the closest valid name and the whole list (`TypeError`, as Python does)."""
     valid = sorted(set(valid))

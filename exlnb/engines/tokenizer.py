@@ -11,6 +11,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from exlnb.engines.base import check_text
+
 
 class HfTokenizer:
     def __init__(self, model_dir: Path) -> None:
@@ -26,7 +28,7 @@ class HfTokenizer:
         self._pieces: tuple[str, ...] | None = None
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:
-        _check_encodable(text)
+        check_text("the prompt", text)
         if special:
             return self._tok.encode(text, add_special_tokens=False)
         # split_special_tokens makes "<|im_start|>" plain text: several ordinary tokens
@@ -50,19 +52,6 @@ class HfTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
         return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-
-def _check_encodable(text: str) -> None:
-    """Text a tokenizer can take: a string of real characters (a lone surrogate such as '\\ud800' has no UTF-8)."""
-    if not isinstance(text, str):
-        raise TypeError(f"the prompt must be a string or a list of token ids, not {type(text).__name__}")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError(
-            f"the prompt has {text[error.start]!r} at position {error.start}, a lone surrogate that is not a "
-            "character and cannot be tokenised: remove it, or decode the text it came from properly"
-        ) from None
 
 
 def _model_eos_ids(model_dir: Path) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ import html
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 
-from exlnb.engines.base import StreamEvent, Tokenizer, wall_clock
+from exlnb.engines.base import StreamEvent, Tokenizer, check_option_names, wall_clock
 from exlnb.engines.options import check_display
 from exlnb.generation import Generation, Sample, as_request, astart, start
 from exlnb.request import GenerationRequest
@@ -192,7 +192,7 @@ def generate_live(
     A cell blocked in this call cannot hear the Stop button (ipykernel handles widget messages only while
     a cell awaits): in a notebook, `await agenerate_live(...)`, which is what `%%exl_generate` does.
     """
-    request, use_widget = as_request(request, options), _wants_widget(display)
+    request, use_widget = _entrance(request, options), _wants_widget(display)
     shown = _show(start(request, owner=owner, session=session), background, show_prompt, use_widget)
     if not background:
         with _cancel_on_exit(shown.generation, wait=True):
@@ -214,7 +214,7 @@ async def agenerate_live(
     """`generate_live` for a notebook cell: awaits the samples, so the kernel handles the Stop button meanwhile
     and its event loop never waits for an engine step; interrupting the kernel cancels the cell's task and
     with it the samples."""
-    request, use_widget = as_request(request, options), _wants_widget(display)
+    request, use_widget = _entrance(request, options), _wants_widget(display)
     shown = _show(await astart(request, owner=owner, session=session), background, show_prompt, use_widget)
     if not background:
         with _cancel_on_exit(shown.generation, wait=False):
@@ -258,6 +258,15 @@ def _cancel_on_exit(generation: Generation, *, wait: bool) -> Iterator[None]:
     except BaseException:
         generation.cancel("interrupted", wait=wait)
         raise
+
+
+SHOW_OPTIONS = ("background", "show_prompt", "display", "owner", "session")
+
+
+def _entrance(request: GenerationRequest | str, options: dict) -> GenerationRequest:
+    """The request, checked where the user enters; a misspelt option names the valid ones, display's too."""
+    check_option_names(options, valid=[*GenerationRequest.option_names(), *SHOW_OPTIONS])
+    return as_request(request, options)
 
 
 def _raise_failure(generation: Generation) -> None:
