@@ -159,9 +159,9 @@ def test_sixteen_concurrent_greedy_jobs_equal_their_solo_outputs(idle_session, g
 # -- unload and reload under load (a consumer once waited for ever) -------------------------------------------
 
 
-def test_unload_and_reload_under_load_ends_every_stream():
+def test_unload_and_reload_under_load_ends_every_stream(engine_name):
     session = Session()
-    session.load("smollm2-135m-instruct", engine="cpu", progress=False, cache_tokens=1024)
+    session.load("smollm2-135m-instruct", engine=engine_name, progress=False, cache_tokens=1024)
     outcomes: list[str] = []
     stop = threading.Event()
 
@@ -180,7 +180,7 @@ def test_unload_and_reload_under_load_ends_every_stream():
         time.sleep(0.3)
         session.unload()
         time.sleep(0.05)
-        session.load("smollm2-135m-instruct", engine="cpu", progress=False, cache_tokens=1024)
+        session.load("smollm2-135m-instruct", engine=engine_name, progress=False, cache_tokens=1024)
     stop.set()
     for worker in workers:
         worker.join(timeout=30)
@@ -191,9 +191,9 @@ def test_unload_and_reload_under_load_ends_every_stream():
     session.unload()
 
 
-def test_a_stream_of_an_unloaded_model_says_so():
+def test_a_stream_of_an_unloaded_model_says_so(engine_name):
     session = Session()
-    session.load("smollm2-135m-instruct", engine="cpu", progress=False, cache_tokens=512)
+    session.load("smollm2-135m-instruct", engine=engine_name, progress=False, cache_tokens=512)
     stream = session.generate(PROMPT, max_new_tokens=200)
     reading = iter(stream)
     next(reading)  # a consumer in the middle of the answer
@@ -266,13 +266,13 @@ def test_samples_are_consumed_on_one_thread_not_one_each(idle_session):
 
 
 @pytest.mark.parametrize("damage", ["garbage config", "config only", "huge cache", "broken weights"])
-def test_a_failed_load_keeps_the_model_that_was_loaded(tmp_path, damage):
+def test_a_failed_load_keeps_the_model_that_was_loaded(tmp_path, damage, engine_name):
     session = Session()
-    session.load("smollm2-135m-instruct", engine="cpu", progress=False, cache_tokens=512)
+    session.load("smollm2-135m-instruct", engine=engine_name, progress=False, cache_tokens=512)
     model_dir = session.options.model_dir
     folder = tmp_path / "model"
     folder.mkdir()
-    options = dict(engine="cpu", progress=False)
+    options = dict(engine=engine_name, progress=False)
     if damage == "garbage config":
         (folder / "config.json").write_text("{not json")
     elif damage == "config only":
@@ -296,16 +296,16 @@ def test_a_failed_load_keeps_the_model_that_was_loaded(tmp_path, damage):
     session.unload()
 
 
-def test_loading_another_model_while_jobs_run_needs_reload():
+def test_loading_another_model_while_jobs_run_needs_reload(engine_name):
     session = Session()
-    session.load("smollm2-135m-instruct", engine="cpu", progress=False, cache_tokens=512)
+    session.load("smollm2-135m-instruct", engine=engine_name, progress=False, cache_tokens=512)
     stream = session.generate(PROMPT, max_new_tokens=200)
 
     with pytest.raises(ValueError, match=r"1 job\(s\) are running .* Pass reload=True"):
-        session.load("smollm2-135m-instruct", engine="cpu", progress=False, cache_tokens=1024)
+        session.load("smollm2-135m-instruct", engine=engine_name, progress=False, cache_tokens=1024)
     assert not stream.done and session.options.cache_tokens == 512
 
-    session.load("smollm2-135m-instruct", engine="cpu", progress=False, cache_tokens=1024, reload=True)
+    session.load("smollm2-135m-instruct", engine=engine_name, progress=False, cache_tokens=1024, reload=True)
     with pytest.raises(ModelUnloaded):
         stream.result()
     assert session.options.cache_tokens == 1024
@@ -353,3 +353,26 @@ def test_async_calls_during_a_long_prefill_never_block_the_event_loop(idle_sessi
 
     assert worst < 0.5, record  # before: 1.3 to 6 s, a whole prefill step
     assert nothing_left(idle_session) == (0, 0)
+
+
+@pytest.mark.gpu
+def test_twenty_reloads_return_device_memory_to_its_first_level():
+    """On the GPU: after 20 unload/load cycles the device holds what it held after the first load (within 1%)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    session = Session()
+    session.load("smollm2-135m-instruct", engine="exllamav2", progress=False, cache_tokens=4096)
+    session.complete(PROMPT, max_new_tokens=8)
+    first = torch.cuda.memory_allocated()
+    levels = []
+    for _ in range(20):
+        session.unload()
+        session.load("smollm2-135m-instruct", engine="exllamav2", progress=False, cache_tokens=4096)
+        session.complete(PROMPT, max_new_tokens=8)
+        levels.append(torch.cuda.memory_allocated())
+    session.unload()
+    print(json.dumps({"first_load_bytes": first, "after_each_reload_bytes": levels}))
+
+    assert max(abs(level - first) for level in levels) <= 0.01 * first, (first, levels)
