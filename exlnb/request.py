@@ -9,14 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from exlnb.engines.base import (
-    DEFAULT_MAX_NEW_TOKENS,
-    SEED_MAX,
-    SamplerSettings,
-    check_field_types,
-    check_option_names,
-    check_text,
-)
+from exlnb.engines.base import DEFAULT_MAX_NEW_TOKENS, SEED_MAX, SamplerSettings
+from exlnb.engines.checks import check_field_types, check_option_names, check_text
 from exlnb.templates import TEMPLATES
 
 # what each request field means, for the magics' help and the docs

@@ -29,8 +29,8 @@ from exlnb.engines.base import (
     JobSpec,
     SamplerSettings,
     Tokenizer,
-    check_option_names,
 )
+from exlnb.engines.checks import check_option_names
 from exlnb.engines.options import EngineOptions, check_cache_fits
 from exlnb.models import BUNDLED_MODEL, resolve_model
 from exlnb.streaming import Deliveries, EventInbox, GenerationResult, JobError, JobStream, ModelUnloaded

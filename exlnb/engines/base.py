@@ -7,76 +7,18 @@ exllamav2's dynamic generator with its `enqueue()` and `iterate()`.
 
 from __future__ import annotations
 
-import difflib
 import enum
-import math
-import numbers
 import time
-import types
-import typing
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol
+
+from exlnb.engines.checks import check_field_types
+from exlnb.engines.sampling import SamplerSettings
 
 DEFAULT_MAX_NEW_TOKENS = 256  # the one default for every entrance: API, magics, job specs
 SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
-
-
-def check_field_types(instance) -> None:
-    """Refuse a dataclass field whose value has the wrong type, in one line: `max_new_tokens=1.5` must fail
-    where the user passed it, not inside an engine step where it would take every running job down."""
-    hints = typing.get_type_hints(type(instance))
-    for f in fields(instance):
-        value = getattr(instance, f.name)
-        if not _has_type(value, hints[f.name]):
-            raise TypeError(f"{f.name}={value!r} has the wrong type: it must be {_type_name(hints[f.name])}")
-
-
-def _has_type(value, hint) -> bool:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_has_type(value, arm) for arm in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint in (bool, int, float):
-        return _is_number(value, hint)
-    if hint is str:
-        return isinstance(value, str)
-    if origin in (tuple, frozenset):
-        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
-        return isinstance(value, origin) and all(any(_has_type(v, a) for a in args) for v in value)
-    return True  # richer types (settings objects, identifiers) are checked where they are used
-
-
-def _type_name(hint) -> str:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(arm) for arm in typing.get_args(hint))
-    names = {int: "an integer", float: "a number", bool: "True or False", str: "a string", type(None): "None"}
-    return names.get(hint, str(hint).replace("typing.", ""))
-
-
-def check_text(name: str, text: str) -> None:
-    """Text a tokenizer can take: a string of real characters (a lone surrogate such as '\\ud800' has no UTF-8)."""
-    if not isinstance(text, str):
-        raise TypeError(f"{name} must be a string, not {type(text).__name__}")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError(
-            f"{name} has {text[error.start]!r} at position {error.start}, a lone surrogate that is not a "
-            "character and cannot be tokenised: remove it, or decode the text it came from properly"
-        ) from None
-
-
-def check_option_names(options: Mapping[str, object], *, valid: Iterable[str]) -> None:
-    """Refuse an unknown keyword with the closest valid name and the whole list (`TypeError`, as Python does)."""
-    valid = sorted(set(valid))
-    for name in options:
-        if name not in valid:
-            close = difflib.get_close_matches(name, valid, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise TypeError(f"unknown option {name!r}{hint}; the options are: {', '.join(valid)}")
 
 
 def wall_clock() -> float:
@@ -103,157 +45,6 @@ class EosReason(str, enum.Enum):
     LOOP_DETECTED = "loop_detected"  # the engine's own loop detector ended the job (exllamav3's stop_on_loop)
     CANCELLED = "cancelled"
     FAILED = "failed"  # ended by an error (an engine failure, the model unloaded); the stream raised it
-
-
-@dataclass(frozen=True)
-class SamplerSettings:
-    """Sampling knobs with exllamav2's names, semantics and defaults (ExLlamaV2Sampler.Settings, 0.3.2).
-
-    Order of application, as in exllamav2's `sample` and `sample_basic`: on the raw logits, repetition,
-    frequency and presence penalties over the whole sequence (prompt included), token bias, DRY; then a
-    softmax at the temperature (quadratic with a smoothing factor), top-k, top-p, top-a, min-p, tail-free,
-    typical, mirostat, the temperature applied last or dynamically, XTC, and a draw that skew shifts.
-    A temperature below 0.01 means greedy, as in exllamav2's `sample_basic`.
-    """
-
-    temperature: float = field(default=0.8, metadata={"help": "0 is greedy"})
-    top_k: int = field(default=50, metadata={"help": "keep the k most likely tokens; 0 disables"})
-    top_p: float = field(default=0.8, metadata={"help": "nucleus: smallest set with this probability; 1 disables"})
-    min_p: float = field(default=0.0, metadata={"help": "drop tokens below min_p x the top probability; 0 disables"})
-    top_a: float = field(default=0.0, metadata={"help": "drop tokens below top_a x the top probability squared; 0 disables"})
-    tfs: float = field(default=0.0, metadata={"help": "tail-free sampling: keep this share of the curvature; 0 disables"})
-    typical: float = field(default=0.0, metadata={"help": "locally typical sampling: keep this mass nearest the entropy; 0 disables"})
-    smoothing_factor: float = field(
-        default=0.0, metadata={"help": "quadratic sampling: squash logits around the top one; 0 disables"}
-    )
-    min_temp: float = field(default=0.0, metadata={"help": "dynamic temperature: the temperature at zero entropy"})
-    max_temp: float = field(default=0.0, metadata={"help": "dynamic temperature at full entropy; on when above min_temp"})
-    temp_exponent: float = field(default=1.0, metadata={"help": "dynamic temperature: exponent of the entropy curve"})
-    temperature_last: bool = field(
-        default=False, metadata={"help": "apply the temperature after the truncating samplers, not before"}
-    )
-    skew: float = field(default=0.0, metadata={"help": "shift the draw towards less (>0) or more (<0) likely tokens"})
-    mirostat: bool = field(default=False, metadata={"help": "mirostat: truncate to hold surprise near mirostat_tau"})
-    mirostat_tau: float = field(default=1.5, metadata={"help": "mirostat's target surprise, in bits"})
-    mirostat_eta: float = field(default=0.1, metadata={"help": "mirostat's learning rate"})
-    token_repetition_penalty: float = field(
-        default=1.025, metadata={"help": "divide logits of tokens already in the sequence; 1 disables", "option": "rep_penalty"}
-    )
-    token_repetition_range: int = field(
-        default=-1, metadata={"help": "how many recent tokens the penalties look at; -1 is all", "option": "rep_range"}
-    )
-    token_repetition_decay: int = field(
-        default=0, metadata={"help": "tokens over which the repetition penalty fades in; 0 is none", "option": "rep_decay"}
-    )
-    token_frequency_penalty: float = field(
-        default=0.0, metadata={"help": "subtract this x the count of each earlier token", "option": "freq_penalty"}
-    )
-    token_presence_penalty: float = field(
-        default=0.0, metadata={"help": "subtract this once from every earlier token", "option": "presence_penalty"}
-    )
-    token_bias: tuple[tuple[int, float], ...] = field(
-        default=(), metadata={"help": "token id -> value added to its logit (-inf bans it)"}
-    )
-    dry_multiplier: float = field(default=0.0, metadata={"help": "DRY: penalise tokens that extend a repeat; 0 disables"})
-    dry_base: float = field(default=1.75, metadata={"help": "DRY: penalty grows by this factor per repeated token"})
-    dry_allowed_length: int = field(default=2, metadata={"help": "DRY: repeats up to this long go unpenalised"})
-    dry_sequence_breakers: frozenset[str] | None = field(
-        default=None, metadata={"help": "DRY: strings no repeat may span; default .,!?<>[](){} quote, newline, tab"}
-    )
-    dry_range: int = field(default=0, metadata={"help": "DRY: how many recent tokens it looks at; 0 is all"})
-    dry_max_ngram: int = field(default=20, metadata={"help": "DRY: longest repeat it looks for"})
-    xtc_probability: float = field(default=0.0, metadata={"help": "XTC: how strongly to exclude the top choices; 0 disables"})
-    xtc_threshold: float = field(default=0.1, metadata={"help": "XTC: tokens at least this likely count as top choices"})
-
-    def __post_init__(self) -> None:
-        self._normalise_collections()
-        check_field_types(self)
-        checks = [
-            (self.temperature >= 0 and math.isfinite(self.temperature), "temperature", "a number >= 0 (0 is greedy)"),
-            (self.top_k >= 0, "top_k", "an integer >= 0 (0 disables it)"),
-            (0 < self.top_p <= 1, "top_p", "in (0, 1] (1 disables it)"),
-            (0 <= self.min_p < 1, "min_p", "in [0, 1) (0 disables it)"),
-            (self.top_a >= 0, "top_a", ">= 0 (0 disables it)"),
-            (0 <= self.tfs <= 1, "tfs", "in [0, 1] (0 disables it)"),
-            (0 <= self.typical <= 1, "typical", "in [0, 1] (0 disables it)"),
-            (self.smoothing_factor >= 0, "smoothing_factor", ">= 0 (0 disables it)"),
-            (self.min_temp >= 0, "min_temp", ">= 0"),
-            (self.max_temp >= 0, "max_temp", ">= 0 (dynamic temperature is on when above min_temp)"),
-            (self.temp_exponent > 0, "temp_exponent", "> 0"),
-            (math.isfinite(self.skew), "skew", "a finite number (0 disables it)"),
-            (self.mirostat_tau > 0, "mirostat_tau", "> 0 bits"),
-            (self.mirostat_eta >= 0, "mirostat_eta", ">= 0"),
-            (self.token_repetition_penalty > 0, "token_repetition_penalty", "> 0 (1.0 disables it)"),
-            (self.token_repetition_range >= -1, "token_repetition_range", ">= -1 (-1 is the whole sequence)"),
-            (self.token_repetition_decay >= 0, "token_repetition_decay", ">= 0"),
-            (all(t >= 0 and not math.isnan(b) and b != math.inf for t, b in self.token_bias), "token_bias",
-             "token ids >= 0 mapped to finite biases or -inf"),
-            (self.dry_multiplier >= 0, "dry_multiplier", ">= 0 (0 disables DRY)"),
-            (self.dry_base > 0, "dry_base", "> 0"),
-            (self.dry_allowed_length >= 1, "dry_allowed_length", ">= 1"),
-            (self.dry_max_ngram >= 1, "dry_max_ngram", ">= 1"),
-            # exllamav2 0.3.2 asserts this in apply_dry: its window must hold the longest n-gram
-            (self.dry_range == 0 or self.dry_range > self.dry_max_ngram, "dry_range",
-             f"0 (everything) or more than dry_max_ngram ({self.dry_max_ngram})"),
-            (self.dry_sequence_breakers is None or all(self.dry_sequence_breakers), "dry_sequence_breakers",
-             "non-empty strings"),
-            (0 <= self.xtc_probability <= 1, "xtc_probability", "in [0, 1] (0 disables XTC)"),
-            (0 <= self.xtc_threshold <= 1, "xtc_threshold", "in [0, 1]"),
-        ]
-        for ok, name, expected in checks:
-            if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r} is out of range: it must be {expected}")
-
-    def _normalise_collections(self) -> None:
-        """Accept a dict for `token_bias` and any iterable of strings for the breakers; store them frozen."""
-        bias = self.token_bias
-        pairs = sorted(bias.items() if isinstance(bias, Mapping) else bias)
-        if not all(_is_number(t, int) and _is_number(b, float) for t, b in pairs):
-            raise TypeError(f"token_bias={bias!r} must map token ids to numbers, e.g. {{198: -2.5}}")
-        pairs = tuple((t, float(b)) for t, b in pairs)
-        object.__setattr__(self, "token_bias", pairs)
-        breakers = self.dry_sequence_breakers
-        if breakers is not None and not isinstance(breakers, frozenset):
-            if isinstance(breakers, str):
-                raise TypeError(f"dry_sequence_breakers={breakers!r} must be a set of strings, e.g. {{'.', '\\n'}}")
-            object.__setattr__(self, "dry_sequence_breakers", frozenset(breakers))
-
-    @classmethod
-    def greedy(cls, **overrides: float) -> SamplerSettings:
-        """Deterministic argmax decoding with no penalties, like `ExLlamaV2Sampler.Settings.greedy()`."""
-        values = dict(temperature=0.0, top_k=1, top_p=1.0, token_repetition_penalty=1.0)
-        values.update(overrides)
-        return cls(**values)
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < 0.01 or self.top_k == 1
-
-    def changed(self) -> dict[str, object]:
-        """The settings that differ from exllamav2's defaults, by field name."""
-        default = SamplerSettings()
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
-
-    @classmethod
-    def option_names(cls) -> dict[str, str]:
-        """Every name a setting answers to -> its field: exllamav2's (`token_repetition_penalty`) and the
-        short option name (`rep_penalty`) the magics use."""
-        names = {f.name: f.name for f in fields(cls)}
-        names.update({f.metadata["option"]: f.name for f in fields(cls) if "option" in f.metadata})
-        return names
-
-    def with_options(self, **options) -> SamplerSettings:
-        """These settings with some changed, by field or short option name; unknown names are refused."""
-        names = self.option_names()
-        check_option_names(options, valid=names)
-        return replace(self, **{names[k]: v for k, v in options.items()})
-
-
-def _is_number(value: object, kind: type) -> bool:
-    """An integer (numpy's too), or for `float` any real number; never a bool, which Python counts as an int."""
-    if kind is bool:
-        return isinstance(value, bool)
-    return isinstance(value, numbers.Integral if kind is int else numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from exlnb.engines.base import check_text
+from exlnb.engines.checks import check_text
 
 
 class HfTokenizer:

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from exlnb.analysis import Estimate, median_interval, ratio_of_medians
+from exlnb.analysis import median_interval, ratio_of_medians
 from exlnb.engines.base import Engine, SamplerSettings, wall_clock
 from exlnb.datasets import load_prompts, load_questions
 from exlnb.experiments.record import Effect, ExperimentResult, environment

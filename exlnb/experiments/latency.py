@@ -273,7 +273,7 @@ def _findings(effects: list[Effect], values: dict, parameters: dict) -> list[str
         f"{left['cancelled']} jobs and {pages['cancelled']} pages outlived their consumers.",
         f"The next request took {next_job.symptom.value:.2f} s without the cancel and {next_job.fix.value:.2f} s with "
         f"it ({next_job.ratio.value:.1f}x, 95% CI {next_job.ratio.low:.1f}-{next_job.ratio.high:.1f}).",
-        f"Un-cancelled request latency by request index (median over trials): "
+        "Un-cancelled request latency by request index (median over trials): "
         + ", ".join(f"{v:.2f}" for v in by_request)
         + f" s; the reporter saw about {REPORTED['first_request_s']:.0f} s grow to {REPORTED['late_request_s']:.0f} s "
         f"over about {REPORTED['requests']} requests.",

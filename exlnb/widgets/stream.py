@@ -13,7 +13,8 @@ import html
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 
-from exlnb.engines.base import StreamEvent, Tokenizer, check_option_names, wall_clock
+from exlnb.engines.base import StreamEvent, Tokenizer, wall_clock
+from exlnb.engines.checks import check_option_names
 from exlnb.engines.options import check_display
 from exlnb.generation import Generation, Sample, as_request, astart, start
 from exlnb.request import GenerationRequest

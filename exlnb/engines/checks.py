@@ -1,0 +1,77 @@
+"""Checking values where they enter: types of dataclass fields, option names, text a tokenizer can take.
+
+A wrong value fails where the user passed it, in one line that names what was expected, instead of inside an
+engine step where it would take every running job down.
+"""
+
+from __future__ import annotations
+
+import difflib
+import numbers
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import fields
+
+
+def check_field_types(instance) -> None:
+    """Refuse a dataclass field whose value has the wrong type, in one line: `max_new_tokens=1.5` must fail
+    where the user passed it, not inside an engine step where it would take every running job down."""
+    hints = typing.get_type_hints(type(instance))
+    for f in fields(instance):
+        value = getattr(instance, f.name)
+        if not _has_type(value, hints[f.name]):
+            raise TypeError(f"{f.name}={value!r} has the wrong type: it must be {_type_name(hints[f.name])}")
+
+
+def _has_type(value, hint) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, arm) for arm in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint in (bool, int, float):
+        return is_number(value, hint)
+    if hint is str:
+        return isinstance(value, str)
+    if origin in (tuple, frozenset):
+        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        return isinstance(value, origin) and all(any(_has_type(v, a) for a in args) for v in value)
+    return True  # richer types (settings objects, identifiers) are checked where they are used
+
+
+def _type_name(hint) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(arm) for arm in typing.get_args(hint))
+    names = {int: "an integer", float: "a number", bool: "True or False", str: "a string", type(None): "None"}
+    return names.get(hint, str(hint).replace("typing.", ""))
+
+
+def check_text(name: str, text: str) -> None:
+    """Text a tokenizer can take: a string of real characters (a lone surrogate such as '\\ud800' has no UTF-8)."""
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a string, not {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"{name} has {text[error.start]!r} at position {error.start}, a lone surrogate that is not a "
+            "character and cannot be tokenised: remove it, or decode the text it came from properly"
+        ) from None
+
+
+def check_option_names(options: Mapping[str, object], *, valid: Iterable[str]) -> None:
+    """Refuse an unknown keyword with the closest valid name and the whole list (`TypeError`, as Python does)."""
+    valid = sorted(set(valid))
+    for name in options:
+        if name not in valid:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"unknown option {name!r}{hint}; the options are: {', '.join(valid)}")
+
+
+def is_number(value: object, kind: type) -> bool:
+    """An integer (numpy's too), or for `float` any real number; never a bool, which Python counts as an int."""
+    if kind is bool:
+        return isinstance(value, bool)
+    return isinstance(value, numbers.Integral if kind is int else numbers.Real) and not isinstance(value, bool)
