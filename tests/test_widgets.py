@@ -61,7 +61,7 @@ def test_a_finished_generation_leaves_its_answer_and_statistics_as_static_output
     answer = generation.samples[0].text
     assert answer and answer.strip() in record.data["text/plain"]
     assert "TTFT" in record.data["text/plain"] and "eos: max_new_tokens" in record.data["text/plain"]
-    assert "4 / 4 tokens" in record.data["text/html"] and "<style>" in record.data["text/html"]
+    assert "4/4 tokens" in record.data["text/html"] and "<style>" in record.data["text/html"]
     assert view.controls == [] and view.comm is None  # no Stop button left behind, the widget closed
 
 

@@ -131,10 +131,7 @@ def sample_html(sample: Sample, generation: Generation, max_new_tokens: int) -> 
     event = sample.last
     tokens = event.new_tokens if event else 0
     share = min(1.0, tokens / max_new_tokens) if max_new_tokens else 0.0
-    parts = [
-        f'<span class="exlnb-state">{state}</span>',
-        f'<span>{tokens} / {max_new_tokens} tokens<span class="exlnb-bar"><span style="width:{share:.0%}"></span></span></span>',
-    ]
+    parts = [f'<span class="exlnb-state">{state}</span>', f"<span>{tokens}/{max_new_tokens} tokens</span>"]
     if event is not None and event.decode_tokens_per_s:
         parts.append(f"<span>{event.decode_tokens_per_s:.1f} tok/s</span>")
     if sample.done:
@@ -145,6 +142,7 @@ def sample_html(sample: Sample, generation: Generation, max_new_tokens: int) -> 
         parts.append(f"<span>loop: {sample.loop.repeated_fraction:.0%} of the last 32 tokens repeat</span>")
     label = f'<div class="exlnb-label">sample {sample.index}</div>' if len(generation.samples) > 1 else ""
     return (f'<div class="exlnb-sample exlnb-{state}">{label}<div class="exlnb-text">{html.escape(sample.text)}</div>'
+            f'<div class="exlnb-bar"><span style="width:{share:.1%}"></span></div>'
             f'<div class="exlnb-status">{"".join(parts)}</div></div>')
 
 

@@ -43,15 +43,15 @@ class LiveView(RecordedView):
     def act(self, message: dict) -> None:
         """A button's message (e.g. a Cancel click); the view redraws after it."""
 
-    def refresh(self) -> bool:
-        """Redraw; whether jobs are running."""
+    def refresh(self, *, record: bool = True) -> bool:
+        """Redraw; whether jobs are running. `record=False`: not a state to settle into (jobs being cancelled)."""
         try:
             running = bool(self.session.jobs())
             self.html, self._text = self.draw(running)
         except NoModelLoaded as error:
             running = False
             self.html, self._text = f'<div class="exlnb-summary">{html.escape(str(error))}</div>', str(error)
-        if running:
+        if running and record:
             self._busy = (self.html, self._text)
         self.refresh_count += 1
         return running
@@ -73,7 +73,7 @@ class LiveView(RecordedView):
             self._wake.set()
         else:
             self.act(message)
-            self.refresh()
+            self.refresh(record=False)
 
     def retire(self) -> None:
         """Settle into the last state that had jobs, saying when they had all ended."""
