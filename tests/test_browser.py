@@ -34,7 +34,7 @@ CHROMIUM_FLAGS = [
 WORKTREE = Path(__file__).resolve().parent.parent
 ARTIFACTS = WORKTREE / "test-artifacts"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
-RECORDED = (2, 4, 5, 6, 8)  # the cells whose widgets leave a record: answers, samples, inspector, job table
+RECORDED = (2, 4, 5, 6, 8, 10)  # the cells whose widgets leave a record: answers, samples, inspector, job table
 THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
 # text that must read on its background: WCAG's 4.5:1 for normal text
 READABLE = (".exlnb-token:not(.exlnb-special)", ".exlnb-special", ".exlnb-status", ".exlnb-head", ".exlnb-text",
@@ -62,7 +62,7 @@ CONTRAST_JS = """selectors => {
       const back = behind(el);
       worst = Math.min(worst, ratio(over(parse(getComputedStyle(el).color), back), back));
     }
-    result[selector] = worst;
+    result[selector] = worst === Infinity ? null : worst;
   }
   return result;
 }"""
@@ -98,6 +98,7 @@ def lab(tmp_path_factory):
         "%exl_cancel --all",
         "%%exl_generate --show-prompt --template llama3 --max-new-tokens 12 --temperature 0\nWhat is the capital of France?",
         f"%%exl_generate --max-new-tokens 2000\n{STORY}",
+        "%%exl_generate --show-prompt --max-new-tokens 12 --temperature 0\nWhat is the capital of France?",
     ]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
@@ -271,6 +272,14 @@ def test_a_wrong_template_is_a_warning_above_the_answer(page):
     assert output.locator(".exlnb-token").count() > 20
 
 
+def test_show_prompt_marks_the_special_tokens_of_the_model_template(page):
+    run_cell(page, 10)
+    wait_done(page, 10)
+    output = page.locator(".jp-Notebook .jp-Cell").nth(10).locator(".jp-OutputArea")
+    expect(output.locator(".exlnb-record")).to_be_visible(timeout=30_000)
+    assert output.locator(".exlnb-special").count() >= 4 and output.locator(".exlnb-warning").count() == 0
+
+
 def test_an_interrupt_prints_one_line_and_no_traceback(page):
     run_cell(page, 9)
     cell = page.locator(".jp-Notebook .jp-Cell").nth(9)
@@ -287,12 +296,13 @@ def test_records_read_well_in_light_and_dark_themes(page, theme):
     page.evaluate(f"window.jupyterapp.commands.execute('apputils:change-theme', {{theme: {THEMES[theme]!r}}})")
     page.wait_for_function(f"document.body.dataset.jpThemeName === {THEMES[theme]!r}")
     time.sleep(1)  # the theme's stylesheet applies
-    for index, name in [(2, "stream"), (4, "stream-n4"), (5, "cache-inspector"), (6, "job-table"), (8, "show-prompt")]:
+    for index, name in [(2, "stream"), (4, "stream-n4"), (5, "cache-inspector"), (6, "job-table"),
+                        (8, "wrong-template"), (10, "show-prompt")]:
         output = page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-OutputArea")
         output.scroll_into_view_if_needed()
         output.screenshot(path=str(ARTIFACTS / f"{name}-{theme}.png"))
     ratios = page.evaluate(CONTRAST_JS, list(READABLE))
-    assert all(ratios[s] >= 4.5 for s in READABLE), ratios
+    assert all(ratios[s] is not None and ratios[s] >= 4.5 for s in READABLE), ratios  # None: nothing to measure
 
 
 def test_a_saved_notebook_keeps_answers_and_statistics_after_the_kernel_has_gone(page, lab):

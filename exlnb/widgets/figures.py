@@ -18,15 +18,21 @@ FINDINGS_SHOWN = 3  # template findings listed in the warning; the rest are coun
 # -- figures, in words -------------------------------------------------------------------------------------
 
 
+def prefill_ms(event: StreamEvent) -> float | None:
+    """How long the prefill computed the prompt tokens that were not cached, once known."""
+    if not event.prefill_tokens_per_s or not event.computed_prompt_tokens:
+        return None
+    return 1000 * event.computed_prompt_tokens / event.prefill_tokens_per_s
+
+
 def prefill_words(event: StreamEvent) -> str | None:
     """What the prefill computed, in how long, and only then the rate: a cache hit leaves few tokens to compute
     and a rate over a few tokens is mostly fixed cost (issue 12: 512 of 599 tokens cached read "prefill
     38 tok/s" against 51 uncached, as if the cache had slowed it down)."""
-    computed = event.computed_prompt_tokens
-    if not event.prefill_tokens_per_s or not computed:
+    ms = prefill_ms(event)
+    if ms is None:
         return None
-    seconds = computed / event.prefill_tokens_per_s
-    return f"prefill {computed} tokens in {seconds * 1000:.0f} ms ({event.prefill_tokens_per_s:.0f} tok/s)"
+    return f"prefill {event.computed_prompt_tokens} tokens in {ms:.0f} ms ({event.prefill_tokens_per_s:.0f} tok/s)"
 
 
 def cached_words(event: StreamEvent) -> str | None:
@@ -54,9 +60,14 @@ def status_line(sample: Sample) -> str:
     if event.eos:
         parts.append(end_words(sample))
         if sample.loop is not None:
-            period = f", period {sample.loop.period} tokens" if sample.loop.period else ""
-            parts.append(f"loop: {sample.loop.repeated_fraction:.0%} of the last 32 tokens repeat{period}")
+            parts.append(loop_words(sample))
     return " · ".join(parts)
+
+
+def loop_words(sample: Sample) -> str:
+    """The repetition the loop guard found (`exlnb.analysis.find_tail_loop` looks at the last 32 tokens)."""
+    period = f", period {sample.loop.period} tokens" if sample.loop.period else ""
+    return f"loop: {sample.loop.repeated_fraction:.0%} of the last 32 tokens repeat{period}"
 
 
 def template_warning(generation: Generation) -> str | None:
@@ -112,10 +123,10 @@ def header_html(generation: Generation) -> str:
     figures.append(figure("prompt", f"{events[0].prompt_tokens} tokens"))
     if any(e.cached_tokens for e in events):
         figures.append(figure("cached", one_or_each([str(e.cached_tokens) for e in events])))
-    prefills = [e for e in events if e.prefill_tokens_per_s and e.computed_prompt_tokens]
+    prefills = [e for e in events if prefill_ms(e) is not None]
     if prefills:
         computed = one_or_each([str(e.computed_prompt_tokens) for e in prefills])
-        times = one_or_each([f"{e.computed_prompt_tokens / e.prefill_tokens_per_s * 1000:.0f} ms" for e in prefills])
+        times = one_or_each([f"{prefill_ms(e):.0f} ms" for e in prefills])
         figures.append(figure("prefill", f"{computed} tokens in {times}"))
     decode = sum(e.decode_tokens_per_s or 0 for e in events)
     if decode:
@@ -139,7 +150,7 @@ def sample_html(sample: Sample, generation: Generation, max_new_tokens: int) -> 
     elif state == "error":
         parts.append("<span>the engine failed: the cell's error says why</span>")
     if sample.loop is not None:
-        parts.append(f"<span>loop: {sample.loop.repeated_fraction:.0%} of the last 32 tokens repeat</span>")
+        parts.append(f"<span>{html.escape(loop_words(sample))}</span>")
     label = f'<div class="exlnb-label">sample {sample.index}</div>' if len(generation.samples) > 1 else ""
     return (f'<div class="exlnb-sample exlnb-{state}">{label}<div class="exlnb-text">{html.escape(sample.text)}</div>'
             f'<div class="exlnb-bar"><span style="width:{share:.1%}"></span></div>'
