@@ -38,7 +38,7 @@ RECORDED = (2, 4, 5, 6, 8, 10)  # the cells whose widgets leave a record: answer
 THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
 # text that must read on its background: WCAG's 4.5:1 for normal text
 READABLE = (".exlnb-token:not(.exlnb-special)", ".exlnb-special", ".exlnb-status", ".exlnb-head", ".exlnb-text",
-            ".exlnb-warning", ".exlnb-summary", ".exlnb-jobs td")
+            ".exlnb-warning", ".exlnb-summary", ".exlnb-jobs td", ".exlnb-label", ".exlnb-muted")
 # WCAG 2 contrast of each selector's text against the colour behind it (its own and its ancestors' backgrounds
 # composed over white), the lowest over the page
 CONTRAST_JS = """selectors => {
