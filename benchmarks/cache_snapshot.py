@@ -26,8 +26,8 @@ from exlnb.engines.base import Stage
 from exlnb.engines.options import ENGINE_NAMES
 from exlnb.session import Session
 from exlnb.templates import chatml
-from exlnb.widgets.cache import CACHED, FREE, cache_summary, job_color, job_label, page_cell
-from exlnb.widgets.live import ASSETS
+from exlnb.widgets.cache import inspector_html
+from exlnb.widgets.record import record_html
 
 SHARED_PROMPT = chatml(
     " ".join(f"Record {i}: the parcel for house {i} goes out on day {i % 7}." for i in range(1, 140))
@@ -60,25 +60,10 @@ def wait_until_all_decode(session: Session, count: int, timeout_s: float = 60.0)
     raise TimeoutError(f"the {count} jobs were not all decoding within {timeout_s} s")
 
 
-def inspector_html(view, rows, title: str) -> str:
-    """The inspector as a static page: the widget's cells, summary and legend, and its stylesheet."""
-    cells = "".join(
-        f'<div class="exlnb-page exlnb-{kind}" style="background:{html.escape(background)}" title="{html.escape(tip)}"></div>'
-        for background, tip, kind in (page_cell(p, view.page_size) for p in view.pages)
-    )
-    swatches = [(job_color(r.info.job_id), f"{job_label(r)} ({r.info.stage.value}, {r.info.pages} pages"
-                 f"{', nobody reading' if not r.consumed else ''})") for r in rows]
-    swatches += [(FREE, "free"), (CACHED, "free, reusable prefix")]
-    legend = "".join(f'<span><span class="swatch" style="background:{c}"></span>{html.escape(t)}</span>'
-                     for c, t in swatches) + "<span>outlined: shared by several jobs</span>"
-    css = (ASSETS / "live.css").read_text()
-    return (
-        f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title><style>{css}"
-        "body{margin:12px;background:#fff}</style>"
-        f"<div class='exlnb-cache'><div class='exlnb-summary'><b>{html.escape(title)}</b><br>"
-        f"{html.escape(cache_summary(view))}</div><div class='exlnb-grid'>{cells}</div>"
-        f"<div class='exlnb-legend'>{legend}</div></div>"
-    )
+def snapshot_html(view, rows, title: str) -> str:
+    """The inspector as a static page: the widget's own record of this state, under a title."""
+    return (f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title><style>body{{margin:12px}}</style>"
+            f"<h3 class='exlnb'>{html.escape(title)}</h3>{record_html(inspector_html(view, rows))}")
 
 
 def main() -> None:
@@ -102,7 +87,7 @@ def main() -> None:
     slug = f"cache-{status.engine}-{device_slug(env)}-{datetime.date.today()}"
     title = f"{status.line()}: six jobs decoding"
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{slug}.html").write_text(inspector_html(view, rows, title))
+    (args.out / f"{slug}.html").write_text(snapshot_html(view, rows, title))
     record = {
         "environment": env,
         "status": status.line(),

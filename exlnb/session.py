@@ -365,6 +365,12 @@ class Session:
         if thread is not None:
             thread.post(lambda engine: self._cancel_on_engine(engine, job_id))
 
+    def request_cancel_all(self) -> None:
+        """Ask for every job to be cancelled without waiting (a Cancel-all button on the event loop)."""
+        thread = self._thread
+        if thread is not None:
+            thread.post(self._cancel_everything)
+
     def cancel_all(self) -> int:
         """Cancel every pending and active job; returns how many there were."""
         if self._thread is None:

@@ -1,4 +1,6 @@
-"""The widgets in a real JupyterLab, driven by headless Chromium (Debian's, through Python playwright).
+"""The widgets in a real JupyterLab, driven by headless Chromium (Debian's, through Python playwright): live
+streaming, Stop, the inspector and the job table, the static record they leave in a saved notebook, a kernel
+interrupt, and both themes (screenshots for the README, and a contrast check of text on its background).
 
 Needs `apt-get install -y chromium` (the Makefile's browser-deps target); skipped with the reason when the
 browser is missing, except under EXLNB_REQUIRE_BROWSER=1 (.ci/run), where a missing browser fails. Screenshots go to test-artifacts/ (the README's come from here).
@@ -6,7 +8,10 @@ browser is missing, except under EXLNB_REQUIRE_BROWSER=1 (.ci/run), where a miss
 
 from __future__ import annotations
 
+import html
+import json
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -28,7 +33,41 @@ CHROMIUM_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+WORKTREE = Path(__file__).resolve().parent.parent
+ARTIFACTS = WORKTREE / "test-artifacts"
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+RECORDED = (2, 4, 5, 6, 8, 10)  # the cells whose widgets leave a record: answers, samples, inspector, job table
+THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
+# text that must read on its background: WCAG's 4.5:1 for normal text
+READABLE = (".exlnb-token:not(.exlnb-special)", ".exlnb-special", ".exlnb-status", ".exlnb-head", ".exlnb-text",
+            ".exlnb-warning", ".exlnb-summary", ".exlnb-jobs td", ".exlnb-label", ".exlnb-muted")
+# WCAG 2 contrast of each selector's text against the colour behind it (its own and its ancestors' backgrounds
+# composed over white), the lowest over the page
+CONTRAST_JS = """selectors => {
+  const parse = (c) => { const v = c.match(/[\\d.]+/g).map(Number); return [v[0], v[1], v[2], v.length > 3 ? v[3] : 1]; };
+  const over = ([r, g, b, a], [R, G, B]) => [r * a + R * (1 - a), g * a + G * (1 - a), b * a + B * (1 - a)];
+  const behind = (el) => {
+    const layers = [];
+    for (let e = el; e; e = e.parentElement) {
+      const c = parse(getComputedStyle(e).backgroundColor);
+      if (c[3] > 0) layers.push(c);
+      if (c[3] >= 1) break;
+    }
+    return layers.reverse().reduce((under, layer) => over(layer, under), [255, 255, 255]);
+  };
+  const lum = (rgb) => { const [r, g, b] = rgb.map((v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; }); return 0.2126 * r + 0.7152 * g + 0.0722 * b; };
+  const ratio = (a, b) => { const [hi, lo] = [lum(a), lum(b)].sort((x, y) => y - x); return (hi + 0.05) / (lo + 0.05); };
+  const result = {};
+  for (const selector of selectors) {
+    let worst = Infinity;
+    for (const el of document.querySelectorAll(selector)) {
+      const back = behind(el);
+      worst = Math.min(worst, ratio(over(parse(getComputedStyle(el).color), back), back));
+    }
+    result[selector] = worst === Infinity ? null : worst;
+  }
+  return result;
+}"""
 # Notes longer than a 256-token page, so the four samples of the background cell share the prompt's full
 # pages (published when the first cell's job finished its prefill) and the inspector has shared pages to show.
 NOTES = " ".join(f"Chapter {i}: the dragon bakes loaf number {i} and learns something new." for i in range(1, 31))
@@ -51,7 +90,7 @@ def lab(tmp_path_factory):
         pytest.skip(missing)
     root = tmp_path_factory.mktemp("lab")
     cells = [
-        f"%load_ext exlnb\nnotes = {NOTES!r}",
+        f"%load_ext exlnb\nimport exlnb\nprint(exlnb.__file__)\nnotes = {NOTES!r}",
         "%exl_load --engine cpu",
         f"%%exl_generate --max-new-tokens 400 --temperature 0.8 --seed 3 --out story\n{STORY}",
         "from exlnb import get_session\nprint('jobs left:', len(get_session().jobs()), story.eos_reason.value)",
@@ -59,10 +98,17 @@ def lab(tmp_path_factory):
         "%exl_cache",
         "%exl_jobs",
         "%exl_cancel --all",
+        "%%exl_generate --show-prompt --template llama3 --max-new-tokens 12 --temperature 0\nWhat is the capital of France?",
+        f"%%exl_generate --max-new-tokens 2000\n{STORY}",
+        "%%exl_generate --show-prompt --max-new-tokens 12 --temperature 0\nWhat is the capital of France?",
     ]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
     nbformat.write(nb, root / "face.ipynb")
+    # no "Would you like to get notified about Jupyter news?" toast over the screenshots
+    settings = root / ".jupyter" / "lab" / "user-settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
     port, token = free_port(), secrets.token_hex(16)
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(root / ".jupyter"), JUPYTERLAB_WORKSPACES_DIR=str(root / ".ws"),
                JUPYTER_RUNTIME_DIR=str(root / ".runtime"))
@@ -70,6 +116,7 @@ def lab(tmp_path_factory):
         [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--LabApp.news_url=None",
          "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--LabApp.extension_manager=readonly",
+         "--LabApp.expose_app_in_browser=True",
          "--allow-root"],
         env=env, stdout=subprocess.DEVNULL, stderr=open(root / "lab.log", "w"),
     )
@@ -84,7 +131,14 @@ def lab(tmp_path_factory):
                 server.kill()
                 pytest.fail(f"JupyterLab did not start: {(root / 'lab.log').read_text()[-2000:]}")
             time.sleep(0.5)
-    yield f"{base}/lab/tree/face.ipynb?token={token}", root
+
+    def api(method: str, path: str):
+        request = urllib.request.Request(f"{base}{path}", method=method, headers={"Authorization": f"token {token}"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            body = response.read()
+        return json.loads(body) if body else None
+
+    yield f"{base}/lab/tree/face.ipynb?token={token}", root, api
     server.terminate()
     server.wait(timeout=30)
 
@@ -93,7 +147,7 @@ def lab(tmp_path_factory):
 def page(lab):
     from playwright.sync_api import sync_playwright
 
-    url, _ = lab
+    url, _, _ = lab
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_FLAGS, headless=True)
         context = browser.new_context(viewport={"width": 1280, "height": 900})
@@ -135,10 +189,14 @@ def wait_done(page, index: int, timeout_s: float = 120) -> str:
     raise AssertionError(f"cell {index} did not finish in {timeout_s} s: prompt {prompt!r}")
 
 
-def test_stream_widget_grows_and_stop_ends_the_job(page):
+def first_line(text: str) -> str:
+    return next(line for line in text.splitlines() if len(line) > 20)
+
+
+def test_stream_widget_grows_stop_ends_the_job_and_leaves_a_record(page):
     ARTIFACTS.mkdir(exist_ok=True)
     run_cell(page, 0)
-    wait_done(page, 0)
+    assert f"{WORKTREE}/exlnb/__init__.py" in wait_done(page, 0)  # the kernel imports this checkout's exlnb
     run_cell(page, 1)
     assert "cpu engine" in wait_done(page, 1, timeout_s=300)
     run_cell(page, 2)
@@ -152,12 +210,15 @@ def test_stream_widget_grows_and_stop_ends_the_job(page):
         time.sleep(1.5)
     assert all(b > a for a, b in zip(lengths, lengths[1:])), f"text did not grow steadily: {lengths}"
     status = cell.locator(".exlnb-status")
-    assert "decode" in status.inner_text()
-    cell.screenshot(path=str(ARTIFACTS / "stream-widget.png"))
+    assert re.search(r"running\s*\d+/400 tokens", status.inner_text())
+    assert "tok/s" in status.inner_text()
+    cell.locator(".jp-OutputArea").screenshot(path=str(ARTIFACTS / "stream-live-light.png"))
 
     cell.locator(".exlnb-stop").click()
     expect(status).to_contain_text("eos: cancelled (stop button)", timeout=30_000)
     wait_done(page, 2, timeout_s=30)  # the cell itself ends once its job is cancelled
+    expect(cell.locator(".exlnb-record")).to_be_visible(timeout=10_000)  # the widget became static output
+    assert cell.locator(".exlnb-stop").count() == 0
     stopped_at = len(text.inner_text())
     time.sleep(1.0)
     assert len(text.inner_text()) == stopped_at, "text kept growing after Stop"
@@ -166,34 +227,112 @@ def test_stream_widget_grows_and_stop_ends_the_job(page):
     assert "jobs left: 0 cancelled" in wait_done(page, 3)
 
 
-def test_cache_inspector_and_job_table_show_running_jobs(page):
+def test_samples_inspector_and_job_table_show_running_jobs_then_settle(page):
     run_cell(page, 4)
     wait_done(page, 4)
+    samples = page.locator(".jp-Notebook .jp-Cell").nth(4)
     run_cell(page, 5)
-    inspector = page.locator(".jp-Notebook .jp-Cell").nth(5).locator(".exlnb-cache")
-    inspector.wait_for()
+    # the views redraw their HTML: wait on the output area, which stays, never on an element inside it
+    inspector = page.locator(".jp-Notebook .jp-Cell").nth(5).locator(".jp-OutputArea")
+    inspector.locator(".exlnb-cache").wait_for()
     page.wait_for_function(  # prefix pages shared by the samples, and each sample's own pages
-        "el => el.querySelectorAll('.exlnb-page.exlnb-shared').length > 0"
-        " && el.querySelectorAll('.exlnb-page.exlnb-used').length >= 4",
+        "el => el.querySelectorAll('.exlnb-grid .exlnb-page.exlnb-shared').length > 0"
+        " && el.querySelectorAll('.exlnb-grid .exlnb-page.exlnb-used').length >= 4",
         arg=inspector.element_handle(), timeout=60_000,
     )
     summary = inspector.locator(".exlnb-summary").inner_text()
     assert "pages in use" in summary and "live" in summary
     run_cell(page, 6)
-    table = page.locator(".jp-Notebook .jp-Cell").nth(6).locator(".exlnb-jobs")
-    table.wait_for()
-    page.wait_for_function("el => el.querySelectorAll('tbody tr').length === 4", arg=table.element_handle())
+    table = page.locator(".jp-Notebook .jp-Cell").nth(6).locator(".jp-OutputArea")
+    expect(table.locator("tbody tr")).to_have_count(4)
     time.sleep(2)  # let the pages fill a little for the picture
-    inspector.screenshot(path=str(ARTIFACTS / "cache-inspector.png"))
-    table.screenshot(path=str(ARTIFACTS / "job-table.png"))
+    samples.locator(".jp-OutputArea").screenshot(path=str(ARTIFACTS / "stream-n4-live-light.png"))
+    head = samples.locator(".exlnb-head").inner_text()
+    assert "TTFT" in head and "samples together" in head and samples.locator(".exlnb-head").count() == 1
 
     table.locator(".exlnb-cancel").first.click()
-    page.wait_for_function("el => el.querySelectorAll('tbody tr').length === 3", arg=table.element_handle(),
-                           timeout=30_000)
+    expect(table.locator("tbody tr")).to_have_count(3, timeout=30_000)
     table.locator(".exlnb-cancel-all").click()
-    page.wait_for_function("el => el.querySelectorAll('tbody tr').length === 0", arg=table.element_handle(),
-                           timeout=30_000)
-    expect(inspector.locator(".exlnb-summary")).to_contain_text("idle", timeout=30_000)
-    assert "0 of" in inspector.locator(".exlnb-summary").inner_text()
+    expect(samples.locator(".exlnb-record .exlnb-stopped")).to_have_count(4, timeout=30_000)
+    # with no job left, the inspector and the table settle into their last state with jobs
+    for index in (5, 6):
+        record = page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".exlnb-record")
+        expect(record).to_contain_text("had ended by", timeout=30_000)
+    assert "pages in use" in page.locator(".jp-Notebook .jp-Cell").nth(5).locator(".exlnb-record").inner_text()
     run_cell(page, 7)
     assert "cancelled 0 jobs" in wait_done(page, 7)
+
+
+def test_a_wrong_template_is_a_warning_above_the_answer(page):
+    run_cell(page, 8)
+    wait_done(page, 8)
+    output = page.locator(".jp-Notebook .jp-Cell").nth(8).locator(".jp-OutputArea")
+    expect(output.locator(".exlnb-record")).to_be_visible(timeout=30_000)
+    assert output.locator(".exlnb-warning").count() == 1
+    assert "does not follow the template" in output.locator(".exlnb-warning").inner_text()
+    assert output.locator(".exlnb-special").count() == 0  # llama3's tags are ordinary text to this model
+    assert output.locator(".exlnb-token").count() > 20
+
+
+def test_show_prompt_marks_the_special_tokens_of_the_model_template(page):
+    run_cell(page, 10)
+    wait_done(page, 10)
+    output = page.locator(".jp-Notebook .jp-Cell").nth(10).locator(".jp-OutputArea")
+    expect(output.locator(".exlnb-record")).to_be_visible(timeout=30_000)
+    assert output.locator(".exlnb-special").count() >= 4 and output.locator(".exlnb-warning").count() == 0
+
+
+def test_an_interrupt_prints_one_line_and_no_traceback(page):
+    run_cell(page, 9)
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(9)
+    expect(cell.locator(".exlnb-text")).not_to_be_empty(timeout=120_000)
+    page.evaluate("window.jupyterapp.commands.execute('kernelmenu:interrupt')")
+    output = wait_done(page, 9, timeout_s=30)
+    error = cell.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").inner_text()
+    assert re.fullmatch(r"interrupted: job \d+ cancelled after \d+ tokens", error.strip()), error
+    assert "Traceback" not in output and "CancelledError" not in output
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_records_read_well_in_light_and_dark_themes(page, theme):
+    page.evaluate(f"window.jupyterapp.commands.execute('apputils:change-theme', {{theme: {THEMES[theme]!r}}})")
+    page.wait_for_function(f"document.body.dataset.jpThemeName === {THEMES[theme]!r}")
+    time.sleep(1)  # the theme's stylesheet applies
+    for index, name in [(2, "stream"), (4, "stream-n4"), (5, "cache-inspector"), (6, "job-table"),
+                        (8, "wrong-template"), (10, "show-prompt")]:
+        output = page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-OutputArea")
+        output.scroll_into_view_if_needed()
+        output.screenshot(path=str(ARTIFACTS / f"{name}-{theme}.png"))
+    ratios = page.evaluate(CONTRAST_JS, list(READABLE))
+    assert all(ratios[s] is not None and ratios[s] >= 4.5 for s in READABLE), ratios  # None: nothing to measure
+
+
+def test_a_saved_notebook_keeps_answers_and_statistics_after_the_kernel_has_gone(page, lab):
+    _, root, api = lab
+    answer = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".exlnb-text").inner_text()
+    page.evaluate("window.jupyterapp.commands.execute('docmanager:save')")
+    page.wait_for_function("!document.querySelector('.jp-mod-dirty')")
+    for session in api("GET", "/api/sessions"):
+        api("DELETE", f"/api/kernels/{session['kernel']['id']}")  # shut the kernel down
+
+    saved = nbformat.read(root / "face.ipynb", as_version=4)
+    recorded = [saved.cells[i] for i in RECORDED]  # (%exl_load's weight-loading bar is transformers' tqdm widget)
+    assert not [o for c in recorded for o in c.outputs if WIDGET_MIME in o.get("data", {})]
+
+    page.reload()
+    page.wait_for_selector(".jp-Notebook .jp-Cell")
+    cells = page.locator(".jp-Notebook .jp-Cell")
+    for index, texts in [(2, [first_line(answer), "TTFT", "eos: cancelled (stop button)"]), (5, ["pages in use"]),
+                         (6, ["job", "new / max"])]:
+        cells.nth(index).scroll_into_view_if_needed()  # JupyterLab renders the cells in view
+        for text in texts:
+            expect(cells.nth(index).locator(".exlnb-record")).to_contain_text(text, timeout=60_000)
+    for index in RECORDED:
+        cells.nth(index).scroll_into_view_if_needed()
+        expect(cells.nth(index).locator(".exlnb-record")).to_be_visible()
+        assert "model not found" not in cells.nth(index).inner_text()
+
+    subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "html", str(root / "face.ipynb")],
+                   check=True, capture_output=True)
+    exported = (root / "face.html").read_text()
+    assert html.escape(first_line(answer)) in exported and "VBox(" not in exported

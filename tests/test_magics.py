@@ -18,7 +18,7 @@ import exlnb.magics
 from exlnb import EosReason
 from exlnb.chat import forget_chat, get_chat
 from exlnb.generation import start
-from exlnb.widgets.stream import StreamView, generate_live
+from exlnb.widgets.stream import generate_live
 
 QUESTION = "What is the capital of France?"
 LOOPING = "Write a chant for a football team."  # greedy, no penalty: "The team of the team of ..." by token 40
@@ -216,20 +216,6 @@ def test_rerunning_a_cell_cancels_what_it_started(idle):
     first.wait(60)
     assert first.samples[0].stopped_by == "re-run"
     assert first.results[0].eos_reason is EosReason.CANCELLED
-
-
-def test_stop_button_cancels_every_sample(idle):
-    generation = start(QUESTION, n=2, max_new_tokens=400, temperature=1.0)
-    view = StreamView(generation)
-    while not all(s.token_ids for s in generation.samples):
-        time.sleep(0.01)
-    view.stop_button.click()
-    results = generation.wait(30)
-
-    assert all(r.eos_reason is EosReason.CANCELLED for r in results)
-    assert all(s.stopped_by == "stop button" for s in generation.samples)
-    assert view.stop_button.disabled
-    assert idle.jobs() == []
 
 
 def test_keyboard_interrupt_while_waiting_cancels_the_samples(shell, idle, ctrl_c):

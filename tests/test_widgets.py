@@ -1,4 +1,5 @@
-"""The cache inspector and job table without a browser: when they redraw, and what their buttons do.
+"""The widgets without a browser: what they show, when they redraw, what their buttons do, and the static
+record they leave in the notebook.
 
 The front end's messages are delivered as the comm would deliver them (tests/test_browser.py covers the
 real front end).
@@ -6,14 +7,21 @@ real front end).
 
 from __future__ import annotations
 
+import asyncio
+import re
 import time
 
 import pytest
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.utils.capture import capture_output
 
+from exlnb import EosReason
 from exlnb.generation import start
 from exlnb.widgets.cache import CacheInspector, JobTable
+from exlnb.widgets.stream import StreamView
 
 PROMPT = "Tell me a very long story about a dragon who learns to bake bread."
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
 
 @pytest.fixture
@@ -23,8 +31,13 @@ def idle(cpu_session):
     cpu_session.cancel_all()
 
 
+@pytest.fixture(scope="module")
+def shell():
+    return InteractiveShell.instance()
+
+
 def send(view, content: dict) -> None:
-    view._on_front_end_message(view, content, [])
+    view.handle(content)
 
 
 def settle(condition, timeout_s: float = 30) -> None:
@@ -34,16 +47,91 @@ def settle(condition, timeout_s: float = 30) -> None:
         time.sleep(0.01)
 
 
+def test_a_finished_generation_leaves_its_answer_and_statistics_as_static_output(idle, shell):
+    with capture_output(stdout=False, stderr=False) as captured:
+        generation = start("What is the capital of France?", max_new_tokens=4, temperature=0)
+        view = StreamView(generation, max_new_tokens=4)
+        view.show()
+        generation.wait(60)
+        settle(lambda: view.settled)
+
+    shown, record = captured.outputs[0], captured.outputs[-1]
+    assert WIDGET_MIME in shown.data  # live while it ran
+    assert WIDGET_MIME not in record.data and record.update  # then replaced in place by plain HTML and text
+    answer = generation.samples[0].text
+    assert answer and answer.strip() in record.data["text/plain"]
+    assert "TTFT" in record.data["text/plain"] and "eos: max_new_tokens" in record.data["text/plain"]
+    assert "4/4 tokens" in record.data["text/html"] and "<style>" in record.data["text/html"]
+    assert view.controls == [] and view.comm is None  # no Stop button left behind, the widget closed
+
+
+def test_stop_cancels_every_sample_and_removes_the_button(idle):
+    generation = start(PROMPT, n=2, max_new_tokens=400, temperature=1.0)
+    view = StreamView(generation, max_new_tokens=400)
+    settle(lambda: all(s.token_ids for s in generation.samples))
+    send(view, {"type": "stop"})
+    results = generation.wait(30)
+    settle(lambda: view.settled)
+
+    assert all(r.eos_reason is EosReason.CANCELLED for r in results)
+    assert all(s.stopped_by == "stop button" for s in generation.samples)
+    assert view.html.count('class="exlnb-sample exlnb-stopped"') == 2 and view.controls == []
+    assert idle.jobs() == []
+
+
+def test_a_wrong_template_is_one_warning_above_the_answer(idle):
+    generation = start("Hi", template="llama3", max_new_tokens=1)
+    generation.wait(60)
+    view = StreamView(generation, max_new_tokens=1)
+
+    assert view.html.count("exlnb-warning") == 1
+    assert view.html.index("exlnb-warning") < view.html.index("exlnb-text")
+    assert f"{len(generation.prompt_findings)} findings" in view.html
+    assert view.text().startswith("warning: the prompt does not follow the template")
+
+
+def test_cached_prefill_says_what_was_computed(idle):
+    notes = " ".join(f"Line {i}: the oven is at {i * 10} degrees." for i in range(60))
+    start(notes, max_new_tokens=1, temperature=0).wait(60)
+    generation = start(notes, max_new_tokens=1, temperature=0)
+    generation.wait(60)
+    event = generation.samples[0].last
+    view = StreamView(generation, max_new_tokens=1)
+
+    assert event.cached_tokens > 0
+    assert f"cached <b>{event.cached_tokens}</b>" in view.html
+    assert f"prefill <b>{event.computed_prompt_tokens} tokens in " in view.html
+
+
+def test_an_interrupted_cell_prints_one_line_and_no_traceback(idle, shell, capsys):
+    async def interrupt_cell():
+        code = f"from exlnb import agenerate_live\nawait agenerate_live({PROMPT!r}, max_new_tokens=400, display='widget')"
+        task = asyncio.ensure_future(shell.run_cell_async(code, store_history=False, transformed_cell=shell.transform_cell(code)))
+        while not any(row.info.new_tokens for row in idle.jobs()):
+            assert not task.done(), task.result().error_in_exec
+            await asyncio.sleep(0.01)
+        task.cancel()  # what ipykernel does on an interrupt while a cell awaits
+        return await task
+
+    with capture_output(stdout=False, stderr=False):
+        result = asyncio.run(interrupt_cell())
+    lines = capsys.readouterr().out.strip().splitlines()
+
+    assert len(lines) == 1 and re.fullmatch(r"interrupted: job \d+ cancelled after \d+ tokens", lines[0]), lines
+    assert type(result.error_in_exec).__name__ == "Interrupted"
+    settle(lambda: idle.jobs() == [])
+
+
 def test_inspector_redraws_while_visible_and_jobs_run_and_sleeps_when_hidden_or_idle(idle):
-    inspector = CacheInspector(idle, interval=0.02, idle_check=0.02)
+    inspector = CacheInspector(idle, interval=0.02, idle_check=0.02, retire_after=60)
     try:
         generation = start(PROMPT, max_new_tokens=2000, temperature=1.0)
         send(inspector, {"type": "visible", "view": "a", "visible": True})
         settle(lambda: inspector.refreshing)
         before = inspector.refresh_count
         settle(lambda: inspector.refresh_count >= before + 3)
-        assert f"job {generation.samples[0].stream.job_id}" in inspector.legend
-        assert any(kind == "used" for _background, _title, kind in inspector.cells)
+        assert f"job {generation.samples[0].stream.job_id}" in inspector.html
+        assert "exlnb-page exlnb-used" in inspector.html
 
         send(inspector, {"type": "visible", "view": "a", "visible": False})
         settle(lambda: not inspector.refreshing)
@@ -54,13 +142,29 @@ def test_inspector_redraws_while_visible_and_jobs_run_and_sleeps_when_hidden_or_
         generation.cancel()
         generation.wait(30)
         send(inspector, {"type": "visible", "view": "a", "visible": True})
-        settle(lambda: "idle" in inspector.summary)
+        settle(lambda: "idle" in inspector.html)
         idle_at = inspector.refresh_count
         time.sleep(0.5)
         assert inspector.refresh_count == idle_at, "redrew with no job running"
-        assert "0 of" in inspector.summary
+        assert "0 of" in inspector.html
     finally:
         inspector.close()
+
+
+def test_inspector_settles_into_its_last_state_with_jobs_once_they_have_ended(idle, shell):
+    with capture_output(stdout=False, stderr=False) as captured:
+        inspector = CacheInspector(idle, interval=0.02, idle_check=0.02, retire_after=0.2)
+        inspector.show()
+        generation = start(PROMPT, max_new_tokens=2000, temperature=1.0)
+        send(inspector, {"type": "visible", "view": "a", "visible": True})
+        settle(lambda: inspector.refreshing)
+        generation.cancel()
+        settle(lambda: inspector.settled)
+
+    record = captured.outputs[-1]
+    assert record.update and WIDGET_MIME not in record.data
+    assert f"job {generation.samples[0].stream.job_id}" in record.data["text/html"]
+    assert "had ended by" in record.data["text/plain"]
 
 
 def test_job_table_cancel_and_cancel_all_end_the_jobs(idle):
@@ -69,12 +173,14 @@ def test_job_table_cancel_and_cancel_all_end_the_jobs(idle):
         generation = start(PROMPT, n=3, max_new_tokens=2000, temperature=1.0)
         job_ids = [s.stream.job_id for s in generation.samples]
         table.refresh()
-        assert sorted(row["job_id"] for row in table.rows) == sorted(job_ids)
+        assert all(f'data-job="{j}"' in table.html for j in job_ids)
 
-        send(table, {"type": "cancel", "job_id": job_ids[0]})
-        assert sorted(row["job_id"] for row in table.rows) == sorted(job_ids[1:])
+        send(table, {"type": "cancel", "job": str(job_ids[0])})  # queued: a button never waits for a step
+        settle(lambda: f'data-job="{job_ids[0]}"' not in table.html)
+        assert all(f'data-job="{j}"' in table.html for j in job_ids[1:])
         send(table, {"type": "cancel_all"})
-        assert table.rows == [] and table.summary == "no pending or active jobs"
+        settle(lambda: "no pending or active jobs" in table.html)
+        assert "Cancel all" not in table.html
         generation.wait(30)
         assert idle.jobs() == []
     finally:

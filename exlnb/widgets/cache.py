@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import html
 
-import traitlets
-
 from exlnb.engines.base import CacheView, PageInfo, wall_clock
 from exlnb.engines.options import check_display
 from exlnb.session import JobRow, Session, get_session
 from exlnb.widgets.frontend import widget_frontend
-from exlnb.widgets.live import LiveView, front_end_module
+from exlnb.widgets.live import LiveView
 
-# matplotlib's tab10: ten colours told apart easily, also by most colour-blind readers
+# matplotlib's tab10: ten colours told apart easily, also by most colour-blind readers, on light and dark
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
-FREE = "#f1f1f1"
-CACHED = "#e3f4f1"  # free, but still holding a prompt prefix that a new job can reuse
 
 
 def job_color(job_id: int) -> str:
@@ -27,20 +23,29 @@ def job_color(job_id: int) -> str:
 
 
 def page_cell(page: PageInfo, page_size: int) -> tuple[str, str, str]:
-    """(CSS background, tooltip, kind) of one page: kind is used, shared, cached or free."""
+    """(inline style, tooltip, kind) of one page; kind is used, shared, cached or free.
+
+    Used pages are filled in their job's colour up to the tokens written and outlined in it, so a page a
+    job has reserved but not yet written is an outline of its colour, never a free page; free pages are
+    grey outlines, dashed when they still hold a prompt prefix a new job can reuse.
+    """
     if page.ref_count == 0:
         kind = "cached" if page.cached else "free"
-        return (CACHED if page.cached else FREE), f"page {page.index}: {kind}", kind
+        return "", f"page {page.index}: {'free, keeps a reusable prefix' if page.cached else 'free'}", kind
     colors = [job_color(o) for o in page.owners]
     if len(colors) > 1:  # stripes of every owner's colour
-        stops = ", ".join(f"{c} {i * 4}px {(i + 1) * 4}px" for i, c in enumerate(colors))
+        stops = ", ".join(f"{c} {i * 3}px {(i + 1) * 3}px" for i, c in enumerate(colors))
         background = f"repeating-linear-gradient(45deg, {stops})"
     else:
         fill = 100 * page.tokens_filled / page_size if page_size else 100
-        background = f"linear-gradient(to top, {colors[0]} {fill:.0f}%, {FREE} {fill:.0f}%)"
+        background = f"linear-gradient(to top, {colors[0]} {fill:.0f}%, transparent {fill:.0f}%)"
     owners = ", ".join(str(o) for o in page.owners)
     title = f"page {page.index}: job {owners}, {page.tokens_filled}/{page_size} tokens, {page.ref_count} refs"
-    return background, title, "shared" if page.shared else "used"
+    return f"--exlnb-owner:{colors[0]};background:{background}", title, "shared" if page.shared else "used"
+
+
+def page_square(style: str, title: str, kind: str) -> str:
+    return f'<span class="exlnb-page exlnb-{kind}" style="{style}" title="{html.escape(title)}"></span>'
 
 
 def cache_summary(view: CacheView) -> str:
@@ -59,57 +64,19 @@ def job_label(row: JobRow) -> str:
     return f"job {row.info.job_id}{name}"
 
 
-class CacheInspector(LiveView):
-    """Every page of the KV cache as a square: coloured by owner job, outlined when shared, pale when free."""
-
-    _esm = front_end_module("cache.js")
-    cells = traitlets.List().tag(sync=True)
-    legend = traitlets.Unicode("").tag(sync=True)
-
-    def draw(self, running: bool) -> None:
-        view, rows = self.session.cache_view(), self.session.jobs()
-        with self.hold_sync():
-            self.cells = [list(page_cell(p, view.page_size)) for p in view.pages]
-            self.summary = html.escape(cache_summary(view)) + (" · live" if running else " · idle")
-            swatches = [(job_color(r.info.job_id), f"{job_label(r)} ({r.info.stage.value}, {r.info.pages} pages)")
-                        for r in rows]
-            swatches += [(FREE, "free"), (CACHED, "free, reusable prefix")]
-            self.legend = "".join(
-                f'<span><span class="swatch" style="background:{c}"></span>{html.escape(t)}</span>' for c, t in swatches
-            ) + "<span>outlined: shared by several jobs</span>"
-
-
-JOB_COLUMNS = ("job", "stage", "age", "prompt tokens", "new / max", "pages", "stream read")
-
-
-def job_cells(row: JobRow, now: float) -> list[str]:
-    info = row.info
-    read = "yes" if row.consumed else ("no (runs on by request)" if row.abandoned_ok else "no")
-    return [
-        job_label(row), info.stage.value, f"{now - info.time_enqueued:.1f} s", str(info.prompt_tokens),
-        f"{info.new_tokens} / {info.max_new_tokens}", str(info.pages), read,
-    ]
-
-
-class JobTable(LiveView):
-    """Pending and active jobs: age, tokens, whether anyone reads the stream; Cancel each, Cancel all."""
-
-    _esm = front_end_module("jobs.js")
-    columns = traitlets.List(list(JOB_COLUMNS)).tag(sync=True)
-    rows = traitlets.List().tag(sync=True)
-
-    def draw(self, running: bool) -> None:
-        rows, now = self.session.jobs(), wall_clock()
-        with self.hold_sync():
-            self.rows = [{"job_id": r.info.job_id, "cells": [html.escape(c) for c in job_cells(r, now)]} for r in rows]
-            unread = sum(not r.consumed for r in rows)
-            self.summary = f"{len(rows)} jobs, {unread} with nobody reading" if rows else "no pending or active jobs"
-
-    def handle(self, message: dict) -> None:
-        if message.get("type") == "cancel":
-            self.session.cancel(int(message["job_id"]))
-        elif message.get("type") == "cancel_all":
-            self.session.cancel_all()
+def inspector_html(view: CacheView, rows: list[JobRow], note: str = "") -> str:
+    """The inspector's markup: summary, one square per page, and a legend naming each job's colour."""
+    grid = "".join(page_square(*page_cell(p, view.page_size)) for p in view.pages)
+    swatches = [(f"--exlnb-owner:{job_color(r.info.job_id)};background:{job_color(r.info.job_id)}", "used",
+                 f"{job_label(r)} ({r.info.stage.value}, {r.info.pages} pages{'' if r.consumed else ', nobody reading'})")
+                for r in rows]
+    swatches += [("", "free", "free"), ("", "cached", "free, keeps a reusable prefix")]
+    legend = "".join(f"<span>{page_square(s, t, k)}{html.escape(t)}</span>" for s, k, t in swatches)
+    legend += f'<span>{page_square("--exlnb-owner:transparent", "shared", "shared")}shared by several jobs</span>'
+    return (
+        f'<div class="exlnb-cache"><div class="exlnb-summary">{html.escape(cache_summary(view) + note)}</div>'
+        f'<div class="exlnb-grid">{grid}</div><div class="exlnb-legend">{legend}</div></div>'
+    )
 
 
 def cache_text(view: CacheView, rows: list[JobRow]) -> str:
@@ -122,19 +89,72 @@ def cache_text(view: CacheView, rows: list[JobRow]) -> str:
     return "\n".join(lines + [f"{r.info.job_id % 10}: {job_label(r)}, {r.info.pages} pages" for r in rows])
 
 
+class CacheInspector(LiveView):
+    """Every page of the KV cache as a square: filled in its job's colour, ringed when shared, outlined when free."""
+
+    def draw(self, running: bool) -> tuple[str, str]:
+        view, rows = self.session.cache_view(), self.session.jobs()
+        return inspector_html(view, rows, " · live" if running else " · idle"), cache_text(view, rows)
+
+
+JOB_COLUMNS = ("job", "stage", "age", "prompt tokens", "new / max", "pages", "stream read")
+
+
+def job_cells(row: JobRow, now: float) -> list[str]:
+    info = row.info
+    read = "yes" if row.consumed else ("no (runs on by request)" if row.abandoned_ok else "no")
+    return [
+        job_label(row), info.stage.value, f"{now - info.time_enqueued:.0f} s", str(info.prompt_tokens),
+        f"{info.new_tokens} / {info.max_new_tokens}", str(info.pages), read,
+    ]
+
+
+def jobs_summary(rows: list[JobRow]) -> str:
+    unread = sum(not r.consumed for r in rows)
+    return f"{len(rows)} jobs, {unread} with nobody reading" if rows else "no pending or active jobs"
+
+
+def jobs_html(rows: list[JobRow], now: float) -> str:
+    """The job table's markup: a row per job with its colour and a Cancel button, and Cancel all."""
+    body = "".join(
+        f'<tr><td>{page_square(f"--exlnb-owner:{job_color(r.info.job_id)};background:{job_color(r.info.job_id)}", "", "used")}'
+        + "</td><td>".join(html.escape(c) for c in job_cells(r, now))
+        + f'</td><td><button class="exlnb-cancel" data-action="cancel" data-job="{r.info.job_id}">Cancel</button></td></tr>'
+        for r in rows
+    )
+    header = "".join(f"<th>{c}</th>" for c in JOB_COLUMNS)
+    table = f"<table><thead><tr>{header}<th></th></tr></thead><tbody>{body}</tbody></table>" if rows else ""
+    cancel_all = '<button class="exlnb-cancel-all" data-action="cancel_all">Cancel all</button>' if rows else ""
+    return f'<div class="exlnb-jobs"><div class="exlnb-summary">{jobs_summary(rows)}</div>{table}{cancel_all}</div>'
+
+
 def jobs_text(rows: list[JobRow]) -> str:
     if not rows:
-        return "no pending or active jobs"
+        return jobs_summary(rows)
     now = wall_clock()
     table = [list(JOB_COLUMNS)] + [job_cells(r, now) for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(JOB_COLUMNS))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in table)
 
 
+class JobTable(LiveView):
+    """Pending and active jobs: age, tokens, whether anyone reads the stream; Cancel each, Cancel all."""
+
+    def draw(self, running: bool) -> tuple[str, str]:
+        rows = self.session.jobs()
+        return jobs_html(rows, wall_clock()), jobs_text(rows)
+
+    def act(self, message: dict) -> None:
+        if message.get("type") == "cancel":
+            self.session.request_cancel(int(message["job"]))
+        elif message.get("type") == "cancel_all":
+            self.session.request_cancel_all()
+
+
 def show_cache(session: Session | None = None, *, display: str = "auto") -> None:
     """Display the cache inspector where widgets render, plain text otherwise.
 
-    For a handle (to `close()` it, or read `refresh_count`), display `CacheInspector(get_session())` yourself.
+    For a handle (to `close()` it, or read `refresh_count`), `CacheInspector(get_session()).show()` yourself.
     """
     _show(CacheInspector, lambda s: cache_text(s.cache_view(), s.jobs()), session, display)
 
@@ -145,11 +165,9 @@ def show_jobs(session: Session | None = None, *, display: str = "auto") -> None:
 
 
 def _show(widget: type[LiveView], as_text, session: Session | None, display: str) -> None:
-    from IPython.display import display as show
-
     session = session or get_session()
     check_display(display)
     if display == "widget" or (display == "auto" and widget_frontend()):
-        show(widget(session))
+        widget(session).show()
     else:
         print(as_text(session))

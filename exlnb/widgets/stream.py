@@ -1,134 +1,82 @@
 """Showing a generation as it happens: a live widget in a notebook, plain text everywhere else.
 
-The widget never consumes a stream itself: `exlnb.generation` does, one thread per sample, and the widget
-renders from the sample's state at most 30 times a second, so text appears token by token without ever
-waiting on the kernel's event loop. Where no widget front end exists (papermill, nbclient, terminal
-IPython) the same call prints the text and the statistics.
+The widget never consumes a stream itself: `exlnb.generation` does, on one background thread, and the widget
+redraws from the samples' state at most 30 times a second, so text appears token by token without ever
+waiting on the kernel's event loop. When every sample has ended the output becomes a static record of the
+answers and their statistics (`exlnb.widgets.record`), which a saved, exported or reopened notebook keeps.
+Where no widget front end exists (papermill, nbclient, terminal IPython) the same call prints the text and
+the statistics.
 """
 
 from __future__ import annotations
 
 import asyncio
-import html
-from collections.abc import Hashable, Iterator, Sequence
+import threading
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 
-from exlnb.engines.base import StreamEvent, Tokenizer, wall_clock
+from exlnb.engines.base import DEFAULT_MAX_NEW_TOKENS, StreamEvent, wall_clock
 from exlnb.engines.checks import check_option_names
 from exlnb.engines.options import check_display
 from exlnb.generation import Generation, Sample, as_request, astart, start
 from exlnb.request import GenerationRequest
 from exlnb.session import Session
+from exlnb.widgets.figures import (
+    generation_html, generation_text, prompt_html, prompt_pieces, prompt_text, sample_text, status_line,
+    template_warning,
+)
 from exlnb.widgets.frontend import widget_frontend
+from exlnb.widgets.record import RecordedView
 
-FRAME_S = 1 / 30  # renders per sample per second at most: smooth to the eye, cheap on the comm channel
+FRAME_S = 1 / 30  # redraws per second at most: smooth to the eye, cheap on the comm channel
 POLL_S = 0.02  # how often an awaiting cell looks whether its samples have ended
 
 
-def status_line(sample: Sample) -> str:
-    """stage, tokens, TTFT, prefill and decode speed, elapsed time, and why it ended."""
-    event = sample.last
-    if event is None:
-        return "pending"
-    parts = [event.stage.value, f"{event.new_tokens} tokens"]
-    if event.time_to_first_token_s is not None:
-        parts.append(f"TTFT {event.time_to_first_token_s * 1000:.0f} ms")
-    if event.cached_tokens:
-        parts.append(f"{event.cached_tokens}/{event.prompt_tokens} prompt tokens cached")
-    if event.prefill_tokens_per_s:
-        parts.append(f"prefill {event.prefill_tokens_per_s:.0f} tok/s")
-    if event.decode_tokens_per_s:
-        parts.append(f"decode {event.decode_tokens_per_s:.1f} tok/s")
-    parts.append(f"{sample.elapsed_s():.1f} s")
-    if event.eos:
-        reason = event.eos_reason.value if event.eos_reason else "ended"
-        parts.append(f"eos: {reason}" + (f" ({sample.stopped_by})" if sample.stopped_by else ""))
-        if sample.loop is not None:
-            period = f", period {sample.loop.period} tokens" if sample.loop.period else ""
-            parts.append(f"loop: {sample.loop.repeated_fraction:.0%} of the last 32 tokens repeat{period}")
-    return " · ".join(parts)
+class StreamView(RecordedView):
+    """A generation's samples side by side, shared figures above them and a Stop button under them; when every
+    sample has ended, a static record of the answers and their statistics."""
 
-
-def prompt_pieces(ids: Sequence[int], tokenizer: Tokenizer) -> list[tuple[str, bool]]:
-    """The prompt exactly as the model gets it: (text of each token, whether it is a special token)."""
-    specials = set(tokenizer.special_tokens().values())
-    return [(tokenizer.decode([i]), i in specials) for i in ids]
-
-
-# -- the widget --------------------------------------------------------------------------------------------
-
-
-class StreamView:
-    """Text of each sample side by side, a status line under each, and a Stop button."""
-
-    def __init__(self, generation: Generation, *, prompt_html: str | None = None) -> None:
-        import ipywidgets as w
-
+    def __init__(self, generation: Generation, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                 prompt: list[tuple[str, bool]] | None = None) -> None:
+        super().__init__()
         self.generation = generation
-        self._texts = [w.HTML(layout=w.Layout(flex="1 1 0", min_width="0")) for _ in generation.samples]
-        self._statuses = [w.HTML() for _ in generation.samples]
-        self._rendered_at = [0.0] * len(generation.samples)
-        columns = [
-            w.VBox([text, status], layout=w.Layout(flex="1 1 0", min_width="0", padding="0 6px"))
-            for text, status in zip(self._texts, self._statuses)
-        ]
-        self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger",
-                                    tooltip="cancel every sample of this cell", layout=w.Layout(width="96px"))
-        self.stop_button.on_click(lambda _: generation.cancel("stop button", wait=False))
-        self.stop_button.add_class("exlnb-stop")
-        head = [w.HTML(prompt_html)] if prompt_html else []
-        self.widget = w.VBox(head + [w.HBox(columns), self.stop_button])
-        self.widget.add_class("exlnb-stream")
+        self.max_new_tokens = max_new_tokens
+        self._prompt_html = prompt_html(prompt) if prompt else ""
+        self._rendered_at = 0.0
+        self._render_lock = threading.Lock()
+        self._final = False
+        self.controls = [["stop", "Stop", "cancel every sample of this cell"]]
         generation.listen(self._on_event)
-        for sample in generation.samples:  # whatever arrived before listening
-            self._render(sample)
+        self.render()
+        if all(s.done for s in generation.samples):  # ended before it could listen
+            self.finish()
 
     def _on_event(self, sample: Sample, event: StreamEvent) -> None:
-        now = wall_clock()
-        if event.eos or now - self._rendered_at[sample.index] >= FRAME_S:
-            self._rendered_at[sample.index] = now
-            self._render(sample)
-
-    def _render(self, sample: Sample) -> None:
-        label = f"<b>sample {sample.index}</b><br>" if len(self._texts) > 1 else ""
-        self._texts[sample.index].value = (
-            f'{label}<div class="exlnb-text" style="white-space: pre-wrap; line-height: 1.4">'
-            f"{html.escape(sample.text)}</div>"
-        )
-        self._statuses[sample.index].value = (
-            f'<div class="exlnb-status" style="font-family: monospace; font-size: 0.85em; color: #666">'
-            f"{html.escape(status_line(sample))}</div>"
-        )
         if all(s.done for s in self.generation.samples):
-            self.stop_button.disabled = True
+            self.finish()
+        elif wall_clock() - self._rendered_at >= FRAME_S:
+            self.render()
 
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
+    def render(self, *, final: bool = False) -> None:
+        with self._render_lock:
+            if self._final:
+                return
+            self._final = final
+            self._rendered_at = wall_clock()
+            self.html = generation_html(self.generation, self.max_new_tokens, self._prompt_html)
 
-        display(self.widget)
+    def finish(self) -> None:
+        """Draw the last state, without the Stop button, and leave it as the output's record."""
+        self.controls = []
+        self.render(final=True)
+        self.settle()
 
+    def handle(self, message: dict) -> None:
+        if message.get("type") == "stop":
+            self.generation.cancel("stop button", wait=False)  # a button never waits for an engine step
 
-def prompt_html(pieces: list[tuple[str, bool]], findings: list[str]) -> str:
-    spans = []
-    for i, (text, special) in enumerate(pieces):
-        shown = html.escape(text).replace("\n", "↵\n")
-        style = ("background:#ffe08a; color:#8a4b00; font-weight:bold; border-radius:3px" if special
-                 else f"background:{'#eef3fb' if i % 2 else '#f8f8f8'}")
-        spans.append(f'<span title="token {i}" style="{style}">{shown}</span>')
-    notes = "".join(f'<div style="color:#b00">{html.escape(f)}</div>' for f in findings)
-    specials = sum(special for _, special in pieces)
-    return (
-        f'<details class="exlnb-prompt"><summary>prompt: {len(pieces)} tokens, {specials} special'
-        f'{f", {len(findings)} template findings" if findings else ""}</summary>'
-        f'<div style="white-space: pre-wrap; font-family: monospace">{"".join(spans)}</div>{notes}</details>'
-    )
-
-
-def prompt_text(pieces: list[tuple[str, bool]], findings: list[str]) -> str:
-    body = "".join(f"⟦{text}⟧" if special else text for text, special in pieces)
-    specials = sum(special for _, special in pieces)
-    lines = [f"prompt: {len(pieces)} tokens, {specials} special (⟦marked⟧)", body, *findings]
-    return "\n".join(lines)
+    def text(self) -> str:
+        return generation_text(self.generation)
 
 
 # -- plain output ------------------------------------------------------------------------------------------
@@ -161,7 +109,7 @@ class PlainPrinter:
             self._print_new_text(sample)
             print(f"\n[{status_line(sample)}]", flush=True)
         else:
-            print(f"--- sample {sample.index} ---\n{sample.text}\n[{status_line(sample)}]", flush=True)
+            print(sample_text(sample, len(self.generation.samples)), flush=True)
 
     def finish(self) -> None:
         for sample in self.generation.samples:
@@ -170,6 +118,25 @@ class PlainPrinter:
 
 
 # -- the calls behind %%exl_generate -----------------------------------------------------------------------
+
+
+class Interrupted(asyncio.CancelledError):
+    """A kernel interrupt cancelled a cell while it awaited its samples, and the samples with it.
+
+    IPython shows an exception that has `_render_traceback_` as the lines it returns
+    (InteractiveShell.showtraceback): one line, instead of 30 of CancelledError through exlnb and asyncio.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        return [str(self)]
+
+
+def interrupted_words(generation: Generation) -> str:
+    """'interrupted: job 12 cancelled after 18 tokens', or the jobs and tokens of every sample."""
+    jobs = ", ".join(str(s.stream.job_id) for s in generation.samples)
+    tokens = ", ".join(str(s.last.new_tokens if s.last else 0) for s in generation.samples)
+    plural = "s" if len(generation.samples) > 1 else ""
+    return f"interrupted: job{plural} {jobs} cancelled after {tokens} tokens"
 
 
 def generate_live(
@@ -213,27 +180,33 @@ async def agenerate_live(
     **options,
 ) -> Generation:
     """`generate_live` for a notebook cell: awaits the samples, so the kernel handles the Stop button meanwhile
-    and its event loop never waits for an engine step; interrupting the kernel cancels the cell's task and
-    with it the samples."""
+    and its event loop never waits for an engine step. Interrupting the kernel cancels the cell's task and
+    with it the samples; the cell's error is one line, `Interrupted` ("interrupted: job 12 cancelled after
+    18 tokens")."""
     request, use_widget = _entrance(request, options), _wants_widget(display)
     shown = _show(await astart(request, owner=owner, session=session), background, show_prompt, use_widget)
     if not background:
-        with _cancel_on_exit(shown.generation, wait=False):
-            await shown.wait_async()
+        try:
+            with _cancel_on_exit(shown.generation, wait=False):
+                await shown.wait_async()
+        except asyncio.CancelledError as cancelled:
+            raise Interrupted(interrupted_words(shown.generation)) from cancelled
         _raise_failure(shown.generation)
     return shown.generation
 
 
 class _Shown:
-    """A started generation and how it is being shown."""
+    """A started generation and how it is being shown: a widget, or a printer of plain text."""
 
-    def __init__(self, generation: Generation, printer: PlainPrinter | None) -> None:
+    def __init__(self, generation: Generation, view: StreamView | None, printer: PlainPrinter | None) -> None:
         self.generation = generation
-        self.printer = printer  # None: a widget shows it
+        self.view = view
+        self.printer = printer
 
     def wait(self) -> None:
         if self.printer is None:
             self.generation.wait()
+            self.view.finish()
             return
         self._print_until_done()
 
@@ -243,6 +216,7 @@ class _Shown:
             return
         while not self.generation.done:  # the kernel's loop runs meanwhile: the Stop button is heard
             await asyncio.sleep(POLL_S)
+        self.view.finish()  # also where a sample failed, and so never sent its last event
 
     def _print_until_done(self) -> None:
         for sample, event in self.generation.follow():
@@ -281,18 +255,19 @@ def _wants_widget(display: str) -> bool:
 
 
 def _show(generation: Generation, background: bool, show_prompt: bool, use_widget: bool) -> _Shown:
-    from IPython.display import display as show
-
     with _cancel_on_exit(generation, wait=False):
-        tokenizer = generation.session.tokenizer
-        pieces = prompt_pieces(generation.prompt_ids, tokenizer) if show_prompt else None
-        findings = [str(f) for f in generation.prompt_findings] if show_prompt else []
+        pieces = prompt_pieces(generation.prompt_ids, generation.session.tokenizer) if show_prompt else None
         if use_widget:
-            show(StreamView(generation, prompt_html=prompt_html(pieces, findings) if pieces else None))
-            return _Shown(generation, None)
+            view = StreamView(generation, max_new_tokens=generation.request.max_new_tokens, prompt=pieces)
+            view.show()
+            return _Shown(generation, view, None)
+        warning = template_warning(generation)
+        if warning:
+            print(f"warning: {warning}")
+            print("\n".join(str(f) for f in generation.prompt_findings))
         if pieces:
-            print(prompt_text(pieces, findings))
+            print(prompt_text(pieces))
         if background:
             jobs = ", ".join(str(s.stream.job_id) for s in generation.samples)
             print(f"{len(generation.samples)} sample(s) running in the background (jobs {jobs}); wait() for the results")
-        return _Shown(generation, PlainPrinter(generation))
+        return _Shown(generation, None, PlainPrinter(generation))

@@ -1,0 +1,199 @@
+"""What a generation looks like: its figures in words, its samples as HTML (live and in the record) and as text.
+
+One definition of each: the live widget, the static record it leaves and the plain-text output all say the
+same things with the same words.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+
+from exlnb.engines.base import EosReason, StreamEvent, Tokenizer
+from exlnb.generation import Generation, Sample
+
+FINDINGS_SHOWN = 3  # template findings listed in the warning; the rest are counted
+
+
+# -- figures, in words -------------------------------------------------------------------------------------
+
+
+def prefill_ms(event: StreamEvent) -> float | None:
+    """How long the prefill computed the prompt tokens that were not cached, once known."""
+    if not event.prefill_tokens_per_s or not event.computed_prompt_tokens:
+        return None
+    return 1000 * event.computed_prompt_tokens / event.prefill_tokens_per_s
+
+
+def prefill_words(event: StreamEvent) -> str | None:
+    """What the prefill computed, in how long, and only then the rate: a cache hit leaves few tokens to compute
+    and a rate over a few tokens is mostly fixed cost (issue 12: 512 of 599 tokens cached read "prefill
+    38 tok/s" against 51 uncached, as if the cache had slowed it down)."""
+    ms = prefill_ms(event)
+    if ms is None:
+        return None
+    return f"prefill {event.computed_prompt_tokens} tokens in {ms:.0f} ms ({event.prefill_tokens_per_s:.0f} tok/s)"
+
+
+def cached_words(event: StreamEvent) -> str | None:
+    return f"{event.cached_tokens} of {event.prompt_tokens} prompt tokens cached" if event.cached_tokens else None
+
+
+def end_words(sample: Sample) -> str:
+    """Why a sample ended: the engine's reason, and who stopped it when it was cancelled."""
+    reason = sample.eos_reason.value if sample.eos_reason else "ended"
+    return f"eos: {reason}" + (f" ({sample.stopped_by})" if sample.stopped_by else "")
+
+
+def status_line(sample: Sample) -> str:
+    """stage, tokens, TTFT, prefill and decode speed, elapsed time, and why it ended (the plain-text status)."""
+    event = sample.last
+    if event is None:
+        return "pending"
+    parts = [event.stage.value, f"{event.new_tokens} tokens"]
+    if event.time_to_first_token_s is not None:
+        parts.append(f"TTFT {event.time_to_first_token_s * 1000:.0f} ms")
+    parts += [w for w in (cached_words(event), prefill_words(event)) if w]
+    if event.decode_tokens_per_s:
+        parts.append(f"decode {event.decode_tokens_per_s:.1f} tok/s")
+    parts.append(f"{sample.elapsed_s():.1f} s")
+    if event.eos:
+        parts.append(end_words(sample))
+        if sample.loop is not None:
+            parts.append(loop_words(sample))
+    return " · ".join(parts)
+
+
+def loop_words(sample: Sample) -> str:
+    """The repetition the loop guard found (`exlnb.analysis.find_tail_loop` looks at the last 32 tokens)."""
+    period = f", period {sample.loop.period} tokens" if sample.loop.period else ""
+    return f"loop: {sample.loop.repeated_fraction:.0%} of the last 32 tokens repeat{period}"
+
+
+def template_warning(generation: Generation) -> str | None:
+    """One line on a prompt that breaks its template (the model then answers garbage), or None."""
+    findings = generation.prompt_findings
+    if not findings:
+        return None
+    return (f"the prompt does not follow the template: {len(findings)} finding{'s' if len(findings) > 1 else ''}, "
+            f"the answer may be garbage (--show-prompt shows the tokens)")
+
+
+def sample_text(sample: Sample, samples: int) -> str:
+    """One sample's text and status, as plain output prints it when the sample ends."""
+    head = f"--- sample {sample.index} ---\n" if samples > 1 else ""
+    return f"{head}{sample.text}\n[{status_line(sample)}]"
+
+
+def generation_text(generation: Generation) -> str:
+    warning = template_warning(generation)
+    blocks = [sample_text(s, len(generation.samples)) for s in generation.samples]
+    return "\n".join(([f"warning: {warning}"] if warning else []) + blocks)
+
+
+# -- as HTML -----------------------------------------------------------------------------------------------
+
+
+def sample_state(sample: Sample, generation: Generation) -> str:
+    """running, done, stopped (Stop, an interrupt, the job table, the loop guard) or error (the engine failed)."""
+    if sample.done:
+        return "stopped" if sample.eos_reason is EosReason.CANCELLED else "done"
+    return "error" if generation.done else "running"
+
+
+def figure(name: str, value: str) -> str:
+    return f'<span class="exlnb-figure">{name} <b>{html.escape(value)}</b></span>'
+
+
+def one_or_each(values: Sequence[str]) -> str:
+    """A figure the samples share once; where they differ, each sample's in order."""
+    return values[0] if len(set(values)) == 1 else " / ".join(values)
+
+
+def header_html(generation: Generation) -> str:
+    """The figures the samples share, once: TTFT, the prompt and what of it was cached or computed, and the
+    decode rate of all samples together."""
+    events = [s.last for s in generation.samples if s.last is not None]
+    if not events:
+        return '<div class="exlnb-head exlnb-muted">waiting for the engine</div>'
+    figures = []
+    ttfts = [e.time_to_first_token_s for e in events if e.time_to_first_token_s is not None]
+    if ttfts:
+        figures.append(figure("TTFT", one_or_each([f"{t * 1000:.0f} ms" for t in ttfts])))
+    figures.append(figure("prompt", f"{events[0].prompt_tokens} tokens"))
+    if any(e.cached_tokens for e in events):
+        figures.append(figure("cached", one_or_each([str(e.cached_tokens) for e in events])))
+    prefills = [e for e in events if prefill_ms(e) is not None]
+    if prefills:
+        computed = one_or_each([str(e.computed_prompt_tokens) for e in prefills])
+        times = one_or_each([f"{prefill_ms(e):.0f} ms" for e in prefills])
+        figures.append(figure("prefill", f"{computed} tokens in {times}"))
+    decode = sum(e.decode_tokens_per_s or 0 for e in events)
+    if decode:
+        together = f" ({len(events)} samples together)" if len(generation.samples) > 1 else ""
+        figures.append(figure("decode", f"{decode:.1f} tok/s{together}"))
+    figures.append(figure("elapsed", f"{max(s.elapsed_s() for s in generation.samples):.1f} s"))
+    return f'<div class="exlnb-head">{"".join(figures)}</div>'
+
+
+def sample_html(sample: Sample, generation: Generation, max_new_tokens: int) -> str:
+    """One sample's text and its compact status: state, tokens of max with a bar, decode rate, end reason."""
+    state = sample_state(sample, generation)
+    event = sample.last
+    tokens = event.new_tokens if event else 0
+    share = min(1.0, tokens / max_new_tokens) if max_new_tokens else 0.0
+    parts = [f'<span class="exlnb-state">{state}</span>', f"<span>{tokens}/{max_new_tokens} tokens</span>"]
+    if event is not None and event.decode_tokens_per_s:
+        parts.append(f"<span>{event.decode_tokens_per_s:.1f} tok/s</span>")
+    if sample.done:
+        parts.append(f"<span>{html.escape(end_words(sample))}</span>")
+    elif state == "error":
+        parts.append("<span>the engine failed: the cell's error says why</span>")
+    if sample.loop is not None:
+        parts.append(f"<span>{html.escape(loop_words(sample))}</span>")
+    label = f'<div class="exlnb-label">sample {sample.index}</div>' if len(generation.samples) > 1 else ""
+    return (f'<div class="exlnb-sample exlnb-{state}">{label}<div class="exlnb-text">{html.escape(sample.text)}</div>'
+            f'<div class="exlnb-bar"><span style="width:{share:.1%}"></span></div>'
+            f'<div class="exlnb-status">{"".join(parts)}</div></div>')
+
+
+def warning_html(generation: Generation) -> str:
+    warning = template_warning(generation)
+    if warning is None:
+        return ""
+    findings = generation.prompt_findings
+    items = "".join(f"<li>{html.escape(str(f))}</li>" for f in findings[:FINDINGS_SHOWN])
+    if len(findings) > FINDINGS_SHOWN:
+        items += f"<li>and {len(findings) - FINDINGS_SHOWN} more</li>"
+    return f'<div class="exlnb-warning"><b>⚠ {html.escape(warning)}</b><ul>{items}</ul></div>'
+
+
+def generation_html(generation: Generation, max_new_tokens: int, prompt: str = "") -> str:
+    """A template warning first, then the prompt (`prompt_html`), the shared figures and the samples."""
+    columns = f"repeat({min(len(generation.samples), 4)}, minmax(0, 1fr))"
+    samples = "".join(sample_html(s, generation, max_new_tokens) for s in generation.samples)
+    return (f'<div class="exlnb-generation">{warning_html(generation)}{prompt}{header_html(generation)}'
+            f'<div class="exlnb-samples" style="grid-template-columns: {columns}">{samples}</div></div>')
+
+
+def prompt_pieces(ids: Sequence[int], tokenizer: Tokenizer) -> list[tuple[str, bool]]:
+    """The prompt exactly as the model gets it: (text of each token, whether it is a special token)."""
+    specials = set(tokenizer.special_tokens().values())
+    return [(tokenizer.decode([i]), i in specials) for i in ids]
+
+
+def prompt_html(pieces: list[tuple[str, bool]]) -> str:
+    spans = "".join(
+        f'<span class="exlnb-token{" exlnb-special" if special else ""}" title="token {i}">'
+        f'{html.escape(text).replace(chr(10), "↵" + chr(10))}</span>'
+        for i, (text, special) in enumerate(pieces)
+    )
+    specials = sum(special for _, special in pieces)
+    return (f'<details class="exlnb-prompt" open><summary>prompt: {len(pieces)} tokens, {specials} special</summary>'
+            f'<div class="exlnb-tokens">{spans}</div></details>')
+
+
+def prompt_text(pieces: list[tuple[str, bool]]) -> str:
+    body = "".join(f"⟦{text}⟧" if special else text for text, special in pieces)
+    specials = sum(special for _, special in pieces)
+    return f"prompt: {len(pieces)} tokens, {specials} special (⟦marked⟧)\n{body}"
