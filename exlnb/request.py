@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from exlnb.engines.base import DEFAULT_MAX_NEW_TOKENS, SEED_MAX, SamplerSettings
+from exlnb.engines.token_info import MAX_TOP_TOKENS
 from exlnb.engines.checks import check_field_types, check_option_names, check_text
 from exlnb.templates import TEMPLATES
 
@@ -26,6 +27,7 @@ REQUEST_HELP = {
     "banned_strings": "text that must never appear (case-insensitive), repeatable; the engine backtracks",
     "seed": "sample i uses seed + i",
     "loop_guard": "cancel a sample caught in a repetition loop",
+    "tokens": "show the answer as tokens coloured by probability, with N alternatives on hover (0: off)",
 }
 
 
@@ -46,6 +48,7 @@ class GenerationRequest:
     loop_guard: bool = False
     min_new_tokens: int = 0
     banned_strings: tuple[str, ...] = ()
+    tokens: int = 0  # JobSpec.top_tokens: per-token probabilities and alternatives, none computed at 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -60,6 +63,8 @@ class GenerationRequest:
             raise ValueError(f"n={self.n} must be >= 1")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if not 0 <= self.tokens <= MAX_TOP_TOKENS:
+            raise ValueError(f"tokens={self.tokens} must be between 0 (off) and {MAX_TOP_TOKENS} alternatives per token")
         if self.chat is not None and self.n > 1:
             raise ValueError(f"a chat records one answer per turn: use n=1 with chat={self.chat!r} (got n={self.n})")
         if self.amnesia and self.chat is None:

@@ -19,7 +19,7 @@ LAYERS = (
     ("engines", ("exlnb.engines",)),
     ("prompts, measures and model folders", ("exlnb.templates", "exlnb.analysis", "exlnb.models", "exlnb.quantize",
                                               "exlnb.datasets", "exlnb.metrics")),
-    ("session", ("exlnb.streaming", "exlnb.engine_thread", "exlnb.session")),
+    ("session", ("exlnb.streaming", "exlnb.token_records", "exlnb.engine_thread", "exlnb.session")),
     ("generation", ("exlnb.chat", "exlnb.request", "exlnb.generation", "exlnb.workload", "exlnb.loadtest")),
     ("widgets and magics", ("exlnb.widgets", "exlnb.magics")),
     ("experiments and notebooks", ("exlnb.experiments", "exlnb.report")),

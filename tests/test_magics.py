@@ -66,6 +66,7 @@ def generate(shell, line: str, body: str = QUESTION):
         ("--loop-guard", "loop_guard", True),
         ("--show-prompt", "show_prompt", True),
         ("--display text", "display", "text"),
+        ("--tokens 3", "tokens", 3),
     ],
 )
 def test_every_generate_option_reaches_the_api(shell, idle, monkeypatch, option, keyword, value):

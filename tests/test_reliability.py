@@ -221,7 +221,7 @@ def test_wrong_types_are_refused_where_the_user_passes_them(idle_session):
 
 
 def test_an_error_inside_one_jobs_step_fails_that_job_only(idle_session, greedy, monkeypatch):
-    real = cpu_engine.sample_token
+    real = cpu_engine.draw_token
     poisoned = SamplerSettings.greedy(min_p=0.123)  # marks the job whose sampling will fail
 
     def failing_for_one(logits, sequence, settings, generator, **options):
@@ -229,7 +229,7 @@ def test_an_error_inside_one_jobs_step_fails_that_job_only(idle_session, greedy,
             raise RuntimeError("boom in one job")
         return real(logits, sequence, settings, generator, **options)
 
-    monkeypatch.setattr(cpu_engine, "sample_token", failing_for_one)
+    monkeypatch.setattr(cpu_engine, "draw_token", failing_for_one)
     good = [idle_session.generate(q, max_new_tokens=12, sampler=greedy) for q in QUESTIONS[:3]]
     bad = idle_session.generate(PROMPT, max_new_tokens=40, sampler=poisoned)
 

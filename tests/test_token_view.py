@@ -1,0 +1,82 @@
+"""The token view's data on the real bundled model and CPU engine: per-token probabilities that match the
+model's own softmax, alternatives most likely first, nothing computed when the view is off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exlnb.engines.cpu import engine as cpu_engine
+from exlnb.generation import start
+from exlnb.request import GenerationRequest
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def reference_model(cpu_session):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cpu_session.options.model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def test_greedy_probabilities_match_the_models_softmax(cpu_session, greedy, reference_model):
+    result = cpu_session.generate(PROMPT, max_new_tokens=4, sampler=greedy, top_tokens=5, stop_at_eos=False).result()
+    prompt = cpu_session.tokenizer.encode(PROMPT, special=True)
+    ids = torch.tensor([prompt + list(result.token_ids)])
+    with torch.inference_mode():
+        logits = reference_model(ids).logits[0, len(prompt) - 1 : -1].float()
+    expected = torch.softmax(logits, dim=-1)
+
+    assert [r.info.token_id for r in result.token_records] == list(result.token_ids)
+    for record, probs in zip(result.token_records, expected):
+        info = record.info
+        assert info.probability == pytest.approx(float(probs[info.token_id]), abs=1e-4)
+        assert info.alternatives[0][0] == info.token_id  # greedy picks the likeliest
+        alternative_probs = [p for _, _, p in info.alternatives]
+        assert alternative_probs == sorted(alternative_probs, reverse=True)
+        assert 0 < sum(alternative_probs) <= 1 + 1e-6
+        assert all(p == pytest.approx(float(probs[i]), abs=1e-4) for i, _, p in info.alternatives)
+
+
+def test_sampled_tokens_carry_the_distribution_they_were_drawn_from(cpu_session):
+    result = cpu_session.generate(PROMPT, max_new_tokens=4, temperature=0.8, top_k=3, seed=5, top_tokens=5).result()
+    for record in result.token_records:
+        alternatives = record.info.alternatives
+        assert len(alternatives) <= 3  # top-k kept three candidates, renormalised
+        assert sum(p for _, _, p in alternatives) == pytest.approx(1.0, abs=1e-5)
+        assert record.info.token_id in [i for i, _, _ in alternatives]
+
+
+def test_with_the_view_off_no_token_records_are_computed(cpu_session, greedy, monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a token record was built with the view off")
+
+    monkeypatch.setattr(cpu_engine, "token_info", forbidden)
+    stream = cpu_session.generate(PROMPT, max_new_tokens=3, sampler=greedy)
+    events = list(stream)
+    assert all(e.token_info == () for e in events)
+    with pytest.raises(ValueError, match="tokens=N"):
+        stream.result().tokens()
+
+
+def test_token_records_stay_aligned_when_banned_strings_rewind(cpu_session, greedy):
+    banned = cpu_session.generate(PROMPT, max_new_tokens=6, sampler=greedy, stop_at_eos=False).result().text.split()[0]
+    result = cpu_session.generate(PROMPT, max_new_tokens=6, sampler=greedy, banned_strings=[banned], top_tokens=2,
+                                  stop_at_eos=False).result()
+    assert [r.info.token_id for r in result.token_records] == list(result.token_ids)
+
+
+def test_the_dataframe_has_one_row_per_token(cpu_session):
+    generation = start(GenerationRequest.build(PROMPT, max_new_tokens=3, temperature=0, tokens=2))
+    [result] = generation.wait(60)
+    frame = result.tokens()
+    assert len(frame) == len(result.token_ids) == 3
+    assert list(frame.columns) == ["position", "token_id", "text", "probability", "alternatives", "arrival_s", "latency_s"]
+    assert frame["arrival_s"].is_monotonic_increasing and (frame["latency_s"] >= 0).all()
+
+
+def test_top_tokens_out_of_range_is_refused_in_one_line(cpu_session):
+    with pytest.raises(ValueError, match="between 0"):
+        GenerationRequest.build(PROMPT, tokens=21)
