@@ -28,6 +28,7 @@ REQUEST_HELP = {
     "seed": "sample i uses seed + i",
     "loop_guard": "cancel a sample caught in a repetition loop",
     "tokens": "show the answer as tokens coloured by probability, with N alternatives on hover (0: off)",
+    "show_whitespace": "in the token view, draw spaces, tabs and newlines as marks (· → ↵)",
 }
 
 
@@ -49,6 +50,7 @@ class GenerationRequest:
     min_new_tokens: int = 0
     banned_strings: tuple[str, ...] = ()
     tokens: int = 0  # JobSpec.top_tokens: per-token probabilities and alternatives, none computed at 0
+    show_whitespace: bool = False  # the token view's marks; nothing an engine sees
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -65,6 +67,8 @@ class GenerationRequest:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
         if not 0 <= self.tokens <= MAX_TOP_TOKENS:
             raise ValueError(f"tokens={self.tokens} must be between 0 (off) and {MAX_TOP_TOKENS} alternatives per token")
+        if self.show_whitespace and not self.tokens:
+            raise ValueError("show_whitespace marks whitespace in the token view: ask for the view too (tokens=5)")
         if self.chat is not None and self.n > 1:
             raise ValueError(f"a chat records one answer per turn: use n=1 with chat={self.chat!r} (got n={self.n})")
         if self.amnesia and self.chat is None:

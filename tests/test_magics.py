@@ -67,6 +67,7 @@ def generate(shell, line: str, body: str = QUESTION):
         ("--show-prompt", "show_prompt", True),
         ("--display text", "display", "text"),
         ("--tokens 3", "tokens", 3),
+        ("--tokens 2 --show-whitespace", "show_whitespace", True),
     ],
 )
 def test_every_generate_option_reaches_the_api(shell, idle, monkeypatch, option, keyword, value):

@@ -9,6 +9,8 @@ import torch
 from exlnb.engines.cpu import engine as cpu_engine
 from exlnb.generation import start
 from exlnb.request import GenerationRequest
+from exlnb.widgets.figures import generation_html, generation_text
+from exlnb.widgets.tokens import band
 
 PROMPT = "The capital of France is"
 
@@ -80,3 +82,24 @@ def test_the_dataframe_has_one_row_per_token(cpu_session):
 def test_top_tokens_out_of_range_is_refused_in_one_line(cpu_session):
     with pytest.raises(ValueError, match="between 0"):
         GenerationRequest.build(PROMPT, tokens=21)
+
+
+def test_the_view_shades_each_token_by_band_with_its_alternatives_on_hover(cpu_session):
+    generation = start(GenerationRequest.build(PROMPT, max_new_tokens=3, temperature=0, tokens=2, show_whitespace=True))
+    [result] = generation.wait(60)
+    page = generation_html(generation, 3)
+    for record in result.token_records:
+        assert f'exlnb-chip exlnb-p{band(record.info.probability)}" title="token {record.info.token_id} ' in page
+    assert "alternatives:" in page and "·" in page  # a leading space drawn as a mark
+    assert generation_text(generation).count("[") == 3 + 1  # three tokens and the status line
+
+
+def test_without_tokens_the_answer_is_plain_text(cpu_session):
+    generation = start(GenerationRequest.build(PROMPT, max_new_tokens=2, temperature=0))
+    generation.wait(60)
+    assert "exlnb-chip" not in generation_html(generation, 2) and "tokens:" not in generation_text(generation)
+
+
+def test_whitespace_marks_without_the_view_are_refused():
+    with pytest.raises(ValueError, match="tokens=5"):
+        GenerationRequest.build(PROMPT, show_whitespace=True)
