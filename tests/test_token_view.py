@@ -103,3 +103,15 @@ def test_without_tokens_the_answer_is_plain_text(cpu_session):
 def test_whitespace_marks_without_the_view_are_refused():
     with pytest.raises(ValueError, match="tokens=5"):
         GenerationRequest.build(PROMPT, show_whitespace=True)
+
+
+def test_every_engine_reports_the_greedy_tokens_as_the_likeliest(idle_session, greedy):
+    result = idle_session.generate(PROMPT, max_new_tokens=4, sampler=greedy, top_tokens=3, stop_at_eos=False).result()
+    records = result.token_records
+    assert records and [r.info.token_id for r in records] == list(result.token_ids[: len(records)])
+    assert any(r.info.probability < 0.99 for r in records)  # a softmax, not exllamav2's certain top_k = 1
+    for record in records:
+        info = record.info
+        assert 0 < info.probability <= 1
+        assert info.alternatives[0][0] == info.token_id
+        assert [p for _, _, p in info.alternatives] == sorted((p for _, _, p in info.alternatives), reverse=True)

@@ -4,7 +4,9 @@ Off by default (`JobSpec.top_tokens == 0`): then no engine computes any of it. T
 the distribution the token was drawn from, as exllamav2 0.3.2's `return_probs` / `return_top_tokens` report
 them (sample_basic's candidates after penalties, temperature and truncation, renormalised). A greedy step
 draws from a single candidate, which says nothing, so there exlnb reports the softmax of the processed logits
-at temperature 1: how sure the model was of the token it was bound to pick.
+at temperature 1: how sure the model was of the token it was bound to pick. ExLlamaV3 1.6.5 reports that
+greedy figure for every step (its Job's return_probs: the softmax of the logits before its sampler), so on it
+a sampled token's probability is the model's, not the truncated distribution's.
 """
 
 from __future__ import annotations
