@@ -1,8 +1,8 @@
 """The token view: an answer as its tokens, each shaded by how probable it was, its alternatives on hover.
 
-One shade scale for both JupyterLab themes: the theme's own error colour mixed into the background, more of
-it the less probable the token, over the theme's text colour, so the text keeps its contrast in light and
-dark (the browser test measures it). Special tokens are always marked, whitespace on request.
+One shade scale for both JupyterLab themes: a red laid translucently over the theme's background, more opaque
+the less probable the token, under the theme's text colour, so the text keeps its contrast in light and dark
+(the browser test measures it). Special tokens are always marked, whitespace on request.
 """
 
 from __future__ import annotations

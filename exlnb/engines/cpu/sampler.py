@@ -117,20 +117,6 @@ class Draw:
     top_probs: tuple[float, ...] = ()
 
 
-def sample_token(
-    logits: torch.Tensor,
-    sequence: torch.Tensor,
-    s: SamplerSettings,
-    generator: torch.Generator,
-    *,
-    blocked: Sequence[int] = (),
-    classes: TokenClasses = TokenClasses(),
-    state: SamplerState | None = None,
-) -> int:
-    """Pick the next token from one position's logits (1-D, float32); `blocked` tokens cannot be picked."""
-    return draw_token(logits, sequence, s, generator, blocked=blocked, classes=classes, state=state).token
-
-
 def draw_token(
     logits: torch.Tensor,
     sequence: torch.Tensor,
@@ -142,8 +128,9 @@ def draw_token(
     state: SamplerState | None = None,
     top_tokens: int = 0,
 ) -> Draw:
-    """`sample_token`'s pick; with `top_tokens` k, also the probability it was drawn with and the k likeliest
-    candidates, from the distribution token_info.py defines (nothing extra is computed when k is 0)."""
+    """Pick the next token from one position's logits (1-D, float32); `blocked` tokens cannot be picked. With
+    `top_tokens` k, also the probability it was drawn with and the k likeliest candidates, from the
+    distribution token_info.py defines (nothing extra is computed when k is 0)."""
     logits = adjust_logits(logits, sequence, s, blocked, classes)
     if s.is_greedy:  # exllamav2: temperature < 0.01 means top_k = 1
         token = int(torch.argmax(logits))
