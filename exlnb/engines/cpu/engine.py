@@ -48,12 +48,6 @@ class _Outcome:
     eos_reason: EosReason | None
     token_ids: tuple[int, ...] = ()
 
-    def released_info(self, job: CpuJob) -> tuple[TokenInfo, ...]:
-        """The records of the tokens this outcome releases: the oldest held ones, as tokens leave in order."""
-        released = job.held_info[: len(self.token_ids)]
-        del job.held_info[: len(self.token_ids)]
-        return tuple(released)
-
 
 class CpuEngine(Engine):
     name = "cpu"
@@ -163,12 +157,20 @@ class CpuEngine(Engine):
         if outcome.eos_reason is not None:
             self._scheduler.remove(job.job_id)
             job.stage = Stage.DONE
-        info = outcome.released_info(job) if job.spec.top_tokens else ()
+        info = self._release_info(job, len(outcome.token_ids)) if job.spec.top_tokens else ()
         return self._event(job, job.stage, text=outcome.text, token_ids=outcome.token_ids, token_info=info,
                            eos_reason=outcome.eos_reason)
 
     def _token_info(self, draw: Draw) -> TokenInfo:
         return token_info(self.tokenizer, draw.token, draw.probability, draw.top_ids, draw.top_probs)
+
+    @staticmethod
+    def _release_info(job: CpuJob, count: int) -> tuple[TokenInfo, ...]:
+        """The records of the `count` tokens an event releases: the oldest held ones, as tokens leave in order
+        (a banned string's start is held back, then released or taken back by `_rewind`)."""
+        released = tuple(job.held_info[:count])
+        del job.held_info[:count]
+        return released
 
     def _blocked(self, job: CpuJob) -> list[int]:
         """Tokens banned here: the starts of banned strings tried at this position, and stop tokens until
