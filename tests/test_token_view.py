@@ -9,8 +9,9 @@ import torch
 from exlnb.engines.cpu import engine as cpu_engine
 from exlnb.generation import start
 from exlnb.request import GenerationRequest
+from exlnb.token_records import TokenRecord
 from exlnb.widgets.figures import generation_html, generation_text
-from exlnb.widgets.tokens import band
+from exlnb.widgets.tokens import LATENCY_BANDS, band, latency_bands
 
 PROMPT = "The capital of France is"
 
@@ -92,6 +93,17 @@ def test_the_view_shades_each_token_by_band_with_its_alternatives_on_hover(cpu_s
         assert f'exlnb-chip exlnb-p{band(record.info.probability)}" title="token {record.info.token_id} ' in page
     assert "alternatives:" in page and "·" in page  # a leading space drawn as a mark
     assert generation_text(generation).count("[") == 3 + 1  # three tokens and the status line
+
+
+def test_latency_colouring_shades_the_slow_tokens_and_prints_milliseconds(cpu_session):
+    request = GenerationRequest.build(PROMPT, max_new_tokens=4, temperature=0, tokens=1, token_colour="latency")
+    generation = start(request)
+    [result] = generation.wait(60)
+    assert "ms]" in generation_text(generation) and "≥4.0× median" in generation_html(generation, 4)
+    record = result.token_records[0]
+    latencies = [0.5, 0.1, 0.1, 0.45, 0.16, 0.1]  # the first is the time to first token, left out of the median
+    records = [TokenRecord(i, record.info, sum(latencies[: i + 1]), s) for i, s in enumerate(latencies)]
+    assert latency_bands(records) == [0, len(LATENCY_BANDS), len(LATENCY_BANDS), 0, 2, len(LATENCY_BANDS)]
 
 
 def test_without_tokens_the_answer_is_plain_text(cpu_session):

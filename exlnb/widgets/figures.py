@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from exlnb.engines.base import EosReason, StreamEvent, Tokenizer
 from exlnb.generation import Generation, Sample
-from exlnb.widgets.tokens import sample_token_info, tokens_html, tokens_text
+from exlnb.widgets.tokens import sample_token_records, tokens_html, tokens_text
 
 FINDINGS_SHOWN = 3  # template findings listed in the warning; the rest are counted
 
@@ -88,8 +88,10 @@ def sample_text(sample: Sample, generation: Generation) -> str:
 
 def token_line(sample: Sample, generation: Generation) -> str:
     """The plain token view and a newline, or nothing when the request did not ask for tokens."""
-    infos = sample_token_info(sample)
-    return tokens_text(infos, special_ids(generation), generation.request.show_whitespace) + "\n" if infos else ""
+    records, request = sample_token_records(sample), generation.request
+    if not records:
+        return ""
+    return tokens_text(records, special_ids(generation), request.show_whitespace, request.token_colour) + "\n"
 
 
 def special_ids(generation: Generation) -> set[int]:
@@ -163,8 +165,8 @@ def sample_html(sample: Sample, generation: Generation, max_new_tokens: int) -> 
     if sample.loop is not None:
         parts.append(f"<span>{html.escape(loop_words(sample))}</span>")
     label = f'<div class="exlnb-label">sample {sample.index}</div>' if len(generation.samples) > 1 else ""
-    infos = sample_token_info(sample)
-    body = (tokens_html(infos, special_ids(generation), generation.request.show_whitespace) if infos
+    records, request = sample_token_records(sample), generation.request
+    body = (tokens_html(records, special_ids(generation), request.show_whitespace, request.token_colour) if records
             else f'<div class="exlnb-text">{html.escape(sample.text)}</div>')
     return (f'<div class="exlnb-sample exlnb-{state}">{label}{body}'
             f'<div class="exlnb-bar"><span style="width:{share:.1%}"></span></div>'
