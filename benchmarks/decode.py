@@ -66,10 +66,11 @@ class TokenClock:
         return Run(self.prompt_tokens, self.first - self.start, rate)
 
 
-def session_decode(session: Session, prompt: list[int], new_tokens: int) -> Run:
+def session_decode(session: Session, prompt: list[int], new_tokens: int, top_tokens: int = 0) -> Run:
     """Consume a stream as the widget does (iterate the JobStream's events) and time it on the consumer's side."""
     timer = TokenClock(len(prompt))
-    for event in session.generate(prompt, max_new_tokens=new_tokens, sampler=GREEDY, stop_at_eos=False):
+    stream = session.generate(prompt, max_new_tokens=new_tokens, sampler=GREEDY, stop_at_eos=False, top_tokens=top_tokens)
+    for event in stream:
         timer.arrived(len(event.token_ids))
     return timer.run()
 

@@ -67,6 +67,24 @@ def kit(session: Session, plan: Plan) -> dict:
     )
     out["ttft_overhead_ms"] = 1000 * (out["session"]["ttft_s"]["median"] - out["raw"]["ttft_s"]["median"])
     out["magic"] = magic(session, plan)
+    out["token_view"] = token_view(session, plan)
+    return out
+
+
+TOKEN_VIEW_K = 5  # alternatives per token, as `%%exl_generate --tokens 5`
+
+
+def token_view(session: Session, plan: Plan) -> dict:
+    """Decode with the token view off (top_tokens=0, nothing computed) and on (k = 5), interleaved: the view
+    off must cost nothing, and on, what it costs is on record."""
+    rates: dict[str, list[float]] = {"off": [], "on": []}
+    for run in range(plan.warmup + plan.repeats):
+        for side, k in (("off", 0), ("on", TOKEN_VIEW_K)):
+            result = decode.session_decode(session, decode.random_prompt(plan.prompt_tokens, 2000 + run), plan.new_tokens, k)
+            if run >= plan.warmup:
+                rates[side].append(result.decode_tokens_per_s)
+    out = {side: summarise(values) for side, values in rates.items()}
+    out["ratio_decode_on_over_off"] = out["on"]["median"] / out["off"]["median"]
     return out
 
 

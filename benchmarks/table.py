@@ -42,6 +42,7 @@ RATIOS = [
         gpu=Target("<=", 20), cpu=Target("<=", 20)),
     Row("`%%exl_generate` TTFT - raw generator TTFT, ms", lambda b: b["kit"]["magic"]["ttft_overhead_ms"],
         gpu=Target("<=", 20), cpu=Target("<=", 20)),
+    Row("token view on (5 alternatives) / off, decode tokens/s", lambda b: b["kit"]["token_view"]["ratio_decode_on_over_off"]),
     Row("engine / transformers `generate`, decode tokens/s", lambda b: b["peer"]["ratio_decode_engine_over_hf"],
         gpu=Target(">=", 2.0), cpu=Target(">=", 0.9)),
     Row("engine / transformers, prefill tokens/s", lambda b: b["peer"]["ratio_prefill_engine_over_hf"]),
@@ -65,6 +66,8 @@ RAW = [
         _median_iqr(b["kit"][side]["decode_tokens_per_s"]) for side in ("session", "raw"))),
     Row("TTFT ms through the session / by hand", lambda b: " / ".join(
         f"{1000 * b['kit'][side]['ttft_s']['median']:.1f}" for side in ("session", "raw"))),
+    Row("decode tokens/s with the token view off / on", lambda b: " / ".join(
+        _median_iqr(b["kit"]["token_view"][side]) for side in ("off", "on"))),
     Row("decode tokens/s, engine / transformers", lambda b: " / ".join(
         _median_iqr(b["peer"][k]) for k in ("engine_decode_tokens_per_s", "hf_decode_tokens_per_s"))),
     Row("prefill tokens/s, engine / transformers", lambda b: f"{b['peer']['prefill_prompt_tokens']} tokens: " + " / ".join(

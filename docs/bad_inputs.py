@@ -58,6 +58,7 @@ ROWS = [
                                shell.run_line_magic("exl_load", "--engine cpu --cache-tokens 1024"))),
     Row("%%exl_generate --temprature 0.5", cell("--temprature 0.5")),
     Row("%%exl_generate --temperature -1", cell("--temperature -1")),
+    Row("%%exl_generate --tokens 50", cell("--tokens 50")),
     Row("%%exl_generate --template llama9", cell("--template llama9")),
     Row("%%exl_generate --max-new-tokens 1000000000", cell("--max-new-tokens 1000000000")),
     Row("%%exl_generate --n 10000", cell("--n 10000")),

@@ -279,7 +279,7 @@ def _prepare(request: GenerationRequest, session: Session, owner: Hashable | Non
             ids, max_new_tokens=request.max_new_tokens, sampler=request.sampler, stop=stops,
             seed=None if request.seed is None else request.seed + i,
             identifier=f"sample {i}" if request.n > 1 else None,
-            min_new_tokens=request.min_new_tokens, banned_strings=request.banned_strings,
+            min_new_tokens=request.min_new_tokens, banned_strings=request.banned_strings, top_tokens=request.tokens,
         )
         for i in range(request.n)
     ]

@@ -23,7 +23,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import MagicHelpFormatter, argument, magic_arguments, real_name
 
 from exlnb.engines.base import SamplerSettings
-from exlnb.engines.options import CACHE_DTYPES, DISPLAY_HELP, DISPLAY_MODES, ENGINE_NAMES
+from exlnb.engines.options import CACHE_DTYPES, DISPLAY_HELP, DISPLAY_MODES, ENGINE_NAMES, TOKEN_COLOURS
 from exlnb.generation import Generation
 from exlnb.loadtest import bench
 from exlnb.models import BUNDLED_MODEL
@@ -164,10 +164,13 @@ def generation_arguments(func):
     return magic_arguments()(func)
 
 
+CHOICES = {"template": TEMPLATES, "token_colour": TOKEN_COLOURS}  # request fields with a fixed set of values
+
+
 def _request_argument(f, default):
     flag, help_text = "--" + f.name.replace("_", "-"), REQUEST_HELP[f.name]
-    if f.name == "template":
-        return argument(flag, choices=TEMPLATES, default=default, help=f"{help_text} (default: {default})")
+    if f.name in CHOICES:
+        return argument(flag, choices=CHOICES[f.name], default=default, help=f"{help_text} (default: {default})")
     if f.name in ("stop", "banned_strings"):  # repeatable: one value per use
         flag = {"stop": "--stop", "banned_strings": "--ban"}[f.name]
         return argument(flag, dest=f.name, action="append", default=[], type=escaped, metavar="TEXT", help=help_text)

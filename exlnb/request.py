@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from exlnb.engines.base import DEFAULT_MAX_NEW_TOKENS, SEED_MAX, SamplerSettings
+from exlnb.engines.options import TOKEN_COLOURS
+from exlnb.engines.token_info import MAX_TOP_TOKENS
 from exlnb.engines.checks import check_field_types, check_option_names, check_text
 from exlnb.templates import TEMPLATES
 
@@ -26,6 +28,9 @@ REQUEST_HELP = {
     "banned_strings": "text that must never appear (case-insensitive), repeatable; the engine backtracks",
     "seed": "sample i uses seed + i",
     "loop_guard": "cancel a sample caught in a repetition loop",
+    "tokens": "show the answer as tokens coloured by probability, with N alternatives on hover (0: off)",
+    "show_whitespace": "in the token view, draw spaces, tabs and newlines as marks (· → ↵)",
+    "token_colour": "shade the token view by probability, or by latency (time since the previous token)",
 }
 
 
@@ -46,6 +51,9 @@ class GenerationRequest:
     loop_guard: bool = False
     min_new_tokens: int = 0
     banned_strings: tuple[str, ...] = ()
+    tokens: int = 0  # JobSpec.top_tokens: per-token probabilities and alternatives, none computed at 0
+    show_whitespace: bool = False  # the token view's marks; nothing an engine sees
+    token_colour: str = "probability"  # or "latency": what the token view's shades say
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -60,6 +68,12 @@ class GenerationRequest:
             raise ValueError(f"n={self.n} must be >= 1")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if not 0 <= self.tokens <= MAX_TOP_TOKENS:
+            raise ValueError(f"tokens={self.tokens} must be between 0 (off) and {MAX_TOP_TOKENS} alternatives per token")
+        if self.show_whitespace and not self.tokens:
+            raise ValueError("show_whitespace marks whitespace in the token view: ask for the view too (tokens=5)")
+        if self.token_colour not in TOKEN_COLOURS:
+            raise ValueError(f"token_colour={self.token_colour!r}: choose one of {', '.join(TOKEN_COLOURS)}")
         if self.chat is not None and self.n > 1:
             raise ValueError(f"a chat records one answer per turn: use n=1 with chat={self.chat!r} (got n={self.n})")
         if self.amnesia and self.chat is None:

@@ -58,7 +58,7 @@ class JobRow:
 
 JOB_SPEC_OPTIONS = (
     "max_new_tokens", "sampler", "stop", "seed", "identifier", "stop_at_eos", "min_new_tokens", "banned_strings",
-    "stop_on_loop",
+    "stop_on_loop", "top_tokens",
 )
 
 
@@ -281,15 +281,16 @@ class Session:
         min_new_tokens: int = 0,
         banned_strings: Sequence[str] = (),
         stop_on_loop: tuple[int, int] | None = None,
+        top_tokens: int = 0,
         **sampler_options,
     ) -> JobSpec:
         """What `generate` submits, for `submit_together`: the prompt encoded, the settings checked.
 
         Sampler settings come from `sampler` (default: exllamav2's defaults) with keyword overrides, e.g.
         `temperature=0.7, top_p=0.9`. `stop` takes strings and token ids; the tokenizer's end-of-sequence
-        token stops generation unless `stop_at_eos=False`. `min_new_tokens`, `banned_strings` and
-        `stop_on_loop` are `JobSpec`'s. The prompt and its answer must fit the cache: every job reserves
-        pages for its whole answer when it starts.
+        token stops generation unless `stop_at_eos=False`. `min_new_tokens`, `banned_strings`, `stop_on_loop`
+        and `top_tokens` (per-token probabilities; 0 computes none) are `JobSpec`'s. The prompt and its answer
+        must fit the cache: every job reserves pages for its whole answer when it starts.
         """
         check_option_names(sampler_options, valid=[*JOB_SPEC_OPTIONS, *SamplerSettings.option_names()])
         settings = (sampler or SamplerSettings()).with_options(**sampler_options)
@@ -309,6 +310,7 @@ class Session:
             min_new_tokens=min_new_tokens,
             banned_strings=tuple(banned_strings),
             stop_on_loop=stop_on_loop,
+            top_tokens=top_tokens,
         )
         self._check_fits(spec)
         return spec

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from exlnb.engines.base import EosReason, Stage, StreamEvent, wall_clock
+from exlnb.token_records import TokenRecord, token_frame, token_records
 
 
 class JobError(RuntimeError):
@@ -59,6 +60,11 @@ class GenerationResult:
     prefill_tokens_per_s: float | None
     decode_tokens_per_s: float | None
     elapsed_s: float  # submit -> last event
+    token_records: tuple[TokenRecord, ...] = ()  # per token, when the job asked for top_tokens
+
+    def tokens(self):
+        """One row per generated token: probability, alternatives, arrival and latency (a pandas DataFrame)."""
+        return token_frame(self.token_records)
 
     @classmethod
     def from_events(cls, job_id: int, events: list[StreamEvent]) -> GenerationResult:
@@ -75,6 +81,7 @@ class GenerationResult:
             prefill_tokens_per_s=last.prefill_tokens_per_s if last else None,
             decode_tokens_per_s=last.decode_tokens_per_s if last else None,
             elapsed_s=(last.time_produced - last.time_enqueued) if last else 0.0,
+            token_records=token_records(events),
         )
 
 

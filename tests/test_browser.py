@@ -40,7 +40,7 @@ RECORDED = (2, 4, 5, 6, 8, 10)  # the cells whose widgets leave a record: answer
 THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
 # text that must read on its background: WCAG's 4.5:1 for normal text
 READABLE = (".exlnb-token:not(.exlnb-special)", ".exlnb-special", ".exlnb-status", ".exlnb-head", ".exlnb-text",
-            ".exlnb-warning", ".exlnb-summary", ".exlnb-jobs td", ".exlnb-label", ".exlnb-muted")
+            ".exlnb-warning", ".exlnb-summary", ".exlnb-jobs td", ".exlnb-label", ".exlnb-muted", ".exlnb-chip")
 # WCAG 2 contrast of each selector's text against the colour behind it (its own and its ancestors' backgrounds
 # composed over white), the lowest over the page
 CONTRAST_JS = """selectors => {
@@ -101,6 +101,7 @@ def lab(tmp_path_factory):
         "%%exl_generate --show-prompt --template llama3 --max-new-tokens 12 --temperature 0\nWhat is the capital of France?",
         f"%%exl_generate --max-new-tokens 2000\n{STORY}",
         "%%exl_generate --show-prompt --max-new-tokens 12 --temperature 0\nWhat is the capital of France?",
+        "%%exl_generate --tokens 5 --max-new-tokens 40 --temperature 0.8 --seed 2\nDescribe a dragon in two sentences.",
     ]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
@@ -293,13 +294,23 @@ def test_an_interrupt_prints_one_line_and_no_traceback(page):
     assert "Traceback" not in output and "CancelledError" not in output
 
 
+def test_the_token_view_shades_tokens_and_shows_alternatives_on_hover(page):
+    run_cell(page, 11)
+    wait_done(page, 11)
+    output = page.locator(".jp-Notebook .jp-Cell").nth(11).locator(".jp-OutputArea")
+    expect(output.locator(".exlnb-record")).to_be_visible(timeout=30_000)
+    chips = output.locator(".exlnb-token-view .exlnb-chip")
+    assert chips.count() >= 5
+    assert "alternatives:" in chips.first.get_attribute("title")
+
+
 @pytest.mark.parametrize("theme", ["light", "dark"])
 def test_records_read_well_in_light_and_dark_themes(page, theme):
     page.evaluate(f"window.jupyterapp.commands.execute('apputils:change-theme', {{theme: {THEMES[theme]!r}}})")
     page.wait_for_function(f"document.body.dataset.jpThemeName === {THEMES[theme]!r}")
     time.sleep(1)  # the theme's stylesheet applies
     for index, name in [(2, "stream"), (4, "stream-n4"), (5, "cache-inspector"), (6, "job-table"),
-                        (8, "wrong-template"), (10, "show-prompt")]:
+                        (8, "wrong-template"), (10, "show-prompt"), (11, "token-view")]:
         output = page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-OutputArea")
         output.scroll_into_view_if_needed()
         output.screenshot(path=str(ARTIFACTS / f"{name}-{theme}.png"))

@@ -12,7 +12,7 @@ from exlnb.engines.base import SamplerSettings
 from exlnb.engines.cpu import candidates as steps
 from exlnb.engines.cpu.candidates import Candidates
 from exlnb.engines.cpu.dry import apply_dry
-from exlnb.engines.cpu.sampler import SamplerState, apply_penalties, sample_token
+from exlnb.engines.cpu.sampler import SamplerState, apply_penalties, draw_token
 
 
 def exllamav2_rep_penalty(logits, sequence, rep_p, sustain, decay, freq_p, pres_p):
@@ -76,21 +76,21 @@ def test_penalties_ignore_ids_outside_the_vocabulary():
 
 def test_greedy_picks_the_argmax_whatever_the_draw():
     logits = torch.tensor([0.1, 2.0, 1.9, -1.0])
-    picks = {sample_token(logits, torch.tensor([0]), SamplerSettings.greedy(), torch.Generator().manual_seed(s)) for s in range(20)}
+    picks = {draw_token(logits, torch.tensor([0]), SamplerSettings.greedy(), torch.Generator().manual_seed(s)).token for s in range(20)}
     assert picks == {1}
 
 
 def test_tiny_temperature_means_greedy_as_in_exllamav2():
     logits = torch.tensor([0.1, 2.0, 1.9, -1.0])
     settings = SamplerSettings(temperature=0.005, top_k=0, top_p=1.0, token_repetition_penalty=1.0)
-    assert sample_token(logits, torch.tensor([0]), settings, torch.Generator().manual_seed(3)) == 1
+    assert draw_token(logits, torch.tensor([0]), settings, torch.Generator().manual_seed(3)).token == 1
 
 
 def _frequencies(logits, settings, n=4000):
     gen = torch.Generator().manual_seed(1)
     counts = torch.zeros(logits.numel())
     for _ in range(n):
-        counts[sample_token(logits, torch.tensor([0]), settings, gen)] += 1
+        counts[draw_token(logits, torch.tensor([0]), settings, gen).token] += 1
     return counts / n
 
 
@@ -197,9 +197,9 @@ def test_token_bias_and_blocked_tokens_move_the_greedy_pick():
     logits = torch.tensor([0.1, 2.0, 1.9, -1.0])
     gen = torch.Generator().manual_seed(0)
     biased = SamplerSettings.greedy(token_bias={1: -0.5, 3: 3.5})
-    assert sample_token(logits, torch.tensor([0]), biased, gen) == 3
-    assert sample_token(logits, torch.tensor([0]), SamplerSettings.greedy(token_bias={1: float("-inf")}), gen) == 2
-    assert sample_token(logits, torch.tensor([0]), SamplerSettings.greedy(), gen, blocked=[1, 2]) == 0
+    assert draw_token(logits, torch.tensor([0]), biased, gen).token == 3
+    assert draw_token(logits, torch.tensor([0]), SamplerSettings.greedy(token_bias={1: float("-inf")}), gen).token == 2
+    assert draw_token(logits, torch.tensor([0]), SamplerSettings.greedy(), gen, blocked=[1, 2]).token == 0
 
 
 def test_top_a_drops_tokens_below_a_times_the_top_probability_squared():
@@ -290,5 +290,5 @@ def test_skew_moves_the_draw_towards_less_likely_tokens():
 def test_mirostat_sampling_carries_mu_in_the_jobs_state():
     state = SamplerState()
     settings = SamplerSettings(temperature=1.0, top_k=0, top_p=1.0, token_repetition_penalty=1.0, mirostat=True)
-    sample_token(PROBS.log(), torch.tensor([0]), settings, torch.Generator().manual_seed(0), state=state)
+    draw_token(PROBS.log(), torch.tensor([0]), settings, torch.Generator().manual_seed(0), state=state)
     assert state.mirostat_mu is not None and state.mirostat_mu != 2 * settings.mirostat_tau

@@ -66,6 +66,9 @@ def generate(shell, line: str, body: str = QUESTION):
         ("--loop-guard", "loop_guard", True),
         ("--show-prompt", "show_prompt", True),
         ("--display text", "display", "text"),
+        ("--tokens 3", "tokens", 3),
+        ("--tokens 2 --show-whitespace", "show_whitespace", True),
+        ("--tokens 2 --token-colour latency", "token_colour", "latency"),
     ],
 )
 def test_every_generate_option_reaches_the_api(shell, idle, monkeypatch, option, keyword, value):

@@ -226,7 +226,7 @@ def test_an_error_inside_one_jobs_step_fails_that_job_only(cpu_session, greedy, 
     one library call for the whole batch, where a failure fails every job (and the session carries on)."""
     idle_session = cpu_session
     assert idle_session.jobs() == []
-    real = cpu_engine.sample_token
+    real = cpu_engine.draw_token
     poisoned = SamplerSettings.greedy(min_p=0.123)  # marks the job whose sampling will fail
 
     def failing_for_one(logits, sequence, settings, generator, **options):
@@ -234,7 +234,7 @@ def test_an_error_inside_one_jobs_step_fails_that_job_only(cpu_session, greedy, 
             raise RuntimeError("boom in one job")
         return real(logits, sequence, settings, generator, **options)
 
-    monkeypatch.setattr(cpu_engine, "sample_token", failing_for_one)
+    monkeypatch.setattr(cpu_engine, "draw_token", failing_for_one)
     good = [idle_session.generate(q, max_new_tokens=12, sampler=greedy) for q in QUESTIONS[:3]]
     bad = idle_session.generate(PROMPT, max_new_tokens=40, sampler=poisoned)
 

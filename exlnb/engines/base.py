@@ -16,6 +16,7 @@ from typing import Protocol
 
 from exlnb.engines.checks import check_field_types
 from exlnb.engines.sampling import SamplerSettings
+from exlnb.engines.token_info import MAX_TOP_TOKENS, TokenInfo
 
 DEFAULT_MAX_NEW_TOKENS = 256  # the one default for every entrance: API, magics, job specs
 SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
@@ -61,6 +62,7 @@ class JobSpec:
     min_new_tokens: int = 0  # stop tokens are refused until this many tokens are out (exllamav2's name)
     banned_strings: tuple[str, ...] = ()  # never in the output, case-insensitive (exllamav2's dynamic job)
     stop_on_loop: tuple[int, int] | None = None  # (window, min_reps): end a job that only repeats (ExLlamaV3's)
+    top_tokens: int = 0  # k >= 1: each new token carries its probability and k alternatives (token_info.py)
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -79,6 +81,8 @@ class JobSpec:
             # exllamav3's job asserts the same bounds
             if not 1 < reps < window:
                 raise ValueError(f"stop_on_loop={self.stop_on_loop!r}: give (window, min_reps) with 1 < min_reps < window")
+        if not 0 <= self.top_tokens <= MAX_TOP_TOKENS:
+            raise ValueError(f"top_tokens={self.top_tokens} must be between 0 (off) and {MAX_TOP_TOKENS}")
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class StreamEvent:
     time_produced: float
     text: str = ""
     token_ids: tuple[int, ...] = ()
+    token_info: tuple[TokenInfo, ...] = ()  # parallel to token_ids when the job asked for top_tokens
     eos: bool = False
     eos_reason: EosReason | None = None
     prompt_tokens: int = 0
@@ -112,7 +117,7 @@ class StreamEvent:
 
     def ended(self, reason: EosReason, now: float) -> StreamEvent:
         """The last event of a job ended from outside (cancelled, failed): its counts and timings so far."""
-        return replace(self, stage=Stage.DONE, time_produced=now, text="", token_ids=(), eos=True, eos_reason=reason)
+        return replace(self, stage=Stage.DONE, time_produced=now, text="", token_ids=(), token_info=(), eos=True, eos_reason=reason)
 
 
 @dataclass
@@ -143,6 +148,7 @@ def job_event(
     new_tokens: int,
     text: str = "",
     token_ids: Sequence[int] = (),
+    token_info: Sequence[TokenInfo] = (),
     eos_reason: EosReason | None = None,
 ) -> StreamEvent:
     """One job's event with its timings derived the one way exlnb defines them.
@@ -160,6 +166,7 @@ def job_event(
         time_produced=now,
         text=text,
         token_ids=tuple(token_ids),
+        token_info=tuple(token_info),
         eos=eos_reason is not None,
         eos_reason=eos_reason,
         prompt_tokens=prompt_tokens,

@@ -70,6 +70,7 @@ class ExLlamaV2Engine(LibraryEngine):
         # exllamav2 defragments only when idle after touching every page
         self._count_defrags(self.generator, "defrag_cache")
         self.max_seq_len = min(config.max_seq_len, cache_tokens)
+        self.tokenizer_vocab_size = config.vocab_size
 
     # -- load-time checks ----------------------------------------------------------------------------------
 
@@ -149,6 +150,7 @@ class ExLlamaV2Engine(LibraryEngine):
             banned_strings=list(spec.banned_strings) or None,
             decode_special_tokens=True,  # like the CPU engine: a generated <|im_start|> is visible
             identifier=job_id,
+            **_token_info_outputs(spec),
         )
         self.generator.enqueue(job)
         return self._track(job_id, job, spec, max_new)
@@ -192,7 +194,8 @@ class ExLlamaV2Engine(LibraryEngine):
                 new_ids = ids.flatten().tolist() if ids is not None else []
                 if result.get("eos_reason") == "stop_token":  # exllamav2 holds the stop token back; report it
                     new_ids.append(result["eos_triggering_token_id"])  # like the CPU engine
-                events.append(self._produced(job_id, tracked, now, result.get("text", ""), new_ids, result.get("eos_reason")))
+                info = self._token_info(tracked.spec, new_ids, result)
+                events.append(self._produced(job_id, tracked, now, result.get("text", ""), new_ids, result.get("eos_reason"), info))
         return events
 
     # -- field report 2's mistake, on purpose --------------------------------------------------------------
@@ -249,6 +252,17 @@ class ExLlamaV2Engine(LibraryEngine):
         self.model.unload()
         del self.generator, self.cache, self.model
         torch.cuda.empty_cache()
+
+
+def _token_info_outputs(spec: JobSpec) -> dict:
+    """The per-token outputs a job asks exllamav2 for. Its sampler turns a greedy job into top_k = 1
+    (sample_basic: temperature < 0.01), whose probabilities are a certain 1.0, so a greedy job returns its
+    logits and exlnb takes their softmax at temperature 1, the figure token_info.py defines for greedy steps."""
+    if not spec.top_tokens:
+        return {}
+    if spec.sampler.is_greedy:
+        return {"return_logits": True}
+    return {"return_probs": True, "return_top_tokens": spec.top_tokens}
 
 
 def _apply_rope_theta(config, model_dir) -> None:

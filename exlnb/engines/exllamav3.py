@@ -85,6 +85,10 @@ class ExLlamaV3Engine(LibraryEngine):
             decode_special_tokens=True,  # like the CPU engine: a generated <|im_start|> is visible
             identifier=job_id,
             stop_on_loop=spec.stop_on_loop,
+            # exllamav3 1.6.5 reports the softmax of the logits at temperature 1 before its sampler (Job's
+            # return_probs), for every step: token_info.py's greedy figure
+            return_probs=spec.top_tokens > 0,
+            return_top_tokens=spec.top_tokens,
         )
         try:
             self.generator.enqueue(job)
@@ -121,13 +125,15 @@ class ExLlamaV3Engine(LibraryEngine):
 
     def _streaming_event(self, job_id: int, result: dict, tracked: TrackedJob, now: float) -> StreamEvent:
         text, new_ids = result.get("text", ""), _ids(result.get("token_ids"))
+        held: dict = {}
         if result.get("eos_reason") == "stop_token":
             # exllamav3 keeps the stop token, and text held back with it, in "held"; report the token like the
             # CPU engine does and the held text without the stop token's own piece
             held = result.get("held", {})
             text += held.get("text", "").removesuffix(result["eos_triggering_token_str"])
             new_ids += _ids(held.get("token_ids"))
-        return self._produced(job_id, tracked, now, text, new_ids, result.get("eos_reason"))
+        info = self._token_info(tracked.spec, new_ids, result, held)
+        return self._produced(job_id, tracked, now, text, new_ids, result.get("eos_reason"), info)
 
     # -- views ---------------------------------------------------------------------------------------------
 

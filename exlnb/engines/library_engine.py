@@ -28,6 +28,7 @@ from exlnb.engines.base import (
     job_event,
     wall_clock,
 )
+from exlnb.engines.token_info import TokenInfo, token_info
 
 # the libraries' `eos_reason` strings; exllamav2 never reports a loop
 LIBRARY_EOS_REASONS = {
@@ -91,6 +92,7 @@ class LibraryEngine(Engine):
 
     generator: object
     page_size: int
+    tokenizer_vocab_size: int  # exllamav2 pads its logits past the vocabulary (read only for jobs returning logits)
 
     def _start_tracking(self) -> None:
         self._jobs: dict[int, TrackedJob] = {}
@@ -123,7 +125,8 @@ class LibraryEngine(Engine):
         return self._event(job_id, tracked, Stage.PREFILL, now)
 
     def _produced(
-        self, job_id: int, tracked: TrackedJob, now: float, text: str, new_ids: list[int], library_eos: str | None
+        self, job_id: int, tracked: TrackedJob, now: float, text: str, new_ids: list[int], library_eos: str | None,
+        token_info: Sequence[TokenInfo] = (),
     ) -> StreamEvent:
         """The event for a job's new tokens, and its end where the library reports one (it is then forgotten)."""
         if tracked.new_tokens > 0:
@@ -131,7 +134,8 @@ class LibraryEngine(Engine):
         eos_reason = tracked.eos_reason(library_eos) if library_eos else None
         if eos_reason:
             del self._jobs[job_id]
-        return self._event(job_id, tracked, Stage.DONE if eos_reason else Stage.DECODE, now, text, new_ids, eos_reason)
+        stage = Stage.DONE if eos_reason else Stage.DECODE
+        return self._event(job_id, tracked, stage, now, text, new_ids, eos_reason, token_info)
 
     def _event(
         self,
@@ -142,14 +146,36 @@ class LibraryEngine(Engine):
         text: str = "",
         token_ids: Sequence[int] = (),
         eos_reason: EosReason | None = None,
+        token_info: Sequence[TokenInfo] = (),
     ) -> StreamEvent:
         job = tracked.job
         return job_event(
             job_id, stage, tracked.clock, now,
             prompt_tokens=len(tracked.spec.input_ids),
             cached_tokens=job.cached_pages * self.page_size + job.cached_tokens,
-            new_tokens=tracked.new_tokens, text=text, token_ids=token_ids, eos_reason=eos_reason,
+            new_tokens=tracked.new_tokens, text=text, token_ids=token_ids, token_info=token_info, eos_reason=eos_reason,
         )
+
+    def _token_info(self, spec: JobSpec, ids: Sequence[int], *parts: Mapping) -> list[TokenInfo]:
+        """The records of `ids` from a result's per-token outputs (and exllamav3's "held" part), in order.
+
+        Both libraries return "token_probs" (1, n) and "top_k_tokens" / "top_k_probs" (1, n, k); a job that asked
+        for "logits" (1, n, padded vocab) instead gets the softmax at temperature 1 of them (token_info.py). A
+        token the library reports without them (exllamav2's stop token) has no record: the list may be shorter.
+        """
+        if not spec.top_tokens:
+            return []
+        rows: list[tuple[float, list[int], list[float]]] = []
+        for part in parts:
+            if part.get("logits") is not None:
+                chosen_ids = torch.tensor(ids[len(rows) : len(rows) + part["logits"].shape[1]], dtype=torch.long)
+                probs = torch.softmax(part["logits"][0, : len(chosen_ids), : self.tokenizer_vocab_size].float(), dim=-1)
+                top = torch.topk(probs, spec.top_tokens)
+                chosen = probs.gather(1, chosen_ids[:, None])[:, 0]
+                rows += zip(chosen.tolist(), top.indices.tolist(), top.values.tolist())
+            elif part.get("token_probs") is not None:
+                rows += zip(part["token_probs"][0].tolist(), part["top_k_tokens"][0].tolist(), part["top_k_probs"][0].tolist())
+        return [token_info(self.tokenizer, t, p, top_ids, top_probs) for t, (p, top_ids, top_probs) in zip(ids, rows)]
 
     def cancel(self, job_id: int) -> bool:
         tracked = self._jobs.pop(job_id, None)

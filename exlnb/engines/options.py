@@ -14,6 +14,7 @@ ENGINE_NAMES = ("auto", "exllamav2", "exllamav3", "cpu")
 CACHE_DTYPES = ("fp16", "q4", "q6", "q8")
 DISPLAY_MODES = ("auto", "widget", "text")
 DISPLAY_HELP = "auto: a widget where the front end renders widgets, plain text otherwise (papermill, terminal)"
+TOKEN_COLOURS = ("probability", "latency")  # what the token view's shades say
 
 DEFAULT_CACHE_TOKENS = 8192
 DEFAULT_MAX_BATCH_SIZE = 16

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from exlnb.engines.base import EosReason, StreamEvent, Tokenizer
 from exlnb.generation import Generation, Sample
+from exlnb.widgets.tokens import sample_token_records, tokens_html, tokens_text
 
 FINDINGS_SHOWN = 3  # template findings listed in the warning; the rest are counted
 
@@ -79,15 +80,27 @@ def template_warning(generation: Generation) -> str | None:
             f"the answer may be garbage (--show-prompt shows the tokens)")
 
 
-def sample_text(sample: Sample, samples: int) -> str:
-    """One sample's text and status, as plain output prints it when the sample ends."""
-    head = f"--- sample {sample.index} ---\n" if samples > 1 else ""
-    return f"{head}{sample.text}\n[{status_line(sample)}]"
+def sample_text(sample: Sample, generation: Generation) -> str:
+    """One sample's text, its tokens when asked for, and its status, as plain output prints it when it ends."""
+    head = f"--- sample {sample.index} ---\n" if len(generation.samples) > 1 else ""
+    return f"{head}{sample.text}\n{token_line(sample, generation)}[{status_line(sample)}]"
+
+
+def token_line(sample: Sample, generation: Generation) -> str:
+    """The plain token view and a newline, or nothing when the request did not ask for tokens."""
+    records, request = sample_token_records(sample), generation.request
+    if not records:
+        return ""
+    return tokens_text(records, special_ids(generation), request.show_whitespace, request.token_colour) + "\n"
+
+
+def special_ids(generation: Generation) -> set[int]:
+    return set(generation.session.tokenizer.special_tokens().values())
 
 
 def generation_text(generation: Generation) -> str:
     warning = template_warning(generation)
-    blocks = [sample_text(s, len(generation.samples)) for s in generation.samples]
+    blocks = [sample_text(s, generation) for s in generation.samples]
     return "\n".join(([f"warning: {warning}"] if warning else []) + blocks)
 
 
@@ -152,7 +165,10 @@ def sample_html(sample: Sample, generation: Generation, max_new_tokens: int) -> 
     if sample.loop is not None:
         parts.append(f"<span>{html.escape(loop_words(sample))}</span>")
     label = f'<div class="exlnb-label">sample {sample.index}</div>' if len(generation.samples) > 1 else ""
-    return (f'<div class="exlnb-sample exlnb-{state}">{label}<div class="exlnb-text">{html.escape(sample.text)}</div>'
+    records, request = sample_token_records(sample), generation.request
+    body = (tokens_html(records, special_ids(generation), request.show_whitespace, request.token_colour) if records
+            else f'<div class="exlnb-text">{html.escape(sample.text)}</div>')
+    return (f'<div class="exlnb-sample exlnb-{state}">{label}{body}'
             f'<div class="exlnb-bar"><span style="width:{share:.1%}"></span></div>'
             f'<div class="exlnb-status">{"".join(parts)}</div></div>')
 

@@ -22,7 +22,7 @@ from exlnb.generation import Generation, Sample, as_request, astart, start
 from exlnb.request import GenerationRequest
 from exlnb.session import Session
 from exlnb.widgets.figures import (
-    generation_html, generation_text, prompt_html, prompt_pieces, prompt_text, sample_text, status_line,
+    generation_html, generation_text, prompt_html, prompt_pieces, prompt_text, sample_text, status_line, token_line,
     template_warning,
 )
 from exlnb.widgets.frontend import widget_frontend
@@ -107,9 +107,9 @@ class PlainPrinter:
         self._closed.add(sample.index)
         if len(self.generation.samples) == 1:
             self._print_new_text(sample)
-            print(f"\n[{status_line(sample)}]", flush=True)
+            print(f"\n{token_line(sample, self.generation)}[{status_line(sample)}]", flush=True)
         else:
-            print(sample_text(sample, len(self.generation.samples)), flush=True)
+            print(sample_text(sample, self.generation), flush=True)
 
     def finish(self) -> None:
         for sample in self.generation.samples:

@@ -32,9 +32,10 @@ from exlnb.engines import vocab
 from exlnb.engines.cpu.loops import only_repeats
 from exlnb.engines.cpu.pages import PagePool
 from exlnb.engines.cpu.runner import PagedRunner
-from exlnb.engines.cpu.sampler import TokenClasses, sample_token
+from exlnb.engines.cpu.sampler import Draw, TokenClasses, draw_token
 from exlnb.engines.cpu.scheduler import CpuJob, Scheduler
 from exlnb.engines.text import BannedStrings, IncrementalDecoder, Rewind, StopStringFilter
+from exlnb.engines.token_info import TokenInfo, token_info
 from exlnb.engines.tokenizer import HfTokenizer
 
 PAGE_SIZE = PAGE_TOKENS
@@ -142,10 +143,13 @@ class CpuEngine(Engine):
         return events
 
     def _advance(self, job: CpuJob, logits: torch.Tensor, now: float) -> StreamEvent:
-        token = sample_token(
+        draw = draw_token(
             logits, torch.tensor(job.sequence), job.spec.sampler, job.generator,
-            blocked=self._blocked(job), classes=job.classes, state=job.sampler_state,
+            blocked=self._blocked(job), classes=job.classes, state=job.sampler_state, top_tokens=job.spec.top_tokens,
         )
+        token = draw.token
+        if job.spec.top_tokens:
+            job.held_info.append(self._token_info(draw))
         job.sequence.append(token)
         job.clock.token_arrived(now)
         job.stage = Stage.DECODE
@@ -153,7 +157,20 @@ class CpuEngine(Engine):
         if outcome.eos_reason is not None:
             self._scheduler.remove(job.job_id)
             job.stage = Stage.DONE
-        return self._event(job, job.stage, text=outcome.text, token_ids=outcome.token_ids, eos_reason=outcome.eos_reason)
+        info = self._release_info(job, len(outcome.token_ids)) if job.spec.top_tokens else ()
+        return self._event(job, job.stage, text=outcome.text, token_ids=outcome.token_ids, token_info=info,
+                           eos_reason=outcome.eos_reason)
+
+    def _token_info(self, draw: Draw) -> TokenInfo:
+        return token_info(self.tokenizer, draw.token, draw.probability, draw.top_ids, draw.top_probs)
+
+    @staticmethod
+    def _release_info(job: CpuJob, count: int) -> tuple[TokenInfo, ...]:
+        """The records of the `count` tokens an event releases: the oldest held ones, as tokens leave in order
+        (a banned string's start is held back, then released or taken back by `_rewind`)."""
+        released = tuple(job.held_info[:count])
+        del job.held_info[:count]
+        return released
 
     def _blocked(self, job: CpuJob) -> list[int]:
         """Tokens banned here: the starts of banned strings tried at this position, and stop tokens until
@@ -201,17 +218,19 @@ class CpuEngine(Engine):
 
     def _rewind(self, job: CpuJob, to: Rewind) -> None:
         """Take back the tokens that spelled a banned string; the last kept token runs again for fresh logits."""
+        del job.held_info[len(job.held_info) - (len(job.sequence) - to.length) :]
         del job.sequence[to.length :]
         job.decoder.restore(to.decoder_state)
         job.computed = to.length - 1
 
     def _event(
-        self, job: CpuJob, stage: Stage, *, text: str = "", token_ids: tuple[int, ...] = (), eos_reason: EosReason | None = None
+        self, job: CpuJob, stage: Stage, *, text: str = "", token_ids: tuple[int, ...] = (),
+        token_info: tuple[TokenInfo, ...] = (), eos_reason: EosReason | None = None,
     ) -> StreamEvent:
         return job_event(
             job.job_id, stage, job.clock, wall_clock(),
             prompt_tokens=job.prompt_tokens, cached_tokens=job.cached_tokens, new_tokens=job.new_tokens,
-            text=text, token_ids=token_ids, eos_reason=eos_reason,
+            text=text, token_ids=token_ids, token_info=token_info, eos_reason=eos_reason,
         )
 
     # -- field report 2's mistake, on purpose --------------------------------------------------------------

@@ -107,7 +107,17 @@ def truncate(c: steps.Candidates, s: SamplerSettings, state: SamplerState) -> st
     return c
 
 
-def sample_token(
+@dataclass(frozen=True)
+class Draw:
+    """A sampled token and, when asked for, its probability and the likeliest candidates (token_info.py)."""
+
+    token: int
+    probability: float | None = None
+    top_ids: tuple[int, ...] = ()
+    top_probs: tuple[float, ...] = ()
+
+
+def draw_token(
     logits: torch.Tensor,
     sequence: torch.Tensor,
     s: SamplerSettings,
@@ -116,11 +126,18 @@ def sample_token(
     blocked: Sequence[int] = (),
     classes: TokenClasses = TokenClasses(),
     state: SamplerState | None = None,
-) -> int:
-    """Pick the next token from one position's logits (1-D, float32); `blocked` tokens cannot be picked."""
+    top_tokens: int = 0,
+) -> Draw:
+    """Pick the next token from one position's logits (1-D, float32); `blocked` tokens cannot be picked. With
+    `top_tokens` k, also the probability it was drawn with and the k likeliest candidates, from the
+    distribution token_info.py defines (nothing extra is computed when k is 0)."""
     logits = adjust_logits(logits, sequence, s, blocked, classes)
     if s.is_greedy:  # exllamav2: temperature < 0.01 means top_k = 1
-        return int(torch.argmax(logits))
+        token = int(torch.argmax(logits))
+        if not top_tokens:
+            return Draw(token)
+        probs = torch.softmax(logits.float(), dim=-1)
+        return _described(token, float(probs[token]), probs, torch.arange(probs.numel()), top_tokens)
     state = state or SamplerState()
     if s.mirostat and state.mirostat_mu is None:
         state.mirostat_mu = 2.0 * s.mirostat_tau
@@ -131,4 +148,12 @@ def sample_token(
     index = steps.draw(c, float(torch.rand((), generator=generator)), s.skew)
     if s.mirostat:
         state.mirostat_mu = steps.mirostat_update(state.mirostat_mu, s.mirostat_tau, s.mirostat_eta, float(c.probs[index]))
-    return int(c.tokens[index])
+    token = int(c.tokens[index])
+    if not top_tokens:
+        return Draw(token)
+    return _described(token, float(c.probs[index]), c.probs, c.tokens, top_tokens)
+
+
+def _described(token: int, probability: float, probs: torch.Tensor, tokens: torch.Tensor, k: int) -> Draw:
+    top = torch.topk(probs, min(k, probs.numel()))
+    return Draw(token, probability, tuple(tokens[top.indices].tolist()), tuple(top.values.tolist()))

@@ -16,6 +16,7 @@ from exlnb.engines.base import JobClock, JobSpec, Stage
 from exlnb.engines.cpu.pages import PagePool, Reservation
 from exlnb.engines.cpu.runner import SequenceChunk
 from exlnb.engines.cpu.sampler import SamplerState, TokenClasses
+from exlnb.engines.token_info import TokenInfo
 from exlnb.engines.text import BannedStrings, IncrementalDecoder, StopStringFilter
 
 
@@ -36,6 +37,7 @@ class CpuJob:
     computed: int = 0  # leading tokens whose keys and values are in the cache
     cached_tokens: int = 0  # prompt tokens another job computed (shared pages this job skipped)
     stage: Stage = Stage.PENDING
+    held_info: list[TokenInfo] = field(default_factory=list)  # records of sampled tokens not yet released
 
     @property
     def prompt_tokens(self) -> int:
