@@ -277,4 +277,4 @@ def _plot_remedies(result: ExperimentResult, ax) -> None:
     ax.set_yticks(range(len(names)), [f"{n}\n(t {', '.join(f'{t:g}' for t in compared[n]['temperatures'])})" for n in names])
     ax.invert_yaxis()
     ax.set(title="loop rate by remedy (95% CI)", xlim=(0, 1), xlabel="loop rate")
-    ax.legend(loc="lower right", fontsize="small")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize="small")
