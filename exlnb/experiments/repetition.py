@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 import seaborn as sns
 
@@ -137,7 +138,9 @@ def _runnable_remedies(session: Session, prompt: str) -> tuple[list[Remedy], lis
     """The remedies this engine can run, and for each it refuses, why (the ExLlamaV2 engine has no loop detector)."""
     runnable, refused = [], []
     for remedy in REMEDIES:
-        spec = session.job_spec(prompt, max_new_tokens=1, stop_on_loop=remedy.stop_on_loop)
+        spec = session.job_spec(
+            prompt, max_new_tokens=1, sampler=remedy.sampler(SamplerSettings()), stop_on_loop=remedy.stop_on_loop
+        )
         missing = session.run_on_engine(lambda engine: engine.unsupported(spec))
         if missing:
             refused.append(f"{remedy.name} not run: the {session.options.engine} engine does not implement {'; '.join(missing)}.")
@@ -200,7 +203,7 @@ def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict, ref
     tables["grid"] = grid
     compared = [r for r in REMEDIES if r is not remedies.NO_PENALTY and r.name in set(remedy_outputs.remedy)]
     comparisons = {r.name: remedies.compare(remedy_outputs, r) for r in compared}
-    temperatures = {r.name: sorted(remedy_outputs[remedy_outputs.remedy == r.name].temperature.unique()) for r in compared}
+    temperatures = {r.name: sorted(map(float, remedy_outputs[remedy_outputs.remedy == r.name].temperature.unique())) for r in compared}
     effects += remedies.effects(comparisons, temperatures)
     findings = _findings(outputs, by_penalty, effects) + remedies.findings(remedy_outputs, comparisons, parameters["max_new_tokens"]) + refused
     return ExperimentResult(
@@ -272,7 +275,8 @@ def _plot_remedies(result: ExperimentResult, ax) -> None:
     for offset, (key, label) in enumerate((("loop_rate_no_penalty", "no penalty, same jobs"), ("loop_rate", "remedy"))):
         rates = [compared[name][key] for name in names]
         values = [r["value"] for r in rates]
-        errors = [[v - r["ci95"][0] for v, r in zip(values, rates)], [r["ci95"][1] - v for v, r in zip(values, rates)]]
+        # clipped: a Wilson bound at 0 of n can miss the value by a rounding error
+        errors = np.clip([[v - r["ci95"][0] for v, r in zip(values, rates)], [r["ci95"][1] - v for v, r in zip(values, rates)]], 0, None)
         ax.errorbar(values, [i + 0.15 * (1 - 2 * offset) for i in range(len(names))], xerr=errors, fmt="o", capsize=3, label=label)
     ax.set_yticks(range(len(names)), [f"{n}\n(t {', '.join(f'{t:g}' for t in compared[n]['temperatures'])})" for n in names])
     ax.invert_yaxis()
