@@ -40,7 +40,7 @@ class Remedy:
         return base.with_options(**dict(self.sampler_options))
 
 
-NO_PENALTY = Remedy("no penalty")
+NO_PENALTY = Remedy("no penalty", source="the baseline every remedy is paired with")
 LOOP_DETECTOR = Remedy(
     "loop detector",
     stop_on_loop=(64, 3),
