@@ -82,21 +82,18 @@ def add_detector_columns(outputs: pd.DataFrame, max_new_tokens: int) -> pd.DataF
 
 def compare(outputs: pd.DataFrame, remedy: Remedy) -> dict[str, Estimate]:
     """The remedy's outputs against no penalty's with the same temperature, prompt and sample (seed)."""
-    pairs = _pairs(outputs, remedy)
-    mine, none = pairs.filter(like="_remedy"), pairs.filter(like="_none")
-    finite = np.isfinite(pairs.distinct_2_remedy) & np.isfinite(pairs.distinct_2_none)
+    p = _pairs(outputs, remedy)
+    finite = np.isfinite(p.distinct_2_remedy) & np.isfinite(p.distinct_2_none)
     return {
-        "loop_rate": rate_interval(int(mine.loop_remedy.sum()), len(pairs)),
-        "loop_rate_no_penalty": rate_interval(int(none.loop_none.sum()), len(pairs)),
-        "loop_rate_minus_no_penalty": paired_difference(mine.loop_remedy, none.loop_none, "fraction"),
-        "distinct_2": mean_interval(mine.distinct_2_remedy, "fraction"),
-        "distinct_2_minus_no_penalty": paired_difference(
-            pairs.distinct_2_remedy[finite], pairs.distinct_2_none[finite], "fraction"
-        ),
-        "new_tokens": mean_interval(mine.new_tokens_remedy, "tokens"),
-        "new_tokens_no_penalty": mean_interval(none.new_tokens_none, "tokens"),
-        "new_tokens_minus_no_penalty": paired_difference(mine.new_tokens_remedy, none.new_tokens_none, "tokens"),
-        "ended_by_detector": rate_interval(int(mine.ended_by_detector_remedy.sum()), len(pairs)),
+        "loop_rate": rate_interval(int(p.loop_remedy.sum()), len(p)),
+        "loop_rate_no_penalty": rate_interval(int(p.loop_none.sum()), len(p)),
+        "loop_rate_minus_no_penalty": paired_difference(p.loop_remedy, p.loop_none, "fraction"),
+        "distinct_2": mean_interval(p.distinct_2_remedy, "fraction"),
+        "distinct_2_minus_no_penalty": paired_difference(p.distinct_2_remedy[finite], p.distinct_2_none[finite], "fraction"),
+        "new_tokens": mean_interval(p.new_tokens_remedy, "tokens"),
+        "new_tokens_no_penalty": mean_interval(p.new_tokens_none, "tokens"),
+        "new_tokens_minus_no_penalty": paired_difference(p.new_tokens_remedy, p.new_tokens_none, "tokens"),
+        "ended_by_detector": rate_interval(int(p.ended_by_detector_remedy.sum()), len(p)),
     }
 
 
