@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 
 import matplotlib.pyplot as plt
-import numpy as np
 import pandas as pd
 import seaborn as sns
 
@@ -275,8 +274,7 @@ def _plot_remedies(result: ExperimentResult, ax) -> None:
     for offset, (key, label) in enumerate((("loop_rate_no_penalty", "no penalty, same jobs"), ("loop_rate", "remedy"))):
         rates = [compared[name][key] for name in names]
         values = [r["value"] for r in rates]
-        # clipped: a Wilson bound at 0 of n can miss the value by a rounding error
-        errors = np.clip([[v - r["ci95"][0] for v, r in zip(values, rates)], [r["ci95"][1] - v for v, r in zip(values, rates)]], 0, None)
+        errors = [[v - r["ci95"][0] for v, r in zip(values, rates)], [r["ci95"][1] - v for v, r in zip(values, rates)]]
         ax.errorbar(values, [i + 0.15 * (1 - 2 * offset) for i in range(len(names))], xerr=errors, fmt="o", capsize=3, label=label)
     ax.set_yticks(range(len(names)), [f"{n}\n(t {', '.join(f'{t:g}' for t in compared[n]['temperatures'])})" for n in names])
     ax.invert_yaxis()
