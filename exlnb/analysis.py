@@ -202,7 +202,8 @@ def rate_interval(successes: int, trials: int) -> Estimate:
     p = successes / trials
     centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
     half = z * np.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
-    return Estimate(p, float(max(0.0, centre - half)), float(min(1.0, centre + half)), trials, "fraction")
+    # at 0 of n or n of n the bound equals p in exact arithmetic; floating point can land it just past p
+    return Estimate(p, float(min(p, max(0.0, centre - half))), float(max(p, min(1.0, centre + half))), trials, "fraction")
 
 
 def _finite(samples: Sequence[float]) -> np.ndarray:

@@ -84,7 +84,14 @@ Small models fall into loops and then run to `max_new_tokens`, which is cause B 
 service. The report suggests `token_repetition_penalty = 1.11` and `token_frequency_penalty = 0.03`
 instead of what it calls exllamav2's default of 1.05. Prompts that invite loops run over a grid of
 repetition penalty x frequency penalty x temperature (greedy, and report 4's 0.7 / top-k 50 / top-p 0.8).
-A loop is a tail whose 4-grams mostly occurred earlier (`exlnb.analysis.find_tail_loop`).""",
+A loop is a tail whose 4-grams mostly occurred earlier (`exlnb.analysis.find_tail_loop`).
+
+The same prompts, seeds and temperatures also run under named remedies (`exlnb.experiments.remedies`):
+exllamav2's default penalty (1.025), the report's suggestion, DRY (multiplier 0.8, base 1.75, allowed length
+2, as DRY's author recommends), XTC (probability 0.5, threshold 0.1; it acts only when sampling, so only at
+temperature 0.7) and ExLlamaV3's loop detector (`stop_on_loop=(64, 3)`, which ends a looping job rather than
+pulling it out: it saves the tokens the job would have run to `max_new_tokens`). Each is paired with no
+penalty on the same prompt and seed. The ExLlamaV2 engine has no loop detector, so there it is left out.""",
         notes={
             "prompts": "prompts from data/prompts/loop_inviting.json",
             "samples_per_prompt": "draws per prompt at temperatures above 0 (greedy needs one)",

@@ -130,3 +130,11 @@ def test_describe_ignores_missing_samples_and_refuses_none_at_all():
     assert summary["median_ci95"][0] <= 2.5 <= summary["median_ci95"][1]
     with pytest.raises(ValueError, match="no finite samples"):
         describe([float("nan")])
+
+
+def test_a_rate_of_none_or_all_lies_inside_its_own_interval():
+    # the Wilson bound equals the rate there in exact arithmetic; floating point once put it just past
+    for trials in range(1, 60):
+        for successes in (0, trials):
+            rate = rate_interval(successes, trials)
+            assert rate.low <= rate.value <= rate.high, (successes, trials)

@@ -3,7 +3,9 @@
 Prompts that invite loops run over a grid of token_repetition_penalty x token_frequency_penalty x
 temperature. Each output is checked for a loop at its tail (`exlnb.analysis.find_tail_loop`), and for its
 diversity (distinct-2) and length. A looping job runs to max_new_tokens: that is how cause B makes a
-service slow.
+service slow. The same prompts, seeds and temperatures also run under named remedies (`remedies.REMEDIES`:
+exllamav2's default penalty, the report's suggestion, DRY, XTC and ExLlamaV3's loop detector), each paired
+with no penalty.
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ from exlnb.analysis import (
 )
 from exlnb.engines.base import EosReason, SamplerSettings
 from exlnb.datasets import load_prompts
+from exlnb.experiments import remedies
 from exlnb.experiments.record import Effect, ExperimentResult, environment
+from exlnb.experiments.remedies import (
+    EXLLAMAV2_DEFAULT_PENALTY,
+    REMEDIES,
+    REPORTED_SUGGESTION,
+    Remedy,
+    add_detector_columns,
+)
 from exlnb.session import Session
 from exlnb.templates import chatml
 
@@ -33,8 +43,6 @@ FREQUENCY_PENALTIES = (0.0, 0.03)
 TEMPERATURES = (0.0, 0.7)
 NO_PENALTY = (1.0, 0.0)
 REPORTED_DEFAULT = (1.05, 0.0)  # what field report 1 calls exllamav2's default (0.3.2's is in fact 1.025)
-REPORTED_SUGGESTION = (1.11, 0.03)  # field report 1's suggested settings
-EXLLAMAV2_DEFAULT_PENALTY = SamplerSettings().token_repetition_penalty
 
 
 def sampler(repetition: float, frequency: float, temperature: float) -> SamplerSettings:
@@ -61,7 +69,10 @@ def run(
     samples_per_prompt: int = 1,
     seed: int = 0,
 ) -> ExperimentResult:
-    """Every prompt under every sampler setting in the grid, all submitted at once and batched."""
+    """Every prompt under every setting of the grid and every named remedy, all submitted at once and batched.
+
+    A remedy whose settings are a cell of the grid (no penalty, field report 1's suggestion) reuses its jobs.
+    """
     for rep, freq in (NO_PENALTY, REPORTED_DEFAULT, REPORTED_SUGGESTION):
         if rep not in repetition_penalties or freq not in frequency_penalties:
             raise ValueError(
@@ -69,20 +80,45 @@ def run(
                 f"got repetition_penalties={repetition_penalties}, frequency_penalties={frequency_penalties}"
             )
     texts = load_prompts("loop_inviting")[:prompts]
-    grid = list(itertools.product(repetition_penalties, frequency_penalties, temperatures))
-    jobs = []
-    for (rep, freq, temp), (p, prompt), sample in itertools.product(grid, enumerate(texts), range(samples_per_prompt)):
-        if temp == 0 and sample > 0:
-            continue  # greedy is deterministic: one sample says it all
-        stream = session.generate(
-            chatml(prompt),
-            max_new_tokens=max_new_tokens,
-            sampler=sampler(rep, freq, temp),
-            seed=seed + 1000 * p + sample,
-            identifier=f"rp {rep} fp {freq} t {temp} p{p}",
-        )
-        jobs.append((rep, freq, temp, p, sample, stream))
-    rows = [_measure(rep, freq, temp, p, sample, stream.result(), max_new_tokens) for rep, freq, temp, p, sample, stream in jobs]
+    draws = [
+        (temp, p, sample)
+        for temp, p, sample in itertools.product(temperatures, range(len(texts)), range(samples_per_prompt))
+        if temp > 0 or sample == 0  # greedy is deterministic: one sample says it all
+    ]
+    remedies, refused = _runnable_remedies(session, chatml(texts[0]))
+    jobs: dict[tuple, object] = {}
+
+    def submit(settings: SamplerSettings, stop_on_loop, temp: float, p: int, sample: int) -> tuple:
+        key = (settings, stop_on_loop, p, sample)
+        if key not in jobs:
+            jobs[key] = session.generate(
+                chatml(texts[p]),
+                max_new_tokens=max_new_tokens,
+                sampler=settings,
+                stop_on_loop=stop_on_loop,
+                seed=seed + 1000 * p + sample,
+                identifier=f"t {temp} p{p} s{sample} #{len(jobs)}",
+            )
+        return key
+
+    grid = [
+        (dict(token_repetition_penalty=rep, token_frequency_penalty=freq, temperature=temp, prompt=p, sample=sample),
+         submit(sampler(rep, freq, temp), None, temp, p, sample))
+        for rep, freq, (temp, p, sample) in itertools.product(repetition_penalties, frequency_penalties, draws)
+    ]
+    remedy_jobs = [
+        (dict(remedy=r.name, temperature=temp, prompt=p, sample=sample),
+         submit(r.sampler(sampler(*NO_PENALTY, temp)), r.stop_on_loop, temp, p, sample))
+        for r, (temp, p, sample) in itertools.product(remedies, draws)
+        if r.applies_at(temp)
+    ]
+    measured = {key: _measure(stream.result(), max_new_tokens) for key, stream in jobs.items()}
+    tables = {
+        "outputs": pd.DataFrame([labels | measured[key] for labels, key in grid]),
+        "remedies": add_detector_columns(
+            pd.DataFrame([labels | measured[key] for labels, key in remedy_jobs]), max_new_tokens
+        ),
+    }
     parameters = dict(
         prompts=prompts,
         max_new_tokens=max_new_tokens,
@@ -91,20 +127,32 @@ def run(
         temperatures=list(temperatures),
         samples_per_prompt=samples_per_prompt,
         seed=seed,
+        remedies={r.name: {"sampler": dict(r.sampler_options), "stop_on_loop": r.stop_on_loop, "source": r.source}
+                  for r in remedies},
     )
-    return _summarise({"outputs": pd.DataFrame(rows)}, parameters, environment(session))
+    return _summarise(tables, parameters, environment(session), refused)
 
 
-def _measure(rep, freq, temp, prompt, sample, result, max_new_tokens) -> dict:
+def _runnable_remedies(session: Session, prompt: str) -> tuple[list[Remedy], list[str]]:
+    """The remedies this engine can run, and for each it refuses, why (the ExLlamaV2 engine has no loop detector)."""
+    runnable, refused = [], []
+    for remedy in REMEDIES:
+        spec = session.job_spec(
+            prompt, max_new_tokens=1, sampler=remedy.sampler(SamplerSettings()), stop_on_loop=remedy.stop_on_loop
+        )
+        missing = session.run_on_engine(lambda engine: engine.unsupported(spec))
+        if missing:
+            refused.append(f"{remedy.name} not run: the {session.options.engine} engine does not implement {'; '.join(missing)}.")
+        else:
+            runnable.append(remedy)
+    return runnable, refused
+
+
+def _measure(result, max_new_tokens) -> dict:
     # the stop token is the engine's signal, not part of the text whose repetition we measure
     generated = result.token_ids[:-1] if result.eos_reason is EosReason.STOP_TOKEN else result.token_ids
     loop = find_tail_loop(generated)
     return {
-        "token_repetition_penalty": rep,
-        "token_frequency_penalty": freq,
-        "temperature": temp,
-        "prompt": prompt,
-        "sample": sample,
         "new_tokens": result.new_tokens,
         "eos_reason": result.eos_reason.value,
         "ran_to_max": result.new_tokens >= max_new_tokens,
@@ -131,8 +179,8 @@ def _label(repetition: float, frequency: float) -> str:
     return f"penalty {repetition:g}, frequency {frequency:g}"
 
 
-def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict) -> ExperimentResult:
-    outputs = tables["outputs"]
+def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict, refused: list[str]) -> ExperimentResult:
+    outputs, remedy_outputs = tables["outputs"], tables["remedies"]
     fix = _cell(outputs, *REPORTED_SUGGESTION)
     contrasts = (
         ("loop rate (all temperatures and prompts)", lambda cell: _rate(cell, "loop"), REPORTED_DEFAULT),
@@ -152,7 +200,11 @@ def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict) -> 
         .reset_index()
     )
     tables["grid"] = grid
-    findings = _findings(outputs, by_penalty, effects)
+    compared = [r for r in REMEDIES if r is not remedies.NO_PENALTY and r.name in set(remedy_outputs.remedy)]
+    comparisons = {r.name: remedies.compare(remedy_outputs, r) for r in compared}
+    temperatures = {r.name: sorted(map(float, remedy_outputs[remedy_outputs.remedy == r.name].temperature.unique())) for r in compared}
+    effects += remedies.effects(comparisons, temperatures)
+    findings = _findings(outputs, by_penalty, effects) + remedies.findings(remedy_outputs, comparisons, parameters["max_new_tokens"]) + refused
     return ExperimentResult(
         name="repetition",
         field_reports=(1, 4),
@@ -165,6 +217,10 @@ def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict) -> 
             "loop_rate_by_repetition_penalty": by_penalty,
             "loop_rate_by_temperature": by_temperature,
             "exllamav2_default_token_repetition_penalty": EXLLAMAV2_DEFAULT_PENALTY,
+            "remedies": {
+                name: {"temperatures": temperatures[name]} | {k: e.as_dict() for k, e in c.items()}
+                for name, c in comparisons.items()
+            },
         },
     )
 
@@ -191,10 +247,10 @@ def _findings(outputs: pd.DataFrame, by_penalty: dict, effects: list[Effect]) ->
 
 
 def plot(result: ExperimentResult):
-    """Loop rate over the penalty grid, one heatmap per temperature."""
+    """Loop rate over the penalty grid, one heatmap per temperature; distinct-2; the named remedies' loop rates."""
     grid = result.tables["grid"]
     temperatures = sorted(grid.temperature.unique())
-    fig, axes = plt.subplots(1, len(temperatures) + 1, figsize=(5 * (len(temperatures) + 1), 4))
+    fig, axes = plt.subplots(1, len(temperatures) + 2, figsize=(5 * (len(temperatures) + 2), 4))
     for ax, temp in zip(axes, temperatures):
         table = grid[grid.temperature == temp].pivot(
             index="token_frequency_penalty", columns="token_repetition_penalty", values="loop_rate"
@@ -203,8 +259,24 @@ def plot(result: ExperimentResult):
         ax.set(title=f"loop rate, temperature {temp:g}", xlabel="token_repetition_penalty",
                ylabel="token_frequency_penalty")
     outputs = result.tables["outputs"]
-    sns.pointplot(data=outputs, x="token_repetition_penalty", y="distinct_2", hue="temperature", ax=axes[-1])
-    axes[-1].set(title="distinct-2 of the output (mean, 95% CI)", ylim=(0, 1))
-    fig.suptitle("Field reports 1 and 4: repetition loops against sampler penalties")
+    sns.pointplot(data=outputs, x="token_repetition_penalty", y="distinct_2", hue="temperature", ax=axes[-2])
+    axes[-2].set(title="distinct-2 of the output (mean, 95% CI)", ylim=(0, 1))
+    _plot_remedies(result, axes[-1])
+    fig.suptitle("Field reports 1 and 4: repetition loops against sampler penalties and other remedies")
     fig.tight_layout()
     return fig
+
+
+def _plot_remedies(result: ExperimentResult, ax) -> None:
+    """Each remedy's loop rate (Wilson 95% interval) beside no penalty's on the same prompts and seeds."""
+    compared = result.values["remedies"]
+    names = list(compared)
+    for offset, (key, label) in enumerate((("loop_rate_no_penalty", "no penalty, same jobs"), ("loop_rate", "remedy"))):
+        rates = [compared[name][key] for name in names]
+        values = [r["value"] for r in rates]
+        errors = [[v - r["ci95"][0] for v, r in zip(values, rates)], [r["ci95"][1] - v for v, r in zip(values, rates)]]
+        ax.errorbar(values, [i + 0.15 * (1 - 2 * offset) for i in range(len(names))], xerr=errors, fmt="o", capsize=3, label=label)
+    ax.set_yticks(range(len(names)), [f"{n}\n(t {', '.join(f'{t:g}' for t in compared[n]['temperatures'])})" for n in names])
+    ax.invert_yaxis()
+    ax.set(title="loop rate by remedy (95% CI)", xlim=(0, 1), xlabel="loop rate")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize="small")
