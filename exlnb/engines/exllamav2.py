@@ -15,7 +15,7 @@ import torch
 from exlnb.engines.options import EngineOptions
 from exlnb.engines import vocab
 from exlnb.engines.base import CacheView, EngineStatus, JobSpec, SamplerSettings, StreamEvent, wall_clock
-from exlnb.engines.library_engine import LibraryEngine, import_library, max_new_tokens_within, page_view
+from exlnb.engines.library_engine import LibraryEngine, import_library, job_arguments, max_new_tokens_within, page_view
 from exlnb.engines.paged_attention import VERIFIED_EXLLAMAV2
 from exlnb.engines.tokenizer import HfTokenizer
 
@@ -141,16 +141,7 @@ class ExLlamaV2Engine(LibraryEngine):
         settings = self._upstream_settings(spec.sampler, ExLlamaV2Sampler.Settings)
         job_id = self._new_job_id()
         job = ExLlamaV2DynamicJob(
-            input_ids=torch.tensor([spec.input_ids], dtype=torch.long),
-            max_new_tokens=max_new,
-            gen_settings=settings,
-            seed=spec.seed,
-            stop_conditions=[*spec.stop_token_ids, *spec.stop_strings],
-            min_new_tokens=spec.min_new_tokens,
-            banned_strings=list(spec.banned_strings) or None,
-            decode_special_tokens=True,  # like the CPU engine: a generated <|im_start|> is visible
-            identifier=job_id,
-            **_token_info_outputs(spec),
+            gen_settings=settings, **job_arguments(spec, max_new, job_id), **_token_info_outputs(spec)
         )
         self.generator.enqueue(job)
         return self._track(job_id, job, spec, max_new)

@@ -20,7 +20,14 @@ from exlnb.engines.base import (
     StreamEvent,
     wall_clock,
 )
-from exlnb.engines.library_engine import LibraryEngine, TrackedJob, import_library, max_new_tokens_within, page_view
+from exlnb.engines.library_engine import (
+    LibraryEngine,
+    TrackedJob,
+    import_library,
+    job_arguments,
+    max_new_tokens_within,
+    page_view,
+)
 from exlnb.engines.exllamav3_sampler import sampler_steps
 from exlnb.engines.options import PAGE_TOKENS, EngineOptions
 from exlnb.engines.tokenizer import HfTokenizer
@@ -75,15 +82,8 @@ class ExLlamaV3Engine(LibraryEngine):
         sampler = build_sampler(spec.sampler)
         job_id = self._new_job_id()
         job = Job(
-            input_ids=torch.tensor([spec.input_ids], dtype=torch.long),
-            max_new_tokens=max_new,
+            **job_arguments(spec, max_new, job_id),
             sampler=sampler,
-            seed=spec.seed,
-            stop_conditions=[*spec.stop_token_ids, *spec.stop_strings],
-            min_new_tokens=spec.min_new_tokens,
-            banned_strings=list(spec.banned_strings) or None,
-            decode_special_tokens=True,  # like the CPU engine: a generated <|im_start|> is visible
-            identifier=job_id,
             stop_on_loop=spec.stop_on_loop,
             # exllamav3 1.6.5 reports the softmax of the logits at temperature 1 before its sampler (Job's
             # return_probs), for every step: token_info.py's greedy figure

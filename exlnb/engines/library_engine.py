@@ -66,6 +66,20 @@ def max_new_tokens_within(spec: JobSpec, max_seq_len: int) -> int:
     return min(spec.max_new_tokens, max_seq_len - prompt)
 
 
+def job_arguments(spec: JobSpec, max_new_tokens: int, job_id: int) -> dict:
+    """The keywords exllamav2 0.3.2's `ExLlamaV2DynamicJob` and exllamav3 1.6.5's `Job` take alike."""
+    return dict(
+        input_ids=torch.tensor([spec.input_ids], dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        seed=spec.seed,
+        stop_conditions=[*spec.stop_token_ids, *spec.stop_strings],
+        min_new_tokens=spec.min_new_tokens,
+        banned_strings=list(spec.banned_strings) or None,
+        decode_special_tokens=True,  # like the CPU engine: a generated <|im_start|> is visible
+        identifier=job_id,
+    )
+
+
 @dataclass
 class TrackedJob:
     """What we know of one library job beyond what the library reports."""
