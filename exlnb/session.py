@@ -421,20 +421,24 @@ class Session:
 
     def _fail_step(self, engine: Engine, error: BaseException) -> None:
         """A whole engine step raised: every job fails with that error, and the session stays usable."""
-        for info in engine.jobs():
-            engine.cancel(info.job_id)
+        _drop_every_job(engine)
         message = f"the engine step failed: {_one_line(error)}"
         self._deliveries.fail_all(lambda job_id: JobError(f"job {job_id}: {message}"))
 
     def _end_every_job(self, engine: Engine) -> None:
         """The engine thread's last act: no job outlives the model, and no stream waits for ever."""
-        for info in engine.jobs():
-            engine.cancel(info.job_id)
+        _drop_every_job(engine)
         self._deliveries.fail_all(
             lambda job_id: ModelUnloaded(
                 f"job {job_id} ended: the model was unloaded after {self._deliveries.new_tokens(job_id)} new tokens"
             )
         )
+
+
+def _drop_every_job(engine: Engine) -> None:
+    """Take every job out of the engine; their streams are ended by the caller, with its own reason."""
+    for info in engine.jobs():
+        engine.cancel(info.job_id)
 
 
 def _one_line(error: BaseException) -> str:
