@@ -20,8 +20,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-import nbformat
 import pytest
+
+nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the notebook stack: pip install -e '.[test]'")
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright: pip install playwright")
 TimeoutError, expect = sync_api.TimeoutError, sync_api.expect

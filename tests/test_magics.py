@@ -8,8 +8,6 @@ import _thread
 import threading
 import time
 
-import nbformat
-import papermill
 import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
@@ -19,6 +17,9 @@ from exlnb import EosReason
 from exlnb.chat import forget_chat, get_chat
 from exlnb.generation import start
 from exlnb.widgets.stream import generate_live
+
+nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the notebook stack: pip install -e '.[test]'")
+papermill = pytest.importorskip("papermill", reason="the notebook tests need the notebook stack: pip install -e '.[test]'")
 
 QUESTION = "What is the capital of France?"
 LOOPING = "Write a chant for a football team."  # greedy, no penalty: "The team of the team of ..." by token 40

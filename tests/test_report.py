@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import nbformat
 import pytest
 
 from exlnb import report
 from exlnb.experiments.notebooks import NOTEBOOKS, notebook_parameters
 from exlnb.report import NotebookRun, _overrides, earlier_runs, main, publish, summary_markdown
+
+nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the notebook stack: pip install -e '.[test]'")
 
 NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 

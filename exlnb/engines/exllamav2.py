@@ -22,6 +22,17 @@ from exlnb.engines.tokenizer import HfTokenizer
 SDPA_TOLERANCE = 1e-2  # relative error between exllamav2's SDPA and matmul attention paths
 
 
+def without_taken_back(ids: list[int], result: dict) -> list[int]:
+    """The ids a streaming result really produced. When exllamav2 0.3.2 takes back the tokens of a banned string,
+    its rewind restores `held_token` (a typo for `held_tokens`), so the next result still reports the taken-back
+    tokens at the end of its ids while its text, probabilities and position leave them out (docs/gpu.md)."""
+    taken_back = result.get("suppressed_tokens")
+    if taken_back is None or not taken_back.numel():
+        return ids
+    tail = taken_back.flatten().tolist()
+    return ids[: -len(tail)] if ids[-len(tail) :] == tail else ids
+
+
 class ExLlamaV2Engine(LibraryEngine):
     name = "exllamav2"
     separate_generators_note = (
@@ -182,7 +193,7 @@ class ExLlamaV2Engine(LibraryEngine):
                 events.append(self._started(job_id, tracked, now))
             elif result["stage"] == "streaming":
                 ids = result.get("token_ids")
-                new_ids = ids.flatten().tolist() if ids is not None else []
+                new_ids = without_taken_back(ids.flatten().tolist() if ids is not None else [], result)
                 if result.get("eos_reason") == "stop_token":  # exllamav2 holds the stop token back; report it
                     new_ids.append(result["eos_triggering_token_id"])  # like the CPU engine
                 info = self._token_info(tracked.spec, new_ids, result)

