@@ -35,7 +35,7 @@ wait_for() {  # wait_for FILE: until FILE exists
 suite() {  # suite NAME PYTEST_ARGS...: one pytest run, its log and junit XML under OUTDIR
     local name=$1; shift
     log "start $name"
-    (cd "$REPO" && python3 -m pytest -m gpu -p no:cacheprovider -rA --timeout 420 --continue-on-collection-errors \
+    (cd "$REPO" && python3 -m pytest -m gpu -p no:cacheprovider -v --timeout 420 --continue-on-collection-errors \
         --junitxml "$OUTDIR/$name.xml" "$@" > "$OUTDIR/$name.log" 2>&1)
     log "end $name (exit $?): $(tail -n 1 "$OUTDIR/$name.log")"
 }
@@ -61,8 +61,8 @@ setup)
     tar --exclude=./.whl --exclude=./.gpu --exclude=./.git -cf - . | tar -xf - -C "$REPO"
     cat "$3" > "$WORK/gguf.xz"
     log "setup done; starting both builds"
-    setsid nohup bash "$0" build exllamav2 > /dev/null 2>&1 < /dev/null &
-    setsid nohup bash "$0" build exllamav3 > /dev/null 2>&1 < /dev/null &
+    setsid nohup bash "$REPO/benchmarks/gpu_acceptance.sh" build exllamav2 > /dev/null 2>&1 < /dev/null &
+    setsid nohup bash "$REPO/benchmarks/gpu_acceptance.sh" build exllamav3 > /dev/null 2>&1 < /dev/null &
     ;;
 build)
     build "$2"
@@ -70,10 +70,11 @@ build)
 model)
     shift
     cat "$@" >> "$WORK/gguf.xz"
-    xz -dc "$WORK/gguf.xz" > "$EXLNB_BUNDLED_GGUF" || exit 1
+    python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+        "$WORK/gguf.xz" "$EXLNB_BUNDLED_GGUF" || exit 1
     sha256sum "$EXLNB_BUNDLED_GGUF" | grep -q "^$BUNDLED_SHA256" || { log "the GGUF's checksum is wrong"; exit 1; }
     log "GGUF joined; starting all"
-    setsid nohup bash "$0" all > "$OUTDIR/all.log" 2>&1 < /dev/null &
+    setsid nohup bash "$REPO/benchmarks/gpu_acceptance.sh" all > "$OUTDIR/all.log" 2>&1 < /dev/null &
     ;;
 all)
     nvidia-smi > "$OUTDIR/nvidia-smi.txt" 2>&1
