@@ -69,6 +69,12 @@ ROWS = [
     Row("%%exl_generate with {k[0]} in the cell (no k)", cell("", "Tell me about {k[0]}.")),
     Row("%%exl_generate with {d[missing]} in the cell (d = {})", cell("", "Tell me about {d[missing]}.")),
     Row("%%exl_generate with a lone surrogate (\\ud800) in the cell", cell("", "Hello \ud800 there")),
+    Row("%%exl_generate --json-schema person --regex '[0-9]+'", cell("--json-schema person --regex '[0-9]+'")),
+    Row("%%exl_generate --json-schema nobody  (no such variable or file)", cell("--json-schema nobody")),
+    Row('%%exl_generate --json-schema typo  (typo = {"type": "objec"})', cell("--json-schema typo")),
+    Row("%%exl_generate --regex '(a'", cell("--regex '(a'")),
+    Row('session.generate(p, regex="[a-z]+", banned_strings=["x"])',
+        python("get_session().generate(P, regex='[a-z]+', banned_strings=['x'])")),
     Row("%exl_cancel  (no ids)", line("exl_cancel", "")),
     Row("session.generate(p, temprature=0.5)", python("get_session().generate(P, temprature=0.5)")),
     Row("session.generate(p, max_new_tokens=1.5)", python("get_session().generate(P, max_new_tokens=1.5)")),
@@ -86,7 +92,8 @@ def run_rows() -> list[tuple[str, str, str]]:
 
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "exlnb")
-    shell.user_ns.update(P=QUESTION, d={}, get_session=get_session, generate_live=generate_live)
+    shell.user_ns.update(P=QUESTION, d={}, get_session=get_session, generate_live=generate_live,
+                         person={"type": "object", "properties": {"name": {"type": "string"}}}, typo={"type": "objec"})
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         places = _places(Path(tmp))

@@ -56,7 +56,7 @@ class Sample:
         return end - self.last.time_enqueued
 
     def result(self) -> GenerationResult:
-        return GenerationResult.from_events(self.stream.job_id, self.events)
+        return GenerationResult.from_events(self.stream.job_id, self.events, self.stream.constraint)
 
 
 class Generation:
@@ -280,6 +280,7 @@ def _prepare(request: GenerationRequest, session: Session, owner: Hashable | Non
             seed=None if request.seed is None else request.seed + i,
             identifier=f"sample {i}" if request.n > 1 else None,
             min_new_tokens=request.min_new_tokens, banned_strings=request.banned_strings, top_tokens=request.tokens,
+            json_schema=request.json_schema, regex=request.regex,
         )
         for i in range(request.n)
     ]

@@ -17,9 +17,10 @@ import string
 import typing
 from contextlib import contextmanager
 from dataclasses import fields
+from pathlib import Path
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import MagicHelpFormatter, argument, magic_arguments, real_name
 
 from exlnb.engines.base import SamplerSettings
@@ -107,6 +108,18 @@ def _unknown_options(unknown: list[str], parser: argparse.ArgumentParser, name: 
     return f"%{name}: unknown option {wrong}{hint}; the options are {' '.join(known)}"
 
 
+def schema_from_notebook(name_or_file: str, namespace: dict):
+    """`--json-schema NAME_OR_FILE`: the notebook variable of that name (a dict or a pydantic model), else a file."""
+    if name_or_file in namespace:
+        return namespace[name_or_file]
+    if Path(name_or_file).is_file():
+        return Path(name_or_file)
+    raise UsageError(
+        f"--json-schema {name_or_file}: no variable {name_or_file!r} in the notebook and no such file; name a variable "
+        "holding a dict or a pydantic model, or a .json file"
+    )
+
+
 def fill_prompt(body: str, namespace: dict) -> str:
     """`{name}` in the cell body becomes the value of `name` in the notebook (`{{` for a literal brace)."""
     formatter = string.Formatter()
@@ -165,6 +178,7 @@ def generation_arguments(func):
 
 
 CHOICES = {"template": TEMPLATES, "token_colour": TOKEN_COLOURS}  # request fields with a fixed set of values
+TEXT_METAVARS = {"json_schema": "NAME_OR_FILE", "regex": "PATTERN"}  # request fields given as text, read as such
 
 
 def _request_argument(f, default):
@@ -176,6 +190,8 @@ def _request_argument(f, default):
         return argument(flag, dest=f.name, action="append", default=[], type=escaped, metavar="TEXT", help=help_text)
     if isinstance(default, bool):
         return argument(flag, action="store_true", help=help_text)
+    if f.name in TEXT_METAVARS:
+        return argument(flag, metavar=TEXT_METAVARS[f.name], help=help_text)
     kind = _scalar_type(typing.get_type_hints(GenerationRequest)[f.name])
     shown = f" (default: {default})" if default is not None else ""
     return argument(flag, type=kind, default=default, metavar=_METAVARS.get(kind, "VALUE"), help=help_text + shown)
@@ -263,6 +279,7 @@ class ExlnbMagics(Magics):
 
     @generation_arguments
     @line_cell_magic
+    @no_var_expand  # options are literal, as in a kernel's async cell: IPython would make --regex 'a{2,9}' a(2, 9)
     def exl_generate(self, line: str, cell: str | None = None) -> None:
         """Generate from the cell body as the user's turn; `{name}` is filled from the notebook's variables."""
         args, request, show = self._generate_call(line, cell)
@@ -289,6 +306,8 @@ class ExlnbMagics(Magics):
             raise UsageError("%%exl_generate is a cell magic: options on the first line, the prompt in the cell "
                              "below (see %exl_generate? for the options)")
         values = {k: v for k, v in vars(args).items() if v is not None and k not in SHOW_OPTIONS}
+        if "json_schema" in values:
+            values["json_schema"] = schema_from_notebook(values["json_schema"], self.shell.user_ns)
         with usage_errors():
             request = GenerationRequest.build(fill_prompt(cell.strip(), self.shell.user_ns), **values)
         show = dict(background=args.background, show_prompt=args.show_prompt, display=args.display,

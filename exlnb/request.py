@@ -8,11 +8,13 @@ here, naming the valid ones, instead of three layers down.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from exlnb.engines.base import DEFAULT_MAX_NEW_TOKENS, SEED_MAX, SamplerSettings
 from exlnb.engines.options import TOKEN_COLOURS
 from exlnb.engines.token_info import MAX_TOP_TOKENS
 from exlnb.engines.checks import check_field_types, check_option_names, check_text
+from exlnb.engines.constraint import OutputConstraint
 from exlnb.templates import TEMPLATES
 
 # what each request field means, for the magics' help and the docs
@@ -31,6 +33,9 @@ REQUEST_HELP = {
     "tokens": "show the answer as tokens coloured by probability, with N alternatives on hover (0: off)",
     "show_whitespace": "in the token view, draw spaces, tabs and newlines as marks (· → ↵)",
     "token_colour": "shade the token view by probability, or by latency (time since the previous token)",
+    "json_schema": "the answer is JSON valid under this schema: a notebook variable holding a dict or a pydantic "
+                   "model, or a .json file; result.parsed is the value",
+    "regex": "the answer matches this regular expression in full (quote it: 'PATTERN'); result.parsed is the match",
 }
 
 
@@ -54,6 +59,8 @@ class GenerationRequest:
     tokens: int = 0  # JobSpec.top_tokens: per-token probabilities and alternatives, none computed at 0
     show_whitespace: bool = False  # the token view's marks; nothing an engine sees
     token_colour: str = "probability"  # or "latency": what the token view's shades say
+    json_schema: dict | str | Path | type | None = None  # a schema, the path of a .json file, or a pydantic model
+    regex: str | None = None  # a pattern the whole answer must match (not with json_schema)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -82,6 +89,7 @@ class GenerationRequest:
             raise ValueError("stop has an empty string, which would stop before the first token: remove it")
         if self.seed is not None and not 0 <= self.seed <= SEED_MAX - (self.n - 1):
             raise ValueError(f"seed={self.seed} is out of range: use 0 to {SEED_MAX - (self.n - 1)} (sample i uses seed + i)")
+        OutputConstraint.given(self.json_schema, self.regex)  # a bad schema or pattern fails here, before any job
 
     @classmethod
     def option_names(cls) -> list[str]:

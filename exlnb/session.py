@@ -31,6 +31,7 @@ from exlnb.engines.base import (
     Tokenizer,
 )
 from exlnb.engines.checks import check_option_names
+from exlnb.engines.constraint import OutputConstraint
 from exlnb.engines.options import EngineOptions, check_cache_fits
 from exlnb.models import BUNDLED_MODEL, resolve_model
 from exlnb.streaming import Deliveries, EventInbox, GenerationResult, JobError, JobStream, ModelUnloaded
@@ -58,7 +59,7 @@ class JobRow:
 
 JOB_SPEC_OPTIONS = (
     "max_new_tokens", "sampler", "stop", "seed", "identifier", "stop_at_eos", "min_new_tokens", "banned_strings",
-    "stop_on_loop", "top_tokens",
+    "stop_on_loop", "top_tokens", "json_schema", "regex",
 )
 
 
@@ -225,7 +226,7 @@ class Session:
         except BaseException:
             self._cancel_orphans(thread, inboxes)
             raise
-        return self._streams(job_ids, inboxes, cancel_when_abandoned)
+        return self._streams(job_ids, specs, inboxes, cancel_when_abandoned)
 
     async def asubmit_together(
         self, specs: Sequence[JobSpec], *, cancel_when_abandoned: bool = True, shared: object | None = None
@@ -238,7 +239,7 @@ class Session:
         except BaseException:
             self._cancel_orphans(thread, inboxes)
             raise
-        return self._streams(job_ids, inboxes, cancel_when_abandoned)
+        return self._streams(job_ids, specs, inboxes, cancel_when_abandoned)
 
     def _enqueue(self, specs: Sequence[JobSpec], inboxes: list[EventInbox], cancel_when_abandoned: bool):
         def enqueue(engine: Engine) -> list[int]:
@@ -252,10 +253,12 @@ class Session:
 
         return enqueue
 
-    def _streams(self, job_ids: list[int], inboxes: list[EventInbox], cancel_when_abandoned: bool) -> list[JobStream]:
+    def _streams(
+        self, job_ids: list[int], specs: Sequence[JobSpec], inboxes: list[EventInbox], cancel_when_abandoned: bool
+    ) -> list[JobStream]:
         return [
-            JobStream(job_id, inbox, self.cancel, self.request_cancel, cancel_when_abandoned)
-            for job_id, inbox in zip(job_ids, inboxes)
+            JobStream(job_id, inbox, self.cancel, self.request_cancel, cancel_when_abandoned, spec.constraint)
+            for job_id, spec, inbox in zip(job_ids, specs, inboxes)
         ]
 
     def _cancel_orphans(self, thread: EngineThread, inboxes: list[EventInbox]) -> None:
@@ -282,6 +285,8 @@ class Session:
         banned_strings: Sequence[str] = (),
         stop_on_loop: tuple[int, int] | None = None,
         top_tokens: int = 0,
+        json_schema: object = None,
+        regex: str | None = None,
         **sampler_options,
     ) -> JobSpec:
         """What `generate` submits, for `submit_together`: the prompt encoded, the settings checked.
@@ -289,8 +294,9 @@ class Session:
         Sampler settings come from `sampler` (default: exllamav2's defaults) with keyword overrides, e.g.
         `temperature=0.7, top_p=0.9`. `stop` takes strings and token ids; the tokenizer's end-of-sequence
         token stops generation unless `stop_at_eos=False`. `min_new_tokens`, `banned_strings`, `stop_on_loop`
-        and `top_tokens` (per-token probabilities; 0 computes none) are `JobSpec`'s. The prompt and its answer
-        must fit the cache: every job reserves pages for its whole answer when it starts.
+        and `top_tokens` (per-token probabilities; 0 computes none) are `JobSpec`'s. `json_schema` (a dict, a
+        pydantic model class or a .json file) or `regex` constrains the answer (`OutputConstraint`). The prompt and
+        its answer must fit the cache: every job reserves pages for its whole answer when it starts.
         """
         check_option_names(sampler_options, valid=[*JOB_SPEC_OPTIONS, *SamplerSettings.option_names()])
         settings = (sampler or SamplerSettings()).with_options(**sampler_options)
@@ -311,6 +317,7 @@ class Session:
             banned_strings=tuple(banned_strings),
             stop_on_loop=stop_on_loop,
             top_tokens=top_tokens,
+            constraint=OutputConstraint.given(json_schema, regex),
         )
         self._check_fits(spec)
         return spec

@@ -20,9 +20,10 @@ import queue
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from exlnb.engines.base import EosReason, Stage, StreamEvent, wall_clock
+from exlnb.engines.constraint import OutputConstraint
 from exlnb.token_records import TokenRecord, token_frame, token_records
 
 
@@ -61,13 +62,31 @@ class GenerationResult:
     decode_tokens_per_s: float | None
     elapsed_s: float  # submit -> last event
     token_records: tuple[TokenRecord, ...] = ()  # per token, when the job asked for top_tokens
+    constraint: OutputConstraint | None = field(default=None, repr=False)  # the job's json_schema or regex
 
     def tokens(self):
         """One row per generated token: probability, alternatives, arrival and latency (a pandas DataFrame)."""
         return token_frame(self.token_records)
 
+    @property
+    def parsed(self):
+        """The answer read by its constraint: the JSON value (dict, list, ...) for a JSON schema, an instance of
+        the pydantic model when one was given, the `re.Match` of the whole text for a regex; None without a
+        constraint. ValueError when the answer does not satisfy it: it ended before its constraint did."""
+        if self.constraint is None:
+            return None
+        try:
+            return self.constraint.parse(self.text)
+        except ValueError as error:
+            ended = self.eos_reason.value if self.eos_reason else "no event"
+            first = str(error).splitlines()[0]
+            raise ValueError(f"job {self.job_id}'s answer does not satisfy its {self.constraint.describe()} "
+                             f"(it ended by {ended}): {first}") from None
+
     @classmethod
-    def from_events(cls, job_id: int, events: list[StreamEvent]) -> GenerationResult:
+    def from_events(
+        cls, job_id: int, events: list[StreamEvent], constraint: OutputConstraint | None = None
+    ) -> GenerationResult:
         last = events[-1] if events else None
         return cls(
             job_id=job_id,
@@ -82,6 +101,7 @@ class GenerationResult:
             decode_tokens_per_s=last.decode_tokens_per_s if last else None,
             elapsed_s=(last.time_produced - last.time_enqueued) if last else 0.0,
             token_records=token_records(events),
+            constraint=constraint,
         )
 
 
@@ -225,8 +245,10 @@ class JobStream:
         cancel: Callable[[int], bool],
         request_cancel: Callable[[int], None],
         cancel_when_abandoned: bool = True,
+        constraint: OutputConstraint | None = None,
     ) -> None:
         self.job_id = job_id
+        self.constraint = constraint  # what its result's `parsed` reads the answer with
         self._inbox = inbox
         self._cancel = cancel
         self._request_cancel = request_cancel
@@ -306,13 +328,13 @@ class JobStream:
         for _ in self:
             pass
         self._raise_error()
-        return GenerationResult.from_events(self.job_id, self._events)
+        return GenerationResult.from_events(self.job_id, self._events, self.constraint)
 
     async def aresult(self) -> GenerationResult:
         async for _ in self:
             pass
         self._raise_error()
-        return GenerationResult.from_events(self.job_id, self._events)
+        return GenerationResult.from_events(self.job_id, self._events, self.constraint)
 
     def text(self) -> str:
         return self.result().text

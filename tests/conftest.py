@@ -50,6 +50,16 @@ def engine_session(engine_name: str) -> Session:
     return session
 
 
+@pytest.fixture(scope="module")
+def shell(cpu_session):
+    """An IPython shell with exlnb's magics, over the CPU session."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "exlnb")
+    return shell
+
+
 @pytest.fixture
 def greedy() -> SamplerSettings:
     return SamplerSettings.greedy()

@@ -13,7 +13,6 @@ import time
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 
 from exlnb import bench
 from exlnb.loadtest import BenchResult
@@ -188,13 +187,6 @@ def test_the_serving_script_writes_strict_json_with_every_request(idle_session, 
         assert run["metrics"]["successful_requests"] == 2 and run["metrics"]["total_output_tokens"] == 4
         assert [len(r["token_times_s"]) for r in run["requests"]] == [2, 2]
     assert_idle(idle_session)
-
-
-@pytest.fixture(scope="module")
-def shell(cpu_session):
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "exlnb")
-    return shell
 
 
 def test_the_magic_runs_and_stores_its_result(shell, idle_session, capsys):

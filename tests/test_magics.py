@@ -10,7 +10,6 @@ import time
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 
 import exlnb.magics
 from exlnb import EosReason
@@ -23,13 +22,6 @@ papermill = pytest.importorskip("papermill", reason="the notebook tests need the
 
 QUESTION = "What is the capital of France?"
 LOOPING = "Write a chant for a football team."  # greedy, no penalty: "The team of the team of ..." by token 40
-
-
-@pytest.fixture(scope="module")
-def shell(cpu_session):
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "exlnb")
-    return shell
 
 
 @pytest.fixture
@@ -70,6 +62,7 @@ def generate(shell, line: str, body: str = QUESTION):
         ("--tokens 3", "tokens", 3),
         ("--tokens 2 --show-whitespace", "show_whitespace", True),
         ("--tokens 2 --token-colour latency", "token_colour", "latency"),
+        ("--regex '[0-9]{2}'", "regex", "[0-9]{2}"),
     ],
 )
 def test_every_generate_option_reaches_the_api(shell, idle, monkeypatch, option, keyword, value):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from exlnb.engines.checks import check_field_types
+from exlnb.engines.constraint import OutputConstraint
 from exlnb.engines.sampling import SamplerSettings
 from exlnb.engines.token_info import MAX_TOP_TOKENS, TokenInfo
 
@@ -44,6 +45,7 @@ class EosReason(str, enum.Enum):
     MAX_NEW_TOKENS = "max_new_tokens"
     END_OF_CACHE = "end_of_cache"  # the sequence reached the cache's token limit
     LOOP_DETECTED = "loop_detected"  # the engine's own loop detector ended the job (exllamav3's stop_on_loop)
+    END_FILTER = "end_filter"  # the answer completed its constraint, JSON schema or regex (the libraries' name)
     CANCELLED = "cancelled"
     FAILED = "failed"  # ended by an error (an engine failure, the model unloaded); the stream raised it
 
@@ -63,6 +65,7 @@ class JobSpec:
     banned_strings: tuple[str, ...] = ()  # never in the output, case-insensitive (exllamav2's dynamic job)
     stop_on_loop: tuple[int, int] | None = None  # (window, min_reps): end a job that only repeats (ExLlamaV3's)
     top_tokens: int = 0  # k >= 1: each new token carries its probability and k alternatives (token_info.py)
+    constraint: OutputConstraint | None = None  # the answer must satisfy it (constraint.py)
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -83,6 +86,9 @@ class JobSpec:
                 raise ValueError(f"stop_on_loop={self.stop_on_loop!r}: give (window, min_reps) with 1 < min_reps < window")
         if not 0 <= self.top_tokens <= MAX_TOP_TOKENS:
             raise ValueError(f"top_tokens={self.top_tokens} must be between 0 (off) and {MAX_TOP_TOKENS}")
+        if self.constraint is not None and not self.stop_token_ids:
+            raise ValueError(f"a job constrained to a {self.constraint.describe()} ends on a stop token where the "
+                             "constraint is satisfied: give one (keep stop_at_eos=True)")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import torch
 from exlnb.engines.options import EngineOptions
 from exlnb.engines import vocab
 from exlnb.engines.base import CacheView, EngineStatus, JobSpec, SamplerSettings, StreamEvent, wall_clock
+from exlnb.engines.grammar import GrammarMatcher
 from exlnb.engines.library_engine import LibraryEngine, import_library, job_arguments, max_new_tokens_within, page_view
 from exlnb.engines.paged_attention import VERIFIED_EXLLAMAV2
 from exlnb.engines.tokenizer import HfTokenizer
@@ -152,15 +153,29 @@ class ExLlamaV2Engine(LibraryEngine):
         settings = self._upstream_settings(spec.sampler, ExLlamaV2Sampler.Settings)
         job_id = self._new_job_id()
         job = ExLlamaV2DynamicJob(
-            gen_settings=settings, **job_arguments(spec, max_new, job_id), **_token_info_outputs(spec)
+            gen_settings=settings, **job_arguments(spec, max_new, job_id), **_token_info_outputs(spec),
+            filters=self._filters(spec),
         )
         self.generator.enqueue(job)
         return self._track(job_id, job, spec, max_new)
 
     def unsupported(self, spec: JobSpec) -> list[str]:
+        missing = []
         if spec.stop_on_loop:
-            return [f"stop_on_loop={spec.stop_on_loop!r} (exllamav2 0.3.2 has no loop detector; ExLlamaV3 has)"]
-        return []
+            missing.append(f"stop_on_loop={spec.stop_on_loop!r} (exllamav2 0.3.2 has no loop detector; ExLlamaV3 has)")
+        if spec.constraint and spec.banned_strings:
+            missing.append(f"banned_strings={spec.banned_strings!r} with a {spec.constraint.describe()} (exllamav2 "
+                           "0.3.2's job cannot combine banned strings with filters; ExLlamaV3 can)")
+        return missing
+
+    def _filters(self, spec: JobSpec) -> list | None:
+        """exlnb's llguidance filter for a constraint (exllamav2_filter.py)."""
+        if spec.constraint is None:
+            return None
+        from exlnb.engines.exllamav2_filter import GrammarFilter
+
+        matcher = GrammarMatcher(spec.constraint, self.tokenizer, self.config.vocab_size, spec.stop_token_ids)
+        return [GrammarFilter(self.model, self.generator.tokenizer, matcher)]
 
     def _upstream_settings(self, s: SamplerSettings, settings_class):
         """exllamav2's Settings from ours: the fields share exllamav2's names; two need its tensor or id forms."""

@@ -89,6 +89,7 @@ class ExLlamaV3Engine(LibraryEngine):
             # return_probs), for every step: token_info.py's greedy figure
             return_probs=spec.top_tokens > 0,
             return_top_tokens=spec.top_tokens,
+            filters=self._filters(spec),
         )
         try:
             self.generator.enqueue(job)
@@ -96,6 +97,16 @@ class ExLlamaV3Engine(LibraryEngine):
             raise ValueError(f"exllamav3 refused the job: {error}") from error
         # exllamav3 lowers max_new_tokens in enqueue so that prompt + output + 1 fit the cache
         return self._track(job_id, job, spec, job.max_new_tokens)
+
+    def _filters(self, spec: JobSpec) -> list | None:
+        """exllamav3 1.6.5's own llguidance filter for a constraint, ending the job once the grammar is complete
+        ("end_filter"). Its keywords are llguidance's format names: json_schema=, regex=."""
+        if spec.constraint is None:
+            return None
+        from exllamav3.generator.filter import LLGuidanceFilter
+
+        constraint = spec.constraint
+        return [LLGuidanceFilter(self.generator.tokenizer, eos_after_completed=True, **{constraint.kind: constraint.source})]
 
     def has_work(self) -> bool:
         return bool(self._jobs) or bool(self._failed_step_events)

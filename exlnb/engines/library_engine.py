@@ -36,6 +36,7 @@ LIBRARY_EOS_REASONS = {
     "stop_string": EosReason.STOP_STRING,
     "max_new_tokens": EosReason.MAX_NEW_TOKENS,
     "loop_detected": EosReason.LOOP_DETECTED,
+    "end_filter": EosReason.END_FILTER,
 }
 
 

@@ -34,6 +34,7 @@ from exlnb.engines.cpu.pages import PagePool
 from exlnb.engines.cpu.runner import PagedRunner
 from exlnb.engines.cpu.sampler import Draw, TokenClasses, draw_token
 from exlnb.engines.cpu.scheduler import CpuJob, Scheduler
+from exlnb.engines.grammar import GrammarMatcher
 from exlnb.engines.text import BannedStrings, IncrementalDecoder, Rewind, StopStringFilter
 from exlnb.engines.token_info import TokenInfo, token_info
 from exlnb.engines.tokenizer import HfTokenizer
@@ -102,10 +103,19 @@ class CpuEngine(Engine):
             clock=JobClock(enqueued=wall_clock()),
             classes=self._token_classes(spec),
             banned=BannedStrings(spec.banned_strings),
+            grammar=GrammarMatcher(spec.constraint, self.tokenizer, self._vocab_size, spec.stop_token_ids)
+            if spec.constraint else None,
             sequence=list(spec.input_ids),
         )
         self._scheduler.pending.append(job)
         return job_id
+
+    def unsupported(self, spec: JobSpec) -> list[str]:
+        if spec.constraint and spec.banned_strings:
+            # taking back a banned string where the grammar allows nothing else could repeat for ever
+            return [f"banned_strings={spec.banned_strings!r} with a {spec.constraint.describe()} (write the exclusion "
+                    "into the schema or pattern)"]
+        return []
 
     def _token_classes(self, spec: JobSpec) -> TokenClasses:
         s = spec.sampler
@@ -146,8 +156,11 @@ class CpuEngine(Engine):
         draw = draw_token(
             logits, torch.tensor(job.sequence), job.spec.sampler, job.generator,
             blocked=self._blocked(job), classes=job.classes, state=job.sampler_state, top_tokens=job.spec.top_tokens,
+            allowed=job.grammar.allowed() if job.grammar else None,
         )
         token = draw.token
+        if job.grammar:
+            job.grammar.consume(token)
         if job.spec.top_tokens:
             job.held_info.append(self._token_info(draw))
         job.sequence.append(token)
@@ -207,6 +220,8 @@ class CpuEngine(Engine):
         return job.stop_filter.feed(held)[0] + job.stop_filter.flush(), tuple(tokens)
 
     def _limit_reached(self, job: CpuJob) -> EosReason | None:
+        if job.grammar and job.grammar.complete:  # as exllamav3 ends a filter's job: without sampling the stop token
+            return EosReason.END_FILTER
         if job.new_tokens >= job.spec.max_new_tokens:
             return EosReason.MAX_NEW_TOKENS
         if len(job.sequence) >= job.max_total_tokens:

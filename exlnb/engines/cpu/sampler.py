@@ -1,7 +1,8 @@
 """Token sampling with exllamav2 0.3.2's semantics, so an experiment means the same on either engine.
 
 Mirrors `ExLlamaV2Sampler.sample` and the C++ it calls, in its order: on the raw logits, the penalties
-(`apply_rep_penalty_cpu`), blocked tokens, token bias and DRY; then `sample_basic`'s steps over the
+(`apply_rep_penalty_cpu`), blocked tokens, token bias and DRY, then a constraint's mask (exllamav2 evaluates
+its filters after DRY); then `sample_basic`'s steps over the
 candidates (candidates.py); then a draw: the first candidate, in descending probability, whose cumulative
 probability reaches a uniform random number.
 """
@@ -74,9 +75,11 @@ def apply_penalties(logits: torch.Tensor, sequence: torch.Tensor, s: SamplerSett
 
 
 def adjust_logits(
-    logits: torch.Tensor, sequence: torch.Tensor, s: SamplerSettings, blocked: Sequence[int], classes: TokenClasses
+    logits: torch.Tensor, sequence: torch.Tensor, s: SamplerSettings, blocked: Sequence[int], classes: TokenClasses,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Everything exllamav2 does to the raw logits before its softmax, in its order."""
+    """Everything exllamav2 does to the raw logits before its softmax, in its order; tokens outside `allowed`
+    (a constraint's mask) can never be picked."""
     if s.token_repetition_penalty != 1.0 or s.token_frequency_penalty or s.token_presence_penalty:
         logits = apply_penalties(logits, sequence, s)
     if blocked:
@@ -86,6 +89,8 @@ def adjust_logits(
         logits = logits.index_add(0, torch.tensor(ids, dtype=torch.long), torch.tensor(bias, dtype=logits.dtype))
     if s.dry_multiplier > 0:
         logits = apply_dry(logits, sequence, s, classes.dry_breakers)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     return logits
 
 
@@ -127,11 +132,13 @@ def draw_token(
     classes: TokenClasses = TokenClasses(),
     state: SamplerState | None = None,
     top_tokens: int = 0,
+    allowed: torch.Tensor | None = None,
 ) -> Draw:
-    """Pick the next token from one position's logits (1-D, float32); `blocked` tokens cannot be picked. With
-    `top_tokens` k, also the probability it was drawn with and the k likeliest candidates, from the
-    distribution token_info.py defines (nothing extra is computed when k is 0)."""
-    logits = adjust_logits(logits, sequence, s, blocked, classes)
+    """Pick the next token from one position's logits (1-D, float32); `blocked` tokens cannot be picked, nor
+    tokens outside `allowed` (a bool per token, from a constraint). With `top_tokens` k, also the probability it
+    was drawn with and the k likeliest candidates, from the distribution token_info.py defines (nothing extra is
+    computed when k is 0)."""
+    logits = adjust_logits(logits, sequence, s, blocked, classes, allowed)
     if s.is_greedy:  # exllamav2: temperature < 0.01 means top_k = 1
         token = int(torch.argmax(logits))
         if not top_tokens:
@@ -142,6 +149,8 @@ def draw_token(
     if s.mirostat and state.mirostat_mu is None:
         state.mirostat_mu = 2.0 * s.mirostat_tau
     c = steps.softmax(logits.float(), 1.0 if s.temperature_last else s.temperature, s.smoothing_factor)
+    if allowed is not None:  # only tokens the constraint allows are candidates, even for a draw rounded past the end
+        c = c.keep(allowed[c.tokens])
     c = truncate(c, s, state)
     if s.xtc_probability > 0:
         c = steps.exclude_top_choices(c, s.xtc_probability, s.xtc_threshold, classes.xtc_excludable)

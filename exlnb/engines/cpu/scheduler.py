@@ -16,6 +16,7 @@ from exlnb.engines.base import JobClock, JobSpec, Stage
 from exlnb.engines.cpu.pages import PagePool, Reservation
 from exlnb.engines.cpu.runner import SequenceChunk
 from exlnb.engines.cpu.sampler import SamplerState, TokenClasses
+from exlnb.engines.grammar import GrammarMatcher
 from exlnb.engines.token_info import TokenInfo
 from exlnb.engines.text import BannedStrings, IncrementalDecoder, StopStringFilter
 
@@ -31,6 +32,7 @@ class CpuJob:
     clock: JobClock
     classes: TokenClasses
     banned: BannedStrings
+    grammar: GrammarMatcher | None = None  # the job's constraint, if it has one
     sampler_state: SamplerState = field(default_factory=SamplerState)
     sequence: list[int] = field(default_factory=list)
     reservation: Reservation | None = None
