@@ -10,7 +10,7 @@
 # the repository taken at setup, so a later copy of the working tree cannot change files under a running
 # test. `all` runs two chains side by side once the model is converted: ExLlamaV2 (its `pytest -m gpu`, then
 # EXL2 quantized) and ExLlamaV3 (once its ~7-minute build is done: its `pytest -m gpu`, then EXL3 quantized);
-# the benchmarks run alone after both, so that no test disturbs their clocks.
+# the benchmarks, then the serving saturation sweep, run alone after both, so that no test disturbs their clocks.
 set -u
 WORK=${EXLNB_GPU_WORK:-/root/gpuwork}
 SITE=$WORK/site
@@ -91,6 +91,10 @@ all)
     (cd "$REPO" && python3 -m benchmarks --engine exllamav3 --only kit,context,concurrency --out "$OUTDIR" \
         > "$OUTDIR/benchmarks-exllamav3.log" 2>&1)
     log "end benchmarks on the exllamav3 engine (exit $?)"
+    log "start the serving saturation sweep"
+    (cd "$REPO" && python3 -m benchmarks.serving --engine exllamav2,exllamav3 --paged on,off --out "$OUTDIR" \
+        > "$OUTDIR/serving.log" 2>&1)
+    log "end the serving saturation sweep (exit $?)"
     touch "$OUTDIR/DONE"
     ;;
 collect)

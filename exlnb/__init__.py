@@ -19,6 +19,7 @@ __all__ = [
     "Session",
     "Stage",
     "StreamEvent",
+    "abench",
     "agenerate_live",
     "bench",
     "generate_live",
@@ -35,6 +36,7 @@ __version__ = "0.1.0"
 _WIDGETS = {
     "show_cache": "exlnb.widgets.cache",
     "show_jobs": "exlnb.widgets.cache",
+    "abench": "exlnb.widgets.loadtest",
     "agenerate_live": "exlnb.widgets.stream",
     "generate_live": "exlnb.widgets.stream",
 }
@@ -47,11 +49,12 @@ def __getattr__(name: str):
 
 
 def load_ipython_extension(ipython) -> None:
-    """`%load_ext exlnb`: registers %exl_load, %%exl_generate, %exl_cache, %exl_jobs, %exl_cancel and %exl_quantize."""
-    from exlnb.magics import ExlnbMagics, await_generate_cells
+    """`%load_ext exlnb`: registers %exl_load, %%exl_generate, %exl_cache, %exl_jobs, %exl_cancel, %exl_bench and
+    %exl_quantize."""
+    from exlnb.magics import ExlnbMagics, await_magic_cells
 
     magics = ExlnbMagics(ipython)
     ipython.register_magics(magics)
     ipython.events.register("pre_run_cell", magics.remember_cell)
     if getattr(ipython, "kernel", None) is not None and ipython.autoawait:
-        ipython.input_transformers_post.append(await_generate_cells)
+        ipython.input_transformers_post.append(await_magic_cells)

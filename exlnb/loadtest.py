@@ -15,12 +15,10 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
-import pandas as pd
-
+from exlnb.bench_result import BenchResult, RateRun
 from exlnb.engines.base import SamplerSettings, wall_clock
-from exlnb.metrics import RequestRecord, ServingMetrics, request_record, serving_metrics
+from exlnb.metrics import RequestRecord, request_record, serving_metrics
 from exlnb.session import Session, get_session
 from exlnb.streaming import JobStream
 from exlnb.workload import Length, PlannedRequest, Workload, plan_requests, rate_label
@@ -29,16 +27,44 @@ POLL_S = 0.25  # longest wait between looks at the clock: a duration ends at mos
 _run_numbers = itertools.count()
 
 
-@dataclass(frozen=True)
-class RateRun:
-    """One request rate's run: its plan, the records of the requests sent, and their summary."""
+class Progress:
+    """Told what a running load test does, as it does it, on the thread that runs it; ignores it all.
 
-    request_rate: float
-    planned: tuple[PlannedRequest, ...]
-    records: tuple[RequestRecord, ...]  # in request order; a duration leaves later requests unsent
-    started_at: float  # wall_clock() when the first request could go
-    metrics: ServingMetrics
-    stopped: bool = False  # ended early by `stop`: requests in flight were cancelled, later ones never sent
+    `TextProgress` draws a text bar per rate; the notebook widget (`exlnb.widgets.loadtest`) draws its own.
+    """
+
+    def started(self, workload: Workload) -> None:
+        """The test begins: its rates, requests and settings."""
+
+    def rate_started(self, request_rate: float, requests: int | None) -> None:
+        """A rate's run begins: `requests` to send, or None where it sends for a duration."""
+
+    def sent(self, count: int) -> None:
+        """`count` requests were submitted together."""
+
+    def finished(self, record: RequestRecord) -> None:
+        """A request ended; a cancelled one too (`record.succeeded` is False)."""
+
+    def rate_ended(self, run: RateRun | None) -> None:
+        """The rate's run is over; None where an error or an interrupt ended it."""
+
+
+class TextProgress(Progress):
+    """A tqdm bar per rate: a widget where ipywidgets renders, text elsewhere."""
+
+    def __init__(self) -> None:
+        self._bar = None
+
+    def rate_started(self, request_rate: float, requests: int | None) -> None:
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=requests, desc=f"{rate_label(request_rate)} req/s", unit="req")
+
+    def finished(self, record: RequestRecord) -> None:
+        self._bar.update(1)
+
+    def rate_ended(self, run: RateRun | None) -> None:
+        self._bar.close()
 
 
 class LoadRun:
@@ -50,10 +76,12 @@ class LoadRun:
         planned: Sequence[PlannedRequest],
         max_concurrency: int | None,
         stop: threading.Event | None = None,
+        progress: Progress | None = None,
     ) -> None:
         self.session = session
         self.max_concurrency = max_concurrency
         self.stop = stop or threading.Event()
+        self.progress = progress or Progress()
         self.stopped = False  # the stop was seen: unsent requests dropped, those in flight cancelled
         self.tag = f"bench-{next(_run_numbers)}"  # job tables show (tag, request index)
         self.pending = deque(planned)
@@ -98,6 +126,7 @@ class LoadRun:
             if isinstance(outcome, BaseException):
                 raise RuntimeError(f"request {index} failed: {outcome}") from outcome
             self.records[index] = outcome
+            self.progress.finished(outcome)
             on_finish(outcome)
 
     def _submit_due(self, now: float) -> None:
@@ -115,6 +144,7 @@ class LoadRun:
         ]
         submitted_at = wall_clock()
         streams = self.session.submit_together(specs)
+        self.progress.sent(len(due))
         for request, stream in zip(due, streams):
             thread = threading.Thread(target=self._read, args=(request.index, stream, submitted_at), daemon=True,
                                       name=f"exlnb-{self.tag}-{request.index}")
@@ -154,129 +184,6 @@ class LoadRun:
         self.in_flight.clear()
 
 
-@dataclass(frozen=True)
-class BenchResult:
-    """A load test's outcome: `requests` (one row per request), `summary` (one row per rate), `table()`
-    (vLLM's printout), `figure()`, and `as_dict()` for JSON."""
-
-    workload: Workload
-    engine: str  # the session's status line: engine, model, device, paging, cache, batch
-    runs: tuple[RateRun, ...]
-
-    @property
-    def requests(self) -> pd.DataFrame:
-        rows = []
-        for run in self.runs:
-            for record in run.records:
-                index = record.identifier[1]
-                itls = [1000 * gap for gap in record.itl_s]
-                rows.append({
-                    "rate": rate_label(run.request_rate),
-                    "request_rate": run.request_rate,
-                    "request": index,
-                    "job_id": record.job_id,
-                    "arrival_s": run.planned[index].arrival_s,
-                    "submitted_s": record.submitted_at - run.started_at,
-                    "prompt_tokens": record.prompt_tokens,
-                    "output_tokens": record.output_tokens,
-                    "ttft_ms": _ms(record.ttft_s),
-                    "tpot_ms": _ms(record.tpot_s),
-                    "itl_mean_ms": sum(itls) / len(itls) if itls else math.nan,
-                    "itl_count": len(itls),
-                    "e2el_ms": 1000 * record.e2e_latency_s,
-                    "eos_reason": record.eos_reason.value if record.eos_reason else None,
-                    "succeeded": record.succeeded,
-                })
-        return pd.DataFrame(rows)
-
-    @property
-    def summary(self) -> pd.DataFrame:
-        """vLLM's summary per rate: counts, duration, throughputs, and mean, median and p99 latencies."""
-        rows = []
-        for run in self.runs:
-            m = run.metrics
-            row = {
-                "rate": rate_label(run.request_rate),
-                "successful_requests": m.successful_requests,
-                "failed_requests": m.failed_requests,
-                "duration_s": m.duration_s,
-                "request_throughput": m.request_throughput,
-                "output_token_throughput": m.output_token_throughput,
-                "total_token_throughput": m.total_token_throughput,
-            }
-            for name in ("ttft", "tpot", "itl", "e2el"):
-                dist = getattr(m, f"{name}_ms")
-                row.update({f"{name}_{stat}_ms": getattr(dist, stat) for stat in ("mean", "median", "p99")})
-            if m.goodput is not None:
-                row["goodput"] = m.goodput.rate
-                row["goodput_fraction"] = m.goodput.fraction
-            rows.append(row)
-        return pd.DataFrame(rows).set_index("rate")
-
-    def table(self) -> str:
-        """vLLM's printout for every rate, headed by what ran."""
-        parts = [self.engine]
-        for run in self.runs:
-            stopped = " (stopped early: requests in flight cancelled, later ones not sent)" if run.stopped else ""
-            parts.append(f"Traffic request rate: {rate_label(run.request_rate)}{stopped}\n{run.metrics.table()}")
-        return "\n".join(parts)
-
-    def figure(self):
-        """Latency against request rate where several were swept; against submission time for one rate."""
-        import matplotlib.pyplot as plt
-        import seaborn as sns
-
-        data = self.requests
-        data = data[data.succeeded] if len(data) else data
-        measures = (("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("e2el_ms", "end-to-end latency (ms)"))
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-        for ax, (column, label) in zip(axes, measures):
-            if len(self.runs) > 1:
-                order = [rate_label(run.request_rate) for run in self.runs]
-                sns.pointplot(data=data, x="rate", y=column, order=order, estimator="median", errorbar=("pi", 80),
-                              ax=ax)
-                ax.set(xlabel="request rate (req/s)", ylabel=label, title="median, 10th to 90th percentile")
-            else:
-                sns.scatterplot(data=data, x="submitted_s", y=column, ax=ax)
-                ax.set(xlabel="submitted (s after the start)", ylabel=label,
-                       title=f"{label} at {rate_label(self.runs[0].request_rate)} req/s")
-            ax.set_ylim(bottom=0)
-        fig.suptitle(self.engine, fontsize=9)
-        fig.tight_layout()
-        return fig
-
-    def as_dict(self) -> dict:
-        """Settings, engine, and per rate the summary and every request's raw times, in plain JSON values."""
-        return _plain({
-            "workload": self.workload.as_dict(),
-            "engine": self.engine,
-            "runs": [
-                {
-                    "request_rate": rate_label(run.request_rate),
-                    "metrics": run.metrics.as_dict(),
-                    "requests": [
-                        {
-                            "request": r.identifier[1],
-                            "job_id": r.job_id,
-                            "arrival_s": run.planned[r.identifier[1]].arrival_s,
-                            "submitted_s": r.submitted_at - run.started_at,
-                            "prompt_tokens": r.prompt_tokens,
-                            "output_tokens": r.output_tokens,
-                            "token_times_s": list(r.token_times),
-                            "e2e_latency_s": r.e2e_latency_s,
-                            "eos_reason": r.eos_reason.value if r.eos_reason else None,
-                        }
-                        for r in run.records
-                    ],
-                }
-                for run in self.runs
-            ],
-        })
-
-    def __repr__(self) -> str:
-        return self.table()
-
-
 def bench(
     request_rate: float | Sequence[float] = math.inf,
     *,
@@ -289,7 +196,7 @@ def bench(
     duration_s: float | None = None,
     seed: int = Workload.seed,
     slos: Mapping[str, float] | None = None,
-    progress: bool = True,
+    progress: bool | Progress = True,
     on_finish: Callable[[RequestRecord], None] | None = None,
     stop: threading.Event | None = None,
     session: Session | None = None,
@@ -302,7 +209,8 @@ def bench(
     counts or (low, high) ranges; `dataset` takes prompts from data/prompts/<name>.json instead of random
     tokens. Outputs have exactly their length (greedy, end-of-sequence ignored), so runs compare. Send
     `num_requests` (default 16) per rate, or send for `duration_s` seconds. `slos` in ms (`ttft_ms`,
-    `tpot_ms`, `e2el_ms`) add goodput. `on_finish(record)` is called as each request ends.
+    `tpot_ms`, `e2el_ms`) add goodput. `progress`: a bar per rate (True), nothing (False), or a `Progress`
+    told of every step. `on_finish(record)` is called as each request ends.
 
     Ctrl-C (or an exception from `on_finish`) cancels every job the run started, then propagates. Setting
     `stop` (a Stop button, another thread) ends the run without an error: requests in flight are cancelled
@@ -317,6 +225,9 @@ def bench(
     session = session or get_session()
     status = session.status()
     plans = [plan_requests(workload, rate, session.tokenizer, status.cache_tokens) for rate in rates]
+    if not isinstance(progress, Progress):
+        progress = TextProgress() if progress else Progress()
+    progress.started(workload)
     runs: list[RateRun] = []
     for rate, plan in zip(rates, plans):
         runs.append(run_rate(session, workload, rate, plan, progress, on_finish, stop))
@@ -330,38 +241,20 @@ def run_rate(
     workload: Workload,
     request_rate: float,
     planned: list[PlannedRequest],
-    progress: bool,
+    progress: Progress,
     on_finish: Callable[[RequestRecord], None] | None,
     stop: threading.Event | None = None,
 ) -> RateRun:
-    """Send one rate's plan with a progress bar (a widget in a notebook, text elsewhere)."""
-    from tqdm.auto import tqdm
-
-    total = None if workload.duration_s is not None else len(planned)
-    load = LoadRun(session, planned, workload.max_concurrency, stop)
-    with tqdm(total=total, desc=f"{rate_label(request_rate)} req/s", unit="req", disable=not progress) as bar:
-
-        def finished(record: RequestRecord) -> None:
-            bar.update(1)
-            if on_finish is not None:
-                on_finish(record)
-
-        duration = load.run(workload.duration_s, finished)
-    records = tuple(load.records[i] for i in sorted(load.records))
-    return RateRun(request_rate, tuple(planned), records, load.started_at,
-                   serving_metrics(records, duration, workload.slos), load.stopped)
-
-
-def _ms(seconds: float | None) -> float:
-    return math.nan if seconds is None else 1000 * seconds
-
-
-def _plain(value):
-    """NaN and infinity as None, tuples as lists: JSON that every parser reads."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+    """Send one rate's plan, telling `progress` as it goes."""
+    requested = None if workload.duration_s is not None else len(planned)
+    load = LoadRun(session, planned, workload.max_concurrency, stop, progress)
+    progress.rate_started(request_rate, requested)
+    run = None
+    try:
+        duration = load.run(workload.duration_s, on_finish or (lambda record: None))
+        records = tuple(load.records[i] for i in sorted(load.records))
+        run = RateRun(request_rate, tuple(planned), records, load.started_at,
+                      serving_metrics(records, duration, workload.slos), load.stopped, requested)
+    finally:
+        progress.rate_ended(run)
+    return run

@@ -34,6 +34,7 @@ from exlnb.session import LoadFailed, NoModelLoaded, get_session
 from exlnb.streaming import JobError
 from exlnb.templates import TEMPLATES
 from exlnb.widgets.cache import show_cache, show_jobs
+from exlnb.widgets.loadtest import abench
 from exlnb.widgets.stream import agenerate_live, generate_live
 from exlnb.workload import DEFAULT_REQUESTS, Workload, length_argument, rates_argument, slo_argument
 
@@ -223,20 +224,23 @@ def _tidy_help(magic) -> None:
     magic.__doc__ = magic.parser.format_help()
 
 
-# what IPython's cell-magic transform makes of a %%exl_generate cell
+# what IPython's magic transforms make of a %%exl_generate cell and of an %exl_bench line
 _GENERATE_CALL = re.compile(r"^get_ipython\(\)\.run_cell_magic\('exl_generate', ")
+_BENCH_CALL = re.compile(r"^get_ipython\(\)\.run_line_magic\('exl_bench', ")
+_AWAIT_MAGIC = "await get_ipython().magics_manager.registry['ExlnbMagics'].{}("
 
 
-def await_generate_cells(lines: list[str]) -> list[str]:
-    """IPython input transformer: a kernel runs a %%exl_generate cell as an async cell awaiting the magic.
+def await_magic_cells(lines: list[str]) -> list[str]:
+    """IPython input transformer: a kernel runs a %%exl_generate cell, and a cell with an %exl_bench line at
+    its top level, as an async cell awaiting the magic.
 
     ipykernel (7.4) hands widget messages to their widgets while a cell awaits, not while it blocks: a cell
-    blocked in a plain call would hear the Stop button only after its job had ended.
+    blocked in a plain call would hear the Stop button only after its work had ended. An indented %exl_bench
+    (perhaps inside a function, where `await` cannot go) stays a plain call.
     """
     if lines and _GENERATE_CALL.match(lines[0]):
-        call = _GENERATE_CALL.sub("", lines[0], count=1)
-        lines = [f"await get_ipython().magics_manager.registry['ExlnbMagics'].exl_generate_async({call}", *lines[1:]]
-    return lines
+        lines = [_GENERATE_CALL.sub(_AWAIT_MAGIC.format("exl_generate_async"), lines[0], count=1), *lines[1:]]
+    return [_BENCH_CALL.sub(_AWAIT_MAGIC.format("exl_bench_async"), line, count=1) for line in lines]
 
 
 @magics_class
@@ -393,21 +397,42 @@ class ExlnbMagics(Magics):
     @argument("--seed", type=int, default=Workload.seed, help="the same seed sends the same requests at the same times")
     @argument("--slo", action="append", type=slo_argument, default=[], metavar="NAME=MS",
               help="goodput objective, repeatable: ttft_ms=500, tpot_ms=50, e2el_ms=2000")
-    @argument("--no-progress", action="store_true", help="no progress bar")
+    @argument("--no-progress", action="store_true", help="nothing shown while it runs (no bar, no Stop button)")
+    @argument("--display", choices=DISPLAY_MODES, default="auto",
+              help=f"{DISPLAY_HELP}; the widget has a Stop button (default: auto)")
     @argument("--out", metavar="VAR", help="store the BenchResult (requests, summary, figure())")
     @argument("-h", "--help", action=_ShowHelp)
     @line_magic
     def exl_bench(self, line: str) -> None:
         """Load-test the loaded model as vLLM's benchmark_serving does and print its summary table."""
-        if (args := parse_options(self.exl_bench, line)) is None:
+        if (call := self._bench_call(line)) is None:
             return
+        args, options = call
         with usage_errors():
-            result = bench(
-                args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-                prompt_len=args.prompt_len, output_len=args.output_len, dataset=args.dataset,
-                num_requests=args.num_requests, duration_s=args.duration, seed=args.seed,
-                slos=dict(args.slo) or None, progress=not args.no_progress,
-            )
+            result = bench(**options, progress=not args.no_progress)
+        self._show_bench(args, result)
+
+    async def exl_bench_async(self, line: str) -> None:
+        """`%exl_bench` as a kernel runs it (see `await_magic_cells`): the cell awaits, so the Stop button is
+        heard, and an interrupt stops the test with every job of it ended."""
+        if (call := self._bench_call(line)) is None:
+            return
+        args, options = call
+        with usage_errors():
+            result = await abench(**options, display=args.display, progress=not args.no_progress)
+        self._show_bench(args, result)
+
+    def _bench_call(self, line: str) -> tuple | None:
+        if (args := parse_options(self.exl_bench, line)) is None:
+            return None
+        options = dict(
+            request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+            prompt_len=args.prompt_len, output_len=args.output_len, dataset=args.dataset,
+            num_requests=args.num_requests, duration_s=args.duration, seed=args.seed, slos=dict(args.slo) or None,
+        )
+        return args, options
+
+    def _show_bench(self, args, result) -> None:
         print(result.table())
         if args.out:
             self.shell.user_ns[args.out] = result

@@ -43,8 +43,11 @@ def skip_without_library(library: str) -> None:
         pytest.skip(f"{library} is not installed")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def engine_session(engine_name: str) -> Session:
+    """The shared session with the bundled model on `engine_name`, checked before every test: a test that loads
+    another engine into the singleton (the magics' shell loads the CPU one) cannot leave the next test on it.
+    A load with the same arguments as the loaded model does nothing, so this costs nothing in a steady run."""
     session = get_session()
     session.load("smollm2-135m-instruct", engine=engine_name, progress=False)
     return session

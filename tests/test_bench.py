@@ -1,6 +1,6 @@
 """The load generator on the real bundled model and CPU engine: a small load finishes and its counts add up,
-the plan is seeded, limits are clear errors, an interrupt leaves no job behind, and `%exl_bench` stores its
-result. No test asserts a speed."""
+the plan is seeded, limits are clear errors, an interrupt or the Stop button leaves no job behind, and
+`%exl_bench` stores its result. No test asserts a speed."""
 
 from __future__ import annotations
 
@@ -8,15 +8,18 @@ import _thread
 import asyncio
 import json
 import math
+import re
 import threading
 import time
 
 import pytest
 from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
 
 from exlnb import bench
 from exlnb.loadtest import BenchResult
-from exlnb.widgets.loadtest import abench
+from exlnb.magics import await_magic_cells
+from exlnb.widgets.loadtest import BenchView
 from exlnb.workload import Workload, plan_requests
 
 SMALL = dict(num_requests=3, prompt_len=(8, 24), output_len=(2, 6), progress=False)
@@ -151,42 +154,32 @@ def test_ctrl_c_while_waiting_cancels_the_run(idle_session, ctrl_c):
     assert_idle(idle_session)
 
 
-def test_the_stop_button_ends_the_run_and_keeps_what_ran(idle_session, monkeypatch):
-    import IPython.display
-
-    shown = []
-    monkeypatch.setattr(IPython.display, "display", shown.append)
-
-    async def run_and_press_stop():
-        task = asyncio.create_task(
-            abench([math.inf, 1], num_requests=4, prompt_len=8, output_len=8, display="widget", progress=False)
-        )
-        while not task.done() and not any(row.info.new_tokens for row in idle_session.jobs()):
-            await asyncio.sleep(0.02)
-        shown[0].click()
-        return await task
-
-    result = asyncio.run(run_and_press_stop())
-
-    assert [run.stopped for run in result.runs] == [True]  # the second rate was never sent
-    assert result.runs[0].metrics.failed_requests >= 1  # cancelled in flight
-    assert "stopped early" in result.table()
-    assert_idle(idle_session)
-
-
-def test_the_serving_script_writes_strict_json_with_every_request(idle_session, tmp_path):
+def test_the_serving_script_writes_strict_json_and_a_figure_per_sweep(idle_session, tmp_path):
     from benchmarks.serving import main
 
-    path = main(["--engine", "cpu", "--rates", "inf,40", "--requests", "2", "--prompt-len", "8", "--output-len", "2",
-                 "--out", str(tmp_path / "serving-cpu.json")])
+    path = main(["--engine", "cpu", "--quick", "--requests", "2", "--output-len", "3", "--out", str(tmp_path)])
     record = json.loads(path.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in strict JSON"))
 
     assert record["environment"]["device"].startswith("cpu") and record["environment"]["versions"]["torch"]
-    assert [run["request_rate"] for run in record["runs"]] == ["inf", "40"]
-    for run in record["runs"]:
-        assert run["metrics"]["successful_requests"] == 2 and run["metrics"]["total_output_tokens"] == 4
-        assert [len(r["token_times_s"]) for r in run["requests"]] == [2, 2]
+    assert path.with_suffix(".png").stat().st_size > 0
+    [setup] = record["setups"]
+    assert setup["setup"] == "cpu paged" and setup["stopped"] is None
+    assert [run["request_rate"] for run in setup["runs"]] == ["2", "8", "inf"]  # --quick's rates
+    for run in setup["runs"]:
+        assert run["metrics"]["successful_requests"] == 2 and run["metrics"]["total_output_tokens"] == 6
+        assert [len(r["token_times_s"]) for r in run["requests"]] == [3, 3]
+    rates = setup["saturation"]["rates"]
+    assert [r["request_rate"] for r in rates] == ["2", "8", "inf"] and rates[-1]["kept_up"] is None
+    assert setup["saturation"]["capacity_req_s"] == max(r["request_throughput"] for r in rates)
     assert_idle(idle_session)
+
+
+def test_the_serving_script_refuses_an_unpaged_engine_that_always_pages(capsys):
+    from benchmarks.serving import main
+
+    with pytest.raises(SystemExit):
+        main(["--engine", "cpu", "--paged", "off"])
+    assert "the cpu engine always pages: --paged off needs exllamav2" in capsys.readouterr().err
 
 
 def test_the_magic_runs_and_stores_its_result(shell, idle_session, capsys):
@@ -216,3 +209,84 @@ def test_the_magic_runs_and_stores_its_result(shell, idle_session, capsys):
 def test_magic_mistakes_are_usage_errors(shell, idle_session, line, message):
     with pytest.raises(UsageError, match=message):
         shell.run_line_magic("exl_bench", f"{line} --no-progress")
+
+
+def run_bench_cell(shell, line: str, monkeypatch, act) -> tuple:
+    """Run an `%exl_bench` cell as a kernel runs it (awaited, see `await_magic_cells`), with `--display widget`;
+    `act(task, view)` runs on the cell's event loop meanwhile. The cell's result and its live view."""
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj, **kwargs: shown.append(obj))
+    code = f"%exl_bench {line} --display widget"
+    transformed = "".join(await_magic_cells(shell.transform_cell(code).splitlines(keepends=True)))
+    assert transformed.startswith("await ")
+
+    async def cell():
+        task = asyncio.ensure_future(shell.run_cell_async(code, store_history=False, transformed_cell=transformed))
+        while not shown:
+            assert not task.done(), task.result().error_in_exec
+            await asyncio.sleep(0.01)
+        await act(task, shown[0])
+        return await task
+
+    with capture_output(stdout=False, stderr=False):
+        result = asyncio.run(cell())
+    view = shown[0]
+    assert isinstance(view, BenchView) and view.settled  # a static record is left in the notebook
+    return result, view
+
+
+def test_the_stop_button_ends_exl_bench_with_no_job_left_and_counts_that_add_up(shell, idle_session, monkeypatch,
+                                                                                 capsys):
+    async def press_stop_mid_run(task, view):
+        # two requests in flight at a time: once the first two have finished and the next two decode,
+        # two are still to send
+        while not (view.rates and len(view.rates[0].records) >= 2
+                   and any(row.info.new_tokens for row in idle_session.jobs())):
+            assert not task.done(), task.result().error_in_exec
+            await asyncio.sleep(0.01)
+        view.handle({"type": "stop"})  # what the widget's Stop button sends
+
+    cell, view = run_bench_cell(
+        shell, "--request-rate inf,20 --num-requests 6 --max-concurrency 2 --prompt-len 8 --output-len 16 --out load",
+        monkeypatch, press_stop_mid_run,
+    )
+    assert cell.success
+    result = shell.user_ns.pop("load")
+    [run] = result.runs  # the second rate was never sent
+    m = run.metrics
+
+    assert run.stopped and m.successful_requests >= 2 and m.failed_requests >= 1 and run.unsent_requests >= 1
+    assert m.successful_requests + m.failed_requests + run.unsent_requests == 6
+    requests = result.requests
+    assert len(requests) == m.successful_requests + m.failed_requests
+    assert (requests[~requests.succeeded].eos_reason == "cancelled").all()
+    assert (requests[requests.succeeded].output_tokens == 16).all()
+    assert result.summary.loc["inf", ["stopped", "unsent_requests"]].tolist() == [True, run.unsent_requests]
+    assert_idle(idle_session)
+
+    words = (f"stopped at inf req/s: {m.successful_requests} of 6 requests finished, {m.failed_requests} cancelled "
+             f"in flight, {run.unsent_requests} never sent; rate 20 not run")
+    assert result.stop_words() == words and words in capsys.readouterr().out  # the table printed by the magic
+    assert "stopped (stop button)" in view.text() and "20 req/s · not run" in view.text()
+    assert run.count_words() in view.record()["text/plain"]
+    assert words in result.figure().texts[0].get_text()
+
+
+def test_a_kernel_interrupt_stops_exl_bench_with_one_line_and_no_job_left(shell, idle_session, monkeypatch, capsys):
+    async def interrupt_once_tokens_flow(task, view):
+        while not any(row.info.new_tokens for row in idle_session.jobs()):
+            assert not task.done(), task.result().error_in_exec
+            await asyncio.sleep(0.01)
+        task.cancel()  # what ipykernel does on an interrupt while a cell awaits
+
+    cell, view = run_bench_cell(shell, "--num-requests 4 --prompt-len 8 --output-len 16", monkeypatch,
+                                interrupt_once_tokens_flow)
+
+    assert type(cell.error_in_exec).__name__ == "Interrupted"
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(r"interrupted: stopped at inf req/s: \d of 4 requests finished, "
+                                            r"\d cancelled in flight", lines[0]), lines
+    assert "stopped (interrupt)" in view.text()
+    assert_idle(idle_session)

@@ -8,6 +8,7 @@ real front end).
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
 
@@ -18,6 +19,7 @@ from IPython.utils.capture import capture_output
 from exlnb import EosReason
 from exlnb.generation import start
 from exlnb.widgets.cache import CacheInspector, JobTable
+from exlnb.widgets.loadtest import abench
 from exlnb.widgets.stream import StreamView
 
 PROMPT = "Tell me a very long story about a dragon who learns to bake bread."
@@ -63,6 +65,22 @@ def test_a_finished_generation_leaves_its_answer_and_statistics_as_static_output
     assert "TTFT" in record.data["text/plain"] and "eos: max_new_tokens" in record.data["text/plain"]
     assert "4/4 tokens" in record.data["text/html"] and "<style>" in record.data["text/html"]
     assert view.controls == [] and view.comm is None  # no Stop button left behind, the widget closed
+
+
+def test_a_finished_bench_leaves_its_progress_as_static_output(idle, shell):
+    with capture_output(stdout=False, stderr=False) as captured:
+        result = asyncio.run(abench([math.inf, 40], num_requests=2, prompt_len=8, output_len=3, display="widget"))
+
+    shown, record = captured.outputs[0], captured.outputs[-1]
+    assert WIDGET_MIME in shown.data  # live while it ran
+    assert WIDGET_MIME not in record.data and record.update  # then replaced in place by plain HTML and text
+    lines = record.data["text/plain"].splitlines()
+    assert lines[0] == "load test: 2 requests at inf, 40 req/s"
+    for line, run in zip(lines[1:], result.runs):
+        assert line.startswith(f"{run.request_rate:g} req/s · done · 2 of 2 requests finished · TTFT median ")
+        assert f"p99 {run.metrics.ttft_ms.p99:.0f} ms · TPOT median {run.metrics.tpot_ms.median:.1f} ms" in line
+    assert record.data["text/html"].count('class="exlnb-sample exlnb-done"') == 2
+    assert 'style="width:100.0%"' in record.data["text/html"]
 
 
 def test_stop_cancels_every_sample_and_removes_the_button(idle):

@@ -15,6 +15,8 @@ CACHE_DTYPES = ("fp16", "q4", "q6", "q8")
 DISPLAY_MODES = ("auto", "widget", "text")
 DISPLAY_HELP = "auto: a widget where the front end renders widgets, plain text otherwise (papermill, terminal)"
 TOKEN_COLOURS = ("probability", "latency")  # what the token view's shades say
+PAGED_MODES = {"auto": "auto", "on": True, "off": False}  # `paged=` as command lines write it
+UNPAGED_ENGINES = ("exllamav2",)  # engines that can also run unpaged; the others always page
 
 DEFAULT_CACHE_TOKENS = 8192
 DEFAULT_MAX_BATCH_SIZE = 16
@@ -67,7 +69,7 @@ class EngineOptions:
             raise ValueError(f"cache_tokens={cache_tokens} is too small: give at least {PAGE_TOKENS} (one page)")
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
-        if paged not in ("auto", True, False):
+        if paged not in PAGED_MODES.values():
             raise ValueError(f'paged={paged!r} is not one of "auto", True, False')
         return cls(
             engine=engine,
