@@ -42,20 +42,37 @@ def test_asking_again_returns_the_cached_folder_at_once(quantized):
     assert time.perf_counter() - started < 5.0
 
 
-@pytest.mark.parametrize("cache", ["fp16", "q4"])
-def test_auto_loads_it_on_its_engine_and_it_answers(quantized, cache):
-    fmt, folder = quantized
+def answer(folder, cache: str):
+    """(status, greedy answer) of the quantized model over an fp16 or q4 cache, in a session of its own."""
     session = Session()
     try:
         status = session.load(str(folder), cache=cache, progress=False)
-        assert status.engine == ENGINE_OF[fmt] and status.cache_dtype == cache
-        result = session.complete(
+        return status, session.complete(
             chatml("What is the capital of France?"), max_new_tokens=40, sampler=SamplerSettings.greedy()
         )
     finally:
         session.unload()
+
+
+def test_auto_loads_it_on_its_engine_and_it_answers(quantized):
+    fmt, folder = quantized
+    status, result = answer(folder, "fp16")
+    assert status.engine == ENGINE_OF[fmt] and status.cache_dtype == "fp16"
     assert "Paris" in result.text
     assert result.eos_reason is EosReason.STOP_TOKEN
+
+
+def test_a_q4_cache_gives_the_same_answer(quantized):
+    """The same answer up to and including "Paris". Not the same ending: on the H100 the EXL2 4.0-bit model over a
+    q4 cache went on after it ("The capital of France is Paris, also known as the City of Light. ...") to its
+    40-token limit, where over an fp16 cache it stopped."""
+    fmt, folder = quantized
+    _, fp16 = answer(folder, "fp16")
+    status, q4 = answer(folder, "q4")
+    assert status.engine == ENGINE_OF[fmt] and status.cache_dtype == "q4"
+    assert "Paris" in fp16.text
+    through_paris = fp16.text[: fp16.text.index("Paris") + len("Paris")]
+    assert q4.text.startswith(through_paris)
 
 
 def test_the_other_engine_refuses_the_folder(quantized):

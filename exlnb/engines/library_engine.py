@@ -10,6 +10,7 @@ exllamav2 0.3.2 and exllamav3 1.6.5 agree on these shapes: a generator with `enq
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -48,12 +49,17 @@ def import_library(name: str, version: str, engine: str) -> ModuleType:
         library = importlib.import_module(name)
     except ImportError as error:
         raise RuntimeError(f"the {engine} engine needs {name}=={version}: pip install {name}=={version}") from error
-    if library.__version__ != version:
+    found = installed_version(library, name)
+    if found != version:
         raise RuntimeError(
-            f"exlnb's {engine} engine is verified against {name} {version}, found {library.__version__}: "
-            f"install {name}=={version}"
+            f"exlnb's {engine} engine is verified against {name} {version}, found {found}: install {name}=={version}"
         )
     return library
+
+
+def installed_version(library: ModuleType, name: str) -> str:
+    """The library's version: exllamav2 says it as `__version__`, exllamav3 1.6.5 only in its package metadata."""
+    return getattr(library, "__version__", None) or importlib.metadata.version(name)
 
 
 def max_new_tokens_within(spec: JobSpec, max_seq_len: int) -> int:

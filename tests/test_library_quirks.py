@@ -1,0 +1,53 @@
+"""The exllamav2 0.3.2 and exllamav3 1.6.5 quirks that exlnb works around, checked without a GPU (docs/gpu.md)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from exlnb.engines.exllamav2 import without_taken_back
+from exlnb.engines.exllamav3_compat import _trimming
+from exlnb.engines.library_engine import installed_version
+
+
+def test_the_tokens_of_a_banned_string_that_exllamav2_took_back_are_not_reported():
+    # what exllamav2 emits after banning " Paris" (ids 7042, 9): its held ids still end with the taken-back ones
+    result = {"text": " Lon", "token_ids": torch.tensor([[11, 7042, 9]]), "suppressed_tokens": torch.tensor([[7042, 9]])}
+    assert without_taken_back(result["token_ids"].flatten().tolist(), result) == [11]
+
+
+def test_ids_are_left_alone_when_nothing_was_taken_back_or_the_library_already_dropped_them():
+    assert without_taken_back([11, 12], {"token_ids": torch.tensor([[11, 12]])}) == [11, 12]
+    assert without_taken_back([11], {"suppressed_tokens": torch.tensor([[7042, 9]])}) == [11]  # a fixed exllamav2
+    assert without_taken_back([11, 12], {"suppressed_tokens": torch.tensor([[], []], dtype=torch.long)[:1]}) == [11, 12]
+
+
+class Linear:
+    """The two widths exllamav3's Linear keeps: padded to a multiple of 128, and the model's own."""
+
+    def __init__(self, out_features: int) -> None:
+        self.out_features_unpadded = out_features
+        self.out_features = -(-out_features // 128) * 128
+        self.trim_padded_out = False
+
+
+class GatedMLP:
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        self.ups = [Linear(intermediate_size)]
+        self.downs = [Linear(hidden_size)]
+
+
+@pytest.mark.parametrize(("hidden", "trimmed"), [(576, True), (2048, False)])
+def test_an_mlp_trims_the_padding_of_its_down_projection_where_the_hidden_size_needs_it(hidden, trimmed):
+    mlp = type("Patched", (GatedMLP,), {"__init__": _trimming(GatedMLP.__init__)})(hidden, 1500)
+    assert mlp.downs[0].trim_padded_out is trimmed
+    assert mlp.ups[0].trim_padded_out is False  # feeds the activation, whose padding the down projection reads
+
+
+def test_a_library_without_a_version_attribute_is_read_from_its_package_metadata():
+    from importlib.metadata import version
+
+    assert installed_version(types.ModuleType("pytest"), "pytest") == version("pytest")
+    assert installed_version(types.SimpleNamespace(__version__="0.3.2"), "exllamav2") == "0.3.2"
