@@ -2,9 +2,16 @@
 # exlnb's GPU acceptance on a bare CUDA machine with no package index, in stages that each return quickly,
 # so the long work (two JIT builds, the test suites, the benchmarks) runs in the background between them.
 #
-#   bash benchmarks/gpu_acceptance.sh setup WHEELS_DIR GGUF_XZ_PART   # install wheels, start both builds
-#   bash benchmarks/gpu_acceptance.sh model GGUF_XZ_PART...           # the bundled GGUF, then start `all`
-#   bash benchmarks/gpu_acceptance.sh collect SECONDS DEST            # wait up to SECONDS, copy results
+#   bash benchmarks/gpu_acceptance.sh setup WHEELS_DIR [GGUF_XZ_PART] [EXT_DIR]  # wheels; start both builds
+#   bash benchmarks/gpu_acceptance.sh gguf GGUF_XZ_PART...              # more of the bundled GGUF
+#   bash benchmarks/gpu_acceptance.sh model [GGUF_XZ_PART...]           # the rest of it, then start `all`
+#   bash benchmarks/gpu_acceptance.sh collect SECONDS DEST              # wait up to SECONDS, results.tar.gz
+#
+# EXT_DIR may hold both libraries' extensions built on an earlier machine of the same image (`exllamav2_ext.so`
+# and `exllamav3_ext.so`, xz-compressed in parts named `v2.so.xz.*` and `v3.so.xz.*`): both libraries import a
+# prebuilt extension before they build one, which saves the ~10 minutes of the two builds. The pytest
+# selections can be narrowed with EXLNB_GPU_V2_TESTS / EXLNB_GPU_V3_TESTS (pytest arguments), and
+# EXLNB_GPU_BENCHMARKS=0 skips the benchmarks.
 #
 # The bundled GGUF travels xz-compressed in parts (`xz -6`, then `split`). Everything runs from a snapshot of
 # the repository taken at setup, so a later copy of the working tree cannot change files under a running
@@ -28,6 +35,10 @@ build() {  # build LIBRARY: import it once (the JIT build), leave its exit statu
     (cd "$WORK" && python3 -c "import $1" > "$OUTDIR/build-$1.log" 2>&1; echo $? > "$WORK/build-$1.rc")
 }
 
+unxz_stdin() {  # xz -dc, with Python's lzma (an image may lack xz)
+    python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)"
+}
+
 wait_for() {  # wait_for FILE: until FILE exists
     while [ ! -e "$1" ]; do sleep 5; done
 }
@@ -42,14 +53,14 @@ suite() {  # suite NAME PYTEST_ARGS...: one pytest run, its log and junit XML un
 
 chain_exllamav2() {
     wait_for "$WORK/build-exllamav2.rc"
-    suite pytest-gpu-exllamav2 -k "not exllamav3 and not exl3" tests
+    eval "suite pytest-gpu-exllamav2 ${EXLNB_GPU_V2_TESTS:--k \"not exllamav3 and not exl3\" tests}"
     touch "$WORK/exllamav2.done"
 }
 
 chain_exllamav3() {
     wait_for "$WORK/build-exllamav3.rc"
     log "exllamav3 build ended (exit $(cat "$WORK/build-exllamav3.rc"))"
-    suite pytest-gpu-exllamav3 -k "exllamav3 or exl3" tests
+    eval "suite pytest-gpu-exllamav3 ${EXLNB_GPU_V3_TESTS:--k \"exllamav3 or exl3\" tests}"
     touch "$WORK/exllamav3.done"
 }
 
@@ -59,7 +70,10 @@ setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$2"/*.whl \
         || exit 1
     tar --exclude=./.whl --exclude=./.gpu --exclude=./.git -cf - . | tar -xf - -C "$REPO"
-    cat "$3" > "$WORK/gguf.xz"
+    [ -n "${3:-}" ] && cat "$3" > "$WORK/gguf.xz"
+    for v in 2 3; do
+        [ -n "${4:-}" ] && ls "$4"/v$v.so.xz.* > /dev/null 2>&1 && cat "$4"/v$v.so.xz.* | unxz_stdin > "$SITE/exllamav${v}_ext.so"
+    done
     log "setup done; starting both builds"
     setsid nohup bash "$REPO/benchmarks/gpu_acceptance.sh" build exllamav2 > /dev/null 2>&1 < /dev/null &
     setsid nohup bash "$REPO/benchmarks/gpu_acceptance.sh" build exllamav3 > /dev/null 2>&1 < /dev/null &
@@ -67,9 +81,13 @@ setup)
 build)
     build "$2"
     ;;
-model)
+gguf)
     shift
     cat "$@" >> "$WORK/gguf.xz"
+    ;;
+model)
+    shift
+    [ $# -gt 0 ] && cat "$@" >> "$WORK/gguf.xz"
     python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
         "$WORK/gguf.xz" "$EXLNB_BUNDLED_GGUF" || exit 1
     sha256sum "$EXLNB_BUNDLED_GGUF" | grep -q "^$BUNDLED_SHA256" || { log "the GGUF's checksum is wrong"; exit 1; }
@@ -84,6 +102,7 @@ all)
         > "$OUTDIR/convert.log" 2>&1
     log "converted (exit $?)"
     chain_exllamav2 & chain_exllamav3 & wait
+    [ "${EXLNB_GPU_BENCHMARKS:-1}" = 0 ] && { touch "$OUTDIR/DONE"; exit 0; }
     log "start benchmarks"
     (cd "$REPO" && python3 -m benchmarks --out "$OUTDIR" > "$OUTDIR/benchmarks.log" 2>&1)
     log "end benchmarks (exit $?)"
@@ -100,7 +119,7 @@ all)
 collect)
     deadline=$((SECONDS + $2))
     while [ ! -e "$OUTDIR/DONE" ] && [ $SECONDS -lt "$deadline" ]; do sleep 5; done
-    mkdir -p "$3" && cp -r "$OUTDIR"/. "$3"/
+    mkdir -p "$3" && tar -czf "$3/results.tar.gz" -C "$OUTDIR" .
     cat "$OUTDIR/progress.txt"
     for f in "$OUTDIR"/pytest-gpu-*.log; do [ -e "$f" ] && { echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$f" | tail -n 15; }; done
     ;;

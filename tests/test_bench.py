@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+import torch
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
@@ -154,16 +155,17 @@ def test_ctrl_c_while_waiting_cancels_the_run(idle_session, ctrl_c):
     assert_idle(idle_session)
 
 
-def test_the_serving_script_writes_strict_json_and_a_figure_per_sweep(idle_session, tmp_path):
+def test_the_serving_script_writes_strict_json_and_a_figure_per_sweep(idle_session, engine_name, tmp_path):
     from benchmarks.serving import main
 
-    path = main(["--engine", "cpu", "--quick", "--requests", "2", "--output-len", "3", "--out", str(tmp_path)])
+    path = main(["--engine", engine_name, "--quick", "--requests", "2", "--output-len", "3", "--out", str(tmp_path)])
     record = json.loads(path.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in strict JSON"))
 
-    assert record["environment"]["device"].startswith("cpu") and record["environment"]["versions"]["torch"]
+    device = "cpu" if engine_name == "cpu" else torch.cuda.get_device_name()
+    assert record["environment"]["device"].startswith(device) and record["environment"]["versions"]["torch"]
     assert path.with_suffix(".png").stat().st_size > 0
     [setup] = record["setups"]
-    assert setup["setup"] == "cpu paged" and setup["stopped"] is None
+    assert setup["setup"] == f"{engine_name} paged" and setup["stopped"] is None
     assert [run["request_rate"] for run in setup["runs"]] == ["2", "8", "inf"]  # --quick's rates
     for run in setup["runs"]:
         assert run["metrics"]["successful_requests"] == 2 and run["metrics"]["total_output_tokens"] == 6
