@@ -23,7 +23,7 @@ from exlnb.session import Session, get_session
 from exlnb.streaming import JobStream
 from exlnb.workload import Length, PlannedRequest, Workload, plan_requests, rate_label
 
-POLL_S = 0.25  # longest wait between looks at the clock: a duration ends at most this late
+POLL_S = 0.02  # longest wait between looks at the clock and the stop: a Stop or a duration acts at most this late
 _run_numbers = itertools.count()
 
 

@@ -13,7 +13,7 @@ import pytest
 from benchmarks.paged_acceptance import QUESTIONS, answers_alone, answers_together, shared_prompt_pages
 from exlnb import EosReason, SamplerSettings, get_session
 from exlnb.models import resolve_model
-from exlnb.session import Session
+from exlnb.session import LoadFailed, Session
 from exlnb.engines.exllamav3 import LOOP_DETECTOR
 from tests.conftest import chatml, skip_without_library
 from tests.test_exllamav3_mapping import SettingsWithDry
@@ -94,5 +94,5 @@ def test_an_architecture_exllamav3_does_not_know_is_a_clear_error(tmp_path):
     config = json.loads((bundled / "config.json").read_text())
     (tmp_path / "config.json").unlink()
     (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["NotAModelForCausalLM"]}))
-    with pytest.raises(ValueError, match="exllamav3 1.6.5 cannot load .* NotAModelForCausalLM"):
+    with pytest.raises(LoadFailed, match="exllamav3 1.6.5 cannot load .* NotAModelForCausalLM"):
         Session().load(str(tmp_path), engine="exllamav3", progress=False)

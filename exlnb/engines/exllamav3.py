@@ -9,6 +9,7 @@ continuous batching and prefix sharing need no flash-attn.
 
 from __future__ import annotations
 
+import copy
 import torch
 
 from exlnb.engines.base import (
@@ -33,6 +34,8 @@ from exlnb.engines.exllamav3_compat import trim_padded_mlp_outputs
 from exlnb.engines.options import PAGE_TOKENS, EngineOptions
 from exlnb.engines.tokenizer import HfTokenizer
 
+MAX_CHUNK_TOKENS = 2048  # exllamav3's own default prefill chunk
+
 VERIFIED_EXLLAMAV3 = "1.6.5"
 
 # stop_on_loop=(window, min_reps): exllamav3's LoopDetector ends a job once the last `window` sampled tokens are
@@ -44,6 +47,10 @@ LOOP_DETECTOR = (64, 3)
 class ExLlamaV3Engine(LibraryEngine):
     name = "exllamav3"
     page_size = PAGE_TOKENS  # exllamav3.constants.PAGE_SIZE is 256, like exllamav2's pages
+    separate_generators_note = (
+        "The generator-per-request outputs come from real extra exllamav3 Generators over the engine's model and "
+        "cache, the reporter's pattern on the maintained library."
+    )
 
     def __init__(self, options: EngineOptions, *, progress: bool = True) -> None:
         exl3 = import_library("exllamav3", VERIFIED_EXLLAMAV3, "ExLlamaV3")
@@ -57,17 +64,16 @@ class ExLlamaV3Engine(LibraryEngine):
         cache_tokens = options.cache_tokens - options.cache_tokens % self.page_size  # exllamav3 asserts whole pages
         self.model = exl3.Model.from_config(config)
         self.cache = exl3.Cache(self.model, max_num_tokens=cache_tokens, **_cache_layers(exl3, options.cache_dtype))
+        # exllamav3 loads (and prefills) in chunks of 2048 tokens by default and asserts that a chunk fits the
+        # cache ("Cache too small for batch shape"), so a smaller cache needs smaller chunks
+        self.max_chunk_size = min(MAX_CHUNK_TOKENS, cache_tokens)
         self.model.load(
             use_per_device=list(options.gpu_split) if options.gpu_split else None,
             progressbar=progress,
             max_batch_size=options.max_batch_size,
+            max_chunk_size=self.max_chunk_size,
         )
-        self.generator = exl3.Generator(
-            model=self.model,
-            cache=self.cache,
-            tokenizer=exl3.Tokenizer.from_config(config),
-            max_batch_size=options.max_batch_size,
-        )
+        self.generator = self._new_generator(exl3.Tokenizer.from_config(config))
         self.max_seq_len = min(config.max_position_embeddings or cache_tokens, cache_tokens)
         self._start_tracking()
         # exllamav3 defragments its page table when the queue drains (`on_queue_drained`), at most once per
@@ -172,6 +178,31 @@ class ExLlamaV3Engine(LibraryEngine):
             device_memory_bytes=torch.cuda.memory_allocated(),
             library=f"exllamav3 {VERIFIED_EXLLAMAV3}",
         )
+
+    def _new_generator(self, tokenizer):
+        import exllamav3 as exl3
+
+        return exl3.Generator(
+            model=self.model,
+            cache=self.cache,
+            tokenizer=tokenizer,
+            max_batch_size=self.options.max_batch_size,
+            max_chunk_size=self.max_chunk_size,
+        )
+
+    # -- field report 2's mistake, on purpose --------------------------------------------------------------
+
+    def _separate_generator(self, first_job_id: int) -> ExLlamaV3Engine:
+        """The reporter's pattern on exllamav3: another Generator over the engine's model and cache. Its
+        constructor builds a PageTable of its own over every page of the cache (exllamav3 1.6.5,
+        `PageTable(self, cache)`), so it hands out the same pages the engine's generator and the others use."""
+        twin = copy.copy(self)
+        twin.generator = self._new_generator(self.generator.tokenizer)
+        twin._jobs, twin._next_id, twin._failed_step_events = {}, first_job_id, []
+        return twin
+
+    def _forget_cache_contents(self) -> None:
+        self.generator.pagetable.reset_page_table()
 
     def close(self) -> None:
         self._cancel_all()
