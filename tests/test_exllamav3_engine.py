@@ -16,7 +16,6 @@ from exlnb.models import resolve_model
 from exlnb.session import LoadFailed, Session
 from exlnb.engines.exllamav3 import LOOP_DETECTOR
 from tests.conftest import chatml, skip_without_library
-from tests.test_exllamav3_mapping import SettingsWithDry
 from tests.test_session import max_overlap
 
 pytestmark = pytest.mark.gpu
@@ -72,8 +71,8 @@ def test_the_loop_detector_ends_a_looping_job(exl3_session):
 
 def test_a_setting_exllamav3_lacks_is_refused_at_submit(exl3_session):
     spec = exl3_session.job_spec(chatml(QUESTIONS[0]), max_new_tokens=4)
-    with pytest.raises(ValueError, match="the exllamav3 engine has no dry_multiplier"):
-        exl3_session.submit(replace(spec, sampler=SettingsWithDry(dry_multiplier=0.8)))
+    with pytest.raises(ValueError, match="the exllamav3 engine has no mirostat=True"):
+        exl3_session.submit(replace(spec, sampler=SamplerSettings(mirostat=True)))
     assert exl3_session.jobs() == []
 
 
@@ -82,8 +81,16 @@ def test_every_planned_step_exists_in_exllamav3(exl3_session):
 
     from exlnb.engines.exllamav3 import build_sampler
 
-    for settings in (SamplerSettings(), SamplerSettings.greedy(), SamplerSettings(min_p=0.1, token_presence_penalty=0.5)):
-        assert isinstance(build_sampler(settings), CustomSampler)
+    tokenizer = exl3_session.tokenizer
+    every_mapped = SamplerSettings(
+        min_p=0.1, token_presence_penalty=0.5, token_bias={5: 1.0, 6: float("-inf")}, dry_multiplier=0.8, dry_range=64,
+        dry_sequence_breakers={":"}, xtc_probability=0.5, temperature_last=True,
+    )
+    for settings in (
+        SamplerSettings(), SamplerSettings.greedy(), every_mapped, SamplerSettings(dry_multiplier=0.8),
+        SamplerSettings.greedy(dry_multiplier=0.8, token_bias={5: 1.0}),
+    ):
+        assert isinstance(build_sampler(settings, tokenizer, tokenizer.vocab_size), CustomSampler)
 
 
 def test_an_architecture_exllamav3_does_not_know_is_a_clear_error(tmp_path):

@@ -85,9 +85,7 @@ def test_the_loop_detector_ends_a_looping_job_and_counts_the_tokens_it_saved(cpu
     assert row.tokens_saved[0] == 160 - result.new_tokens > 0
 
 
-def test_every_engine_runs_dry_and_xtc_and_runs_the_loop_detector_or_says_why_not(engine_name, engine_session):
-    if engine_name == "exllamav3":
-        pytest.skip("exllamav3 has no DRY or XTC step; the notebooks run on the ExLlamaV2 or the CPU engine")
+def test_every_engine_runs_dry_and_xtc_and_runs_the_loop_detector_or_says_why_not(engine_session):
     result = repetition.run(
         engine_session, prompts=1, max_new_tokens=4, repetition_penalties=(1.0, 1.05, 1.11),
         frequency_penalties=(0.0, 0.03), temperatures=(0.7,),

@@ -1,4 +1,5 @@
-"""The whole exllamav2 sampler and the job options, end to end on the CPU engine with the bundled model."""
+"""The whole exllamav2 sampler and the job options, end to end with the bundled model: on the CPU engine, and
+on the ExLlamaV2 and ExLlamaV3 engines with `pytest -m gpu` (ExLlamaV3 refuses, by name, what exllamav3 lacks)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from exlnb import EosReason, SamplerSettings
+from exlnb.engines import exllamav3_sampler
 from exlnb.engines.base import JobSpec
 from exlnb.engines.exllamav2 import ExLlamaV2Engine
 from tests.conftest import chatml
@@ -19,6 +21,12 @@ HOT = replace(PLAIN, temperature=2.0, min_p=0.1)
 def sample(session, settings: SamplerSettings, prompt=QUESTION, **spec_options):
     spec = replace(session.job_spec(prompt, max_new_tokens=10, sampler=settings, seed=3), **spec_options)
     return session.submit(spec).result()
+
+
+def refused_on(engine_name: str, settings: SamplerSettings) -> list[str]:
+    """What `engine_name` refuses of `settings`, from the engine module's own list: the CPU and ExLlamaV2 engines
+    implement every setting, the ExLlamaV3 engine those exllamav3 has a step for."""
+    return exllamav3_sampler.refused_settings(settings) if engine_name == "exllamav3" else []
 
 
 @pytest.mark.parametrize(
@@ -37,20 +45,37 @@ def sample(session, settings: SamplerSettings, prompt=QUESTION, **spec_options):
     ],
     ids=lambda v: "" if isinstance(v, SamplerSettings) else ",".join(v),
 )
-def test_each_setting_changes_seeded_sampling(idle_session, base, change):
+def test_each_setting_changes_seeded_sampling(engine_name, idle_session, base, change):
     before = sample(idle_session, base)
     if change.get("token_bias") == "ban the first token":  # each engine's RNG draws its own first token
         change = dict(token_bias={before.token_ids[0]: float("-inf")})
-    after = sample(idle_session, replace(base, **change))
+    changed = replace(base, **change)
+    refused = refused_on(engine_name, changed)
+    if refused:  # refused with the one message that names each, never ignored
+        assert all(item.startswith(tuple(change)) for item in refused)
+        with pytest.raises(ValueError, match=f"^the {engine_name} engine has no ") as error:
+            sample(idle_session, changed)
+        assert all(item in str(error.value) for item in refused)
+        assert idle_session.jobs() == []
+        return
+    after = sample(idle_session, changed)
     assert after.token_ids != before.token_ids
 
 
-def test_dry_breaks_a_greedy_repeat(idle_session, greedy):
+def test_dry_breaks_a_greedy_repeat(engine_name, idle_session, greedy):
+    assert refused_on(engine_name, replace(greedy, dry_multiplier=2.0)) == []
     ids = idle_session.tokenizer.encode("one two three four five one two three four five one two three")
     plain = idle_session.complete(ids, max_new_tokens=6, sampler=greedy, stop_at_eos=False)
     dry = idle_session.complete(ids, max_new_tokens=6, sampler=replace(greedy, dry_multiplier=2.0), stop_at_eos=False)
     assert "five one two" in plain.text
     assert "five one two" not in dry.text
+
+
+def test_a_token_bias_outside_the_vocabulary_is_refused_in_one_line(idle_session):
+    vocab_size = idle_session.tokenizer.vocab_size
+    with pytest.raises(ValueError, match=rf"^token ids \[{vocab_size + 7}\] are outside the vocabulary"):
+        sample(idle_session, replace(PLAIN, token_bias={3: 1.0, vocab_size + 7: 1.0}))
+    assert idle_session.jobs() == []
 
 
 def test_banned_strings_never_appear_in_the_output(idle_session, greedy):

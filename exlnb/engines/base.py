@@ -90,6 +90,12 @@ class JobSpec:
             raise ValueError(f"a job constrained to a {self.constraint.describe()} ends on a stop token where the "
                              "constraint is satisfied: give one (keep stop_at_eos=True)")
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Refuse, in one line, a prompt or `token_bias` id the model has no logit for."""
+        bad = [t for t in self.input_ids + tuple(t for t, _ in self.sampler.token_bias) if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")
+
 
 @dataclass(frozen=True)
 class StreamEvent:

@@ -149,6 +149,7 @@ class ExLlamaV2Engine(LibraryEngine):
         from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
 
         max_new = max_new_tokens_within(spec, self.max_seq_len)
+        spec.check_vocabulary(self.config.vocab_size)
         self.refuse_unsupported(spec)
         settings = self._upstream_settings(spec.sampler, ExLlamaV2Sampler.Settings)
         job_id = self._new_job_id()
@@ -190,8 +191,7 @@ class ExLlamaV2Engine(LibraryEngine):
         else:
             values["token_bias"] = None
         if s.dry_sequence_breakers is not None:  # None: exllamav2 derives its default set itself
-            mask = vocab.dry_breakers(self.tokenizer, s.dry_sequence_breakers, vocab_size)
-            values["dry_sequence_breakers"] = set(torch.nonzero(mask).flatten().tolist())
+            values["dry_sequence_breakers"] = set(vocab.dry_breaker_ids(self.tokenizer, s.dry_sequence_breakers, vocab_size))
         return settings_class(**values)
 
     def step(self) -> list[StreamEvent]:

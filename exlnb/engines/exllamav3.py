@@ -29,7 +29,7 @@ from exlnb.engines.library_engine import (
     max_new_tokens_within,
     page_view,
 )
-from exlnb.engines.exllamav3_sampler import sampler_steps
+from exlnb.engines.exllamav3_sampler import refused_settings, sampler_steps
 from exlnb.engines.exllamav3_compat import trim_padded_mlp_outputs
 from exlnb.engines.options import PAGE_TOKENS, EngineOptions
 from exlnb.engines.tokenizer import HfTokenizer
@@ -62,6 +62,7 @@ class ExLlamaV3Engine(LibraryEngine):
         except AssertionError as error:  # exllamav3 asserts on an architecture it does not know
             raise ValueError(f"exllamav3 {VERIFIED_EXLLAMAV3} cannot load {options.model_dir}: {error}") from error
         cache_tokens = options.cache_tokens - options.cache_tokens % self.page_size  # exllamav3 asserts whole pages
+        self.vocab_size = config.vocab_size or self.tokenizer.vocab_size
         self.model = exl3.Model.from_config(config)
         self.cache = exl3.Cache(self.model, max_num_tokens=cache_tokens, **_cache_layers(exl3, options.cache_dtype))
         # exllamav3 loads (and prefills) in chunks of 2048 tokens by default and asserts that a chunk fits the
@@ -87,7 +88,8 @@ class ExLlamaV3Engine(LibraryEngine):
         from exllamav3 import Job
 
         max_new = max_new_tokens_within(spec, self.max_seq_len)
-        sampler = build_sampler(spec.sampler)
+        spec.check_vocabulary(self.vocab_size)
+        sampler = build_sampler(spec.sampler, self.tokenizer, self.vocab_size)
         job_id = self._new_job_id()
         job = Job(
             **job_arguments(spec, max_new, job_id),
@@ -105,6 +107,11 @@ class ExLlamaV3Engine(LibraryEngine):
             raise ValueError(f"exllamav3 refused the job: {error}") from error
         # exllamav3 lowers max_new_tokens in enqueue so that prompt + output + 1 fit the cache
         return self._track(job_id, job, spec, job.max_new_tokens)
+
+    def unsupported(self, spec: JobSpec) -> list[str]:
+        """The sampler settings exllamav3 cannot sample as exlnb means them; enqueue refuses them in
+        `check_supported`'s one message, and experiments read them here to say why a run was left out."""
+        return refused_settings(spec.sampler)
 
     def _filters(self, spec: JobSpec) -> list | None:
         """exllamav3 1.6.5's own llguidance filter for a constraint, ending the job once the grammar is complete
@@ -212,11 +219,11 @@ class ExLlamaV3Engine(LibraryEngine):
         torch.cuda.empty_cache()
 
 
-def build_sampler(settings: SamplerSettings):
+def build_sampler(settings: SamplerSettings, tokenizer: HfTokenizer, vocab_size: int):
     """An exllamav3 `CustomSampler` from the planned steps (ValueError for a setting it lacks)."""
     from exllamav3.generator import sampler as exl3_sampler
 
-    steps = [getattr(exl3_sampler, step.name)(*step.args) for step in sampler_steps(settings)]
+    steps = [getattr(exl3_sampler, step.name)(*step.args) for step in sampler_steps(settings, tokenizer, vocab_size)]
     return exl3_sampler.CustomSampler(steps)
 
 

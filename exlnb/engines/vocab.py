@@ -35,3 +35,15 @@ def xtc_excludable(tokenizer: HfTokenizer, vocab_size: int) -> torch.Tensor:
     mask[: len(pieces)] = torch.tensor(["\n" not in piece for piece in pieces], dtype=torch.bool)
     mask[[i for i in tokenizer.special_tokens().values() if i < vocab_size]] = False
     return mask
+
+
+@lru_cache(maxsize=8)
+def dry_breaker_ids(tokenizer: HfTokenizer, breakers: frozenset[str] | None, vocab_size: int) -> frozenset[int]:
+    """`dry_breakers` as token ids, the form exllamav2's and exllamav3's DRY take."""
+    return frozenset(torch.nonzero(dry_breakers(tokenizer, breakers, vocab_size)).flatten().tolist())
+
+
+@lru_cache(maxsize=2)
+def xtc_protected_ids(tokenizer: HfTokenizer, vocab_size: int) -> frozenset[int]:
+    """The ids XTC never excludes (`xtc_excludable`'s complement), the form exllamav3's XTC takes."""
+    return frozenset(torch.nonzero(~xtc_excludable(tokenizer, vocab_size)).flatten().tolist())

@@ -86,9 +86,7 @@ class CpuEngine(Engine):
                 f"the prompt has {prompt} tokens but the cache holds {self.max_seq_len}: shorten the prompt "
                 f"or load with cache_tokens of at least {prompt + spec.max_new_tokens}"
             )
-        bad = [t for t in spec.input_ids + tuple(t for t, _ in spec.sampler.token_bias) if not 0 <= t < self._vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{self._vocab_size - 1})")
+        spec.check_vocabulary(self._vocab_size)
         self.refuse_unsupported(spec)
         job_id = next(self._ids)
         generator = torch.Generator()
