@@ -2,22 +2,30 @@
 # exlnb's GPU acceptance on a bare CUDA machine with no package index, in stages that each return quickly,
 # so the long work (two JIT builds, the test suites, the benchmarks) runs in the background between them.
 #
-#   bash benchmarks/gpu_acceptance.sh setup WHEELS_DIR [GGUF_XZ_PART] [EXT_DIR]  # wheels; start both builds
+#   bash benchmarks/gpu_acceptance.sh setup WHEEL_DIRS [GGUF_XZ_PART] [EXT_DIR]  # wheels; start both builds
 #   bash benchmarks/gpu_acceptance.sh gguf GGUF_XZ_PART...              # more of the bundled GGUF
 #   bash benchmarks/gpu_acceptance.sh model [GGUF_XZ_PART...]           # the rest of it, then start `all`
 #   bash benchmarks/gpu_acceptance.sh collect SECONDS DEST              # wait up to SECONDS, results.tar.gz
+#   bash benchmarks/gpu_acceptance.sh report ENGINES                    # the investigations now (as in `all`)
 #
+# WHEEL_DIRS is one directory of wheels or several in one argument (".whl .whl2"); the investigations'
+# Jupyter stack (papermill, ipykernel, nbconvert and their dependencies) can travel in a second directory.
 # EXT_DIR may hold both libraries' extensions built on an earlier machine of the same image (`exllamav2_ext.so`
 # and `exllamav3_ext.so`, xz-compressed in parts named `v2.so.xz.*` and `v3.so.xz.*`): both libraries import a
 # prebuilt extension before they build one, which saves the ~10 minutes of the two builds. The pytest
 # selections can be narrowed with EXLNB_GPU_V2_TESTS / EXLNB_GPU_V3_TESTS (pytest arguments), and
-# EXLNB_GPU_BENCHMARKS=0 skips the benchmarks.
+# EXLNB_GPU_BENCHMARKS=0 skips the benchmarks. EXLNB_GPU_REPORT=exllamav3,exllamav2 adds exlnb's
+# investigations (`python -m exlnb.report --engine E`, one engine after the other, after the tests and before
+# the benchmarks) with their executed notebooks, HTML, CSVs, figures and summary.md under report-E/;
+# EXLNB_GPU_REPORT_ARGS passes more arguments to each (e.g. "--preset full" or "--only latency streaming").
+# These variables are read by `all`, so set them on the `model` call that starts it.
 #
 # The bundled GGUF travels xz-compressed in parts (`xz -6`, then `split`). Everything runs from a snapshot of
 # the repository taken at setup, so a later copy of the working tree cannot change files under a running
 # test. `all` runs two chains side by side once the model is converted: ExLlamaV2 (its `pytest -m gpu`, then
 # EXL2 quantized) and ExLlamaV3 (once its ~7-minute build is done: its `pytest -m gpu`, then EXL3 quantized);
-# the benchmarks, then the serving saturation sweep, run alone after both, so that no test disturbs their clocks.
+# the investigations, the benchmarks, then the serving saturation sweep run alone after both, one at a time,
+# so that no other work disturbs their clocks.
 set -u
 WORK=${EXLNB_GPU_WORK:-/root/gpuwork}
 SITE=$WORK/site
@@ -57,6 +65,16 @@ chain_exllamav2() {
     touch "$WORK/exllamav2.done"
 }
 
+report() {  # report ENGINES: exlnb's investigations on each engine (comma-separated) in turn, under OUTDIR
+    local engine
+    for engine in ${1//,/ }; do
+        log "start the investigations on the $engine engine"
+        (cd "$REPO" && eval "python3 -m exlnb.report --engine $engine --out \"$OUTDIR/report-$engine\" ${EXLNB_GPU_REPORT_ARGS:-}" \
+            > "$OUTDIR/report-$engine.log" 2>&1)
+        log "end the investigations on the $engine engine (exit $?)"
+    done
+}
+
 chain_exllamav3() {
     wait_for "$WORK/build-exllamav3.rc"
     log "exllamav3 build ended (exit $(cat "$WORK/build-exllamav3.rc"))"
@@ -67,9 +85,11 @@ chain_exllamav3() {
 case "${1:-}" in
 setup)
     mkdir -p "$WORK" "$OUTDIR" "$REPO"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$2"/*.whl \
+    wheels=()
+    for dir in $2; do wheels+=("$dir"/*.whl); done
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}" \
         || exit 1
-    tar --exclude=./.whl --exclude=./.gpu --exclude=./.git -cf - . | tar -xf - -C "$REPO"
+    tar --exclude='./.whl*' --exclude=./.gpu --exclude=./.git -cf - . | tar -xf - -C "$REPO"
     [ -n "${3:-}" ] && cat "$3" > "$WORK/gguf.xz"
     for v in 2 3; do
         [ -n "${4:-}" ] && ls "$4"/v$v.so.xz.* > /dev/null 2>&1 && cat "$4"/v$v.so.xz.* | unxz_stdin > "$SITE/exllamav${v}_ext.so"
@@ -80,6 +100,9 @@ setup)
     ;;
 build)
     build "$2"
+    ;;
+report)
+    report "${2:?which engines, e.g. exllamav3,exllamav2}"
     ;;
 gguf)
     shift
@@ -102,6 +125,7 @@ all)
         > "$OUTDIR/convert.log" 2>&1
     log "converted (exit $?)"
     chain_exllamav2 & chain_exllamav3 & wait
+    [ -n "${EXLNB_GPU_REPORT:-}" ] && report "$EXLNB_GPU_REPORT"
     [ "${EXLNB_GPU_BENCHMARKS:-1}" = 0 ] && { touch "$OUTDIR/DONE"; exit 0; }
     log "start benchmarks"
     (cd "$REPO" && python3 -m benchmarks --out "$OUTDIR" > "$OUTDIR/benchmarks.log" 2>&1)
@@ -122,8 +146,9 @@ collect)
     mkdir -p "$3" && tar -czf "$3/results.tar.gz" -C "$OUTDIR" .
     cat "$OUTDIR/progress.txt"
     for f in "$OUTDIR"/pytest-gpu-*.log; do [ -e "$f" ] && { echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$f" | tail -n 15; }; done
+    for f in "$OUTDIR"/report-*.log; do [ -e "$f" ] && { echo "== $f"; grep -E "^\[[0-9]+/[0-9]+\] .*(done|failed)" "$f"; }; done
     ;;
 *)
-    sed -n 2,9p "$0"; exit 2
+    sed -n 2,12p "$0"; exit 2
     ;;
 esac
