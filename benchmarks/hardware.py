@@ -1,27 +1,12 @@
 """The ExLlamaV2 engine against the GPU itself: a 7B-shaped model's decode time against the memory floor.
 
 Batch-1 decode reads every weight once per token, so weights / memory bandwidth is the fastest a token can
-be. The model is Llama-2-7B-shaped with random fp16 weights, made on the GPU machine (nothing to carry).
+be. The model is `exlnb.random_model`'s: Llama-2-7B-shaped with random fp16 weights, made on the GPU machine.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
-from pathlib import Path
-
 import torch
-
-LLAMA_7B = dict(
-    hidden_size=4096,
-    intermediate_size=11008,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=32,
-    max_position_embeddings=4096,
-)
-WEIGHTS_BYTES = 13_360_000_000  # fp16, with the bundled tokenizer's 49152-token vocabulary
 
 
 def copy_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:
@@ -39,54 +24,3 @@ def copy_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:
     torch.cuda.synchronize()
     seconds = start.elapsed_time(end) / 1000 / repeats
     return 2 * n / seconds
-
-
-def scratch_folder() -> tempfile.TemporaryDirectory:
-    """A folder for the random weights: in memory (/dev/shm) where it has room, else the temp directory.
-
-    Suspected cause of the first H100 run's slow 7B samples (191 and 318 ms/token before settling at 15):
-    13 GB just written to disk keep the host busy with page-cache writeback while decode, which is bound
-    by the host issuing kernels, is timed. tmpfs has no writeback; on disk, the suite waits for it (`os.sync()`).
-    """
-    shm = Path("/dev/shm")
-    if shm.is_dir() and shutil.disk_usage(shm).free > 1.2 * WEIGHTS_BYTES:
-        return tempfile.TemporaryDirectory(prefix="exlnb-7b-", dir=shm)
-    return tempfile.TemporaryDirectory(prefix="exlnb-7b-")
-
-
-def make_random_llama(folder: Path, tokenizer_dir: Path) -> int:
-    """Write a 7B-shaped Llama with random fp16 weights; returns the bytes of weights read per token."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, folder / name)
-    vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
-    config = dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, rms_norm_eps=1e-5,
-        rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float16", bos_token_id=1, eos_token_id=2,
-        hidden_act="silu", **LLAMA_7B,
-    )
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    h, i = LLAMA_7B["hidden_size"], LLAMA_7B["intermediate_size"]
-    layer_shapes = {
-        "self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (h, h), "self_attn.v_proj.weight": (h, h),
-        "self_attn.o_proj.weight": (h, h), "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
-        "mlp.down_proj.weight": (h, i), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-    }
-    read_per_token = 0
-    generator = torch.Generator(device="cuda").manual_seed(0)
-
-    def tensor(shape) -> torch.Tensor:
-        if len(shape) == 1:
-            return torch.ones(shape, dtype=torch.float16)
-        return (torch.randn(shape, generator=generator, device="cuda", dtype=torch.float16) * 0.02).cpu()
-
-    save_file({"model.embed_tokens.weight": tensor((vocab, h)), "model.norm.weight": tensor((h,)),
-               "lm_head.weight": tensor((vocab, h))}, folder / "model-head.safetensors")
-    read_per_token += (vocab * h + h) * 2  # the head and final norm; one embedding row is negligible
-    for layer in range(LLAMA_7B["num_hidden_layers"]):
-        shard = {f"model.layers.{layer}.{k}": tensor(s) for k, s in layer_shapes.items()}
-        read_per_token += sum(t.numel() * 2 for t in shard.values())
-        save_file(shard, folder / f"model-layer{layer:02d}.safetensors")
-    return read_per_token

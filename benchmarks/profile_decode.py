@@ -11,8 +11,8 @@ launching kernels from Python, not by the GPU. Wall times under the profiler are
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +22,8 @@ from benchmarks import decode
 from benchmarks.harness import environment, sync
 from exlnb.engines.base import JobSpec
 from exlnb.engines.options import ENGINE_NAMES
-from exlnb.models import resolve_model
+from exlnb.models import BUNDLED_MODEL
+from exlnb.random_model import seven_b_shaped
 from exlnb.session import Session
 
 
@@ -95,15 +96,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     session = Session()
-    with tempfile.TemporaryDirectory(prefix="exlnb-7b-") as tmp:
+    with contextlib.ExitStack() as stack:
         if args.model == "7b":
-            from benchmarks.hardware import make_random_llama
-
-            make_random_llama(Path(tmp), resolve_model("smollm2-135m-instruct"))
-            folder = tmp
+            folder, _ = stack.enter_context(seven_b_shaped())
         else:
-            folder = "smollm2-135m-instruct"
-        session.load(folder, engine=args.engine, cache_tokens=2048, progress=False)
+            folder = BUNDLED_MODEL
+        session.load(str(folder), engine=args.engine, cache_tokens=2048, progress=False)
         result = {"environment": environment(), "model": args.model,
                   **profile_steps(session, args.tokens, args.batch)}
         session.unload()

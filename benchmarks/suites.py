@@ -4,11 +4,9 @@ medians and spreads (`harness.summarise`) plus the ratio its target is stated in
 
 from __future__ import annotations
 
-import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -193,21 +191,20 @@ def concurrency(session: Session, plan: Plan) -> dict:
 def hardware(plan: Plan) -> dict:
     """A 7B-shaped model decoded at batch 1 by the ExLlamaV2 engine, against weights / copy bandwidth: as the
     engine loads by default (paged where it can be) and unpaged (exllamav2's own attention, one job at a time)."""
-    from benchmarks.hardware import copy_bandwidth, make_random_llama, scratch_folder
+    from benchmarks.hardware import copy_bandwidth
+    from exlnb.random_model import seven_b_shaped
 
     bandwidth = copy_bandwidth()
-    with scratch_folder() as tmp:
-        start = time.perf_counter()
-        weight_bytes = make_random_llama(Path(tmp), resolve_model("smollm2-135m-instruct"))
-        os.sync()  # no page-cache writeback left to compete with the timed decode
+    start = time.perf_counter()
+    with seven_b_shaped() as (folder, weight_bytes):
         written_s = time.perf_counter() - start
-        default, profile = _decode_7b(tmp, "auto", plan, profile=True)
-        unpaged, _ = _decode_7b(tmp, False, plan, profile=False)
+        default, profile = _decode_7b(str(folder), "auto", plan, profile=True)
+        unpaged, _ = _decode_7b(str(folder), False, plan, profile=False)
     floor_ms = 1000 * weight_bytes / bandwidth
     return {
         "copy_bandwidth_bytes_per_s": bandwidth,
         "weight_bytes_read_per_token": weight_bytes,
-        "weights_folder": str(Path(tmp).parent),
+        "weights_folder": str(folder.parent),
         "weights_written_s": written_s,
         "floor_ms_per_token": floor_ms,
         "status": default["status"],

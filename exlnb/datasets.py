@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from exlnb.engines.base import Tokenizer
+
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 
 
@@ -30,3 +32,18 @@ def load_questions(name: str = "short_answers") -> pd.DataFrame:
     table = pd.read_csv(data_file(f"questions/{name}.csv"))
     table["answers"] = table["answers"].str.split("|")
     return table
+
+
+def filler_ids(tokenizer: Tokenizer, length: int, *, label: str) -> list[int]:
+    """A prompt of exactly `length` tokens of ordinary text, starting with `label` so that no two prompts
+    share a cached prefix (a shared prefix would skip the prefill being measured)."""
+    sentences = [*load_questions().question, *load_prompts("long_answers")]
+    text, n, chars = label + ".", 0, 5 * length  # about 4 characters per token: usually one encode is enough
+    while True:
+        while len(text) < chars:
+            text += f" Note {n}: {sentences[n % len(sentences)]}"
+            n += 1
+        ids = tokenizer.encode(text, special=False)
+        if len(ids) >= length:
+            return ids[:length]
+        chars *= 2

@@ -34,7 +34,8 @@ class Investigation:
     story: str  # the field report in brief, and how this notebook reproduces it
     notes: dict[str, str]  # a comment for some of the experiment's parameters (the rest speak for themselves)
     inspect_text: str = ""  # an optional closing section: what it shows (markdown) ...
-    inspect_code: str = ""  # ... and its code; a last cell cancels the jobs it leaves running
+    inspect_code: str = ""  # ... and its code
+    inspect_leaves_jobs: bool = False  # a last cell then cancels the jobs the closing section leaves running
 
 
 INVESTIGATIONS = (
@@ -75,6 +76,7 @@ experiment.abandon(session, requests=pages, tokens_read=tokens_read, max_new_tok
 show_jobs()
 show_cache()
 """,
+        inspect_leaves_jobs=True,
     ),
     Investigation(
         name="repetition",
@@ -146,8 +148,33 @@ Report 4: a chat that keeps every earlier turn slows from 40 to about 10 tokens/
 with a short prompt, 20 with about 1000 tokens, and a prompt speed of 14,982 tokens/s that was a clock read
 before the GPU had done the work. Measured here: decode speed per chat turn with history against amnesia,
 decode speed against context length, and prompt speed from a clock read when the call returns against one
-read after synchronising (on a GPU; the CPU has no asynchronous queue).""",
-        notes={"prompt_tokens": "the reporter's prompt length"},
+read after synchronising.
+
+The reporter timed exllamav2's streaming generator, `ExLlamaV2StreamingGenerator.begin_stream_ex` (exllamav2's
+`examples/streaming.py`). Its prompt pass calls `model.forward(..., preprocess_only=True)`, which returns no
+logits and so need not wait for the GPU. That call is timed here as the reporter timed it, on the engine's own
+model and cache, and beside it the dynamic generator as exlnb's engine steps it (a job, `iterate()` until its
+first token). Each on the bundled model and on a Llama-2-7B-shaped model, whose heavier GPU work per token
+gives the early clock the most to miss: its weights are random, written on the GPU for this run, so its text is
+meaningless but its timings are real. Only the ExLlamaV2 engine on CUDA has these passes; elsewhere the notebook says so in a
+line and carries on.""",
+        notes={
+            "prompt_lengths": "report 5's prompt passes; 1441 is the reporter's length; each must fit the cache",
+            "timing_repeats": "timed passes per model, pass and length (medians); one more warms each pass up",
+            "prompt_models": '"bundled": the model loaded here; "7b-shaped": random fp16 weights written on the GPU '
+            "for this run (left out, with a line saying why, where the GPU has no room for it)",
+        },
+        inspect_text="""\
+## Report 5 through the reporter's own path
+
+The early clock reading (when the call returns) beside the synchronised one (after `torch.cuda.synchronize()`),
+medians of the repeats, for each model, pass and prompt length; `early_over_late` is how many times faster
+the early clock makes the prompt pass look than it ran.""",
+        inspect_code="""\
+clock_medians, not_timed = experiment.prompt_clock_medians(result)
+print(*not_timed, sep="\\n")
+display(clock_medians)
+""",
     ),
     Investigation(
         name="quantization",
@@ -214,11 +241,9 @@ for name, table in result.tables.items():
         new_code_cell("for path in result.save(output_dir, figure):\n    print(path)"),
     ]
     if investigation.inspect_code:
-        cells += [
-            new_markdown_cell(investigation.inspect_text),
-            new_code_cell(investigation.inspect_code),
-            new_code_cell('print(session.cancel_all(), "jobs cancelled")'),
-        ]
+        cells += [new_markdown_cell(investigation.inspect_text), new_code_cell(investigation.inspect_code)]
+    if investigation.inspect_leaves_jobs:
+        cells.append(new_code_cell('print(session.cancel_all(), "jobs cancelled")'))
     for number, cell in enumerate(cells):
         cell.id = f"{investigation.name}-{number}"  # stable ids: rebuilding changes nothing that did not change
     notebook = new_notebook(cells=cells)

@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "exlnb"
 LAYERS = (
     ("engines", ("exlnb.engines",)),
     ("prompts, measures and model folders", ("exlnb.templates", "exlnb.analysis", "exlnb.models", "exlnb.quantize",
-                                              "exlnb.datasets", "exlnb.metrics")),
+                                              "exlnb.random_model", "exlnb.datasets", "exlnb.metrics")),
     ("session", ("exlnb.streaming", "exlnb.token_records", "exlnb.engine_thread", "exlnb.session")),
     ("generation", ("exlnb.chat", "exlnb.request", "exlnb.generation", "exlnb.workload", "exlnb.loadtest",
                     "exlnb.bench_result")),

@@ -10,8 +10,10 @@ from __future__ import annotations
 import enum
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Protocol
 
 from exlnb.engines.checks import check_field_types
@@ -306,6 +308,18 @@ class JobFailed(Exception):
         self.events = tuple(events)
 
 
+@dataclass(frozen=True)
+class PromptPass:
+    """A prompt run the way a user's own code runs it, split where that user's clock stops (field report 5).
+
+    `begin(input_ids)` makes the library call that takes the prompt and returns when the call returns, the
+    device perhaps still busy with the work queued; `first_token()` then produces the first greedy token.
+    """
+
+    begin: Callable[[Sequence[int]], None]
+    first_token: Callable[[], int]
+
+
 class Engine(ABC):
     """A model, its cache and a batching generator, driven by a single thread.
 
@@ -318,6 +332,8 @@ class Engine(ABC):
     max_seq_len: int
     # how this engine builds field report 2's generator-per-request pattern, in a sentence for a reader
     separate_generators_note: str = ""
+    # field report 5's prompt passes this engine can lend (`lend_prompt_pass`): name -> what it runs
+    prompt_passes: Mapping[str, str] = MappingProxyType({})
 
     @abstractmethod
     def enqueue(self, spec: JobSpec) -> int:
@@ -364,13 +380,23 @@ class Engine(ABC):
         write keys and values over each other's. Runs the specs to the end that way and returns each one's
         generated token ids; the engine is as before afterwards. For the concurrency investigation only.
         """
-        if self.has_work():
-            raise RuntimeError("the engine has jobs running; the generator-per-request run would overwrite their cache")
+        self._refuse_while_busy("the generator-per-request run")
         try:
             generators = [self._separate_generator(first_job_id=1 + 1000 * k) for k in range(len(specs))]
             return _step_in_turn(generators, specs)
         finally:
             self._forget_cache_contents()
+
+    def lend_prompt_pass(self, name: str) -> AbstractContextManager[PromptPass]:
+        """One of `prompt_passes` over this engine's model and cache, lent (`with`) while no job runs; the engine
+        is as before afterwards. For timing a prompt pass the way field report 5's reporter did."""
+        raise NotImplementedError(
+            f"the {self.name} engine lends no prompt pass: field report 5's passes need the ExLlamaV2 engine on CUDA"
+        )
+
+    def _refuse_while_busy(self, what: str) -> None:
+        if self.has_work():
+            raise RuntimeError(f"the engine has jobs running; {what} would overwrite their cache")
 
     def _separate_generator(self, first_job_id: int) -> Engine:
         """Another generator over this engine's model and cache, with a page table of its own (the bug)."""

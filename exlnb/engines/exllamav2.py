@@ -6,15 +6,17 @@ Verified against exllamav2 0.3.2, whose quirks on current torch and transformers
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+from collections.abc import Iterator, Sequence
 from dataclasses import fields
 
 import torch
 
 from exlnb.engines.options import EngineOptions
 from exlnb.engines import vocab
-from exlnb.engines.base import CacheView, EngineStatus, JobSpec, SamplerSettings, StreamEvent, wall_clock
+from exlnb.engines.base import CacheView, EngineStatus, JobSpec, PromptPass, SamplerSettings, StreamEvent, wall_clock
 from exlnb.engines.grammar import GrammarMatcher
 from exlnb.engines.library_engine import LibraryEngine, import_library, job_arguments, max_new_tokens_within, page_view
 from exlnb.engines.paged_attention import VERIFIED_EXLLAMAV2
@@ -40,6 +42,12 @@ class ExLlamaV2Engine(LibraryEngine):
         "The generator-per-request outputs come from real extra ExLlamaV2DynamicGenerators over the engine's "
         "model and cache, the reporter's own pattern."
     )
+    prompt_passes = {
+        "streaming": "ExLlamaV2StreamingGenerator.begin_stream_ex, the reporter's call (exllamav2's "
+        "examples/streaming.py): its prompt pass is model.forward(..., preprocess_only=True), which returns no logits",
+        "dynamic": "the ExLlamaV2DynamicGenerator as exlnb's engine steps it: a job enqueued, iterate() until its "
+        "first token, up to where the engine's step synchronises",
+    }
 
     def __init__(self, options: EngineOptions, *, progress: bool = True) -> None:
         exl = import_library("exllamav2", VERIFIED_EXLLAMAV2, "ExLlamaV2")
@@ -197,7 +205,10 @@ class ExLlamaV2Engine(LibraryEngine):
     def step(self) -> list[StreamEvent]:
         results = self.generator.iterate()
         self.synchronize()  # field report 5: read the clock only after the GPU has done the work
-        now = wall_clock()
+        return self._events(results, wall_clock())
+
+    def _events(self, results: list[dict], now: float) -> list[StreamEvent]:
+        """The events of one `iterate()`'s results, read at `now`."""
         events = []
         for result in results:
             job_id = result.get("identifier")
@@ -214,6 +225,54 @@ class ExLlamaV2Engine(LibraryEngine):
                 info = self._token_info(tracked.spec, new_ids, result)
                 events.append(self._produced(job_id, tracked, now, result.get("text", ""), new_ids, result.get("eos_reason"), info))
         return events
+
+    # -- field report 5: a prompt pass timed the way a user times it ----------------------------------------
+
+    @contextlib.contextmanager
+    def lend_prompt_pass(self, name: str) -> Iterator[PromptPass]:
+        if name not in self.prompt_passes:
+            raise ValueError(f"no prompt pass {name!r}: choose one of {', '.join(self.prompt_passes)}")
+        self._refuse_while_busy(f"the {name} prompt pass")
+        try:
+            yield self._streaming_pass() if name == "streaming" else self._dynamic_pass()
+        finally:
+            self._cancel_all()  # the dynamic pass's job, where its first token was never read
+            if name == "streaming":
+                self._forget_cache_contents()  # it wrote from position 0 over the cache's pages
+
+    def _streaming_pass(self) -> PromptPass:
+        """The reporter's code: an ExLlamaV2StreamingGenerator over the engine's model, cache and tokenizer."""
+        from exllamav2.generator import ExLlamaV2Sampler, ExLlamaV2StreamingGenerator
+
+        streaming = ExLlamaV2StreamingGenerator(self.model, self.cache, self.generator.tokenizer)
+        settings = self._upstream_settings(SamplerSettings.greedy(), ExLlamaV2Sampler.Settings)
+
+        def begin(input_ids: Sequence[int]) -> None:
+            streaming.begin_stream_ex(torch.tensor([list(input_ids)], dtype=torch.long), settings)
+
+        def first_token() -> int:
+            streaming.stream_ex()
+            return int(streaming.sequence_ids[0, -1])  # the sampled token, even where it is a stop token
+
+        return PromptPass(begin, first_token)
+
+    def _dynamic_pass(self) -> PromptPass:
+        """exlnb's own path, `step()` split at its synchronise: `begin` iterates the engine's generator until
+        the job has its first token; `first_token` synchronises and reads the events as `step()` would."""
+        results: list[dict] = []
+
+        def begin(input_ids: Sequence[int]) -> None:
+            job_id = self.enqueue(JobSpec(tuple(input_ids), max_new_tokens=1, sampler=SamplerSettings.greedy()))
+            while not any(r.get("identifier") == job_id and r["stage"] == "streaming" for r in results):
+                if not self.generator.num_remaining_jobs():
+                    raise RuntimeError(f"exllamav2 dropped the prompt pass's job {job_id} before its first token")
+                results.extend(self.generator.iterate())
+
+        def first_token() -> int:
+            self.synchronize()
+            return next(event.token_ids[0] for event in self._events(results, wall_clock()) if event.token_ids)
+
+        return PromptPass(begin, first_token)
 
     # -- field report 2's mistake, on purpose --------------------------------------------------------------
 

@@ -4,9 +4,9 @@ Three measurements:
 - multi-turn chat with the whole history in every prompt (the chat example) against amnesia (only the new
   question): decode speed per turn;
 - decode speed against context length, from the time between consecutive tokens;
-- prompt (prefill) speed read from a clock that stops when the work is queued, against one read after
-  synchronising the device. On the CPU there is no asynchronous queue: both clocks read after the work
-  is done, so the impossible number of field report 5 needs a GPU to appear.
+- prompt (prefill) speed read from a clock that stops when the call returns, against one read after
+  synchronising the device, through the reporter's own call (`prompt_clocks.py`). Only the ExLlamaV2
+  engine on CUDA has an asynchronous queue to show it; elsewhere the run says so in a line.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import pandas as pd
 import seaborn as sns
 
 from exlnb.analysis import median_interval, ratio_of_medians
-from exlnb.engines.base import Engine, SamplerSettings, wall_clock
-from exlnb.datasets import load_prompts, load_questions
+from exlnb.datasets import filler_ids, load_prompts
+from exlnb.engines.base import SamplerSettings
+from exlnb.experiments import prompt_clocks
 from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.session import Session
 
@@ -31,8 +32,7 @@ REPORTED = {
     "prompt_seconds_unsynchronised": 0.10,
     "prompt_tokens_per_s_unsynchronised": 14982,
 }
-UNSYNCHRONISED = "returned (unsynchronised)"  # the prefill clocks, as the prefill table names them
-SYNCHRONISED = "after torch.cuda.synchronize()"
+REPORTED_PROMPT_SPEED = "14,982 tokens/s, 1441 tokens in 0.10 s"
 
 
 def run(
@@ -42,23 +42,28 @@ def run(
     answer_tokens: int = 32,
     context_lengths: tuple[int, ...] = (128, 1024, 2048, 4096),
     decode_tokens: int = 16,
-    prompt_tokens: int = 1441,
+    prompt_lengths: tuple[int, ...] = (256, 1441, 4000),
     timing_repeats: int = 3,
+    prompt_models: tuple[str, ...] = prompt_clocks.PROMPT_MODELS,
 ) -> ExperimentResult:
+    prompt_clocks.check_prompt_models(prompt_models, prompt_lengths)
     tables = {
         "turns": _chat(session, turns, answer_tokens),
         "context": _decode_against_context(session, context_lengths, decode_tokens),
-        "prefill": _prefill_timing(session, prompt_tokens, timing_repeats),
     }
+    tables["prefill"], not_timed = prompt_clocks.time_prompt_passes(
+        session, models=prompt_models, lengths=prompt_lengths, repeats=timing_repeats
+    )
     parameters = dict(
         turns=turns,
         answer_tokens=answer_tokens,
         context_lengths=list(context_lengths),
         decode_tokens=decode_tokens,
-        prompt_tokens=prompt_tokens,
+        prompt_lengths=list(prompt_lengths),
         timing_repeats=timing_repeats,
+        prompt_models=list(prompt_models),
     )
-    return _summarise(tables, parameters, environment(session))
+    return _summarise(tables, not_timed, parameters, environment(session))
 
 
 # -- multi-turn chat --------------------------------------------------------------------------------------------
@@ -104,7 +109,7 @@ def _decode_against_context(session: Session, lengths: tuple[int, ...], decode_t
                          f"load with cache_tokens >= {max(lengths) + decode_tokens}, or shorten context_lengths")
     rows = []
     for length in lengths:
-        ids = filler_ids(session, length, label=f"context {length}")
+        ids = filler_ids(session.tokenizer, length, label=f"context {length}")
         stream = session.generate(ids, max_new_tokens=decode_tokens, sampler=SamplerSettings.greedy(), stop_at_eos=False)
         rows += [
             {"context_tokens": length, "position": length + i + 1, "token_interval_s": dt}
@@ -113,67 +118,10 @@ def _decode_against_context(session: Session, lengths: tuple[int, ...], decode_t
     return pd.DataFrame(rows)
 
 
-def filler_ids(session: Session, length: int, *, label: str) -> list[int]:
-    """A prompt of exactly `length` tokens of ordinary text, starting with `label` so that no two prompts
-    share a cached prefix (a shared prefix would skip the prefill being measured)."""
-    sentences = [*load_questions().question, *load_prompts("long_answers")]
-    text, n, chars = label + ".", 0, 5 * length  # about 4 characters per token: usually one encode is enough
-    while True:
-        while len(text) < chars:
-            text += f" Note {n}: {sentences[n % len(sentences)]}"
-            n += 1
-        ids = session.tokenizer.encode(text, special=False)
-        if len(ids) >= length:
-            return ids[:length]
-        chars *= 2
-
-
-# -- prompt speed with and without synchronisation ---------------------------------------------------------------
-
-
-def _prefill_timing(session: Session, prompt_tokens: int, repeats: int) -> pd.DataFrame:
-    """Prefill of the same number of tokens, timed by the clock a user would read and by a synchronised one."""
-    rows = []
-    for repeat in range(repeats):
-        ids = filler_ids(session, prompt_tokens, label=f"prefill timing {repeat}")
-        if session.status().engine == "exllamav2":
-            returned, synchronised = session.run_on_engine(lambda engine: _exllamav2_prefill(engine, ids))
-            rows += [
-                {"repeat": repeat, "clock": UNSYNCHRONISED, "tokens": len(ids), "seconds": returned},
-                {"repeat": repeat, "clock": SYNCHRONISED, "tokens": len(ids), "seconds": synchronised},
-            ]
-        result = session.complete(ids, max_new_tokens=1, sampler=SamplerSettings.greedy())
-        rows.append({"repeat": repeat, "clock": "exlnb session (synchronised)", "tokens": len(ids) - result.cached_tokens,
-                     "seconds": result.time_to_first_token_s})
-    table = pd.DataFrame(rows)
-    table["tokens_per_s"] = table.tokens / table.seconds
-    return table
-
-
-def _exllamav2_prefill(engine: Engine, ids: list[int]) -> tuple[float, float]:
-    """Ingest a prompt the way a streaming generator's begin_stream does (forward with preprocess_only), into
-    a cache of its own; read the clock when the call returns and again after synchronising."""
-    import torch
-    from exllamav2 import ExLlamaV2Cache
-
-    cache = ExLlamaV2Cache(engine.model, max_seq_len=-(-(len(ids) + 1) // 256) * 256)
-    input_ids = torch.tensor([ids], dtype=torch.long)
-    engine.model.forward(input_ids[:, :32], cache, preprocess_only=True)  # warm-up
-    torch.cuda.synchronize()
-    cache.current_seq_len = 0
-    start = wall_clock()
-    engine.model.forward(input_ids, cache, preprocess_only=True)
-    returned = wall_clock()
-    torch.cuda.synchronize()
-    done = wall_clock()
-    del cache
-    return returned - start, done - start
-
-
 # -- summary and figure -----------------------------------------------------------------------------------------
 
 
-def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict) -> ExperimentResult:
+def _summarise(tables: dict[str, pd.DataFrame], not_timed: list[str], parameters: dict, env: dict) -> ExperimentResult:
     turns, context, prefill = tables["turns"], tables["context"], tables["prefill"]
     last = turns.turn.max()
     in_last_turn = {mode: g[g.turn == last].token_interval_s for mode, g in turns.groupby("mode")}
@@ -189,28 +137,16 @@ def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict) -> 
             f"context {shortest}",
         ),
     ]
-    by_clock = {clock: g.tokens_per_s for clock, g in prefill.groupby("clock")}
-    if UNSYNCHRONISED in by_clock:
-        early, synchronised = by_clock[UNSYNCHRONISED], by_clock[SYNCHRONISED]
-        effects.append(
-            Effect(
-                name=f"prompt speed, {parameters['prompt_tokens']} tokens",
-                symptom=median_interval(early, "tokens/s"),
-                fix=median_interval(synchronised, "tokens/s"),
-                symptom_label="clock read when the call returns",
-                fix_label="clock read after synchronising",
-                ratio=ratio_of_medians(early, synchronised),
-            )
-        )
-    values = _values(turns, context, by_clock)
+    values = _values(turns, context, prefill, not_timed)
+    findings = _findings(effects, values) + prompt_clocks.findings(prefill, not_timed, REPORTED_PROMPT_SPEED)
     return ExperimentResult(
         name="context",
         field_reports=(4, 5),
         tables=tables,
-        effects=effects,
+        effects=effects + prompt_clocks.effects(prefill),
         parameters=parameters,
         environment=env,
-        findings=_findings(effects, values, env),
+        findings=findings,
         values=values,
     )
 
@@ -227,7 +163,7 @@ def _time_per_token(name: str, slow: pd.Series, fast: pd.Series, slow_label: str
     )
 
 
-def _values(turns: pd.DataFrame, context: pd.DataFrame, by_clock: dict[str, pd.Series]) -> dict:
+def _values(turns: pd.DataFrame, context: pd.DataFrame, prefill: pd.DataFrame, not_timed: list[str]) -> dict:
     last = turns.turn.max()
     decode_rate = context.groupby("context_tokens").token_interval_s.median().rdiv(1.0)
     return {
@@ -239,16 +175,16 @@ def _values(turns: pd.DataFrame, context: pd.DataFrame, by_clock: dict[str, pd.S
         "context_tokens_last_turn": {
             mode: int(g[g.turn == last].prompt_tokens.iloc[0]) for mode, g in turns.groupby("mode")
         },
-        "prompt_tokens_per_s": {clock: median_interval(v, "tokens/s").as_dict() for clock, v in by_clock.items()},
+        "prompt_clocks": {"medians": prompt_clocks.clock_medians(prefill).to_dict("records"), "not_timed": not_timed},
         "reported": REPORTED,
     }
 
 
-def _findings(effects: list[Effect], values: dict, env: dict) -> list[str]:
+def _findings(effects: list[Effect], values: dict) -> list[str]:
     chat, length = effects[0], effects[1]
     rates = values["decode_tokens_per_s_by_context"]
     contexts = values["context_tokens_last_turn"]
-    lines = [
+    return [
         f"Last chat turn: {contexts['history']} prompt tokens with history, {contexts['amnesia']} with amnesia; decode "
         f"{1000 / chat.symptom.value:.1f} against {1000 / chat.fix.value:.1f} tokens/s ({chat.ratio.value:.2f}x the time "
         f"per token, 95% CI {chat.ratio.low:.2f}-{chat.ratio.high:.2f}"
@@ -259,33 +195,16 @@ def _findings(effects: list[Effect], values: dict, env: dict) -> list[str]:
         + f" ({length.ratio.value:.2f}x the time per token at the longest). The reporter saw 31 -> 20 tokens/s "
         "from a short prompt to ~1000 tokens.",
     ]
-    prompt = values["prompt_tokens_per_s"]
-    if len(effects) > 2:
-        sync = effects[2]
-        lines.append(
-            f"Prompt speed read when the call returns: {sync.symptom.value:,.0f} tokens/s; after synchronising: "
-            f"{sync.fix.value:,.0f} tokens/s ({sync.ratio.value:.1f}x). The reporter's unsynchronised reading was "
-            "14,982 tokens/s (1441 tokens in 0.10 s)."
-        )
-        if sync.ratio.low <= 1.5:
-            lines.append(
-                "Here the call returned only after the GPU had done most of the work (something inside it "
-                "synchronised), so the early clock read is barely early: the report's impossible number does not "
-                "appear with this call on this machine."
-            )
-    else:
-        session_rate = prompt["exlnb session (synchronised)"]["value"]
-        lines.append(
-            f"On the {env['engine']} engine ({env['device']}) there is no asynchronous device queue: a clock read "
-            f"without synchronising already reads after the work is done, so the impossible number of field report 5 "
-            f"cannot appear here. The measured prompt speed is {session_rate:,.0f} tokens/s. Run this notebook on a "
-            "GPU (ExLlamaV2 engine) to see the unsynchronised reading."
-        )
-    return lines
+
+
+def prompt_clock_medians(result: ExperimentResult) -> tuple[pd.DataFrame, list[str]]:
+    """Field report 5's early clock reading beside the synchronised one, medians per model, pass and prompt
+    length; and, one line each, what was not timed and why (all of it, off the ExLlamaV2 engine on CUDA)."""
+    return prompt_clocks.clock_medians(result.tables["prefill"]), result.values["prompt_clocks"]["not_timed"]
 
 
 def plot(result: ExperimentResult):
-    turns, context, prefill = result.tables["turns"], result.tables["context"], result.tables["prefill"]
+    turns, context = result.tables["turns"], result.tables["context"]
     turns = turns.assign(tokens_per_s=1 / turns.token_interval_s)
     context = context.assign(tokens_per_s=1 / context.token_interval_s)
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.3))
@@ -294,8 +213,6 @@ def plot(result: ExperimentResult):
     sns.pointplot(data=context, x="context_tokens", y="tokens_per_s", estimator=np.median, errorbar=("pi", 50), ax=axes[1])
     axes[1].set(xlabel="context length (tokens)", ylabel="decode tokens/s (median, IQR)",
                 title="Decode speed against context length")
-    sns.barplot(data=prefill, x="clock", y="tokens_per_s", estimator=np.median, errorbar=("pi", 100), ax=axes[2])
-    axes[2].set(xlabel="", ylabel="prompt tokens/s", yscale="log", title="Field report 5: prompt speed by clock")
-    axes[2].tick_params(axis="x", rotation=15)
+    prompt_clocks.draw_clocks(axes[2], result.tables["prefill"], result.values["prompt_clocks"]["not_timed"])
     fig.tight_layout()
     return fig

@@ -21,8 +21,7 @@ import torch
 from exlnb.analysis import mean_interval, median_interval, rate_interval, ratio_of_medians
 from exlnb.engines.base import SamplerSettings
 from exlnb.engines.options import cuda_available
-from exlnb.experiments.context import filler_ids
-from exlnb.datasets import load_questions
+from exlnb.datasets import filler_ids, load_questions
 from exlnb.experiments.prompt_format import is_correct
 from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.models import BUNDLED_MODEL, resolve_model
@@ -100,7 +99,7 @@ def _measure(session: Session, condition: Condition, folder: Path, *, reference:
     decode = pd.DataFrame({
         "condition": condition.label, "format": condition.format, "bits": condition.bits, "repeat": range(repeats),
         "decode_tokens_per_s": [
-            session.complete(filler_ids(session, 64, label=f"decode {r}"), max_new_tokens=decode_tokens,
+            session.complete(filler_ids(session.tokenizer, 64, label=f"decode {r}"), max_new_tokens=decode_tokens,
                              sampler=greedy, stop_at_eos=False).decode_tokens_per_s
             for r in range(repeats)
         ],
@@ -108,7 +107,7 @@ def _measure(session: Session, condition: Condition, folder: Path, *, reference:
     status = session.status()
     conditions = pd.DataFrame([{
         "condition": condition.label, "format": condition.format, "bits": condition.bits, "engine": status.engine,
-        "perplexity": perplexity(session, filler_ids(session, perplexity_tokens, label="perplexity")),
+        "perplexity": perplexity(session, filler_ids(session.tokenizer, perplexity_tokens, label="perplexity")),
         "weights_gib": sum(p.stat().st_size for p in folder.glob("*.safetensors")) / 2**30,
         "device_memory_gib": (status.device_memory_bytes or 0) / 2**30,
     }])
