@@ -26,7 +26,7 @@ from exlnb.engines.base import Stage
 from exlnb.engines.options import ENGINE_NAMES
 from exlnb.session import Session
 from exlnb.templates import chatml
-from exlnb.widgets.cache import inspector_html
+from exlnb.widgets.cache import cache_summary, inspector_html
 from exlnb.widgets.record import record_html
 
 SHARED_PROMPT = chatml(
