@@ -203,3 +203,33 @@ def test_job_table_cancel_and_cancel_all_end_the_jobs(idle):
         assert idle.jobs() == []
     finally:
         table.close()
+
+
+class EndingAsRead:
+    """The session as a live view sees it when its jobs end between two reads of the job table."""
+
+    def __init__(self, session, rows):
+        self.session, self.rows = session, rows
+
+    def jobs(self):
+        rows, self.rows = self.rows, []
+        return rows
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+
+def test_a_state_recorded_as_running_shows_the_jobs_that_made_it_running(idle):
+    generation = start(PROMPT, n=2, max_new_tokens=2000, temperature=1.0)
+    try:
+        rows = idle.jobs()
+        assert len(rows) == 2
+        for view_type in (JobTable, CacheInspector):
+            view = view_type(EndingAsRead(idle, rows), interval=0.02)
+            view.close()
+            view.retire()  # what it settles into once every job has ended
+            assert all(f"job {row.info.job_id}" in view.text() for row in rows), view.text()
+            assert "had ended by" in view.text()
+    finally:
+        generation.cancel()
+        generation.wait(30)

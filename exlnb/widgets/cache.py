@@ -92,9 +92,9 @@ def cache_text(view: CacheView, rows: list[JobRow]) -> str:
 class CacheInspector(LiveView):
     """Every page of the KV cache as a square: filled in its job's colour, ringed when shared, outlined when free."""
 
-    def draw(self, running: bool) -> tuple[str, str]:
-        view, rows = self.session.cache_view(), self.session.jobs()
-        return inspector_html(view, rows, " · live" if running else " · idle"), cache_text(view, rows)
+    def draw(self, rows: list[JobRow]) -> tuple[str, str]:
+        view = self.session.cache_view()
+        return inspector_html(view, rows, " · live" if rows else " · idle"), cache_text(view, rows)
 
 
 JOB_COLUMNS = ("job", "stage", "age", "prompt tokens", "new / max", "pages", "stream read")
@@ -140,8 +140,7 @@ def jobs_text(rows: list[JobRow]) -> str:
 class JobTable(LiveView):
     """Pending and active jobs: age, tokens, whether anyone reads the stream; Cancel each, Cancel all."""
 
-    def draw(self, running: bool) -> tuple[str, str]:
-        rows = self.session.jobs()
+    def draw(self, rows: list[JobRow]) -> tuple[str, str]:
         return jobs_html(rows, wall_clock()), jobs_text(rows)
 
     def act(self, message: dict) -> None:

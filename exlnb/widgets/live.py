@@ -13,7 +13,7 @@ import html
 import threading
 import time
 
-from exlnb.session import NoModelLoaded, Session
+from exlnb.session import JobRow, NoModelLoaded, Session
 from exlnb.widgets.record import RecordedView
 
 
@@ -37,8 +37,8 @@ class LiveView(RecordedView):
         self._thread = threading.Thread(target=self._run, name=f"exlnb-{type(self).__name__}", daemon=True)
         self._thread.start()
 
-    # subclasses: the state as HTML and as text
-    def draw(self, running: bool) -> tuple[str, str]:
+    # subclasses: the state as HTML and as text, drawn from the job rows that decide whether jobs are running
+    def draw(self, rows: list[JobRow]) -> tuple[str, str]:
         raise NotImplementedError
 
     def act(self, message: dict) -> None:
@@ -47,8 +47,11 @@ class LiveView(RecordedView):
     def refresh(self, *, record: bool = True) -> bool:
         """Redraw; whether jobs are running. `record=False`: not a state to settle into (jobs being cancelled)."""
         try:
-            running = bool(self.session.jobs())
-            self.html, self._text = self.draw(running)
+            # one read of the job table for both: a second read could find the jobs ended since, and a state
+            # recorded as running would then show no job (the table's record after a Cancel all did)
+            rows = self.session.jobs()
+            running = bool(rows)
+            self.html, self._text = self.draw(rows)
         except NoModelLoaded as error:
             running = False
             self.html, self._text = f'<div class="exlnb-summary">{html.escape(str(error))}</div>', str(error)
