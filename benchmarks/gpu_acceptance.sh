@@ -18,6 +18,8 @@
 # investigations (`python -m exlnb.report --engine E`, one engine after the other, after the tests and before
 # the benchmarks) with their executed notebooks, HTML, CSVs, figures and summary.md under report-E/;
 # EXLNB_GPU_REPORT_ARGS passes more arguments to each (e.g. "--preset full" or "--only latency streaming").
+# EXLNB_GPU_GRAPH_PROBE=1 runs issue 17's CUDA-graph probe (`python -m benchmarks.graph_probe`, on the bundled
+# and then the 7B-shaped model) alone, right after the tests, into graph-probe-*.json and graph-probe-*.log.
 # These variables are read by `all`, so set them on the `model` call that starts it.
 #
 # The bundled GGUF travels xz-compressed in parts (`xz -6`, then `split`). Everything runs from a snapshot of
@@ -75,6 +77,15 @@ report() {  # report ENGINES: exlnb's investigations on each engine (comma-separ
     done
 }
 
+graph_probe() {  # which parts of an ExLlamaV2 decode step CUDA graphs can capture (issue 17), per model
+    local model
+    for model in bundled 7b-shaped; do
+        log "start the graph probe on the $model model"
+        (cd "$REPO" && python3 -m benchmarks.graph_probe --model "$model" --out "$OUTDIR" > "$OUTDIR/graph-probe-$model.log" 2>&1)
+        log "end the graph probe on the $model model (exit $?)"
+    done
+}
+
 chain_exllamav3() {
     wait_for "$WORK/build-exllamav3.rc"
     log "exllamav3 build ended (exit $(cat "$WORK/build-exllamav3.rc"))"
@@ -125,6 +136,7 @@ all)
         > "$OUTDIR/convert.log" 2>&1
     log "converted (exit $?)"
     chain_exllamav2 & chain_exllamav3 & wait
+    [ "${EXLNB_GPU_GRAPH_PROBE:-0}" = 1 ] && graph_probe
     [ -n "${EXLNB_GPU_REPORT:-}" ] && report "$EXLNB_GPU_REPORT"
     [ "${EXLNB_GPU_BENCHMARKS:-1}" = 0 ] && { touch "$OUTDIR/DONE"; exit 0; }
     log "start benchmarks"

@@ -1,7 +1,14 @@
-"""The benchmark suite runs in quick mode and writes a complete, valid record (no timing assertions)."""
+"""The benchmark suite runs in quick mode and writes a complete, valid record (no timing assertions); the
+CUDA-graph probe refuses cleanly where it cannot run."""
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
 
 from benchmarks.__main__ import main
 from benchmarks.table import full_runs, markdown
@@ -43,3 +50,14 @@ def test_performance_table_reads_every_full_run_ratios_first(tmp_path):
     assert table.startswith("| ratio")
     for run in committed:
         assert run["file"] in table
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the probe runs instead of refusing")
+def test_the_graph_probe_refuses_in_one_line_without_cuda_and_writes_nothing(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "benchmarks.graph_probe", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert "needs a CUDA GPU and exllamav2" in done.stderr
+    assert done.stdout == ""
+    assert not (tmp_path / "out").exists()
