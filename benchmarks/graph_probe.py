@@ -32,6 +32,7 @@ from exlnb.engines import create_engine
 from exlnb.engines.options import EngineOptions
 from exlnb.models import BUNDLED_MODEL, resolve_model
 from exlnb.random_model import SEVEN_B_SHAPED, cannot_make_here, seven_b_shaped
+from exlnb.session import one_line
 
 MODELS = ("bundled", SEVEN_B_SHAPED)
 CACHE_TOKENS = 1024
@@ -218,15 +219,10 @@ def _failure(error: BaseException) -> dict:
     frames = [f for f in traceback.extract_tb(chain[-1].__traceback__) if "/exllamav2/" in f.filename]
     where = frames[-1] if frames else None
     return {
-        "error": _one_line(error),
-        "raised_over": [_one_line(e) for e in chain[1:]],
+        "error": one_line(error),
+        "raised_over": [one_line(e) for e in chain[1:]],
         "exllamav2_line": f"{Path(where.filename).name}:{where.lineno} {where.line}" if where else None,
     }
-
-
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
 def _end_open_capture(graph, stream) -> dict:
@@ -239,7 +235,7 @@ def _end_open_capture(graph, stream) -> dict:
             graph.capture_end()
             return {"open_capture": "left open by the failure; ended by the probe"}
         except Exception as error:
-            return {"open_capture": f"left open by the failure; ending it failed: {_one_line(error)}"}
+            return {"open_capture": f"left open by the failure; ending it failed: {one_line(error)}"}
 
 
 def run_probe(model_name: str) -> dict:

@@ -120,10 +120,10 @@ class Session:
                 self._start(options, progress)
             except Exception as error:
                 if previous is None:
-                    raise LoadFailed(f"loading {options.model_dir.name} failed: {_one_line(error)}") from error
+                    raise LoadFailed(f"loading {options.model_dir.name} failed: {one_line(error)}") from error
                 self._start(previous, progress=False)
                 raise LoadFailed(
-                    f"loading {options.model_dir.name} failed: {_one_line(error)}; "
+                    f"loading {options.model_dir.name} failed: {one_line(error)}; "
                     f"{previous.model_dir.name} is loaded again"
                 ) from error
             return self.status()
@@ -424,12 +424,12 @@ class Session:
 
     def _fail_jobs(self, job_ids: tuple[int, ...], error: BaseException) -> None:
         """The engine failed these jobs alone: their streams raise, every other job runs on."""
-        self._deliveries.fail(job_ids, JobError(f"job failed inside the engine: {_one_line(error)}"))
+        self._deliveries.fail(job_ids, JobError(f"job failed inside the engine: {one_line(error)}"))
 
     def _fail_step(self, engine: Engine, error: BaseException) -> None:
         """A whole engine step raised: every job fails with that error, and the session stays usable."""
         _drop_every_job(engine)
-        message = f"the engine step failed: {_one_line(error)}"
+        message = f"the engine step failed: {one_line(error)}"
         self._deliveries.fail_all(lambda job_id: JobError(f"job {job_id}: {message}"))
 
     def _end_every_job(self, engine: Engine) -> None:
@@ -448,7 +448,8 @@ def _drop_every_job(engine: Engine) -> None:
         engine.cancel(info.job_id)
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
+    """An exception as `Type: first line of its message`, for errors shown in one line."""
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
