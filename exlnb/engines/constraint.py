@@ -44,7 +44,7 @@ class OutputConstraint:
                                  "and Rust's regex both read") from None
         problem = LLMatcher.validate_grammar(self.grammar())
         if problem:
-            raise ValueError(f"{self.describe()} cannot constrain an answer: {_one_line(problem)}")
+            raise ValueError(f"{self.describe()} cannot constrain an answer: {_llguidance_words(problem)}")
 
     @classmethod
     def given(cls, json_schema: object = None, regex: str | None = None) -> OutputConstraint | None:
@@ -117,7 +117,7 @@ def _schema_file(path: Path) -> dict:
     return _json_object(path.read_text(), str(path))
 
 
-def _one_line(message: str) -> str:
+def _llguidance_words(message: str) -> str:
     """llguidance's messages span lines (a regex error draws a caret under the pattern); keep the words."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     errors = [line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")]
