@@ -63,6 +63,7 @@ class ExLlamaV2Engine(LibraryEngine):
         config.max_input_len = min(config.max_input_len, cache_tokens)
         config.max_attention_size = min(config.max_attention_size, config.max_input_len**2)
         self.config = config
+        self.vocab_size = config.vocab_size
         self.model = exl.ExLlamaV2(config)
         cache_class = {
             "fp16": exl.ExLlamaV2Cache,
@@ -90,7 +91,6 @@ class ExLlamaV2Engine(LibraryEngine):
         # exllamav2 defragments only when idle after touching every page
         self._count_defrags(self.generator, "defrag_cache")
         self.max_seq_len = min(config.max_seq_len, cache_tokens)
-        self.tokenizer_vocab_size = config.vocab_size
 
     # -- load-time checks ----------------------------------------------------------------------------------
 
@@ -157,7 +157,7 @@ class ExLlamaV2Engine(LibraryEngine):
         from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
 
         max_new = max_new_tokens_within(spec, self.max_seq_len)
-        spec.check_vocabulary(self.config.vocab_size)
+        spec.check_vocabulary(self.vocab_size)
         self.refuse_unsupported(spec)
         settings = self._upstream_settings(spec.sampler, ExLlamaV2Sampler.Settings)
         job_id = self._new_job_id()
@@ -183,13 +183,13 @@ class ExLlamaV2Engine(LibraryEngine):
             return None
         from exlnb.engines.exllamav2_filter import GrammarFilter
 
-        matcher = GrammarMatcher(spec.constraint, self.tokenizer, self.config.vocab_size, spec.stop_token_ids)
+        matcher = GrammarMatcher(spec.constraint, self.tokenizer, self.vocab_size, spec.stop_token_ids)
         return [GrammarFilter(self.model, self.generator.tokenizer, matcher)]
 
     def _upstream_settings(self, s: SamplerSettings, settings_class):
         """exllamav2's Settings from ours: the fields share exllamav2's names; two need its tensor or id forms."""
         values = {f.name: getattr(s, f.name) for f in fields(s)}
-        vocab_size = self.config.vocab_size
+        vocab_size = self.vocab_size
         if s.token_bias:
             # the shape exllamav2's own Settings.disallow_tokens gives the bias: the vocabulary padded to 32
             bias = torch.zeros(vocab_size + -vocab_size % 32, dtype=torch.float)

@@ -113,7 +113,7 @@ class LibraryEngine(Engine):
 
     generator: object
     page_size: int
-    tokenizer_vocab_size: int  # exllamav2 pads its logits past the vocabulary (read only for jobs returning logits)
+    vocab_size: int  # the model's vocabulary; exllamav2 pads its logits past it
 
     def _start_tracking(self) -> None:
         self._jobs: dict[int, TrackedJob] = {}
@@ -190,7 +190,7 @@ class LibraryEngine(Engine):
         for part in parts:
             if part.get("logits") is not None:
                 chosen_ids = torch.tensor(ids[len(rows) : len(rows) + part["logits"].shape[1]], dtype=torch.long)
-                probs = torch.softmax(part["logits"][0, : len(chosen_ids), : self.tokenizer_vocab_size].float(), dim=-1)
+                probs = torch.softmax(part["logits"][0, : len(chosen_ids), : self.vocab_size].float(), dim=-1)
                 top = torch.topk(probs, spec.top_tokens)
                 chosen = probs.gather(1, chosen_ids[:, None])[:, 0]
                 rows += zip(chosen.tolist(), top.indices.tolist(), top.values.tolist())
