@@ -7,7 +7,6 @@ Verified against exllamav2 0.3.2, whose quirks on current torch and transformers
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import fields
@@ -282,16 +281,14 @@ class ExLlamaV2Engine(LibraryEngine):
         allocates the same pages the engine's generator and the other requests' generators use."""
         from exllamav2.generator import ExLlamaV2DynamicGenerator
 
-        twin = copy.copy(self)
-        twin.generator = ExLlamaV2DynamicGenerator(
+        generator = ExLlamaV2DynamicGenerator(
             model=self.model,
             cache=self.cache,
             tokenizer=self.generator.tokenizer,
             max_batch_size=self.generator.max_batch_size,
             paged=self.paged,
         )
-        twin._jobs, twin._next_id = {}, first_job_id
-        return twin
+        return self._twin_over(generator, first_job_id)
 
     def _forget_cache_contents(self) -> None:
         self.generator.reset_page_table()

@@ -9,7 +9,6 @@ continuous batching and prefix sharing need no flash-attn.
 
 from __future__ import annotations
 
-import copy
 import torch
 
 from exlnb.engines.base import (
@@ -80,7 +79,6 @@ class ExLlamaV3Engine(LibraryEngine):
         # exllamav3 defragments its page table when the queue drains (`on_queue_drained`), at most once per
         # 8 x pages of allocations
         self._count_defrags(self.generator.pagetable, "defrag")
-        self._failed_step_events: list[StreamEvent] = []
 
     # -- jobs ----------------------------------------------------------------------------------------------
 
@@ -122,6 +120,10 @@ class ExLlamaV3Engine(LibraryEngine):
 
         constraint = spec.constraint
         return [LLGuidanceFilter(self.generator.tokenizer, eos_after_completed=True, **{constraint.kind: constraint.source})]
+
+    def _start_tracking(self) -> None:
+        super()._start_tracking()
+        self._failed_step_events: list[StreamEvent] = []
 
     def has_work(self) -> bool:
         return bool(self._jobs) or bool(self._failed_step_events)
@@ -203,10 +205,7 @@ class ExLlamaV3Engine(LibraryEngine):
         """The reporter's pattern on exllamav3: another Generator over the engine's model and cache. Its
         constructor builds a PageTable of its own over every page of the cache (exllamav3 1.6.5,
         `PageTable(self, cache)`), so it hands out the same pages the engine's generator and the others use."""
-        twin = copy.copy(self)
-        twin.generator = self._new_generator(self.generator.tokenizer)
-        twin._jobs, twin._next_id, twin._failed_step_events = {}, first_job_id, []
-        return twin
+        return self._twin_over(self._new_generator(self.generator.tokenizer), first_job_id)
 
     def _forget_cache_contents(self) -> None:
         self.generator.pagetable.reset_page_table()

@@ -9,6 +9,7 @@ exllamav2 0.3.2 and exllamav3 1.6.5 agree on these shapes: a generator with `enq
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.metadata
 from collections.abc import Iterable, Mapping, Sequence
@@ -114,6 +115,15 @@ class LibraryEngine(Engine):
     generator: object
     page_size: int
     vocab_size: int  # the model's vocabulary; exllamav2 pads its logits past it
+
+    def _twin_over(self, generator: object, first_job_id: int):
+        """This engine over another generator, with job tracking of its own numbered from `first_job_id`: field
+        report 2's generator per request, sharing the engine's model and cache."""
+        twin = copy.copy(self)
+        twin.generator = generator
+        twin._start_tracking()
+        twin._next_id = first_job_id
+        return twin
 
     def _start_tracking(self) -> None:
         self._jobs: dict[int, TrackedJob] = {}
