@@ -15,8 +15,8 @@
 # prebuilt extension before they build one, which saves the ~10 minutes of the two builds. The pytest
 # selections can be narrowed with EXLNB_GPU_V2_TESTS / EXLNB_GPU_V3_TESTS (pytest arguments), and
 # EXLNB_GPU_BENCHMARKS=0 skips the benchmarks. EXLNB_GPU_REPORT=exllamav3,exllamav2 adds exlnb's
-# investigations (`python -m exlnb.report --engine E`, one engine after the other, after the tests and before
-# the benchmarks) with their executed notebooks, HTML, CSVs, figures and summary.md under report-E/;
+# investigations (`python -m exlnb.report --engine E`, one engine after the other, after the tests and the
+# benchmarks) with their executed notebooks, HTML, CSVs, figures and summary.md under report-E/;
 # EXLNB_GPU_REPORT_ARGS passes more arguments to each (e.g. "--preset full" or "--only latency streaming").
 # EXLNB_GPU_GRAPH_PROBE=1 runs issue 17's CUDA-graph probe (`python -m benchmarks.graph_probe`, on the bundled
 # and then the 7B-shaped model) alone, right after the tests, into graph-probe-*.json and graph-probe-*.log.
@@ -26,8 +26,9 @@
 # the repository taken at setup, so a later copy of the working tree cannot change files under a running
 # test. `all` runs two chains side by side once the model is converted: ExLlamaV2 (its `pytest -m gpu`, then
 # EXL2 quantized) and ExLlamaV3 (once its ~7-minute build is done: its `pytest -m gpu`, then EXL3 quantized);
-# the investigations, the benchmarks, then the serving saturation sweep run alone after both, one at a time,
-# so that no other work disturbs their clocks.
+# the graph probe, the benchmarks, the investigations, then the serving saturation sweep run alone after both,
+# one at a time, so that no other work disturbs their clocks. Each suite writes every failure's traceback to
+# pytest-gpu-ENGINE-failures.txt as it happens (EXLNB_FAILURE_LOG), so a copy taken mid-run says why.
 set -u
 WORK=${EXLNB_GPU_WORK:-/root/gpuwork}
 SITE=$WORK/site
@@ -56,8 +57,8 @@ wait_for() {  # wait_for FILE: until FILE exists
 suite() {  # suite NAME PYTEST_ARGS...: one pytest run, its log and junit XML under OUTDIR
     local name=$1; shift
     log "start $name"
-    (cd "$REPO" && python3 -m pytest -m gpu -p no:cacheprovider -v --timeout 420 --continue-on-collection-errors \
-        --junitxml "$OUTDIR/$name.xml" "$@" > "$OUTDIR/$name.log" 2>&1)
+    (cd "$REPO" && EXLNB_FAILURE_LOG="$OUTDIR/$name-failures.txt" python3 -m pytest -m gpu -p no:cacheprovider -v \
+        --timeout 420 --continue-on-collection-errors --junitxml "$OUTDIR/$name.xml" "$@" > "$OUTDIR/$name.log" 2>&1)
     log "end $name (exit $?): $(tail -n 1 "$OUTDIR/$name.log")"
 }
 
@@ -71,7 +72,7 @@ report() {  # report ENGINES: exlnb's investigations on each engine (comma-separ
     local engine
     for engine in ${1//,/ }; do
         log "start the investigations on the $engine engine"
-        (cd "$REPO" && eval "python3 -m exlnb.report --engine $engine --out \"$OUTDIR/report-$engine\" ${EXLNB_GPU_REPORT_ARGS:-}" \
+        (cd "$REPO" && eval "timeout 1500 python3 -m exlnb.report --engine $engine --out \"$OUTDIR/report-$engine\" ${EXLNB_GPU_REPORT_ARGS:-}" \
             > "$OUTDIR/report-$engine.log" 2>&1)
         log "end the investigations on the $engine engine (exit $?)"
     done
@@ -81,7 +82,7 @@ graph_probe() {  # which parts of an ExLlamaV2 decode step CUDA graphs can captu
     local model
     for model in bundled 7b-shaped; do
         log "start the graph probe on the $model model"
-        (cd "$REPO" && python3 -m benchmarks.graph_probe --model "$model" --out "$OUTDIR" > "$OUTDIR/graph-probe-$model.log" 2>&1)
+        (cd "$REPO" && timeout 240 python3 -m benchmarks.graph_probe --model "$model" --out "$OUTDIR" > "$OUTDIR/graph-probe-$model.log" 2>&1)
         log "end the graph probe on the $model model (exit $?)"
     done
 }
@@ -137,11 +138,13 @@ all)
     log "converted (exit $?)"
     chain_exllamav2 & chain_exllamav3 & wait
     [ "${EXLNB_GPU_GRAPH_PROBE:-0}" = 1 ] && graph_probe
+    if [ "${EXLNB_GPU_BENCHMARKS:-1}" = 1 ]; then
+        log "start benchmarks"
+        (cd "$REPO" && timeout 900 python3 -m benchmarks --out "$OUTDIR" > "$OUTDIR/benchmarks.log" 2>&1)
+        log "end benchmarks (exit $?)"
+    fi
     [ -n "${EXLNB_GPU_REPORT:-}" ] && report "$EXLNB_GPU_REPORT"
     [ "${EXLNB_GPU_BENCHMARKS:-1}" = 0 ] && { touch "$OUTDIR/DONE"; exit 0; }
-    log "start benchmarks"
-    (cd "$REPO" && python3 -m benchmarks --out "$OUTDIR" > "$OUTDIR/benchmarks.log" 2>&1)
-    log "end benchmarks (exit $?)"
     log "start benchmarks on the exllamav3 engine"
     (cd "$REPO" && python3 -m benchmarks --engine exllamav3 --only kit,context,concurrency --out "$OUTDIR" \
         > "$OUTDIR/benchmarks-exllamav3.log" 2>&1)
@@ -158,6 +161,7 @@ collect)
     mkdir -p "$3" && tar -czf "$3/results.tar.gz" -C "$OUTDIR" .
     cat "$OUTDIR/progress.txt"
     for f in "$OUTDIR"/pytest-gpu-*.log; do [ -e "$f" ] && { echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$f" | tail -n 15; }; done
+    for f in "$OUTDIR"/pytest-gpu-*-failures.txt; do [ -e "$f" ] && { echo "== $f"; grep -E "^(====|E )" "$f" | cut -c1-220 | head -n 60; }; done
     for f in "$OUTDIR"/report-*.log; do [ -e "$f" ] && { echo "== $f"; grep -E "^\[[0-9]+/[0-9]+\] .*(done|failed)" "$f"; }; done
     ;;
 *)

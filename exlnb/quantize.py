@@ -7,6 +7,9 @@ output until the job finishes: exllamav2 0.3.2's `convert_exl2` resumes by itsel
 holds `job_new.json`; exllamav3 1.6.5's `convert_model` resumes with `-w WORK -r` (its `args.json`).
 Neither reports failure in its exit status (both print "## Error"/"!! Error" and exit 0), so a run counts
 as done only when the output's config.json names the format.
+EXL2 spends most of a conversion measuring how much each layer suffers at each setting, which does not depend
+on the target bits: the first EXL2 conversion of a model keeps its `measurement.json` in the cache and later
+ones, at other bit widths, reuse it (`convert_exl2 -m`).
 """
 
 from __future__ import annotations
@@ -52,9 +55,17 @@ class QuantizedModel:
 
     @property
     def folder(self) -> Path:
+        return self._source_stem.with_name(f"{self._source_stem.name}-{self.format}-{self.bits:g}bpw-h{self.head_bits}")
+
+    @property
+    def measurement(self) -> Path:
+        """exllamav2's per-layer measurement of the source model, shared by its EXL2 conversions at any bits."""
+        return self._source_stem.with_name(f"{self._source_stem.name}-exl2-measurement.json")
+
+    @property
+    def _source_stem(self) -> Path:
         digest = hashlib.sha256(str(self.source.resolve()).encode()).hexdigest()[:8]
-        name = f"{self.source.name}-{digest}-{self.format}-{self.bits:g}bpw-h{self.head_bits}"
-        return cache_root() / "quantized" / name
+        return cache_root() / "quantized" / f"{self.source.name}-{digest}"
 
     @property
     def output(self) -> Path:
@@ -134,9 +145,10 @@ def _check_converter(format: str) -> None:
 def converter_command(target: QuantizedModel) -> list[str]:
     """The converter's command line; a work directory that holds a started job resumes it."""
     if target.format == "exl2":
+        reuse = ["-m", str(target.measurement)] if target.measurement.is_file() else []
         return [
             sys.executable, "-m", "exllamav2.conversion.convert_exl2", "-i", str(target.source), "-o", str(target.work),
-            "-cf", str(target.partial), "-b", f"{target.bits:g}", "-hb", str(target.head_bits), "-so",
+            "-cf", str(target.partial), "-b", f"{target.bits:g}", "-hb", str(target.head_bits), "-so", *reuse,
         ]
     if (target.work / "args.json").is_file():
         return [sys.executable, "-m", EXL3_CONVERTER, "-w", str(target.work), "-r"]
@@ -165,6 +177,10 @@ def _convert(target: QuantizedModel, *, progress: bool) -> None:
         _run_converter(target, progress=progress)
     shutil.rmtree(target.output, ignore_errors=True)
     target.partial.rename(target.output)
+    measured = target.work / "measurement.json"  # exllamav2 writes it there after measuring
+    if target.format == "exl2" and measured.is_file() and not target.measurement.is_file():
+        shutil.copyfile(measured, target.measurement.with_suffix(".partial"))
+        target.measurement.with_suffix(".partial").rename(target.measurement)
     shutil.rmtree(target.work, ignore_errors=True)  # as large as the model; the finished output no longer needs it
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -10,6 +11,15 @@ from exlnb import SamplerSettings, get_session
 from exlnb.session import Session
 
 from exlnb.templates import chatml  # noqa: F401 - re-exported for the tests
+
+
+def pytest_runtest_logreport(report) -> None:
+    """With EXLNB_FAILURE_LOG set, each failure's traceback goes there as it happens, so a run cut off before
+    pytest's own summary (a GPU machine handed back mid-run) still says why each test failed."""
+    path = os.environ.get("EXLNB_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a") as log:
+            log.write(f"==== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n\n")
 
 
 @pytest.fixture(scope="session")

@@ -93,6 +93,17 @@ def test_every_planned_step_exists_in_exllamav3(exl3_session):
         assert isinstance(build_sampler(settings, tokenizer, tokenizer.vocab_size), CustomSampler)
 
 
+def test_the_concurrency_investigation_reports_that_exllamav3_refuses_a_generator_per_request(exl3_session):
+    from exlnb.experiments import concurrency
+
+    result = concurrency.run(exl3_session, prompts=2, max_new_tokens=8, concurrency=(2,))
+
+    assert result.values["refused"]["generator per request"].startswith("exllamav3 1.6.5 refuses a generator per request")
+    assert result.values["identical_to_solo"] == {"one generator": 2}
+    assert exl3_session.jobs() == [] and exl3_session.cache_view().free_pages == exl3_session.cache_view().total_pages
+    concurrency.plot(result)
+
+
 def test_an_architecture_exllamav3_does_not_know_is_a_clear_error(tmp_path):
     skip_without_library("exllamav3")
     bundled = resolve_model("smollm2-135m-instruct")

@@ -89,6 +89,28 @@ def test_exl2_runs_the_same_command_to_resume(tmp_path):
     assert command[command.index("-b") + 1] == "2.5" and command[command.index("-hb") + 1] == "8"
 
 
+def test_exl2_measures_a_model_once_and_reuses_the_measurement_at_other_bits(home, tmp_path, monkeypatch):
+    source = fp16_model(tmp_path / "m")
+    first, second = QuantizedModel(source, "exl2", 4.0, 6), QuantizedModel(source, "exl2", 6.0, 6)
+    assert "-m" not in converter_command(first)[3:]  # past `python -m module`
+    # a stand-in converter that finishes as convert_exl2 does: the model, and the measurement in its work folder
+    finish = (
+        "import json, pathlib, sys; out, work = map(pathlib.Path, sys.argv[1:]); out.mkdir(parents=True); "
+        "work.mkdir(parents=True, exist_ok=True); "
+        "(out / 'config.json').write_text(json.dumps({'quantization_config': {'quant_method': 'exl2'}})); "
+        "(work / 'measurement.json').write_text('{\"measurement\": {}, \"last_module_idx\": 0}')"
+    )
+    monkeypatch.setattr(quantize_module, "converter_command", lambda t: [sys.executable, "-c", finish, str(t.partial), str(t.work)])
+    first.folder.mkdir(parents=True)
+    quantize_module._convert(first, progress=False)
+    assert not first.work.exists()
+    assert json.loads(first.measurement.read_text())["last_module_idx"] == 0
+    assert second.measurement == first.measurement
+    command = converter_command(second)[3:]
+    assert command[command.index("-m") + 1] == str(first.measurement)
+    assert "-m" not in converter_command(QuantizedModel(fp16_model(tmp_path / "other"), "exl2", 4.0, 6))[3:]
+
+
 def test_progress_is_read_from_each_converters_output():
     line = '[STATUS]{"stage": "Quantizing", "completion": 0.25}[/STATUS]\n'
     assert progress_of(line, "exl2", 30) == ("Quantizing", 0.25)

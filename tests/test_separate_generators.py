@@ -1,11 +1,12 @@
 """Field report 2's mistake on purpose: `Engine.run_with_separate_generators`, a generator per request over
-one cache, on the real bundled model (CPU engine here, ExLlamaV2 with `pytest -m gpu`)."""
+one cache, on the real bundled model (CPU engine here, ExLlamaV2 and ExLlamaV3 with `pytest -m gpu`).
+exllamav3 1.6.5 refuses the pattern itself: a Generator made over the cache takes it from the older ones."""
 
 from __future__ import annotations
 
 import pytest
 
-from exlnb.engines.base import JobSpec
+from exlnb.engines.base import JobSpec, SeparateGeneratorsRefused
 from tests.conftest import chatml
 
 # two prompts longer than a 256-token page, alike in shape, different in every token that matters
@@ -23,21 +24,34 @@ def spec(session, story: str, greedy) -> JobSpec:
     return JobSpec(input_ids=tuple(session.tokenizer.encode(prompt(story))), max_new_tokens=8, sampler=greedy)
 
 
-def test_a_generator_per_request_mixes_outputs_that_one_generator_keeps_apart(idle_session, greedy):
+def run_separately(session, specs, engine_name: str):
+    """The generator-per-request run; on exllamav3, the library's refusal, checked (None then)."""
+    if engine_name != "exllamav3":
+        return session.run_on_engine(lambda engine: engine.run_with_separate_generators(specs))
+    with pytest.raises(SeparateGeneratorsRefused, match="^exllamav3 1.6.5 refuses a generator per request: .*no longer owns its Cache"):
+        session.run_on_engine(lambda engine: engine.run_with_separate_generators(specs))
+    assert session.jobs() == []
+    return None
+
+
+def test_a_generator_per_request_mixes_outputs_that_one_generator_keeps_apart(engine_name, idle_session, greedy):
     solo = [idle_session.complete(prompt(story), max_new_tokens=8, sampler=greedy).token_ids for story in STORIES]
     specs = [spec(idle_session, story, greedy) for story in STORIES]
 
-    mixed = idle_session.run_on_engine(lambda engine: engine.run_with_separate_generators(specs))
+    mixed = run_separately(idle_session, specs, engine_name)
 
+    if mixed is None:  # exllamav3: refused, and the engine's own generator gives the solo outputs again
+        assert [idle_session.complete(prompt(story), max_new_tokens=8, sampler=greedy).token_ids for story in STORIES] == solo
+        return
     assert [len(ids) for ids in mixed] == [8, 8]
     assert mixed != solo
 
 
-def test_the_engine_forgets_overwritten_cache_pages_and_runs_on_as_before(idle_session, greedy):
+def test_the_engine_forgets_overwritten_cache_pages_and_runs_on_as_before(engine_name, idle_session, greedy):
     before = idle_session.complete(prompt("numbers"), max_new_tokens=8, sampler=greedy)
     overwriting = [spec(idle_session, "colours", greedy), spec(idle_session, "colours", greedy)]
 
-    idle_session.run_on_engine(lambda engine: engine.run_with_separate_generators(overwriting))
+    run_separately(idle_session, overwriting, engine_name)
     after = idle_session.complete(prompt("numbers"), max_new_tokens=8, sampler=greedy)
     again = idle_session.complete(prompt("numbers"), max_new_tokens=8, sampler=greedy)
 
@@ -55,3 +69,23 @@ def test_separate_generators_refuse_to_run_over_running_jobs(idle_session, greed
     with pytest.raises(RuntimeError, match="jobs running"):
         idle_session.run_on_engine(lambda engine: engine.run_with_separate_generators(specs))
     stream.cancel()
+
+
+def test_a_refused_pattern_is_reported_with_the_libraries_words_and_not_measured(cpu_session, monkeypatch):
+    """The concurrency investigation on an engine whose library refuses the pattern (exllamav3's, on the GPU):
+    here the CPU engine is made to refuse, so the reporting runs in CI."""
+    from exlnb.experiments import concurrency
+
+    def refuse(specs):
+        raise SeparateGeneratorsRefused("the library refuses a generator per request: a newer one owns the cache")
+
+    engine = cpu_session.run_on_engine(lambda engine: engine)
+    monkeypatch.setattr(engine, "run_with_separate_generators", refuse)
+    result = concurrency.run(cpu_session, prompts=2, max_new_tokens=4, concurrency=(2,))
+
+    assert result.values["refused"] == {"generator per request": "the library refuses a generator per request: a newer one owns the cache"}
+    assert result.values["identical_to_solo"] == {"one generator": 2}
+    assert set(result.tables["runs"].pattern) == {"solo", "one generator"}
+    assert result.effects == []
+    assert any("did not run: the library refuses" in line for line in result.findings)
+    concurrency.plot(result)

@@ -294,6 +294,11 @@ class Tokenizer(Protocol):
         ...
 
 
+class SeparateGeneratorsRefused(RuntimeError):
+    """The library itself refuses field report 2's generator-per-request pattern (exllamav3 1.6.5: a generator
+    made over a cache takes it from the ones made before, which then raise instead of mixing outputs)."""
+
+
 class JobFailed(Exception):
     """Raised by `Engine.step()` when the engine can tell which jobs a failure belongs to.
 
@@ -379,6 +384,7 @@ class Engine(ABC):
         Each generator keeps its own page table and believes the whole cache is its own, so their jobs
         write keys and values over each other's. Runs the specs to the end that way and returns each one's
         generated token ids; the engine is as before afterwards. For the concurrency investigation only.
+        Raises `SeparateGeneratorsRefused` where the library itself stops the pattern.
         """
         self._refuse_while_busy("the generator-per-request run")
         try:

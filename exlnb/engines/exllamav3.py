@@ -17,6 +17,7 @@ from exlnb.engines.base import (
     JobFailed,
     JobSpec,
     SamplerSettings,
+    SeparateGeneratorsRefused,
     StreamEvent,
     wall_clock,
 )
@@ -42,13 +43,17 @@ VERIFIED_EXLLAMAV3 = "1.6.5"
 # (a sentence of SmolLM2's) after about three turns, the point where `--loop-guard` cancels on other engines.
 LOOP_DETECTOR = (64, 3)
 
+# exllamav3 1.6.5's error from a Generator after a newer one was made over its cache (`Generator.iterate`)
+SUPERSEDED = "no longer owns its Cache"
+
 
 class ExLlamaV3Engine(LibraryEngine):
     name = "exllamav3"
     page_size = PAGE_TOKENS  # exllamav3.constants.PAGE_SIZE is 256, like exllamav2's pages
     separate_generators_note = (
-        "The generator-per-request outputs come from real extra exllamav3 Generators over the engine's model and "
-        "cache, the reporter's pattern on the maintained library."
+        "The generator-per-request run makes real extra exllamav3 Generators over the engine's model and cache, "
+        "the reporter's pattern on the maintained library. exllamav3 1.6.5 gives the cache to the newest "
+        "Generator and makes the older ones raise, so the pattern fails loudly there instead of mixing outputs."
     )
 
     def __init__(self, options: EngineOptions, *, progress: bool = True) -> None:
@@ -73,9 +78,13 @@ class ExLlamaV3Engine(LibraryEngine):
             max_batch_size=options.max_batch_size,
             max_chunk_size=self.max_chunk_size,
         )
-        self.generator = self._new_generator(exl3.Tokenizer.from_config(config))
         self.max_seq_len = min(config.max_position_embeddings or cache_tokens, cache_tokens)
         self._start_tracking()
+        self._own_generator(exl3.Tokenizer.from_config(config))
+
+    def _own_generator(self, tokenizer) -> None:
+        """Make the engine's one generator, which owns the cache from then on (a fresh page table: nothing cached)."""
+        self.generator = self._new_generator(tokenizer)
         # exllamav3 defragments its page table when the queue drains (`on_queue_drained`), at most once per
         # 8 x pages of allocations
         self._count_defrags(self.generator.pagetable, "defrag")
@@ -201,14 +210,27 @@ class ExLlamaV3Engine(LibraryEngine):
 
     # -- field report 2's mistake, on purpose --------------------------------------------------------------
 
+    def run_with_separate_generators(self, specs):
+        try:
+            return super().run_with_separate_generators(specs)
+        except RuntimeError as error:
+            if SUPERSEDED not in str(error):
+                raise
+            raise SeparateGeneratorsRefused(f"exllamav3 {VERIFIED_EXLLAMAV3} refuses a generator per request: {error}") from None
+
     def _separate_generator(self, first_job_id: int) -> ExLlamaV3Engine:
         """The reporter's pattern on exllamav3: another Generator over the engine's model and cache. Its
         constructor builds a PageTable of its own over every page of the cache (exllamav3 1.6.5,
-        `PageTable(self, cache)`), so it hands out the same pages the engine's generator and the others use."""
+        `PageTable(self, cache)`) and takes the cache from every Generator made before it (`owner_serial`):
+        those raise at their next `iterate`."""
         return self._twin_over(self._new_generator(self.generator.tokenizer), first_job_id)
 
     def _forget_cache_contents(self) -> None:
-        self.generator.pagetable.reset_page_table()
+        """A new generator for the engine: separate generators took the cache from the old one, which exllamav3
+        no longer lets run, and wrote over the pages its page table remembers."""
+        retired = self.generator
+        self._own_generator(retired.tokenizer)
+        retired.close()
 
     def close(self) -> None:
         self._cancel_all()

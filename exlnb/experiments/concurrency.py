@@ -7,9 +7,10 @@ cache positions and read each other's.
 
 Both patterns run here on the loaded engine. The broken one is the engine's own
 `run_with_separate_generators`: on the ExLlamaV2 engine, extra `ExLlamaV2DynamicGenerator`s over the
-engine's model and cache (exactly the reporter's code); on the CPU engine, copies of the engine that share
-its model and KV storage but have their own page pool and scheduler. Each prompt's output is compared with
-its output when run alone (greedy).
+engine's model and cache (exactly the reporter's code); on the ExLlamaV3 engine, extra exllamav3 Generators,
+which the library refuses (the finding there); on the CPU engine, copies of the engine that share its model
+and KV storage but have their own page pool and scheduler. Each prompt's output is compared with its output
+when run alone (greedy).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pandas as pd
 import seaborn as sns
 
 from exlnb.analysis import mean_interval, rate_interval
-from exlnb.engines.base import JobSpec, SamplerSettings, wall_clock
+from exlnb.engines.base import JobSpec, SamplerSettings, SeparateGeneratorsRefused, wall_clock
 from exlnb.datasets import load_prompts
 from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.session import Session
@@ -49,6 +50,7 @@ def run(
     ]
     runs, outputs = [], []
     solo = []
+    refusal = None  # the library's own refusal of the generator-per-request pattern, where it has one
     for i, spec in enumerate(specs):
         start = wall_clock()
         solo.append(session.submit(spec).result().token_ids)
@@ -60,13 +62,17 @@ def run(
             streams = [session.submit(spec) for spec in batch]
             produced = [stream.result().token_ids for stream in streams]
         else:
-            produced = session.run_on_engine(lambda engine: engine.run_with_separate_generators(batch))
+            try:
+                produced = session.run_on_engine(lambda engine: engine.run_with_separate_generators(batch))
+            except SeparateGeneratorsRefused as refused:
+                refusal = str(refused)
+                continue
         runs.append(_run_row(pattern, level, produced, wall_clock() - start))
         outputs += [_compare(pattern, level, i, ids, solo, tokenizer) for i, ids in enumerate(produced)]
     tables = {"outputs": pd.DataFrame(outputs), "runs": pd.DataFrame(runs)}
     parameters = dict(prompts=prompts, max_new_tokens=max_new_tokens, concurrency=list(concurrency))
     pattern_source = session.run_on_engine(lambda engine: engine.separate_generators_note)
-    return _summarise(tables, parameters, environment(session), pattern_source)
+    return _summarise(tables, parameters, environment(session), pattern_source, refusal)
 
 
 def _run_row(pattern: str, level: int, produced: list[tuple[int, ...]], seconds: float) -> dict:
@@ -92,7 +98,9 @@ def _compare(pattern, level, index, ids, solo, tokenizer) -> dict:
     }
 
 
-def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict, pattern_source: str) -> ExperimentResult:
+def _summarise(
+    tables: dict[str, pd.DataFrame], parameters: dict, env: dict, pattern_source: str, refusal: str | None = None
+) -> ExperimentResult:
     outputs, runs = tables["outputs"], tables["runs"]
     top = max(parameters["concurrency"])
     at_top = {p: outputs[(outputs.pattern == p) & (outputs.concurrency == top)] for p in PATTERNS}
@@ -103,16 +111,20 @@ def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict, pat
          lambda g: mean_interval(g.similarity_to_own_solo, "fraction")),
     )
     broken, fixed = PATTERNS[1], PATTERNS[0]
-    effects = [Effect(name, measure(at_top[broken]), measure(at_top[fixed]), broken, fixed) for name, measure in measures]
+    effects = [] if refusal else [
+        Effect(name, measure(at_top[broken]), measure(at_top[fixed]), broken, fixed) for name, measure in measures
+    ]
+    measured = {p: g for p, g in at_top.items() if not (refusal and p == broken)}
     solo_rate = runs[runs.pattern == "solo"].tokens_per_s
     values = {
         "concurrent_requests": top,
-        "identical_to_solo": {p: int(g.identical_to_solo.sum()) for p, g in at_top.items()},
-        "outputs_closer_to_another_prompt": {p: int((g.closest_solo != g.prompt).sum()) for p, g in at_top.items()},
+        "identical_to_solo": {p: int(g.identical_to_solo.sum()) for p, g in measured.items()},
+        "outputs_closer_to_another_prompt": {p: int((g.closest_solo != g.prompt).sum()) for p, g in measured.items()},
         "solo_tokens_per_s": mean_interval(solo_rate, "tokens/s").as_dict(),
         "aggregate_tokens_per_s": {
-            p: {int(r.concurrency): float(r.tokens_per_s) for r in runs[runs.pattern == p].itertuples()} for p in PATTERNS
+            p: {int(r.concurrency): float(r.tokens_per_s) for r in runs[runs.pattern == p].itertuples()} for p in measured
         },
+        "refused": {broken: refusal} if refusal else {},
     }
     return ExperimentResult(
         name="concurrency",
@@ -133,6 +145,15 @@ def _findings(values: dict) -> list[str]:
     def rates(pattern: str) -> str:
         return ", ".join(f"{c} jobs {v:.1f} tokens/s" for c, v in throughput[pattern].items())
 
+    if refusal := values["refused"].get("generator per request"):
+        return [
+            f"With one generator, {same['one generator']} of {top} concurrent outputs equal their solo outputs token "
+            "for token.",
+            f"A generator per request did not run: {refusal}. Field report 2's mixing cannot happen on this engine; "
+            "the pattern fails with an error instead.",
+            f"Aggregate throughput, one generator: {rates('one generator')} (one job alone: "
+            f"{values['solo_tokens_per_s']['value']:.1f}).",
+        ]
     return [
         f"With one generator, {same['one generator']} of {top} concurrent outputs equal their solo outputs token for "
         f"token; with a generator per request, {same['generator per request']} of {top} do.",
