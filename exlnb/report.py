@@ -7,7 +7,8 @@ For each notebook, `reports/<name>/` gets the executed notebook, its HTML render
 CSVs of raw measurements and the PNG figure; `reports/summary.md` has one line per effect. The default
 engine is ExLlamaV2 where CUDA is available, the CPU engine otherwise. The notebooks' own defaults are
 small enough for CI on two CPU cores; `--preset full` and `--set` give larger runs. `--publish` copies
-the summaries, CSVs and figures to `data/results/gpu/` (ExLlamaV2 engine) or `data/results/cpu/`.
+the summaries, CSVs and figures to `data/results/gpu/` (ExLlamaV2 engine), `data/results/exllamav3/` or
+`data/results/cpu/`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from exlnb.experiments.notebooks import NOTEBOOKS, check_parameters
 REPOSITORY = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = REPOSITORY / "notebooks"
 RESULTS_DIR = REPOSITORY / "data" / "results"
+PUBLISHED_UNDER = {"exllamav2": "gpu", "exllamav3": "exllamav3", "cpu": "cpu"}  # data/results/<this>/ per engine
 
 # Larger runs for a GPU (or a patient CPU): more requests, longer outputs, tighter intervals. Sized so
 # that all six finish in about ten minutes on an H100 with the bundled model.
@@ -90,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--set", action="append", default=[], metavar="NAME.PARAMETER=VALUE",
                         help="override one notebook parameter, e.g. --set latency.requests=24 (a Python literal)")
     parser.add_argument("--publish", nargs="?", const="auto", metavar="DIR",
-                        help="copy summaries, CSVs and figures to DIR (default: data/results/gpu or data/results/cpu)")
+                        help="copy summaries, CSVs and figures to DIR (default: data/results/gpu, exllamav3 or cpu, by engine)")
     return parser
 
 
@@ -200,13 +202,13 @@ def _environment_line(env: dict) -> str:
 
 
 def publish(runs: list[NotebookRun], out: Path, target: Path | None) -> Path:
-    """Copy each notebook's summary, CSVs and figure to `target` (default: data/results/<gpu|cpu>/)."""
+    """Copy each notebook's summary, CSVs and figure to `target` (default: the engine's folder under data/results/)."""
     done = [run for run in runs if run.summary]
     if target is None:
         engines = {run.summary["environment"]["engine"] for run in done}
         if len(engines) != 1:
-            raise SystemExit(f"--publish needs results from one engine to choose data/results/<gpu|cpu>; got {engines}")
-        target = RESULTS_DIR / ("gpu" if engines.pop() == "exllamav2" else "cpu")
+            raise SystemExit(f"--publish needs results from one engine to choose its folder under data/results/; got {engines}")
+        target = RESULTS_DIR / PUBLISHED_UNDER[engines.pop()]
     target.mkdir(parents=True, exist_ok=True)
     for run in done:
         for path in sorted((out / run.name).iterdir()):

@@ -58,18 +58,26 @@ CASES = [
 ]
 
 
-def test_a_hundred_constrained_samples_all_parse_under_their_constraint(idle_session, tmp_path, monkeypatch):
+# what exllamav3 1.6.5 has no sampler for (exllamav3_sampler.py), refused by name before any job starts
+EXLLAMAV3_LACKS = ("mirostat", "typical", "min_temp")
+
+
+def test_a_hundred_constrained_samples_all_parse_under_their_constraint(engine_name, idle_session, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "review.json").write_text(json.dumps(REVIEW))
-    generations = [
-        (constraint, start(prompt, **constraint, n=n, seed=10 * i, max_new_tokens=64, **sampler))
-        for i, (prompt, constraint, n, sampler) in enumerate(CASES)
-    ]
+    generations, samples = [], 0
+    for i, (prompt, constraint, n, sampler) in enumerate(CASES):
+        if engine_name == "exllamav3" and any(name in sampler for name in EXLLAMAV3_LACKS):
+            with pytest.raises(ValueError, match="^the exllamav3 engine has no "):
+                start(prompt, **constraint, n=n, seed=10 * i, max_new_tokens=64, **sampler)
+            continue
+        generations.append((constraint, start(prompt, **constraint, n=n, seed=10 * i, max_new_tokens=64, **sampler)))
+        samples += n
     parsed = 0
     for constraint, generation in generations:
         results = generation.wait(300)
         for result in results:
-            assert result.eos_reason in (EosReason.END_FILTER, EosReason.STOP_TOKEN), result
+            assert result.eos_reason in (EosReason.END_FILTER, EosReason.STOP_TOKEN), (result, generation.errors()[:2])
             value = result.parsed
             if "regex" in constraint:
                 assert isinstance(value, re.Match) and value.group(0) == result.text
@@ -82,7 +90,7 @@ def test_a_hundred_constrained_samples_all_parse_under_their_constraint(idle_ses
                 assert value == json.loads(result.text)
             parsed += 1
         assert len({r.text for r in results}) > 1  # seeded sampling, not one greedy answer n times
-    assert parsed == 100
+    assert parsed == samples == (100 if engine_name != "exllamav3" else 63)
     assert idle_session.jobs() == [] and idle_session.cache_view().free_pages == idle_session.cache_view().total_pages
 
 

@@ -44,10 +44,14 @@ def test_the_gpu_summary_compares_each_quantized_model_with_fp16(tmp_path):
         [{"condition": c, "format": f, "bits": b, "repeat": r, "decode_tokens_per_s": 100.0 * (2 if f != "fp16" else 1) + r}
          for c, f, b, _ in labels for r in range(3)]
     )
-    result = quantization._summarise({"conditions": conditions, "answers": answers, "decode": decode}, {}, {})
+    failed = pd.DataFrame([{"condition": "EXL3 3 bpw", "format": "exl3", "bits": 3.0, "error": "RuntimeError: no kernel"}])
+    tables = {"conditions": conditions, "answers": answers, "decode": decode, "failed": failed}
+    result = quantization._summarise(tables, {}, {})
 
     speed = next(e for e in result.effects if e.name == "decode tokens/s, EXL3 4 bpw")
     assert speed.symptom_label == "fp16" and speed.ratio.value == pytest.approx(101 / 201)
     assert result.findings[0].startswith("fp16 (exllamav2 engine): perplexity 11.00, accuracy 50%")
     assert "EXL3 (exllamav3 engine): 4 bpw: agreement 50%" in result.findings[2]
+    assert result.findings[-1] == "EXL3 3 bpw: not measured, it failed: RuntimeError: no kernel"
+    assert result.values["failed"] == [{"condition": "EXL3 3 bpw", "format": "exl3", "bits": 3.0, "error": "RuntimeError: no kernel"}]
     assert quantization.plot(result) is not None

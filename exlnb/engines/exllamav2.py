@@ -15,7 +15,16 @@ import torch
 
 from exlnb.engines.options import EngineOptions
 from exlnb.engines import vocab
-from exlnb.engines.base import CacheView, EngineStatus, JobSpec, PromptPass, SamplerSettings, StreamEvent, wall_clock
+from exlnb.engines.base import (
+    CacheView,
+    EngineStatus,
+    JobFailed,
+    JobSpec,
+    PromptPass,
+    SamplerSettings,
+    StreamEvent,
+    wall_clock,
+)
 from exlnb.engines.grammar import GrammarMatcher
 from exlnb.engines.library_engine import LibraryEngine, import_library, job_arguments, max_new_tokens_within, page_view
 from exlnb.engines.paged_attention import VERIFIED_EXLLAMAV2
@@ -204,7 +213,22 @@ class ExLlamaV2Engine(LibraryEngine):
     def step(self) -> list[StreamEvent]:
         results = self.generator.iterate()
         self.synchronize()  # field report 5: read the clock only after the GPU has done the work
-        return self._events(results, wall_clock())
+        events = self._events(results, wall_clock())
+        if failures := self._filter_failures():  # a constraint's error belongs to its job alone
+            for job_id in failures:
+                self.cancel(job_id)
+            others = [event for event in events if event.job_id not in failures]
+            raise JobFailed(list(failures), next(iter(failures.values())), others)
+        return events
+
+    def _filter_failures(self) -> dict[int, Exception]:
+        """The jobs whose constraint filter kept an error during the step (exllamav2_filter.py)."""
+        return {
+            job_id: f.error
+            for job_id, tracked in self._jobs.items()
+            for f in (tracked.job.filters or ())
+            if getattr(f, "error", None) is not None
+        }
 
     def _events(self, results: list[dict], now: float) -> list[StreamEvent]:
         """The events of one `iterate()`'s results, read at `now`."""

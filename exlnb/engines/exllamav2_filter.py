@@ -4,6 +4,10 @@ exllamav2 0.3.2 has no llguidance filter of its own (formatron and lm-format-enf
 is ours. `next()` returns the tokens that may come next and the tokens that end the filter; the job's stop
 tokens are allowed only where the grammar may end, so they end the answer there ("stop_token"). Imported by
 the ExLlamaV2 engine only, where exllamav2 is importable.
+
+exllamav2 calls the filter inside `iterate()`, where an exception ends every job of the batch. So an error
+(the grammar refusing a token it was fed) is kept in `error` instead, the filter stops constraining, and the
+engine fails this filter's job alone after the step.
 """
 
 from __future__ import annotations
@@ -17,15 +21,25 @@ class GrammarFilter(ExLlamaV2Filter):
     def __init__(self, model, tokenizer, matcher: GrammarMatcher) -> None:
         super().__init__(model, tokenizer)
         self.matcher = matcher
+        self.error: Exception | None = None
 
     def begin(self, prefix_str: str) -> None:
         self.matcher.reset()
 
     def feed(self, token) -> None:
-        self.matcher.consume(int(token))  # exllamav2 feeds a (1, 1) tensor
+        if self.error is None:
+            try:
+                self.matcher.consume(int(token))  # exllamav2 feeds a (1, 1) tensor
+            except Exception as error:  # noqa: BLE001 - kept for the engine, which fails this job alone
+                self.error = error
 
-    def next(self) -> tuple[set[int], set[int]]:
-        return self.matcher.allowed_ids(), set()
+    def next(self) -> tuple[set[int] | None, set[int]]:
+        if self.error is None:
+            try:
+                return self.matcher.allowed_ids(), set()
+            except Exception as error:  # noqa: BLE001 - as in feed
+                self.error = error
+        return None, set()  # None: no restriction for the one step left before the engine removes the job
 
     def use_background_worker(self) -> bool:
         return True  # computing the mask overlaps the forward pass, as exllamav2 advises for grammars

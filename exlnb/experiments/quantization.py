@@ -26,9 +26,10 @@ from exlnb.experiments.prompt_format import is_correct
 from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.models import BUNDLED_MODEL, resolve_model
 from exlnb.quantize import quantize
-from exlnb.session import Session
+from exlnb.session import Session, one_line
 
 CONDITION_COLUMNS = ["condition", "format", "bits", "engine", "perplexity", "weights_gib", "device_memory_gib"]
+FAILED_COLUMNS = ["condition", "format", "bits", "error"]
 NEEDS_CUDA = "Quantizing and both quantized formats need CUDA: on this machine the notebook measured nothing."
 
 
@@ -65,18 +66,28 @@ def run(
     measure = dict(table=table, max_new_tokens=max_new_tokens, perplexity_tokens=perplexity_tokens,
                    decode_tokens=decode_tokens, repeats=repeats)
     reference = _measure(session, Condition("fp16", 16.0), resolve_model(model), reference=None, **measure)
-    measured = [reference]
+    measured, failed = [reference], []
     for fmt in formats:
         for width in bits:
-            folder = quantize(model, format=fmt, bits=width, progress=False)
-            quantized = Session()
-            quantized.load(str(folder), cache_tokens=session.status().cache_tokens, progress=False)
-            try:
-                measured.append(_measure(quantized, Condition(fmt, width), folder, reference=reference, **measure))
-            finally:
-                quantized.unload()
+            condition = Condition(fmt, width)
+            try:  # a quantization its converter or engine cannot make or run is a finding, not the end of the run
+                measured.append(_measure_quantized(session, model, condition, reference, measure))
+            except Exception as error:  # noqa: BLE001 - reported in the results, with the library's words
+                failed.append({"condition": condition.label, "format": fmt, "bits": width, "error": one_line(error)})
     tables = {name: pd.concat([m[name] for m in measured], ignore_index=True) for name in ("conditions", "answers", "decode")}
+    tables["failed"] = pd.DataFrame(failed, columns=FAILED_COLUMNS)
     return _summarise(tables, parameters, env)
+
+
+def _measure_quantized(session: Session, model: str, condition: Condition, reference: dict, measure: dict) -> dict:
+    """The quantized model (made by `quantize`, cached) in a session of its own, loaded by `engine="auto"`."""
+    folder = quantize(model, format=condition.format, bits=condition.bits, progress=False)
+    quantized = Session()
+    quantized.load(str(folder), cache_tokens=session.status().cache_tokens, progress=False)
+    try:
+        return _measure(quantized, condition, folder, reference=reference, **measure)
+    finally:
+        quantized.unload()
 
 
 def _measure(session: Session, condition: Condition, folder: Path, *, reference: dict | None, table: pd.DataFrame,
@@ -152,10 +163,11 @@ def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict) -> 
     )
     values = {"by_condition": summary.reset_index().to_dict(orient="records"),
               "agreement": {c: mean_interval(g.agreement, "fraction").as_dict() for c, g in answers.groupby("condition")}}
-    return ExperimentResult("quantization", (), tables, effects, parameters, env, _findings(summary), values)
+    values["failed"] = tables["failed"].to_dict(orient="records")
+    return ExperimentResult("quantization", (), tables, effects, parameters, env, _findings(summary, tables["failed"]), values)
 
 
-def _findings(summary: pd.DataFrame) -> list[str]:
+def _findings(summary: pd.DataFrame, failed: pd.DataFrame) -> list[str]:
     fp16 = summary.loc["fp16"]
     lines = [f"fp16 ({fp16.engine} engine): perplexity {fp16.perplexity:.2f}, accuracy {fp16.accuracy:.0%}, "
              f"decode {fp16.decode_tokens_per_s:.0f} tokens/s, {fp16.weights_gib:.2f} GiB of weights."]
@@ -166,6 +178,7 @@ def _findings(summary: pd.DataFrame) -> list[str]:
             for row in rows.sort_values("bits").itertuples()
         )
         lines.append(f"{fmt.upper()} ({rows.engine.iloc[0]} engine): {points}.")
+    lines += [f"{row.condition}: not measured, it failed: {row.error}" for row in failed.itertuples()]
     return lines
 
 
