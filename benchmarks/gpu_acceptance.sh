@@ -20,6 +20,8 @@
 # EXLNB_GPU_REPORT_ARGS passes more arguments to each (e.g. "--preset full" or "--only latency streaming").
 # EXLNB_GPU_GRAPH_PROBE=1 runs issue 17's CUDA-graph probe (`python -m benchmarks.graph_probe`, on the bundled
 # and then the 7B-shaped model) alone, right after the tests, into graph-probe-*.json and graph-probe-*.log.
+# EXLNB_GPU_EXL3_PROBE=1 runs `python -m benchmarks.exl3_probe` after that (which EXL3 bundle exllamav3's kernels
+# cannot run on the bundled model; the EXL3 quantization the tests made is reused), into exl3-probe-*.json/.log.
 # These variables are read by `all`, so set them on the `model` call that starts it.
 #
 # The bundled GGUF travels xz-compressed in parts (`xz -6`, then `split`). Everything runs from a snapshot of
@@ -138,6 +140,11 @@ all)
     log "converted (exit $?)"
     chain_exllamav2 & chain_exllamav3 & wait
     [ "${EXLNB_GPU_GRAPH_PROBE:-0}" = 1 ] && graph_probe
+    if [ "${EXLNB_GPU_EXL3_PROBE:-0}" = 1 ]; then
+        log "start the EXL3 kernel probe"
+        (cd "$REPO" && timeout 300 python3 -m benchmarks.exl3_probe --out "$OUTDIR" > "$OUTDIR/exl3-probe.log" 2>&1)
+        log "end the EXL3 kernel probe (exit $?)"
+    fi
     if [ "${EXLNB_GPU_BENCHMARKS:-1}" = 1 ]; then
         log "start benchmarks"
         (cd "$REPO" && timeout 900 python3 -m benchmarks --out "$OUTDIR" > "$OUTDIR/benchmarks.log" 2>&1)

@@ -181,13 +181,16 @@ def _check_replay(attempt: Attempt, graph, output: torch.Tensor, past_len: int) 
     expected = attempt.run(past_len).clone()
     graph.replay()
     torch.cuda.synchronize()
-    diff, scale = _max_abs(output, expected), _max_abs(expected, torch.zeros_like(expected))
+    # a copy: modules add their residual into their input in place, so `output` may be the very buffer the
+    # eager call below writes into (the first run of this probe compared that buffer with itself)
+    replayed = output.clone()
+    diff, scale = _max_abs(replayed, expected), _max_abs(expected, torch.zeros_like(expected))
     next_position = attempt.run(past_len + 1).clone()  # eager one token later, on the same input
     return {
         "replay_max_abs_diff": _finite(diff),
         "replay_matches_eager": bool(diff <= REPLAY_TOLERANCE * max(scale, 1e-6)),
         "eager_output_moved_with_input_by": _finite(_max_abs(expected, captured_input_output)),
-        "replay_vs_eager_at_past_len_plus_1_max_abs_diff": _finite(_max_abs(output, next_position)),
+        "replay_vs_eager_at_past_len_plus_1_max_abs_diff": _finite(_max_abs(replayed, next_position)),
         "eager_ms": _timed(lambda: attempt.run(past_len)),
         "replay_ms": _timed(graph.replay),
     }

@@ -106,7 +106,9 @@ def _cell(row: Row, run: dict) -> str:
 
 
 def markdown(runs: list[dict]) -> str:
-    heads = [f"{r['engine'].split(' |')[0]}, {r['environment']['device']}, {r['environment']['date'][:10]}" for r in runs]
+    days = [r["environment"]["date"][:10] for r in runs]
+    when = [r["environment"]["date"][:16].replace("T", " ") + " UTC" if days.count(day) > 1 else day for r, day in zip(runs, days)]
+    heads = [f"{r['engine'].split(' |')[0]}, {r['environment']['device']}, {w}" for r, w in zip(runs, when)]
     lines = ["| ratio (same machine, same run) | " + " | ".join(heads) + " | target GPU | target CPU |",
              "|---" * (len(runs) + 3) + "|"]
     for row in RATIOS:

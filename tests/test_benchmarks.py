@@ -52,12 +52,13 @@ def test_performance_table_reads_every_full_run_ratios_first(tmp_path):
         assert run["file"] in table
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the probe runs instead of refusing")
-def test_the_graph_probe_refuses_in_one_line_without_cuda_and_writes_nothing(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "benchmarks.graph_probe", "--out", str(tmp_path / "out")],
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the probes run instead of refusing")
+@pytest.mark.parametrize(("probe", "says"), [("graph_probe", "needs a CUDA GPU and exllamav2"), ("exl3_probe", "needs a CUDA GPU")])
+def test_the_gpu_probes_refuse_in_one_line_without_cuda_and_write_nothing(tmp_path, probe, says):
+    done = subprocess.run([sys.executable, "-m", f"benchmarks.{probe}", "--out", str(tmp_path / "out")],
                           capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
-    assert "needs a CUDA GPU and exllamav2" in done.stderr
+    assert says in done.stderr
     assert done.stdout == ""
     assert not (tmp_path / "out").exists()

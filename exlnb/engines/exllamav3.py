@@ -81,6 +81,26 @@ class ExLlamaV3Engine(LibraryEngine):
         self.max_seq_len = min(config.max_position_embeddings or cache_tokens, cache_tokens)
         self._start_tracking()
         self._own_generator(exl3.Tokenizer.from_config(config))
+        self._check_it_runs()
+
+    def _check_it_runs(self) -> None:
+        """One tiny greedy job before the load counts as done: exllamav3 loads weights its kernels cannot run
+        (the bundled model's EXL3 quantization: "exl3_mgemm autotune: no compatible kernel shapes" on the first
+        step), and a load that fails says so in one line, where a first job failing later would not. It also
+        runs the kernels' autotuning, which the user's first job would otherwise wait for."""
+        from exllamav3 import Job
+
+        probe = Job(input_ids=torch.tensor([[self.tokenizer.encode("Hi")[0]] * 2]), max_new_tokens=2,
+                    sampler=build_sampler(SamplerSettings.greedy(), self.tokenizer, self.vocab_size))
+        try:
+            self.generator.enqueue(probe)
+            while self.generator.num_remaining_jobs():
+                self.generator.iterate()
+        except Exception as error:
+            self.close()
+            raise ValueError(f"exllamav3 {VERIFIED_EXLLAMAV3} loads {self.options.model_dir.name} but cannot run it: "
+                             f"{type(error).__name__}: {error}") from error
+        self.generator.pagetable.reset_page_table()  # the cache inspector starts from an empty cache
 
     def _own_generator(self, tokenizer) -> None:
         """Make the engine's one generator, which owns the cache from then on (a fresh page table: nothing cached)."""

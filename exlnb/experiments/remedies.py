@@ -133,11 +133,13 @@ def findings(outputs: pd.DataFrame, comparisons: dict[str, dict[str, Estimate]],
         )
     detector = outputs[outputs.remedy == LOOP_DETECTOR.name]
     if LOOP_DETECTOR.name in comparisons:
-        ended = detector[detector.ended_by_detector]
+        ended, window = detector[detector.ended_by_detector], LOOP_DETECTOR.stop_on_loop[0]
         lines.append(
             f"The loop detector ended {len(ended)} of {len(detector)} jobs ({_pct(comparisons[LOOP_DETECTOR.name]['ended_by_detector'])}); "
             f"it does not pull a job out of its loop, it stops it, saving {int(ended.tokens_saved.sum())} of the "
-            f"{len(ended) * max_new_tokens} tokens those jobs would have run to max_new_tokens."
+            f"{len(ended) * max_new_tokens} tokens those jobs would have run to max_new_tokens. It fires once its "
+            f"{window}-token window holds nothing but the loop: at max_new_tokens={max_new_tokens}, only a loop that "
+            f"starts within the first {max(max_new_tokens - window, 0)} tokens can be ended."
         )
     return lines
 
