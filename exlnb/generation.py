@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from exlnb.analysis import Loop, find_tail_loop
 from exlnb.chat import Chat, get_chat
-from exlnb.engines.base import EosReason, JobSpec, Stage, StreamEvent, Tokenizer, wall_clock
+from exlnb.engines.base import LOOP_DETECTOR, EosReason, JobSpec, Stage, StreamEvent, Tokenizer, wall_clock
 from exlnb.request import GenerationRequest
 from exlnb.session import Session, get_session
 from exlnb.streaming import Delivered, GenerationResult, JobError, JobStream
@@ -71,7 +71,7 @@ class Generation:
         self.prompt_findings = prompt.findings  # template mistakes in the prompt as the model gets it
         self.samples = [Sample(i, s) for i, s in enumerate(streams)]
         self.chat = prompt.chat
-        self.loop_guard = request.loop_guard
+        self.loop_guard = request.loop_guard and not prompt.loop_guard_by_engine  # exlnb's own check, else none
         self._events = events
         self._listeners: list[Listener] = []
         self._followers: list[queue.Queue] = []  # follow()'s inboxes, told when the last sample ends
@@ -210,6 +210,7 @@ class PreparedPrompt:
     ids: list[int]
     findings: list[LintFinding]
     chat: Chat | None
+    loop_guard_by_engine: bool = False  # the jobs carry the engine's own loop detector (`--loop-guard`)
 
 
 _owned: dict[Hashable, Generation] = {}
@@ -272,7 +273,9 @@ def _prepare(request: GenerationRequest, session: Session, owner: Hashable | Non
     text = (conv.prompt(request.prompt, request.template, tokenizer) if conv
             else render(request.template, conversation(request.prompt, request.system), tokenizer))
     ids = tokenizer.encode(text, special=True)
-    prompt = PreparedPrompt(text, ids, lint_rendered(ids, request.template, tokenizer), conv)
+    # a class attribute, read without the engine's thread: it never changes
+    by_engine = request.loop_guard and session.engine.loop_guard_by_engine
+    prompt = PreparedPrompt(text, ids, lint_rendered(ids, request.template, tokenizer), conv, by_engine)
     stops = [_stop_as_id(s, tokenizer) for s in request.stop]
     specs = [
         session.job_spec(
@@ -280,7 +283,7 @@ def _prepare(request: GenerationRequest, session: Session, owner: Hashable | Non
             seed=None if request.seed is None else request.seed + i,
             identifier=f"sample {i}" if request.n > 1 else None,
             min_new_tokens=request.min_new_tokens, banned_strings=request.banned_strings, top_tokens=request.tokens,
-            json_schema=request.json_schema, regex=request.regex,
+            json_schema=request.json_schema, regex=request.regex, stop_on_loop=LOOP_DETECTOR if by_engine else None,
         )
         for i in range(request.n)
     ]

@@ -29,7 +29,7 @@ REQUEST_HELP = {
     "min_new_tokens": "no end of sequence before this many tokens",
     "banned_strings": "text that must never appear (case-insensitive), repeatable; the engine backtracks",
     "seed": "sample i uses seed + i",
-    "loop_guard": "cancel a sample caught in a repetition loop",
+    "loop_guard": "end a sample caught in a repetition loop (ExLlamaV3: its own loop detector)",
     "tokens": "show the answer as tokens coloured by probability, with N alternatives on hover (0: off)",
     "show_whitespace": "in the token view, draw spaces, tabs and newlines as marks (· → ↵)",
     "token_colour": "shade the token view by probability, or by latency (time since the previous token)",

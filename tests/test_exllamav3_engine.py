@@ -14,7 +14,7 @@ from benchmarks.paged_acceptance import QUESTIONS, answers_alone, answers_togeth
 from exlnb import EosReason, SamplerSettings, get_session
 from exlnb.models import resolve_model
 from exlnb.session import LoadFailed, Session
-from exlnb.engines.exllamav3 import LOOP_DETECTOR
+from exlnb.engines.base import LOOP_DETECTOR
 from tests.conftest import chatml, skip_without_library
 from tests.test_session import max_overlap
 
@@ -66,6 +66,18 @@ def test_the_loop_detector_ends_a_looping_job(exl3_session):
         pytest.skip(f"the prompt did not loop on this engine ({plain.eos_reason.value} after {plain.new_tokens} tokens)")
     assert guarded.eos_reason is EosReason.LOOP_DETECTED
     assert guarded.new_tokens < plain.new_tokens
+    assert plain.token_ids[: guarded.new_tokens] == guarded.token_ids
+
+
+def test_loop_guard_is_exllamav3s_own_loop_detector_there(exl3_session):
+    from exlnb.generation import start
+
+    plain = start(LOOPING, temperature=0, max_new_tokens=400).wait(120)[0]
+    guarded = start(LOOPING, temperature=0, max_new_tokens=400, loop_guard=True).wait(120)[0]
+
+    if plain.eos_reason is not EosReason.MAX_NEW_TOKENS:
+        pytest.skip(f"the prompt did not loop on this engine ({plain.eos_reason.value} after {plain.new_tokens} tokens)")
+    assert guarded.eos_reason is EosReason.LOOP_DETECTED  # ended by the engine, not cancelled by exlnb's check
     assert plain.token_ids[: guarded.new_tokens] == guarded.token_ids
 
 

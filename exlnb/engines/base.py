@@ -52,6 +52,12 @@ class EosReason(str, enum.Enum):
     FAILED = "failed"  # ended by an error (an engine failure, the model unloaded); the stream raised it
 
 
+# stop_on_loop=(window, min_reps): exllamav3's LoopDetector ends a job once the last `window` sampled tokens are
+# one exact cycle of at most window // min_reps tokens repeated. (64, 3) catches a cycle of up to 21 tokens
+# (a sentence of SmolLM2's) after about three turns, the point where `--loop-guard` cancels on other engines.
+LOOP_DETECTOR = (64, 3)
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """What a caller asks an engine to do; engines turn it into their own job objects."""
@@ -337,6 +343,9 @@ class Engine(ABC):
     max_seq_len: int
     # how this engine builds field report 2's generator-per-request pattern, in a sentence for a reader
     separate_generators_note: str = ""
+    # True where `--loop-guard` is the engine's own loop detector (a job with `stop_on_loop=LOOP_DETECTOR`, ended
+    # with eos reason "loop_detected"); elsewhere exlnb's n-gram check cancels the sample (generation.py)
+    loop_guard_by_engine: bool = False
     # field report 5's prompt passes this engine can lend (`lend_prompt_pass`): name -> what it runs
     prompt_passes: Mapping[str, str] = MappingProxyType({})
 

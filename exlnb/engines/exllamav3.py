@@ -38,10 +38,6 @@ MAX_CHUNK_TOKENS = 2048  # exllamav3's own default prefill chunk
 
 VERIFIED_EXLLAMAV3 = "1.6.5"
 
-# stop_on_loop=(window, min_reps): exllamav3's LoopDetector ends a job once the last `window` sampled tokens are
-# one exact cycle of at most window // min_reps tokens repeated. (64, 3) catches a cycle of up to 21 tokens
-# (a sentence of SmolLM2's) after about three turns, the point where `--loop-guard` cancels on other engines.
-LOOP_DETECTOR = (64, 3)
 
 # exllamav3 1.6.5's error from a Generator after a newer one was made over its cache (`Generator.iterate`)
 SUPERSEDED = "no longer owns its Cache"
@@ -50,6 +46,7 @@ SUPERSEDED = "no longer owns its Cache"
 class ExLlamaV3Engine(LibraryEngine):
     name = "exllamav3"
     page_size = PAGE_TOKENS  # exllamav3.constants.PAGE_SIZE is 256, like exllamav2's pages
+    loop_guard_by_engine = True  # exllamav3's LoopDetector serves --loop-guard
     separate_generators_note = (
         "The generator-per-request run makes real extra exllamav3 Generators over the engine's model and cache, "
         "the reporter's pattern on the maintained library. exllamav3 1.6.5 gives the cache to the newest "

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from exlnb.analysis import Estimate, mean_interval, paired_difference, rate_interval
-from exlnb.engines.base import EosReason
+from exlnb.engines.base import LOOP_DETECTOR as DETECTOR_SETTINGS, EosReason
 from exlnb.engines.sampling import SamplerSettings
 from exlnb.experiments.record import Effect
 
@@ -43,8 +43,9 @@ class Remedy:
 NO_PENALTY = Remedy("no penalty", source="the baseline every remedy is paired with")
 LOOP_DETECTOR = Remedy(
     "loop detector",
-    stop_on_loop=(64, 3),
-    source="ExLlamaV3's stop_on_loop: ends a job once its last 64 tokens repeat with a period of at most 64 // 3",
+    stop_on_loop=DETECTOR_SETTINGS,
+    source=f"ExLlamaV3's stop_on_loop: ends a job once its last {DETECTOR_SETTINGS[0]} tokens repeat with a "
+    f"period of at most {DETECTOR_SETTINGS[0]} // {DETECTOR_SETTINGS[1]}",
 )
 REMEDIES = (
     NO_PENALTY,
