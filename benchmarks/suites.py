@@ -14,7 +14,7 @@ from benchmarks import decode
 from benchmarks.harness import clock, summarise
 from benchmarks.profile_decode import profile_steps
 from exlnb.models import resolve_model
-from exlnb.session import Session
+from exlnb.session import Session, one_line
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,8 @@ def peer(session: Session, plan: Plan) -> dict:
     if exllamav3 is not None:
         exllamav3.model.unload()
         del exllamav3
+    v3_engine = (_or_its_error(lambda: _exllamav3_engine_throughput(model_dir, plan))
+                 if decode.exllamav3_peer_available(session) else None)
     profile = profile_steps(session, tokens=max(plan.new_tokens // 4, 2))
     out = {f"{key}_tokens_per_s": summarise(values) for key, values in rows.items()}
     out |= {
@@ -148,6 +150,8 @@ def peer(session: Session, plan: Plan) -> dict:
         "hf_dtype": "float16" if torch.cuda.is_available() else "float32",
         "engine_profile": profile,
     }
+    if v3_engine is not None:
+        out["exllamav3_engine"] = v3_engine
     for peer_name in ("hf", "exllamav3"):
         for kind in ("decode", "prefill"):
             if f"{peer_name}_{kind}" in rows:
@@ -155,6 +159,29 @@ def peer(session: Session, plan: Plan) -> dict:
                     out[f"engine_{kind}_tokens_per_s"]["median"] / out[f"{peer_name}_{kind}_tokens_per_s"]["median"]
                 )
     return out
+
+
+def _or_its_error(measure) -> dict:
+    """A peer's measurement, or why it failed: a peer that cannot run must not cost the run its own numbers."""
+    try:
+        return measure()
+    except Exception as error:  # noqa: BLE001 - recorded in the results
+        return {"error": one_line(error)}
+
+
+def _exllamav3_engine_throughput(model_dir, plan: Plan) -> dict:
+    """The ExLlamaV3 engine on the same model in the same run: aggregate new tokens/s of 1 and 8 jobs submitted
+    together, as `concurrency` measures the run's own engine."""
+    v3 = Session()
+    status = v3.load(str(model_dir), engine="exllamav3", progress=False)
+    try:
+        decode.aggregate_throughput(v3, 1, plan.concurrency_new_tokens, seed=999)  # warm-up
+        rows = {n: summarise([decode.aggregate_throughput(v3, n, plan.concurrency_new_tokens, seed=run)
+                              for run in range(plan.repeats)]) for n in (1, 8)}
+    finally:
+        v3.unload()
+    return {"status": status.line(), "aggregate_tokens_per_s": {str(n): row for n, row in rows.items()},
+            "ratio_8_over_1": rows[8]["median"] / rows[1]["median"]}
 
 
 def context(session: Session, plan: Plan) -> dict:
@@ -190,18 +217,27 @@ def concurrency(session: Session, plan: Plan) -> dict:
 
 def hardware(plan: Plan) -> dict:
     """A 7B-shaped model decoded at batch 1 by the ExLlamaV2 engine, against weights / copy bandwidth: as the
-    engine loads by default (paged where it can be) and unpaged (exllamav2's own attention, one job at a time)."""
+    engine loads by default (paged where it can be) and unpaged (exllamav2's own attention, one job at a time);
+    and by the ExLlamaV3 engine where exllamav3 is installed, on the same weights."""
+    import importlib.util
+
     from benchmarks.hardware import copy_bandwidth
     from exlnb.random_model import seven_b_shaped
 
     bandwidth = copy_bandwidth()
     start = time.perf_counter()
+    v3 = None
     with seven_b_shaped() as (folder, weight_bytes):
         written_s = time.perf_counter() - start
         default, profile = _decode_7b(str(folder), "auto", plan, profile=True)
         unpaged, _ = _decode_7b(str(folder), False, plan, profile=False)
+        if importlib.util.find_spec("exllamav3") is not None:
+            v3 = _or_its_error(lambda: _decode_7b(str(folder), "auto", plan, profile=False, engine="exllamav3")[0])
     floor_ms = 1000 * weight_bytes / bandwidth
-    return {
+    if v3 is not None and "error" not in v3:
+        v3["ratio_over_floor"] = v3["ms_per_token"]["median"] / floor_ms
+    extra = {} if v3 is None else {"exllamav3_engine": v3}
+    return extra | {
         "copy_bandwidth_bytes_per_s": bandwidth,
         "weight_bytes_read_per_token": weight_bytes,
         "weights_folder": str(folder.parent),
@@ -217,9 +253,11 @@ def hardware(plan: Plan) -> dict:
     }
 
 
-def _decode_7b(folder: str, paged: str | bool, plan: Plan, *, profile: bool) -> tuple[dict, dict | None]:
+def _decode_7b(
+    folder: str, paged: str | bool, plan: Plan, *, profile: bool, engine: str = "exllamav2"
+) -> tuple[dict, dict | None]:
     session = Session()
-    status = session.load(folder, engine="exllamav2", cache_tokens=2048, paged=paged, progress=False)
+    status = session.load(folder, engine=engine, cache_tokens=2048, paged=paged, progress=False)
     try:
         runs = [decode.raw_decode(session, decode.random_prompt(32, run), plan.new_tokens)
                 for run in range(plan.warmup + plan.repeats)]

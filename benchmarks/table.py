@@ -48,10 +48,14 @@ RATIOS = [
     Row("engine / transformers, prefill tokens/s", lambda b: b["peer"]["ratio_prefill_engine_over_hf"]),
     Row("engine / exllamav3's own generator, decode tokens/s", lambda b: b["peer"]["ratio_decode_engine_over_exllamav3"]),
     Row("engine / exllamav3's own generator, prefill tokens/s", lambda b: b["peer"]["ratio_prefill_engine_over_exllamav3"]),
+    Row("aggregate tokens/s at 8 jobs, engine / ExLlamaV3 engine", lambda b: (
+        b["concurrency"]["aggregate_tokens_per_s"]["8"]["median"]
+        / b["peer"]["exllamav3_engine"]["aggregate_tokens_per_s"]["8"]["median"])),
     Row("7B-shaped decode / weights-over-bandwidth floor", lambda b: b["hardware"]["ratio_over_floor"],
         gpu=Target("<=", 1.5)),
     Row("7B-shaped decode unpaged (exllamav2's own attention) / floor", lambda b: b["hardware"]["unpaged"]["ratio_over_floor"],
         gpu=Target("<=", 1.5)),
+    Row("7B-shaped decode, ExLlamaV3 engine / floor", lambda b: b["hardware"]["exllamav3_engine"]["ratio_over_floor"]),
     Row("7B-shaped GPU kernel time / floor (profiler)", lambda b: b["hardware"]["profile_kernel_ms_over_floor"]),
     Row("aggregate tokens/s, 4 jobs / 1 job", lambda b: b["concurrency"]["ratio_4_over_1"], cpu=Target(">=", 1.5)),
 ]
@@ -78,8 +82,11 @@ RAW = [
     Row("7B-shaped ms/token (floor)", lambda b: (
         f"{b['hardware']['ms_per_token']['median']:.1f} ({b['hardware']['floor_ms_per_token']:.2f})")),
     Row("7B-shaped ms/token, unpaged", lambda b: f"{b['hardware']['unpaged']['ms_per_token']['median']:.1f}"),
+    Row("7B-shaped ms/token, ExLlamaV3 engine", lambda b: f"{b['hardware']['exllamav3_engine']['ms_per_token']['median']:.1f}"),
     Row("aggregate tokens/s at 1 / 2 / 4 / 8 jobs", lambda b: " / ".join(
         f"{v['median']:.1f}" for v in b["concurrency"]["aggregate_tokens_per_s"].values())),
+    Row("ExLlamaV3 engine, aggregate tokens/s at 1 / 8 jobs", lambda b: " / ".join(
+        f"{v['median']:.1f}" for v in b["peer"]["exllamav3_engine"]["aggregate_tokens_per_s"].values())),
 ]
 
 
