@@ -56,7 +56,8 @@ class Sample:
         return end - self.last.time_enqueued
 
     def result(self) -> GenerationResult:
-        return GenerationResult.from_events(self.stream.job_id, self.events, self.stream.constraint)
+        error = None if self.error is None else str(self.error)
+        return GenerationResult.from_events(self.stream.job_id, self.events, self.stream.constraint, error)
 
 
 class Generation:

@@ -63,6 +63,7 @@ class GenerationResult:
     elapsed_s: float  # submit -> last event
     token_records: tuple[TokenRecord, ...] = ()  # per token, when the job asked for top_tokens
     constraint: OutputConstraint | None = field(default=None, repr=False)  # the job's json_schema or regex
+    error: str | None = None  # why the job failed, in one line, where eos_reason is FAILED
 
     def tokens(self):
         """One row per generated token: probability, alternatives, arrival and latency (a pandas DataFrame)."""
@@ -85,7 +86,7 @@ class GenerationResult:
 
     @classmethod
     def from_events(
-        cls, job_id: int, events: list[StreamEvent], constraint: OutputConstraint | None = None
+        cls, job_id: int, events: list[StreamEvent], constraint: OutputConstraint | None = None, error: str | None = None
     ) -> GenerationResult:
         last = events[-1] if events else None
         return cls(
@@ -102,6 +103,7 @@ class GenerationResult:
             elapsed_s=(last.time_produced - last.time_enqueued) if last else 0.0,
             token_records=token_records(events),
             constraint=constraint,
+            error=error,
         )
 
 

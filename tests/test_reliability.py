@@ -13,7 +13,7 @@ import time
 import pytest
 
 import exlnb.engines.cpu.engine as cpu_engine
-from exlnb import SamplerSettings
+from exlnb import EosReason, SamplerSettings
 from exlnb.generation import start
 from exlnb.session import LoadFailed, NoModelLoaded, Session
 from exlnb.streaming import JobError, ModelUnloaded
@@ -245,6 +245,22 @@ def test_an_error_inside_one_jobs_step_fails_that_job_only(cpu_session, greedy, 
         bad.result()
     assert all(s.result().new_tokens > 0 and s.error is None for s in good)
     assert nothing_left(idle_session) == (0, 0)
+
+
+def test_a_failed_sample_says_why_in_its_result(cpu_session, monkeypatch):
+    real = cpu_engine.draw_token
+
+    def failing_for_the_second_sample(logits, sequence, settings, generator, **options):
+        if settings.min_p == 0.123 and generator.initial_seed() == 8:  # the sample seeded 7 + 1
+            raise RuntimeError("boom in sample 1")
+        return real(logits, sequence, settings, generator, **options)
+
+    monkeypatch.setattr(cpu_engine, "draw_token", failing_for_the_second_sample)
+    results = start(PROMPT, n=3, seed=7, min_p=0.123, max_new_tokens=6, session=cpu_session).wait(120)
+
+    assert [r.eos_reason is EosReason.FAILED for r in results] == [False, True, False]
+    assert "boom in sample 1" in results[1].error and results[0].error is None and results[2].error is None
+    assert nothing_left(cpu_session) == (0, 0)
 
 
 # -- limits ---------------------------------------------------------------------------------------------------

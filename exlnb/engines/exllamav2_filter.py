@@ -36,9 +36,14 @@ class GrammarFilter(ExLlamaV2Filter):
     def next(self) -> tuple[set[int] | None, set[int]]:
         if self.error is None:
             try:
-                return self.matcher.allowed_ids(), set()
+                allowed = self.matcher.allowed_ids()
             except Exception as error:  # noqa: BLE001 - as in feed
                 self.error = error
+            else:
+                if allowed:
+                    return allowed, set()
+                # exllamav2 asserts "Filter excluded all tokens" inside iterate(), which would end every job
+                self.error = RuntimeError(f"{self.matcher.constraint.describe()} allows no token after this answer's start")
         return None, set()  # None: no restriction for the one step left before the engine removes the job
 
     def use_background_worker(self) -> bool:
