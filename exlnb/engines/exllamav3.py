@@ -95,9 +95,9 @@ class ExLlamaV3Engine(LibraryEngine):
                 self.generator.iterate()
         except Exception as error:
             self.close()
-            first_line = (str(error).strip().splitlines() or [""])[0]  # torch's checks append a C++ trace
+            # the session shows the first line (`one_line`): torch's checks append a C++ trace after it
             raise ValueError(f"exllamav3 {VERIFIED_EXLLAMAV3} loads {self.options.model_dir.name} but cannot run it: "
-                             f"{type(error).__name__}: {first_line}") from error
+                             f"{type(error).__name__}: {error}") from error
         self.generator.pagetable.reset_page_table()  # the cache inspector starts from an empty cache
 
     def _own_generator(self, tokenizer) -> None:
