@@ -13,12 +13,13 @@ import pydantic
 import pytest
 from IPython.core.error import UsageError
 
-from exlnb import EosReason
+from exlnb import EosReason, SamplerSettings
 from exlnb.engines.constraint import OutputConstraint
 from exlnb.engines.exllamav2 import ExLlamaV2Engine
 from exlnb.generation import start
 from exlnb.request import GenerationRequest
 from tests.conftest import chatml
+from tests.test_sampling_options import refused_on
 
 
 class Person(pydantic.BaseModel):
@@ -58,20 +59,19 @@ CASES = [
 ]
 
 
-# what exllamav3 1.6.5 has no sampler for (exllamav3_sampler.py), refused by name before any job starts
-EXLLAMAV3_LACKS = ("mirostat", "typical", "min_temp")
-
-
 def test_a_hundred_constrained_samples_all_parse_under_their_constraint(engine_name, idle_session, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "review.json").write_text(json.dumps(REVIEW))
     generations, samples = [], 0
     for i, (prompt, constraint, n, sampler) in enumerate(CASES):
-        if engine_name == "exllamav3" and any(name in sampler for name in EXLLAMAV3_LACKS):
-            with pytest.raises(ValueError, match="^the exllamav3 engine has no "):
-                start(prompt, **constraint, n=n, seed=10 * i, max_new_tokens=64, **sampler)
+        def begin():
+            return start(prompt, **constraint, n=n, seed=10 * i, max_new_tokens=64, **sampler)
+
+        if refused_on(engine_name, SamplerSettings().with_options(**sampler)):  # refused by name, before any job
+            with pytest.raises(ValueError, match=f"^the {engine_name} engine has no "):
+                begin()
             continue
-        generations.append((constraint, start(prompt, **constraint, n=n, seed=10 * i, max_new_tokens=64, **sampler)))
+        generations.append((constraint, begin()))
         samples += n
     parsed = 0
     for constraint, generation in generations:
