@@ -125,13 +125,13 @@ def exllamav3_peer_available(session: Session) -> bool:
 
 
 def load_exllamav3_peer(model_dir, cache_tokens: int = 8192):
-    """exllamav3's own generator over the model, loaded as its README does it, outside exlnb (with the one fix
-    without which exllamav3 1.6.5 cannot load a model whose hidden size is not a multiple of 128)."""
+    """exllamav3's own generator over the model, loaded as its README does it, outside exlnb (with the fixes
+    without which exllamav3 1.6.5 cannot run a model whose sizes are not multiples of 128, exllamav3_compat)."""
     from exllamav3 import Cache, Config, Generator, Model, Tokenizer
 
-    from exlnb.engines.exllamav3_compat import trim_padded_mlp_outputs
+    from exlnb.engines.exllamav3_compat import fix_exllamav3
 
-    trim_padded_mlp_outputs()
+    fix_exllamav3()
 
     config = Config.from_directory(str(model_dir))
     model = Model.from_config(config)

@@ -7,7 +7,9 @@ exllamav3 with "exl3_mgemm autotune: no compatible kernel shapes": the fused mul
 shape for some bundle of projections. This probe lists every linear layer (its unpadded and padded sizes and
 bits) and every fused bundle exllamav3 made at load (attention's K/V, Q/gate and sliced Q/K/V bundles, the
 MLP's gate/up bundles and its graphed batch-1 path), then runs one tiny job: as loaded, and again after a fresh
-load with each kind of bundle switched off, so the kind whose removal makes the model run is the culprit.
+load with each kind of bundle switched off, so the kind whose removal makes the model run is the culprit, and
+once more with exlnb's fix (`exllamav3_compat.drop_untileable_bundles`). Loads apply only the MLP trim, so
+"as loaded" is exllamav3 as shipped.
 Writes exl3-probe-<device>-<date>.json (and prints a table).
 """
 
@@ -55,6 +57,12 @@ def _no_gate_up_bundles(model) -> int:
     return len(found)
 
 
+def _exlnbs_fix(model) -> int:
+    from exlnb.engines.exllamav3_compat import drop_untileable_bundles
+
+    return sum(bool(drop_untileable_bundles(m)) for m in model if hasattr(m, "multi_kv"))
+
+
 # what each variant switches off after a fresh load; "as loaded" switches off nothing
 VARIANTS: dict[str, Callable | None] = {
     "as loaded": None,
@@ -62,6 +70,7 @@ VARIANTS: dict[str, Callable | None] = {
     "no K/V bundle (multi_kv)": _no_attention_bundle("multi_kv"),
     "no Q/gate bundle (multi_qg)": _no_attention_bundle("multi_qg"),
     "no gate/up bundles (multi_gu) and no graphed MLP": _no_gate_up_bundles,
+    "exlnb's fix (drop_untileable_bundles)": _exlnbs_fix,
 }
 
 

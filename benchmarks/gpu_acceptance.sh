@@ -20,8 +20,12 @@
 # EXLNB_GPU_REPORT_ARGS passes more arguments to each (e.g. "--preset full" or "--only latency streaming").
 # EXLNB_GPU_GRAPH_PROBE=1 runs issue 17's CUDA-graph probe (`python -m benchmarks.graph_probe`, on the bundled
 # and then the 7B-shaped model) alone, right after the tests, into graph-probe-*.json and graph-probe-*.log.
-# EXLNB_GPU_EXL3_PROBE=1 runs `python -m benchmarks.exl3_probe` after that (which EXL3 bundle exllamav3's kernels
-# cannot run on the bundled model; the EXL3 quantization the tests made is reused), into exl3-probe-*.json/.log.
+# EXLNB_GPU_PREQUANTIZE="exl3:3 exl3:6,8 exl2:3,6,8" makes those quantizations of the bundled model while the
+# suites run: the words side by side, each word's bit widths one after the other (EXL2's later ones reuse the
+# first one's measurement). The quantization investigation then finds them in the cache (the tests make
+# 4.0 bpw); logs in prequantize-FORMAT-BITS.log. EXLNB_GPU_EXL3_PROBE=1 then runs
+# `python -m benchmarks.exl3_probe` in that same chain, beside the suites (which EXL3 bundle exllamav3's kernels
+# cannot run on the bundled model as shipped, and whether exlnb's fix makes it run), into exl3-probe-*.json/.log.
 # These variables are read by `all`, so set them on the `model` call that starts it.
 #
 # The bundled GGUF travels xz-compressed in parts (`xz -6`, then `split`). Everything runs from a snapshot of
@@ -89,6 +93,26 @@ graph_probe() {  # which parts of an ExLlamaV2 decode step CUDA graphs can captu
     done
 }
 
+chain_quantized() {  # EXLNB_GPU_PREQUANTIZE's conversions side by side, then the EXL3 kernel probe
+    local spec format bits
+    for spec in ${EXLNB_GPU_PREQUANTIZE:-}; do
+        format=${spec%%:*}
+        bits=${spec#*:}
+        (for bits in ${bits//,/ }; do
+            log "start quantizing $format $bits bpw"
+            (cd "$REPO" && python3 -c "import sys; from exlnb.quantize import quantize; print(quantize(format=sys.argv[1], bits=float(sys.argv[2]), progress=False))" \
+                "$format" "$bits" > "$OUTDIR/prequantize-$format-$bits.log" 2>&1)
+            log "end quantizing $format $bits bpw (exit $?)"
+        done) &
+    done
+    wait
+    if [ "${EXLNB_GPU_EXL3_PROBE:-0}" = 1 ]; then
+        log "start the EXL3 kernel probe"
+        (cd "$REPO" && timeout 420 python3 -m benchmarks.exl3_probe --out "$OUTDIR" > "$OUTDIR/exl3-probe.log" 2>&1)
+        log "end the EXL3 kernel probe (exit $?)"
+    fi
+}
+
 chain_exllamav3() {
     wait_for "$WORK/build-exllamav3.rc"
     log "exllamav3 build ended (exit $(cat "$WORK/build-exllamav3.rc"))"
@@ -138,13 +162,8 @@ all)
     (cd "$REPO" && python3 -c "from exlnb.models import resolve_model; print(resolve_model('smollm2-135m-instruct', progress=False))") \
         > "$OUTDIR/convert.log" 2>&1
     log "converted (exit $?)"
-    chain_exllamav2 & chain_exllamav3 & wait
+    chain_exllamav2 & chain_exllamav3 & chain_quantized & wait
     [ "${EXLNB_GPU_GRAPH_PROBE:-0}" = 1 ] && graph_probe
-    if [ "${EXLNB_GPU_EXL3_PROBE:-0}" = 1 ]; then
-        log "start the EXL3 kernel probe"
-        (cd "$REPO" && timeout 300 python3 -m benchmarks.exl3_probe --out "$OUTDIR" > "$OUTDIR/exl3-probe.log" 2>&1)
-        log "end the EXL3 kernel probe (exit $?)"
-    fi
     if [ "${EXLNB_GPU_BENCHMARKS:-1}" = 1 ]; then
         log "start benchmarks"
         (cd "$REPO" && timeout 900 python3 -m benchmarks --out "$OUTDIR" > "$OUTDIR/benchmarks.log" 2>&1)

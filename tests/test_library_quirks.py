@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from exlnb.engines.exllamav2 import without_taken_back
-from exlnb.engines.exllamav3_compat import _trimming
+from exlnb.engines.exllamav3_compat import _trimming, drop_untileable_bundles
 from exlnb.engines.library_engine import installed_version
 
 
@@ -44,6 +44,21 @@ def test_an_mlp_trims_the_padding_of_its_down_projection_where_the_hidden_size_n
     mlp = type("Patched", (GatedMLP,), {"__init__": _trimming(GatedMLP.__init__)})(hidden, 1500)
     assert mlp.downs[0].trim_padded_out is trimmed
     assert mlp.ups[0].trim_padded_out is False  # feeds the activation, whose padding the down projection reads
+
+
+class Bundle:
+    unloaded = False
+
+    def unload(self) -> None:
+        self.unloaded = True
+
+
+@pytest.mark.parametrize(("kv_heads", "dropped"), [(3, ["multi_kv"]), (2, [])])  # 3 x 64 = 192 columns; 2 x 64 = 128
+def test_a_fused_kv_bundle_is_dropped_where_its_output_is_not_a_whole_number_of_gemm_tiles(kv_heads, dropped):
+    attention = types.SimpleNamespace(num_kv_heads=kv_heads, num_q_heads=8, head_dim=64, multi_kv=Bundle(), multi_qg=None)
+    bundle = attention.multi_kv
+    assert drop_untileable_bundles(attention) == dropped
+    assert (attention.multi_kv is None) is bool(dropped) and bundle.unloaded is bool(dropped)
 
 
 def test_a_library_without_a_version_attribute_is_read_from_its_package_metadata():

@@ -30,7 +30,7 @@ from exlnb.engines.library_engine import (
     page_view,
 )
 from exlnb.engines.exllamav3_sampler import refused_settings, sampler_steps
-from exlnb.engines.exllamav3_compat import trim_padded_mlp_outputs
+from exlnb.engines.exllamav3_compat import fix_exllamav3
 from exlnb.engines.options import PAGE_TOKENS, EngineOptions
 from exlnb.engines.tokenizer import HfTokenizer
 
@@ -55,7 +55,7 @@ class ExLlamaV3Engine(LibraryEngine):
 
     def __init__(self, options: EngineOptions, *, progress: bool = True) -> None:
         exl3 = import_library("exllamav3", VERIFIED_EXLLAMAV3, "ExLlamaV3")
-        trim_padded_mlp_outputs()
+        fix_exllamav3()
         self.options = options
         self.tokenizer = HfTokenizer(options.model_dir)
         try:
