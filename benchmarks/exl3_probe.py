@@ -8,7 +8,7 @@ shape for some bundle of projections. This probe lists every linear layer (its u
 bits) and every fused bundle exllamav3 made at load (attention's K/V, Q/gate and sliced Q/K/V bundles, the
 MLP's gate/up bundles and its graphed batch-1 path), then runs one tiny job: as loaded, and again after a fresh
 load with each kind of bundle switched off, so the kind whose removal makes the model run is the culprit, and
-once more with exlnb's fix (`exllamav3_compat.drop_untileable_bundles`). Loads apply only the MLP trim, so
+once more with exlnb's fix (`exllamav3_compat`), and last through exlnb's engine. Loads apply only the MLP trim, so
 "as loaded" is exllamav3 as shipped.
 Writes exl3-probe-<device>-<date>.json (and prints a table).
 """
@@ -26,6 +26,7 @@ import torch
 from benchmarks.harness import device_slug, environment
 from exlnb.models import BUNDLED_MODEL
 from exlnb.session import one_line
+from exlnb.templates.formats import chatml
 
 CACHE_TOKENS = 2048
 PROMPT = "What is the capital of France?"
@@ -57,10 +58,18 @@ def _no_gate_up_bundles(model) -> int:
     return len(found)
 
 
-def _exlnbs_fix(model) -> int:
-    from exlnb.engines.exllamav3_compat import drop_untileable_bundles
+def _no_graphed_mlp(model) -> int:
+    found = [m for m in model if getattr(m, "bc", None) is not None and hasattr(m, "multi_gu")]
+    for module in found:
+        module.bc = None
+    return len(found)
 
-    return sum(bool(drop_untileable_bundles(m)) for m in model if hasattr(m, "multi_kv"))
+
+def _exlnbs_fix(model) -> int:
+    from exlnb.engines.exllamav3_compat import drop_unpadded_mlp_paths, drop_untileable_bundles
+
+    return (sum(bool(drop_untileable_bundles(m)) for m in model if hasattr(m, "multi_kv")) +
+            sum(bool(drop_unpadded_mlp_paths(m)) for m in model if hasattr(m, "multi_gu")))
 
 
 # what each variant switches off after a fresh load; "as loaded" switches off nothing
@@ -69,8 +78,9 @@ VARIANTS: dict[str, Callable | None] = {
     "no sliced Q/K/V bundle (multi_qkv)": _no_attention_bundle("multi_qkv"),
     "no K/V bundle (multi_kv)": _no_attention_bundle("multi_kv"),
     "no Q/gate bundle (multi_qg)": _no_attention_bundle("multi_qg"),
+    "no graphed batch-1 MLP (bc)": _no_graphed_mlp,
     "no gate/up bundles (multi_gu) and no graphed MLP": _no_gate_up_bundles,
-    "exlnb's fix (drop_untileable_bundles)": _exlnbs_fix,
+    "exlnb's fix (drop_untileable_bundles, drop_unpadded_mlp_paths)": _exlnbs_fix,
 }
 
 
@@ -130,20 +140,50 @@ def bundles(model) -> list[dict]:
 
 
 def one_job(generator) -> dict:
-    """A short greedy job through the generator: its text, or the exception that stopped it."""
+    """The GPU test's greedy job (a chat prompt of some 30 tokens, 40 new ones) through the generator: its text
+    and why it ended, or the exception that stopped it and where (the traceback's last frames)."""
     from exllamav3 import Job
     from exllamav3.generator.sampler import ArgmaxSampler
 
-    ids = generator.tokenizer.encode(PROMPT)
-    job = Job(input_ids=ids, max_new_tokens=8, sampler=ArgmaxSampler())
-    pieces = []
+    ids = generator.tokenizer.encode(chatml(PROMPT), encode_special_tokens=True)
+    job = Job(input_ids=ids, max_new_tokens=40, sampler=ArgmaxSampler())
+    pieces, ends, tokens = [], [], 0
     try:
         generator.enqueue(job)
         while generator.num_remaining_jobs():
-            pieces += [r.get("text", "") for r in generator.iterate() if r.get("stage") == "streaming"]
+            for r in generator.iterate():
+                if r.get("stage") == "streaming":
+                    pieces.append(r.get("text", ""))
+                    tokens += int(r["token_ids"].numel()) if r.get("token_ids") is not None else 0
+                    if r.get("eos"):
+                        ends.append(str(r.get("eos_reason")))
     except Exception as error:  # noqa: BLE001 - the probe's finding
-        return {"ran": False, "error": one_line(error)}
-    return {"ran": True, "text": "".join(pieces)}
+        return {"ran": False, "error": one_line(error), "where": where(error)}
+    return {"ran": True, "prompt_tokens": int(ids.shape[-1]), "new_tokens": tokens, "eos_reason": ends,
+            "text": "".join(pieces)}
+
+
+def where(error: BaseException) -> list[str]:
+    """The last frames of an exception's traceback, "file:line function", innermost last."""
+    import traceback
+
+    return [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_tb(error.__traceback__)[-8:]]
+
+
+def through_exlnb(folder: Path) -> dict:
+    """The same question through exlnb's engine, as the GPU test asks it; a failure's cause is the library's error."""
+    from exlnb import SamplerSettings, Session
+
+    session = Session()
+    try:
+        session.load(str(folder), progress=False)
+        result = session.complete(chatml(PROMPT), max_new_tokens=40, sampler=SamplerSettings.greedy())
+    except Exception as error:  # noqa: BLE001 - the probe's finding
+        cause = error.__cause__ or error
+        return {"ran": False, "error": one_line(error), "where": where(cause)}
+    finally:
+        session.unload()
+    return {"ran": True, "new_tokens": result.new_tokens, "eos_reason": str(result.eos_reason), "text": result.text}
 
 
 def run_probe(folder: Path) -> dict:
@@ -158,14 +198,15 @@ def run_probe(folder: Path) -> dict:
         model.unload()
         del model, generator
         torch.cuda.empty_cache()
+    results.append({"variant": "exlnb's engine", "modules_changed": 0, **through_exlnb(folder)})
     return {**first, "variants": results}
 
 
 def table(variants: list[dict]) -> str:
     lines = [f"{'variant':52} {'changed':>7}  result"]
     for v in variants:
-        outcome = f"ran: {v['text']!r}" if v["ran"] else f"failed: {v['error']}"
-        lines.append(f"{v['variant']:52} {v['modules_changed']:>7}  {outcome[:120]}")
+        outcome = f"ran: {v['text']!r}" if v["ran"] else f"failed: {v['error']} at {' < '.join(reversed(v['where']))}"
+        lines.append(f"{v['variant']:52} {v['modules_changed']:>7}  {outcome[:400]}")
     return "\n".join(lines)
 
 

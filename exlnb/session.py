@@ -424,13 +424,13 @@ class Session:
 
     def _fail_jobs(self, job_ids: tuple[int, ...], error: BaseException) -> None:
         """The engine failed these jobs alone: their streams raise, every other job runs on."""
-        self._deliveries.fail(job_ids, JobError(f"job failed inside the engine: {one_line(error)}"))
+        self._deliveries.fail(job_ids, _caused_by(JobError(f"job failed inside the engine: {one_line(error)}"), error))
 
     def _fail_step(self, engine: Engine, error: BaseException) -> None:
         """A whole engine step raised: every job fails with that error, and the session stays usable."""
         _drop_every_job(engine)
         message = f"the engine step failed: {one_line(error)}"
-        self._deliveries.fail_all(lambda job_id: JobError(f"job {job_id}: {message}"))
+        self._deliveries.fail_all(lambda job_id: _caused_by(JobError(f"job {job_id}: {message}"), error))
 
     def _end_every_job(self, engine: Engine) -> None:
         """The engine thread's last act: no job outlives the model, and no stream waits for ever."""
@@ -440,6 +440,12 @@ class Session:
                 f"job {job_id} ended: the model was unloaded after {self._deliveries.new_tokens(job_id)} new tokens"
             )
         )
+
+
+def _caused_by(job_error: JobError, error: BaseException) -> JobError:
+    """The engine's own exception under the one-line JobError, so a notebook's traceback shows where it arose."""
+    job_error.__cause__ = error
+    return job_error
 
 
 def _drop_every_job(engine: Engine) -> None:

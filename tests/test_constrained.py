@@ -77,7 +77,7 @@ def test_a_hundred_constrained_samples_all_parse_under_their_constraint(engine_n
     for constraint, generation in generations:
         results = generation.wait(300)
         for result in results:
-            assert result.eos_reason in (EosReason.END_FILTER, EosReason.STOP_TOKEN), (result, generation.errors()[:2])
+            assert result.eos_reason in (EosReason.END_FILTER, EosReason.STOP_TOKEN), (result, generation.errors[:2])
             value = result.parsed
             if "regex" in constraint:
                 assert isinstance(value, re.Match) and value.group(0) == result.text

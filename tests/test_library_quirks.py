@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from exlnb.engines.exllamav2 import without_taken_back
-from exlnb.engines.exllamav3_compat import _trimming, drop_untileable_bundles
+from exlnb.engines.exllamav3_compat import _trimming, drop_unpadded_mlp_paths, drop_untileable_bundles
 from exlnb.engines.library_engine import installed_version
 
 
@@ -59,6 +59,22 @@ def test_a_fused_kv_bundle_is_dropped_where_its_output_is_not_a_whole_number_of_
     bundle = attention.multi_kv
     assert drop_untileable_bundles(attention) == dropped
     assert (attention.multi_kv is None) is bool(dropped) and bundle.unloaded is bool(dropped)
+
+
+class PaddedLinear(Linear):
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(out_features)
+        self.in_features_unpadded = in_features
+        self.in_features = -(-in_features // 128) * 128
+
+
+@pytest.mark.parametrize(("hidden", "dropped"), [(576, ["bc", "multi_gu[0]"]), (2048, [])])
+def test_a_gated_mlps_fast_paths_are_dropped_where_its_projections_are_padded(hidden, dropped):
+    mlp = types.SimpleNamespace(gates=[PaddedLinear(hidden, 1536)], ups=[PaddedLinear(hidden, 1536)],
+                                downs=[PaddedLinear(1536, hidden)], bc=object(), multi_gu=[Bundle()])
+    fused = mlp.multi_gu[0]
+    assert drop_unpadded_mlp_paths(mlp) == dropped
+    assert (mlp.bc is None, mlp.multi_gu[0] is None, fused.unloaded) == (bool(dropped),) * 3
 
 
 def test_a_library_without_a_version_attribute_is_read_from_its_package_metadata():

@@ -241,8 +241,10 @@ def test_an_error_inside_one_jobs_step_fails_that_job_only(cpu_session, greedy, 
     good = [idle_session.generate(q, max_new_tokens=12, sampler=greedy) for q in QUESTIONS[:3]]
     bad = idle_session.generate(PROMPT, max_new_tokens=40, sampler=poisoned)
 
-    with pytest.raises(JobError, match="boom in one job"):
+    with pytest.raises(JobError, match="boom in one job") as raised:
         bad.result()
+    assert isinstance(raised.value.__cause__, RuntimeError)  # the engine's own error, with its traceback, beneath
+    assert raised.value.__cause__.__traceback__ is not None
     assert all(s.result().new_tokens > 0 and s.error is None for s in good)
     assert nothing_left(idle_session) == (0, 0)
 

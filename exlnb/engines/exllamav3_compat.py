@@ -1,7 +1,7 @@
 """What exlnb changes in exllamav3 1.6.5 before using it, for the engine and for the EXL3 converter alike.
 
-exllamav3 pads every linear layer's dimensions to multiples of 128, and two of its paths forget the padding on
-a model whose sizes are not multiples of 128 (SmolLM2-135M: hidden 576, K/V projections 3 x 64 = 192):
+exllamav3 pads every linear layer's dimensions to multiples of 128, and three of its paths forget the padding
+on a model whose sizes are not multiples of 128 (SmolLM2-135M: hidden 576, K/V projections 3 x 64 = 192):
 
 - It trims the padded output columns where a projection writes back into the residual stream, but only for
   attention's `o_proj`: the MLP's down projections keep their padding, so loading fails in the residual add
@@ -10,8 +10,14 @@ a model whose sizes are not multiples of 128 (SmolLM2-135M: hidden 576, K/V proj
 - At decode it runs an EXL3 model's K and V projections as one fused multi-matrix GEMM (`multi_kv`; Q and
   gate likewise, `multi_qg`) that writes into an unpadded staging buffer. Its kernels tile the output 128
   columns at a time, so with 192 columns no tile fits and the first step fails ("exl3_mgemm autotune: no
-  compatible kernel shapes"). Without the bundle exllamav3 runs the two projections one by one, as it already
-  does for any step over 32 rows: same weights, same kernels, one launch more.
+  compatible kernel shapes").
+- Its gated MLP's fast paths for up to 8 and up to 32 rows (the graphed `bc` and the fused gate/up `multi_gu`)
+  feed the unpadded hidden state to kernels sized for the padded weights: "C and B have incompatible shapes"
+  (the plain MLP pads through staging buffers; the gated one does not).
+
+Without those fast paths exllamav3 runs the projections one by one through `Linear`, which pads the input and
+trims the output, as it already does for any step over 32 rows: same weights, same kernels, more launches.
+A model whose sizes are multiples of 128 (every common 1B+ model) keeps every fast path.
 
     python -m exlnb.engines.exllamav3_compat ARGS...   # exllamav3's converter (convert_model) with the fixes
 """
@@ -32,7 +38,7 @@ STAGED_BUNDLES = {"multi_kv": "num_kv_heads", "multi_qg": "num_q_heads"}
 def fix_exllamav3() -> None:
     """Apply every fix below to exllamav3 (idempotent): call before building a model."""
     trim_padded_mlp_outputs()
-    unbundle_untileable_projections()
+    skip_unpadded_fast_paths()
 
 
 def trim_padded_mlp_outputs() -> None:
@@ -57,22 +63,24 @@ def _trimming(init):
     return trimming_init
 
 
-def unbundle_untileable_projections() -> None:
-    """Make every attention layer loaded from now on drop a fused bundle whose output its GEMM cannot tile."""
+def skip_unpadded_fast_paths() -> None:
+    """Make every attention layer and gated MLP loaded from now on drop the fast paths that ignore padding."""
     from exllamav3.modules.attn import Attention
+    from exllamav3.modules.mlp import GatedMLP
 
-    if not getattr(Attention.load_local, "unbundles_untileable", False):
-        Attention.load_local = _unbundling(Attention.load_local)
+    for cls, drop in ((Attention, drop_untileable_bundles), (GatedMLP, drop_unpadded_mlp_paths)):
+        if not getattr(cls.load_local, "skips_unpadded_fast_paths", False):
+            cls.load_local = _then(cls.load_local, drop)
 
 
-def _unbundling(load_local):
+def _then(load_local, drop):
     @functools.wraps(load_local)
-    def unbundling_load_local(self, *args, **kwargs):
+    def load_local_then_drop(self, *args, **kwargs):
         load_local(self, *args, **kwargs)
-        drop_untileable_bundles(self)
+        drop(self)
 
-    unbundling_load_local.unbundles_untileable = True
-    return unbundling_load_local
+    load_local_then_drop.skips_unpadded_fast_paths = True
+    return load_local_then_drop
 
 
 def drop_untileable_bundles(attention) -> list[str]:
@@ -85,6 +93,24 @@ def drop_untileable_bundles(attention) -> list[str]:
         fused.unload()
         setattr(attention, bundle, None)
         dropped.append(bundle)
+    return dropped
+
+
+def drop_unpadded_mlp_paths(mlp) -> list[str]:
+    """Drop a loaded gated MLP's graphed and fused gate/up paths where its projections are padded."""
+    linears = [*mlp.gates, *mlp.ups, *mlp.downs]
+    if all(lin.in_features == getattr(lin, "in_features_unpadded", lin.in_features) and
+           lin.out_features == getattr(lin, "out_features_unpadded", lin.out_features) for lin in linears):
+        return []
+    dropped = []
+    if getattr(mlp, "bc", None) is not None:
+        mlp.bc = None
+        dropped.append("bc")
+    for index, fused in enumerate(mlp.multi_gu):
+        if fused is not None:
+            fused.unload()
+            mlp.multi_gu[index] = None
+            dropped.append(f"multi_gu[{index}]")
     return dropped
 
 
