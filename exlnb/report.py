@@ -187,9 +187,8 @@ def summary_markdown(runs: list[NotebookRun]) -> str:
         if run.error:
             lines.append(f"- FAILED: {run.error}")
             continue
-        reports = ", ".join(str(n) for n in run.summary["field_reports"])
-        lines.append(f"Field report{'s' if ',' in reports else ''} {reports}.")
-        lines.append("")
+        if reports := ", ".join(str(n) for n in run.summary["field_reports"]):  # quantization answers none
+            lines += [f"Field report{'s' if ',' in reports else ''} {reports}.", ""]
         lines += [f"- {effect['line']}" for effect in run.summary["effects"]]
         lines += ["", *[f"- {finding}" for finding in run.summary["findings"]]]
     return "\n".join(lines) + "\n"

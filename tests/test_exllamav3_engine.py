@@ -72,8 +72,9 @@ def test_the_loop_detector_ends_a_looping_job(exl3_session):
 def test_loop_guard_is_exllamav3s_own_loop_detector_there(exl3_session):
     from exlnb.generation import start
 
-    plain = start(LOOPING, temperature=0, max_new_tokens=400).wait(120)[0]
-    guarded = start(LOOPING, temperature=0, max_new_tokens=400, loop_guard=True).wait(120)[0]
+    greedy = dict(temperature=0, rep_penalty=1.0, max_new_tokens=400)  # no penalty: the kit's default 1.025 breaks the loop
+    plain = start(chatml(LOOPING), template="raw", **greedy).wait(120)[0]
+    guarded = start(chatml(LOOPING), template="raw", loop_guard=True, **greedy).wait(120)[0]
 
     if plain.eos_reason is not EosReason.MAX_NEW_TOKENS:
         pytest.skip(f"the prompt did not loop on this engine ({plain.eos_reason.value} after {plain.new_tokens} tokens)")

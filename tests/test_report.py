@@ -115,3 +115,11 @@ def test_runs_split_with_only_add_up_to_one_summary(tmp_path):
     assert [run.name for run in earlier] == ["latency"]
     assert text.index("## latency (from an earlier run)") < text.index("## context (5 s)")
     assert "- next job: 17.9 s -> 1.33 s" in text
+
+
+def test_a_notebook_that_answers_no_field_report_names_none():
+    summary = {"environment": {"engine": "cpu", "model": "m", "device": "cpu", "paged": True, "attention": "a",
+                               "versions": {}}, "effects": [], "findings": ["fp16: perplexity 3.04"], "field_reports": []}
+    text = summary_markdown([NotebookRun("quantization", 73.0, summary)])
+
+    assert "Field report" not in text and "- fp16: perplexity 3.04" in text
