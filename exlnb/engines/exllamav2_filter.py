@@ -22,14 +22,21 @@ class GrammarFilter(ExLlamaV2Filter):
         super().__init__(model, tokenizer)
         self.matcher = matcher
         self.error: Exception | None = None
+        self.allowed: set[int] | None = None  # what the last next() let exllamav2 sample
 
     def begin(self, prefix_str: str) -> None:
         self.matcher.reset()
+        self.allowed = None
 
     def feed(self, token) -> None:
+        token = int(token)  # exllamav2 feeds a (1, 1) tensor
+        if self.error is None and self.allowed is not None and token not in self.allowed:
+            # the grammar would refuse it too, but the fault is the sampler's: say so, with the mask it ignored
+            self.error = RuntimeError(f"exllamav2's sampler drew token {token}, outside the {len(self.allowed)} "
+                                      f"tokens {self.matcher.constraint.describe()} allowed at this step")
         if self.error is None:
             try:
-                self.matcher.consume(int(token))  # exllamav2 feeds a (1, 1) tensor
+                self.matcher.consume(token)
             except Exception as error:  # noqa: BLE001 - kept for the engine, which fails this job alone
                 self.error = error
 
@@ -41,6 +48,7 @@ class GrammarFilter(ExLlamaV2Filter):
                 self.error = error
             else:
                 if allowed:
+                    self.allowed = allowed
                     return allowed, set()
                 # exllamav2 asserts "Filter excluded all tokens" inside iterate(), which would end every job
                 self.error = RuntimeError(f"{self.matcher.constraint.describe()} allows no token after this answer's start")
