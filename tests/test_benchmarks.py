@@ -43,6 +43,22 @@ def test_quick_benchmarks_write_valid_json_with_raw_samples(cpu_session, tmp_pat
     assert (tmp_path / f"{path.stem}-context.png").stat().st_size > 1000
 
 
+def test_the_kit_overhead_benchmark_writes_per_token_times_of_both_sides(tmp_path):
+    from benchmarks.kit_overhead import main as kit_overhead
+
+    path = kit_overhead(["--step-ms", "0", "2", "--tokens", "12", "--repeats", "2", "--out", str(tmp_path)])
+    record = json.loads(path.read_text(), parse_constant=_reject_non_json)
+
+    assert [r["step_ms"] for r in record["results"]] == [0, 2]
+    for result in record["results"]:
+        times = result["ms_per_token"]
+        assert all(len(times[side]["samples"]) == 2 for side in ("session", "by_hand"))
+        # by hand, on the engine thread, each token is one step: a step that holds the GIL for 2 ms takes 2 ms at least
+        assert all(t >= 0.99 * result["step_ms"] for t in times["by_hand"]["samples"])
+        assert all(math.isfinite(t) and t > 0 for t in times["session"]["samples"])
+        assert times["session_cost_per_token_ms"] == times["session"]["median"] - times["by_hand"]["median"]
+
+
 def test_performance_table_reads_every_full_run_ratios_first(tmp_path):
     committed = full_runs()
     assert committed, "benchmarks/results holds no full run"
