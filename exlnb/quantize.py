@@ -179,8 +179,11 @@ def _convert(target: QuantizedModel, *, progress: bool) -> None:
     target.partial.rename(target.output)
     measured = target.work / "measurement.json"  # exllamav2 writes it there after measuring
     if target.format == "exl2" and measured.is_file() and not target.measurement.is_file():
-        shutil.copyfile(measured, target.measurement.with_suffix(".partial"))
-        target.measurement.with_suffix(".partial").rename(target.measurement)
+        # EXL2 conversions at other bits may finish at the same time, each with a measurement: a temporary name
+        # of this folder's own, then an atomic replace, so that none of them can take another's half-copied file
+        partial = target.measurement.with_name(f"{target.folder.name}.measurement.partial")
+        shutil.copyfile(measured, partial)
+        os.replace(partial, target.measurement)
     shutil.rmtree(target.work, ignore_errors=True)  # as large as the model; the finished output no longer needs it
 
 
