@@ -47,9 +47,10 @@ def run(
     prompt_models: tuple[str, ...] = prompt_clocks.PROMPT_MODELS,
 ) -> ExperimentResult:
     prompt_clocks.check_prompt_models(prompt_models, prompt_lengths)
+    _warm_up(session, decode_tokens)
     tables = {
         "turns": _chat(session, turns, answer_tokens),
-        "context": _decode_against_context(session, context_lengths, decode_tokens),
+        "context": _decode_against_context(session, context_lengths, decode_tokens, timing_repeats),
     }
     tables["prefill"], not_timed = prompt_clocks.time_prompt_passes(
         session, models=prompt_models, lengths=prompt_lengths, repeats=timing_repeats
@@ -69,28 +70,37 @@ def run(
 # -- multi-turn chat --------------------------------------------------------------------------------------------
 
 
+def _warm_up(session: Session, decode_tokens: int) -> None:
+    """One untimed generation first: the first steps after a load pay one-off costs (kernel choice, allocator
+    growth, caches) that would otherwise land on whichever condition is timed first."""
+    ids = filler_ids(session.tokenizer, 64, label="warm-up")
+    session.complete(ids, max_new_tokens=decode_tokens, sampler=SamplerSettings.greedy(), stop_at_eos=False)
+
+
 def _chat(session: Session, turns: int, answer_tokens: int) -> pd.DataFrame:
-    """The same questions as one growing conversation and as independent prompts (--amnesia)."""
+    """The same questions as one growing conversation and as independent prompts (--amnesia), turn by turn
+    in alternating order, so that drift in the machine's speed falls on both modes alike."""
     questions = load_prompts("long_answers")[:turns]
     tokenizer = session.tokenizer
-    rows = []
-    for mode in ("history", "amnesia"):
-        history: list[dict[str, str]] = []
-        for turn, question in enumerate(questions):
-            messages = [*history, {"role": "user", "content": question}] if mode == "history" else [
-                {"role": "user", "content": question}
-            ]
+    rows, history = [], []
+    for turn, question in enumerate(questions):
+        asked = {"role": "user", "content": question}
+        answers = {}
+        for mode in ("history", "amnesia") if turn % 2 == 0 else ("amnesia", "history"):
+            messages = [*history, asked] if mode == "history" else [asked]
             ids = tokenizer.encode(tokenizer.apply_chat_template(messages), special=True)
-            stream = session.generate(ids, max_new_tokens=answer_tokens, sampler=SamplerSettings.greedy(), identifier=f"{mode} turn {turn}")
+            stream = session.generate(ids, max_new_tokens=answer_tokens, sampler=SamplerSettings.greedy(),
+                                      identifier=f"{mode} turn {turn}")
             intervals = _token_intervals(stream)
             result = stream.result()
-            history += [{"role": "user", "content": question}, {"role": "assistant", "content": result.text}]
+            answers[mode] = result.text
             rows += [
                 {"mode": mode, "turn": turn, "context_tokens": len(ids) + i + 1, "prompt_tokens": len(ids),
                  "cached_tokens": result.cached_tokens, "token_interval_s": dt}
                 for i, dt in enumerate(intervals)
             ]
-    return pd.DataFrame(rows)
+        history += [asked, {"role": "assistant", "content": answers["history"]}]
+    return pd.DataFrame(rows).sort_values(["mode", "turn"], kind="stable", ignore_index=True)
 
 
 def _token_intervals(stream) -> list[float]:
@@ -102,19 +112,25 @@ def _token_intervals(stream) -> list[float]:
 # -- decode speed against context length ------------------------------------------------------------------------
 
 
-def _decode_against_context(session: Session, lengths: tuple[int, ...], decode_tokens: int) -> pd.DataFrame:
+def _decode_against_context(session: Session, lengths: tuple[int, ...], decode_tokens: int, repeats: int) -> pd.DataFrame:
+    """Each context length `repeats` times, the order rotated from one round to the next, so that every length
+    is timed early and late in the run: measured once each in a fixed order, the first length took the run's
+    warm-up and its drift (on the H100, 17-20 ms tokens at the start of a run whose later ones took 11-14 ms)."""
     limit = session.status().cache_tokens - decode_tokens
     if max(lengths) > limit:
         raise ValueError(f"context length {max(lengths)} does not fit the cache with {decode_tokens} new tokens: "
                          f"load with cache_tokens >= {max(lengths) + decode_tokens}, or shorten context_lengths")
+    contexts = {length: filler_ids(session.tokenizer, length, label=f"context {length}") for length in lengths}
     rows = []
-    for length in lengths:
-        ids = filler_ids(session.tokenizer, length, label=f"context {length}")
-        stream = session.generate(ids, max_new_tokens=decode_tokens, sampler=SamplerSettings.greedy(), stop_at_eos=False)
-        rows += [
-            {"context_tokens": length, "position": length + i + 1, "token_interval_s": dt}
-            for i, dt in enumerate(_token_intervals(stream))
-        ]
+    for repeat in range(repeats):
+        shift = repeat % len(lengths)
+        for length in (*lengths[shift:], *lengths[:shift]):
+            stream = session.generate(contexts[length], max_new_tokens=decode_tokens, sampler=SamplerSettings.greedy(),
+                                      stop_at_eos=False)
+            rows += [
+                {"context_tokens": length, "repeat": repeat, "position": length + i + 1, "token_interval_s": dt}
+                for i, dt in enumerate(_token_intervals(stream))
+            ]
     return pd.DataFrame(rows)
 
 
