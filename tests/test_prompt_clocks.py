@@ -56,6 +56,18 @@ def test_medians_put_the_early_reading_beside_the_late_one_per_model_pass_and_le
     assert (dynamic["repeats"], dynamic["early_over_late"]) == (1, pytest.approx(1.0))
 
 
+def test_a_finding_gives_the_passes_own_ratios_not_a_ratio_of_the_medians():
+    table = clock_rates(readings(
+        ("7b-shaped", "streaming", 4000, 0, 0.265, 0.301),  # the night H100 run's three passes
+        ("7b-shaped", "streaming", 4000, 1, 0.254, 0.257),
+        ("7b-shaped", "streaming", 4000, 2, 0.217, 0.253),
+    ))
+
+    (line,) = findings(table, [], "14,982 tokens/s")
+
+    assert "look 1.14x as fast as it ran (median of 3 passes, 1.01x to 1.17x)" in line, line
+
+
 def test_findings_call_only_a_clearly_early_clock_the_reports_mistake():
     table = clock_rates(readings(("bundled", "streaming", 4000, 0, 0.01, 0.05), ("bundled", "dynamic", 4000, 0, 0.05, 0.051)))
 

@@ -158,12 +158,15 @@ def findings(table: pd.DataFrame, not_timed: list[str], reported: str) -> list[s
     """Per model and pass, the early and late readings at the longest prompt, and whether the early one is
     early enough to be the report's impossible number; then what was not timed."""
     medians = clock_medians(table)
+    ratios = table.groupby(["model", "prompt_pass", "prompt_tokens"], sort=False).early_over_late
     lines = []
     for row in medians[medians.prompt_tokens == medians.prompt_tokens.max()].itertuples():
+        each = ratios.get_group((row.model, row.prompt_pass, row.prompt_tokens))
+        spread = f" (median of {len(each)} passes, {each.min():.2f}x to {each.max():.2f}x)" if len(each) > 1 else ""
         line = (f"{row.model} model, {row.prompt_pass} pass, {row.prompt_tokens} prompt tokens: {EARLY} "
                 f"{row.early_s:.3g} s ({row.early_tokens_per_s:,.0f} tokens/s), {LATE} {row.late_s:.3g} s "
-                f"({row.late_tokens_per_s:,.0f} tokens/s): the early clock makes the pass look "
-                f"{row.early_over_late:.2f}x as fast as it ran. ")
+                f"({row.late_tokens_per_s:,.0f} tokens/s), medians: the early clock makes each pass look "
+                f"{row.early_over_late:.2f}x as fast as it ran{spread}. ")
         lines.append(line + (_early_enough(reported) if row.early_over_late >= CLEARLY_EARLY else _not_early(row.prompt_pass)))
     return lines + not_timed
 
