@@ -94,6 +94,36 @@ def test_a_hundred_constrained_samples_all_parse_under_their_constraint(engine_n
     assert idle_session.jobs() == [] and idle_session.cache_view().free_pages == idle_session.cache_view().total_pages
 
 
+def test_a_constraint_that_breaks_fails_its_own_job_and_no_other(engine_name, idle_session, monkeypatch):
+    """Both ExLlama libraries run filters inside iterate(), where an exception would fail every job of the batch:
+    the filters keep the error and the engine fails that job alone (exllamav2_filter.py, exllamav3_filter.py);
+    the CPU engine samples each job on its own."""
+    from exlnb.engines.grammar import GrammarMatcher
+    from exlnb.streaming import JobError
+
+    def breaking(accept, grammar_of):  # on the first token: an answer may end after its second ("no", stop)
+        def accept_or_break(self, token):
+            if "maybe" in grammar_of(self):
+                raise RuntimeError(f"token {token} broke the test's grammar")
+            accept(self, token)
+
+        return accept_or_break
+
+    monkeypatch.setattr(GrammarMatcher, "consume", breaking(GrammarMatcher.consume, lambda m: m.constraint.source))
+    if engine_name == "exllamav3":  # its own llguidance filter, not exlnb's matcher
+        from exllamav3.generator.filter import LLGuidanceFilter
+
+        monkeypatch.setattr(LLGuidanceFilter, "accept_token", breaking(LLGuidanceFilter.accept_token, lambda f: str(f._grammar)))
+    plain = idle_session.generate(chatml("Count to twenty."), max_new_tokens=40)
+    other = idle_session.generate(chatml("Name a colour."), regex="[a-z]+( [a-z]+){0,6}", max_new_tokens=20)
+    broken = idle_session.generate(chatml("Will it rain?"), regex="(yes|no|maybe)( [a-z]+){0,6}", max_new_tokens=20)
+
+    with pytest.raises(JobError, match="broke the test's grammar"):
+        broken.result()
+    assert plain.result().new_tokens > 3 and other.result().eos_reason is not EosReason.FAILED
+    assert idle_session.jobs() == [] and idle_session.cache_view().free_pages == idle_session.cache_view().total_pages
+
+
 def test_a_greedy_answer_and_its_alternatives_stay_inside_the_constraint(cpu_session):
     # the CPU engine reports a greedy step's probabilities after the mask; the ExLlama engines the unmasked softmax
     result = start("Is Paris in France?", regex="(yes|no)", temperature=0, tokens=5).wait(60)[0]

@@ -180,28 +180,3 @@ def test_new_settings_sample_on_the_gpu(exl_session):
     result = exl_session.complete("Once upon a time", max_new_tokens=16, sampler=settings, seed=1)
     assert result.new_tokens > 0
 
-
-def test_a_constraint_that_breaks_fails_its_own_job_and_no_other(exl_session, monkeypatch):
-    """exllamav2 runs filters inside iterate(), where an exception would end every job of the batch: the filter
-    keeps the error and the engine fails that job alone (exllamav2_filter.py)."""
-    from exlnb import EosReason
-    from exlnb.engines.grammar import GrammarMatcher
-    from exlnb.streaming import JobError
-    from tests.conftest import chatml
-
-    consume = GrammarMatcher.consume
-
-    def break_on_the_first_token(matcher, token):  # the first: an answer may end after its second ("no", stop)
-        if matcher.constraint.source == "(yes|no|maybe)( [a-z]+){0,6}":
-            raise RuntimeError(f"token {token} broke the test's grammar")
-        consume(matcher, token)
-
-    monkeypatch.setattr(GrammarMatcher, "consume", break_on_the_first_token)
-    plain = exl_session.generate(chatml("Count to twenty."), max_new_tokens=40)
-    other = exl_session.generate(chatml("Name a colour."), regex="[a-z]+( [a-z]+){0,6}", max_new_tokens=20)
-    broken = exl_session.generate(chatml("Will it rain?"), regex="(yes|no|maybe)( [a-z]+){0,6}", max_new_tokens=20)
-
-    with pytest.raises(JobError, match="broke the test's grammar"):
-        broken.result()
-    assert plain.result().new_tokens > 3 and other.result().eos_reason is not EosReason.FAILED
-    assert exl_session.jobs() == [] and exl_session.cache_view().free_pages == exl_session.cache_view().total_pages

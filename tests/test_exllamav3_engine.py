@@ -127,3 +127,4 @@ def test_an_architecture_exllamav3_does_not_know_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["NotAModelForCausalLM"]}))
     with pytest.raises(LoadFailed, match="exllamav3 1.6.5 cannot load .* NotAModelForCausalLM"):
         Session().load(str(tmp_path), engine="exllamav3", progress=False)
+

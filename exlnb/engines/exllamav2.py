@@ -221,15 +221,6 @@ class ExLlamaV2Engine(LibraryEngine):
             raise JobFailed(list(failures), next(iter(failures.values())), others)
         return events
 
-    def _filter_failures(self) -> dict[int, Exception]:
-        """The jobs whose constraint filter kept an error during the step (exllamav2_filter.py)."""
-        return {
-            job_id: f.error
-            for job_id, tracked in self._jobs.items()
-            for f in (tracked.job.filters or ())
-            if getattr(f, "error", None) is not None
-        }
-
     def _events(self, results: list[dict], now: float) -> list[StreamEvent]:
         """The events of one `iterate()`'s results, read at `now`."""
         events = []

@@ -140,13 +140,14 @@ class ExLlamaV3Engine(LibraryEngine):
 
     def _filters(self, spec: JobSpec) -> list | None:
         """exllamav3 1.6.5's own llguidance filter for a constraint, ending the job once the grammar is complete
-        ("end_filter"). Its keywords are llguidance's format names: json_schema=, regex=."""
+        ("end_filter"), keeping its errors for this job alone (exllamav3_filter.py). Its keywords are
+        llguidance's format names: json_schema=, regex=."""
         if spec.constraint is None:
             return None
-        from exllamav3.generator.filter import LLGuidanceFilter
+        from exlnb.engines.exllamav3_filter import KeptErrorFilter
 
         constraint = spec.constraint
-        return [LLGuidanceFilter(self.generator.tokenizer, eos_after_completed=True, **{constraint.kind: constraint.source})]
+        return [KeptErrorFilter(self.generator.tokenizer, eos_after_completed=True, **{constraint.kind: constraint.source})]
 
     def _start_tracking(self) -> None:
         super()._start_tracking()
@@ -173,6 +174,10 @@ class ExLlamaV3Engine(LibraryEngine):
                 events.append(self._started(job_id, tracked, now))
             elif result["stage"] == "streaming":
                 events.append(self._streaming_event(job_id, result, tracked, now))
+        for job_id, error in self._filter_failures().items():  # a constraint's error belongs to its job alone
+            self.cancel(job_id)
+            failures[job_id] = error
+        events = [event for event in events if event.job_id not in failures]
         if failures:
             self._failed_step_events = events  # delivered by the next step, so no other job loses an event
             raise JobFailed(list(failures), next(iter(failures.values())))

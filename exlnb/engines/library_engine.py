@@ -208,6 +208,16 @@ class LibraryEngine(Engine):
                 rows += zip(part["token_probs"][0].tolist(), part["top_k_tokens"][0].tolist(), part["top_k_probs"][0].tolist())
         return [token_info(self.tokenizer, t, p, top_ids, top_probs) for t, (p, top_ids, top_probs) in zip(ids, rows)]
 
+    def _filter_failures(self) -> dict[int, Exception]:
+        """The jobs whose constraint filter kept an error during the step (exllamav2_filter.py,
+        exllamav3_filter.py): both libraries run filters inside `iterate()`, where raising would fail every job."""
+        return {
+            job_id: f.error
+            for job_id, tracked in self._jobs.items()
+            for f in (getattr(tracked.job, "filters", None) or ())
+            if getattr(f, "error", None) is not None
+        }
+
     def cancel(self, job_id: int) -> bool:
         tracked = self._jobs.pop(job_id, None)
         if tracked is None:
