@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
+import sys
+import types
+from contextlib import contextmanager
 
 import pytest
 
@@ -93,3 +97,19 @@ def idle_session(engine_session: Session):
     assert engine_session.jobs() == []
     yield engine_session
     engine_session.cancel_all()
+
+
+@contextmanager
+def imported_over_stand_ins(monkeypatch, module_name: str, library_module: str, **names):
+    """Import exlnb's `module_name` where the library it builds on is not installed: `library_module` (and its
+    parent packages) stand in, holding `names`. The stand-ins leave with the test, and so does the module."""
+    parts = library_module.split(".")
+    for depth in range(1, len(parts) + 1):
+        monkeypatch.setitem(sys.modules, ".".join(parts[:depth]), types.ModuleType(".".join(parts[:depth])))
+    for name, value in names.items():
+        setattr(sys.modules[library_module], name, value)
+    monkeypatch.delitem(sys.modules, module_name, raising=False)
+    try:
+        yield importlib.import_module(module_name)
+    finally:
+        sys.modules.pop(module_name, None)  # a later import meets the real library again

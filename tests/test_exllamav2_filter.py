@@ -4,16 +4,13 @@ sampler's fault, not the grammar's."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
-
 import pytest
 
 from exlnb.engines.constraint import OutputConstraint
 from exlnb.engines.grammar import GrammarMatcher
 from exlnb.engines.tokenizer import HfTokenizer
 from exlnb.models import resolve_model
+from tests.conftest import imported_over_stand_ins
 
 
 @pytest.fixture(scope="module")
@@ -24,16 +21,11 @@ def tokenizer():
 @pytest.fixture
 def grammar_filter(tokenizer, monkeypatch):
     """GrammarFilter over `(yes|no)`, with exllamav2's ExLlamaV2Filter replaced by a bare base class."""
-    filters = types.ModuleType("exllamav2.generator.filters")
-    filters.ExLlamaV2Filter = type("ExLlamaV2Filter", (), {"__init__": lambda self, model, tokenizer: None})
-    for name, module in {"exllamav2": types.ModuleType("exllamav2"), "exllamav2.generator": types.ModuleType("g"),
-                         "exllamav2.generator.filters": filters}.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.delitem(sys.modules, "exlnb.engines.exllamav2_filter", raising=False)
-    module = importlib.import_module("exlnb.engines.exllamav2_filter")
-    matcher = GrammarMatcher(OutputConstraint.given(regex="(yes|no)"), tokenizer, 49152, tokenizer.eos_token_ids)
-    yield module.GrammarFilter(None, None, matcher)
-    sys.modules.pop("exlnb.engines.exllamav2_filter", None)
+    base = type("ExLlamaV2Filter", (), {"__init__": lambda self, model, tokenizer: None})
+    with imported_over_stand_ins(monkeypatch, "exlnb.engines.exllamav2_filter", "exllamav2.generator.filters",
+                                 ExLlamaV2Filter=base) as module:
+        matcher = GrammarMatcher(OutputConstraint.given(regex="(yes|no)"), tokenizer, 49152, tokenizer.eos_token_ids)
+        yield module.GrammarFilter(None, None, matcher)
 
 
 def test_a_token_inside_the_mask_advances_the_grammar(grammar_filter, tokenizer):

@@ -4,12 +4,10 @@ complete after an error, and a token drawn outside the mask is named as the samp
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
-
 import pytest
 import torch
+
+from tests.conftest import imported_over_stand_ins
 
 ALLOWED = (5, 40)
 
@@ -40,15 +38,9 @@ class StandInLLGuidanceFilter:
 
 @pytest.fixture
 def kept_error_filter(monkeypatch):
-    filters = types.ModuleType("exllamav3.generator.filter")
-    filters.LLGuidanceFilter = StandInLLGuidanceFilter
-    for name, module in {"exllamav3": types.ModuleType("exllamav3"), "exllamav3.generator": types.ModuleType("g"),
-                         "exllamav3.generator.filter": filters}.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.delitem(sys.modules, "exlnb.engines.exllamav3_filter", raising=False)
-    module = importlib.import_module("exlnb.engines.exllamav3_filter")
-    yield module.KeptErrorFilter()
-    sys.modules.pop("exlnb.engines.exllamav3_filter", None)
+    with imported_over_stand_ins(monkeypatch, "exlnb.engines.exllamav3_filter", "exllamav3.generator.filter",
+                                 LLGuidanceFilter=StandInLLGuidanceFilter) as module:
+        yield module.KeptErrorFilter()
 
 
 def test_a_token_inside_the_mask_is_accepted(kept_error_filter):

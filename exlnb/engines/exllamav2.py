@@ -214,9 +214,7 @@ class ExLlamaV2Engine(LibraryEngine):
         results = self.generator.iterate()
         self.synchronize()  # field report 5: read the clock only after the GPU has done the work
         events = self._events(results, wall_clock())
-        if failures := self._filter_failures():  # a constraint's error belongs to its job alone
-            for job_id in failures:
-                self.cancel(job_id)
+        if failures := self._cancel_failed_filters():
             others = [event for event in events if event.job_id not in failures]
             raise JobFailed(list(failures), next(iter(failures.values())), others)
         return events

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from exllamav2.generator.filters import ExLlamaV2Filter
 
-from exlnb.engines.grammar import GrammarMatcher
+from exlnb.engines.grammar import GrammarMatcher, drawn_outside_mask
 
 
 class GrammarFilter(ExLlamaV2Filter):
@@ -31,9 +31,7 @@ class GrammarFilter(ExLlamaV2Filter):
     def feed(self, token) -> None:
         token = int(token)  # exllamav2 feeds a (1, 1) tensor
         if self.error is None and self.allowed is not None and token not in self.allowed:
-            # the grammar would refuse it too, but the fault is the sampler's: say so, with the mask it ignored
-            self.error = RuntimeError(f"exllamav2's sampler drew token {token}, outside the {len(self.allowed)} "
-                                      f"tokens {self.matcher.constraint.describe()} allowed at this step")
+            self.error = drawn_outside_mask("exllamav2", token, len(self.allowed), self.matcher.constraint.describe())
         if self.error is None:
             try:
                 self.matcher.consume(token)

@@ -174,9 +174,7 @@ class ExLlamaV3Engine(LibraryEngine):
                 events.append(self._started(job_id, tracked, now))
             elif result["stage"] == "streaming":
                 events.append(self._streaming_event(job_id, result, tracked, now))
-        for job_id, error in self._filter_failures().items():  # a constraint's error belongs to its job alone
-            self.cancel(job_id)
-            failures[job_id] = error
+        failures.update(self._cancel_failed_filters())
         events = [event for event in events if event.job_id not in failures]
         if failures:
             self._failed_step_events = events  # delivered by the next step, so no other job loses an event

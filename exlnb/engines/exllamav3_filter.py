@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from exllamav3.generator.filter import LLGuidanceFilter
 
+from exlnb.engines.grammar import drawn_outside_mask
+
 
 class KeptErrorFilter(LLGuidanceFilter):
     def __init__(self, *args, **kwargs) -> None:
@@ -22,9 +24,7 @@ class KeptErrorFilter(LLGuidanceFilter):
 
     def accept_token(self, token: int) -> None:
         if self.error is None and self.allowed is not None and not allows(self.allowed, token):
-            # the grammar would refuse it too, but the fault is the sampler's: say so, with the mask it ignored
-            self.error = RuntimeError(f"exllamav3's sampler drew token {token}, outside the "
-                                      f"{allowed_count(self.allowed)} tokens its llguidance filter allowed at this step")
+            self.error = drawn_outside_mask("exllamav3", token, allowed_count(self.allowed), "its llguidance filter")
         if self.error is None:
             try:
                 super().accept_token(token)

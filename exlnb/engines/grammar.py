@@ -18,6 +18,13 @@ from exlnb.engines.constraint import OutputConstraint
 from exlnb.engines.tokenizer import HfTokenizer
 
 
+def drawn_outside_mask(library: str, token: int, allowed: int, constraint: str) -> RuntimeError:
+    """A library's sampler drew a token its filter had masked: the grammar would refuse it too, but the fault is
+    the sampler's, and the error says so, with how many tokens the mask it ignored let through."""
+    return RuntimeError(f"{library}'s sampler drew token {token}, outside the {allowed} tokens {constraint} allowed "
+                        f"at this step")
+
+
 class GrammarMatcher:
     def __init__(
         self, constraint: OutputConstraint, tokenizer: HfTokenizer, vocab_size: int, stop_token_ids: Iterable[int]

@@ -208,15 +208,19 @@ class LibraryEngine(Engine):
                 rows += zip(part["token_probs"][0].tolist(), part["top_k_tokens"][0].tolist(), part["top_k_probs"][0].tolist())
         return [token_info(self.tokenizer, t, p, top_ids, top_probs) for t, (p, top_ids, top_probs) in zip(ids, rows)]
 
-    def _filter_failures(self) -> dict[int, Exception]:
-        """The jobs whose constraint filter kept an error during the step (exllamav2_filter.py,
-        exllamav3_filter.py): both libraries run filters inside `iterate()`, where raising would fail every job."""
-        return {
+    def _cancel_failed_filters(self) -> dict[int, Exception]:
+        """Cancel the jobs whose constraint filter kept an error during the step (exllamav2_filter.py,
+        exllamav3_filter.py) and return their errors: both libraries run filters inside `iterate()`, where
+        raising would fail every job, so a constraint's error ends its own job here, after the step."""
+        failures = {
             job_id: f.error
             for job_id, tracked in self._jobs.items()
             for f in (getattr(tracked.job, "filters", None) or ())
             if getattr(f, "error", None) is not None
         }
+        for job_id in failures:
+            self.cancel(job_id)
+        return failures
 
     def cancel(self, job_id: int) -> bool:
         tracked = self._jobs.pop(job_id, None)
