@@ -14,10 +14,14 @@
 # and `exllamav3_ext.so`, xz-compressed in parts named `v2.so.xz.*` and `v3.so.xz.*`): both libraries import a
 # prebuilt extension before they build one, which saves the ~10 minutes of the two builds. The pytest
 # selections can be narrowed with EXLNB_GPU_V2_TESTS / EXLNB_GPU_V3_TESTS (pytest arguments), and
-# EXLNB_GPU_BENCHMARKS=0 skips the benchmarks. EXLNB_GPU_REPORT=exllamav3,exllamav2 adds exlnb's
-# investigations (`python -m exlnb.report --engine E`, one engine after the other, after the tests and the
-# benchmarks) with their executed notebooks, HTML, CSVs, figures and summary.md under report-E/;
-# EXLNB_GPU_REPORT_ARGS passes more arguments to each (e.g. "--preset full" or "--only latency streaming").
+# EXLNB_GPU_V2_TESTS=skip (or V3) leaves a suite out. EXLNB_GPU_BENCHMARKS=0 skips the benchmarks and the
+# serving sweep; EXLNB_GPU_SERVING=1 runs the sweep all the same, and EXLNB_GPU_KIT=1 runs the kit-overhead
+# rows alone (`python -m benchmarks --only kit`) after the tests. EXLNB_GPU_REPORT="exllamav2
+# exllamav3:quantization,context" adds exlnb's investigations (`python -m exlnb.report --engine E`, one
+# engine after the other, after the tests and the benchmarks; after the colon, the notebooks to run, else all)
+# with their executed notebooks, HTML, CSVs, figures and summary.md under report-E/; EXLNB_GPU_REPORT_ARGS
+# passes more arguments to each (e.g. "--preset full"). EXLNB_GPU_CONSTRAINED_PROBE=1 first runs
+# `python -m benchmarks.constrained_probe` alone on both engines (issue 16's masked-token draw).
 # EXLNB_GPU_GRAPH_PROBE=1 runs issue 17's CUDA-graph probe (`python -m benchmarks.graph_probe`, on the bundled
 # and then the 7B-shaped model) alone, right after the tests, into graph-probe-*.json and graph-probe-*.log.
 # EXLNB_GPU_PREQUANTIZE="exl3:3 exl3:6,8 exl2:3,6,8" makes those quantizations of the bundled model while the
@@ -70,18 +74,29 @@ suite() {  # suite NAME PYTEST_ARGS...: one pytest run, its log and junit XML un
 
 chain_exllamav2() {
     wait_for "$WORK/build-exllamav2.rc"
-    eval "suite pytest-gpu-exllamav2 ${EXLNB_GPU_V2_TESTS:--k \"not exllamav3 and not exl3\" tests}"
+    [ "${EXLNB_GPU_V2_TESTS:-}" = skip ] || eval "suite pytest-gpu-exllamav2 ${EXLNB_GPU_V2_TESTS:--k \"not exllamav3 and not exl3\" tests}"
     touch "$WORK/exllamav2.done"
 }
 
-report() {  # report ENGINES: exlnb's investigations on each engine (comma-separated) in turn, under OUTDIR
-    local engine
-    for engine in ${1//,/ }; do
-        log "start the investigations on the $engine engine"
-        (cd "$REPO" && eval "timeout 1500 python3 -m exlnb.report --engine $engine --out \"$OUTDIR/report-$engine\" ${EXLNB_GPU_REPORT_ARGS:-}" \
+report() {  # report "ENGINE[:NOTEBOOK,...] ...": exlnb's investigations on each engine in turn, under OUTDIR
+    local word engine only
+    for word in ${1//,exllama/ exllama}; do  # the older comma-separated form "exllamav3,exllamav2" still reads
+        engine=${word%%:*}
+        only=""
+        [ "$word" != "$engine" ] && only="--only ${word#*:}" && only=${only//,/ }
+        log "start the investigations on the $engine engine ${only}"
+        (cd "$REPO" && eval "timeout 1500 python3 -m exlnb.report --engine $engine --out \"$OUTDIR/report-$engine\" $only ${EXLNB_GPU_REPORT_ARGS:-}" \
             > "$OUTDIR/report-$engine.log" 2>&1)
         log "end the investigations on the $engine engine (exit $?)"
     done
+}
+
+constrained_probe() {  # issue 16: which part of a constrained step lets a masked token through, per engine
+    wait_for "$WORK/build-exllamav2.rc"
+    wait_for "$WORK/build-exllamav3.rc"
+    log "start the constrained probe"
+    (cd "$REPO" && timeout 300 python3 -m benchmarks.constrained_probe --out "$OUTDIR" > "$OUTDIR/constrained-probe.log" 2>&1)
+    log "end the constrained probe (exit $?)"
 }
 
 graph_probe() {  # which parts of an ExLlamaV2 decode step CUDA graphs can capture (issue 17), per model
@@ -116,7 +131,7 @@ chain_quantized() {  # EXLNB_GPU_PREQUANTIZE's conversions side by side, then th
 chain_exllamav3() {
     wait_for "$WORK/build-exllamav3.rc"
     log "exllamav3 build ended (exit $(cat "$WORK/build-exllamav3.rc"))"
-    eval "suite pytest-gpu-exllamav3 ${EXLNB_GPU_V3_TESTS:--k \"exllamav3 or exl3\" tests}"
+    [ "${EXLNB_GPU_V3_TESTS:-}" = skip ] || eval "suite pytest-gpu-exllamav3 ${EXLNB_GPU_V3_TESTS:--k \"exllamav3 or exl3\" tests}"
     touch "$WORK/exllamav3.done"
 }
 
@@ -162,23 +177,32 @@ all)
     (cd "$REPO" && python3 -c "from exlnb.models import resolve_model; print(resolve_model('smollm2-135m-instruct', progress=False))") \
         > "$OUTDIR/convert.log" 2>&1
     log "converted (exit $?)"
+    [ "${EXLNB_GPU_CONSTRAINED_PROBE:-0}" = 1 ] && constrained_probe
     chain_exllamav2 & chain_exllamav3 & chain_quantized & wait
     [ "${EXLNB_GPU_GRAPH_PROBE:-0}" = 1 ] && graph_probe
-    if [ "${EXLNB_GPU_BENCHMARKS:-1}" = 1 ]; then
+    benchmarks=${EXLNB_GPU_BENCHMARKS:-1}
+    if [ "$benchmarks" = 1 ]; then
         log "start benchmarks"
         (cd "$REPO" && timeout 900 python3 -m benchmarks --out "$OUTDIR" > "$OUTDIR/benchmarks.log" 2>&1)
         log "end benchmarks (exit $?)"
+    elif [ "${EXLNB_GPU_KIT:-0}" = 1 ]; then
+        log "start the kit-overhead benchmark"
+        (cd "$REPO" && timeout 600 python3 -m benchmarks --only kit --out "$OUTDIR" > "$OUTDIR/benchmarks-kit.log" 2>&1)
+        log "end the kit-overhead benchmark (exit $?)"
     fi
     [ -n "${EXLNB_GPU_REPORT:-}" ] && report "$EXLNB_GPU_REPORT"
-    [ "${EXLNB_GPU_BENCHMARKS:-1}" = 0 ] && { touch "$OUTDIR/DONE"; exit 0; }
-    log "start benchmarks on the exllamav3 engine"
-    (cd "$REPO" && python3 -m benchmarks --engine exllamav3 --only kit,context,concurrency --out "$OUTDIR" \
-        > "$OUTDIR/benchmarks-exllamav3.log" 2>&1)
-    log "end benchmarks on the exllamav3 engine (exit $?)"
-    log "start the serving saturation sweep"
-    (cd "$REPO" && python3 -m benchmarks.serving --engine exllamav2,exllamav3 --paged on,off --out "$OUTDIR" \
-        > "$OUTDIR/serving.log" 2>&1)
-    log "end the serving saturation sweep (exit $?)"
+    if [ "$benchmarks" = 1 ]; then
+        log "start benchmarks on the exllamav3 engine"
+        (cd "$REPO" && python3 -m benchmarks --engine exllamav3 --only kit,context,concurrency --out "$OUTDIR" \
+            > "$OUTDIR/benchmarks-exllamav3.log" 2>&1)
+        log "end benchmarks on the exllamav3 engine (exit $?)"
+    fi
+    if [ "${EXLNB_GPU_SERVING:-$benchmarks}" = 1 ]; then
+        log "start the serving saturation sweep"
+        (cd "$REPO" && python3 -m benchmarks.serving --engine exllamav2,exllamav3 --paged on,off --out "$OUTDIR" \
+            > "$OUTDIR/serving.log" 2>&1)
+        log "end the serving saturation sweep (exit $?)"
+    fi
     touch "$OUTDIR/DONE"
     ;;
 collect)

@@ -156,15 +156,17 @@ def _short(estimate: Estimate) -> str:
 
 def git_commit() -> str | None:
     """The commit of the code that ran, `-dirty` where the working tree differs from it (a copy of the tree
-    on another machine may carry an older `.git`), or None outside a git checkout."""
+    on another machine may carry an older `.git`); outside a git checkout, what `EXLNB_COMMIT` says (a copy
+    sent to a bare machine without its `.git`), else None."""
+    named = os.environ.get("EXLNB_COMMIT") or None
     try:
         result = subprocess.run(
             ["git", "describe", "--always", "--dirty", "--abbrev=7"],
             capture_output=True, text=True, cwd=Path(__file__).parent,
         )
     except FileNotFoundError:  # no git on this machine
-        return None
-    return result.stdout.strip() or None
+        return named
+    return result.stdout.strip() or named
 
 
 def _jsonable(value):
