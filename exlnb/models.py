@@ -93,6 +93,7 @@ def prepare_bundled(*, progress: bool = True) -> Path:
     """Fetch, verify and convert the bundled model once; later calls return the cached folder at once."""
     target = cache_root() / "models" / BUNDLED_MODEL
     if _is_prepared(target):
+        repair_tokenizer(target)  # a folder converted before exlnb repaired what transformers 5.17 writes
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):  # two kernels starting at once convert only once
@@ -135,6 +136,7 @@ def _prepare_into(target: Path, *, progress: bool) -> None:
         shutil.rmtree(partial, ignore_errors=True)
         shutil.copytree(staging, partial)
         fix_config_for_exllamav2(partial / "config.json")
+        repair_tokenizer(partial)
         shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)  # atomic: a crash never leaves a half-written model behind
         steps.update(1)
@@ -195,6 +197,50 @@ def fix_config_for_exllamav2(config_path: Path) -> None:
     if "rope_theta" not in config and "rope_theta" in rope:
         config["rope_theta"] = rope["rope_theta"]
     config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def repair_tokenizer(folder: Path) -> bool:
+    """Give a byte-level BPE `tokenizer.json` ByteLevel as its only decoder; True where the file changed.
+
+    transformers 5.17 converts the bundled GGUF's byte-level ("gpt2") vocabulary with SentencePiece's decoder
+    chain in front of ByteLevel (ByteFallback, Fuse, Replace "\u2581"). transformers still decodes that right,
+    but llguidance then reads the "\u0120" of every token that starts with a space as two bytes, not a space,
+    so the grammar's masks go wrong and a JSON answer breaks at its first forced space, on every engine.
+    transformers 5.23 writes ByteLevel alone, and so does this. A folder with nothing to repair is left as it is.
+    """
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return False
+    text = path.read_text(encoding="utf-8")
+    if "ByteFallback" not in text:  # cheap: this runs on every load of the bundled model
+        return False
+    repaired = byte_level_repaired(json.loads(text))
+    if repaired is None:
+        return False
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=folder, suffix=".partial", delete=False) as f:
+        json.dump(repaired, f, ensure_ascii=False)
+    os.replace(f.name, path)  # atomic: a reader sees the old file or the new one
+    return True
+
+
+def byte_level_repaired(spec: dict) -> dict | None:
+    """`spec` (a parsed tokenizer.json) with its ByteLevel decoder alone and no byte fallback, where a BPE
+    vocabulary pre-tokenized by ByteLevel is decoded through a chain with ByteFallback; else None."""
+    decoder, model = spec.get("decoder") or {}, spec.get("model") or {}
+    chain = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else []
+    byte_level = [step for step in chain if step.get("type") == "ByteLevel"]
+    sentencepiece = any(step.get("type") == "ByteFallback" for step in chain)
+    if model.get("type") != "BPE" or not byte_level or not sentencepiece or not _byte_level(spec.get("pre_tokenizer")):
+        return None
+    return {**spec, "decoder": byte_level[0], "model": {**model, "byte_fallback": False}}
+
+
+def _byte_level(pre_tokenizer: dict | None) -> bool:
+    if not pre_tokenizer:
+        return False
+    if pre_tokenizer.get("type") == "Sequence":
+        return any(_byte_level(step) for step in pre_tokenizer.get("pretokenizers", []))
+    return pre_tokenizer.get("type") == "ByteLevel"
 
 
 def _looks_like_hub_repo(text: str) -> bool:

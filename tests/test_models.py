@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from exlnb.models import SMOLLM2, BundledGguf, fix_config_for_exllamav2, resolve_model, verify_gguf
+from exlnb.models import (
+    SMOLLM2,
+    BundledGguf,
+    byte_level_repaired,
+    fix_config_for_exllamav2,
+    prepare_bundled,
+    repair_tokenizer,
+    resolve_model,
+    verify_gguf,
+)
 
 
 def test_bundled_model_is_an_fp16_folder_that_exllamav2_reads_correctly(cpu_session):
@@ -100,3 +109,84 @@ def test_the_models_own_eos_wins_over_a_misread_tokenizer_eos(cpu_session, tmp_p
     tokenizer = HfTokenizer(tmp_path)
     assert tokenizer.eos_token_ids == (2,)
     assert tokenizer.decode([tokenizer.eos_token_id]) == "<|im_end|>"
+
+
+# The decoder chain transformers 5.17 wrote for the bundled GGUF's byte-level vocabulary (seen on the GPU machine)
+SENTENCEPIECE_CHAIN = {"type": "Sequence", "decoders": [
+    {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+    {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+]}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json")
+
+
+def as_transformers_517_wrote_it(bundled: Path, folder: Path) -> Path:
+    """The bundled model's tokenizer files, its tokenizer.json decoded as transformers 5.17 converted it."""
+    import shutil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(bundled / name, folder / name)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["decoder"] = SENTENCEPIECE_CHAIN
+    spec["model"]["byte_fallback"] = True
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    return folder
+
+
+def _person_mask_after_its_key(folder: Path) -> set[int]:
+    """The tokens llguidance allows after `{"name":` under a JSON schema, through exlnb's tokenizer."""
+    from exlnb.engines.constraint import OutputConstraint
+    from exlnb.engines.grammar import GrammarMatcher
+    from exlnb.engines.tokenizer import HfTokenizer
+
+    tokenizer = HfTokenizer(folder)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    matcher = GrammarMatcher(OutputConstraint.from_json_schema(schema), tokenizer, tokenizer.vocab_size, [])
+    for token in tokenizer.encode('{"name":'):
+        assert token in matcher.allowed_ids()
+        matcher.consume(token)
+    return matcher.allowed_ids()
+
+
+def test_llguidance_misreading_a_tokenizer_is_one_clear_error_not_wrong_masks(cpu_session, tmp_path):
+    broken = as_transformers_517_wrote_it(resolve_model("smollm2-135m-instruct"), tmp_path / "broken")
+    with pytest.raises(ValueError, match=r"^llguidance reads this tokenizer's tokens otherwise than it decodes them "
+                                         r"\(' \{\"name\"' reads as 'Ġ\{\"name\"'\).*repair_tokenizer"):
+        _person_mask_after_its_key(broken)
+
+
+def test_the_repaired_tokenizer_decodes_alike_and_its_masks_allow_the_space_the_grammar_forces(cpu_session, tmp_path):
+    from exlnb.engines.tokenizer import HfTokenizer
+
+    bundled = resolve_model("smollm2-135m-instruct")
+    broken = as_transformers_517_wrote_it(bundled, tmp_path / "broken")
+    assert repair_tokenizer(broken) and not repair_tokenizer(broken)  # the second call finds nothing to do
+    allowed = _person_mask_after_its_key(broken)
+    space_quote, colon = HfTokenizer(broken).encode(' "')[0], HfTokenizer(broken).encode(":")[0]
+    assert space_quote in allowed and colon not in allowed
+    assert allowed == _person_mask_after_its_key(bundled)
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    repaired, original = HfTokenizer(broken), HfTokenizer(bundled)
+    assert repaired.encode(text) == original.encode(text) and repaired.decode(repaired.encode(text)) == text
+
+
+def test_a_bundled_folder_converted_before_the_repair_is_repaired_when_it_is_next_used(cpu_session, tmp_path, monkeypatch):
+    import exlnb.models
+
+    bundled = resolve_model("smollm2-135m-instruct")
+    monkeypatch.setattr(exlnb.models, "cache_root", lambda: tmp_path)
+    cached = as_transformers_517_wrote_it(bundled, tmp_path / "models" / "smollm2-135m-instruct")
+    (cached / "model.safetensors").symlink_to(bundled / "model.safetensors")
+    assert prepare_bundled(progress=False) == cached
+    decoder = json.loads((cached / "tokenizer.json").read_text())["decoder"]
+    assert decoder == SENTENCEPIECE_CHAIN["decoders"][-1]
+
+
+def test_tokenizers_with_nothing_to_repair_are_left_alone(tmp_path):
+    sentencepiece = {"model": {"type": "BPE", "byte_fallback": True}, "pre_tokenizer": {"type": "Metaspace"},
+                     "decoder": SENTENCEPIECE_CHAIN}  # a Llama-2 style vocabulary really uses its fallback
+    llama3 = {"model": {"type": "BPE"}, "decoder": {"type": "ByteLevel"},
+              "pre_tokenizer": {"type": "Sequence", "pretokenizers": [{"type": "Split"}, {"type": "ByteLevel"}]}}
+    assert byte_level_repaired(sentencepiece) is None and byte_level_repaired(llama3) is None
+    (tmp_path / "tokenizer.json").write_text(json.dumps(sentencepiece))
+    assert not repair_tokenizer(tmp_path) and not repair_tokenizer(tmp_path / "missing")

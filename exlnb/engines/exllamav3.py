@@ -141,11 +141,13 @@ class ExLlamaV3Engine(LibraryEngine):
     def _filters(self, spec: JobSpec) -> list | None:
         """exllamav3 1.6.5's own llguidance filter for a constraint, ending the job once the grammar is complete
         ("end_filter"), keeping its errors for this job alone (exllamav3_filter.py). Its keywords are
-        llguidance's format names: json_schema=, regex=."""
+        llguidance's format names: json_schema=, regex=. exllamav3's filter reads the model's tokenizer.json as
+        exlnb's own llguidance view does, so that view's check (`grammar_tokenizer`) guards this one too."""
         if spec.constraint is None:
             return None
         from exlnb.engines.exllamav3_filter import KeptErrorFilter
 
+        self.tokenizer.grammar_tokenizer(self.vocab_size)  # built once; raises where llguidance misreads tokens
         constraint = spec.constraint
         return [KeptErrorFilter(self.generator.tokenizer, eos_after_completed=True, **{constraint.kind: constraint.source})]
 

@@ -14,6 +14,10 @@ from pathlib import Path
 from exlnb.engines.checks import check_text
 
 
+# Text whose tokens exercise what llguidance must read as the tokenizer does: spaces inside, JSON, non-ASCII
+GRAMMAR_PROBE = 'A {"name": "Ana", "tags": [1, 2]}\n\tcafé, 東京!'
+
+
 class HfTokenizer:
     def __init__(self, model_dir: Path) -> None:
         from transformers import AutoTokenizer
@@ -52,12 +56,30 @@ class HfTokenizer:
         return self._pieces
 
     def grammar_tokenizer(self, vocab_size: int):
-        """llguidance's view of this tokenizer over `vocab_size` logits (about 0.4 s to build, so built once)."""
+        """llguidance's view of this tokenizer over `vocab_size` logits (about 0.4 s to build, so built once),
+        checked to read tokens as this tokenizer decodes them: otherwise every mask would be wrong."""
         if vocab_size not in self._grammar_tokenizers:
             from llguidance.hf import from_tokenizer
 
-            self._grammar_tokenizers[vocab_size] = from_tokenizer(self._tok, n_vocab=vocab_size, eos_token=list(self.eos_token_ids))
+            view = from_tokenizer(self._tok, n_vocab=vocab_size, eos_token=list(self.eos_token_ids))
+            self._check_grammar_view(view)
+            self._grammar_tokenizers[vocab_size] = view
         return self._grammar_tokenizers[vocab_size]
+
+    def _check_grammar_view(self, view) -> None:
+        """llguidance reads tokenizer.json itself (as exllamav3's own filter does): a decoder that does not
+        match the vocabulary (a byte-level one read as SentencePiece, `exlnb.models.repair_tokenizer`) makes it
+        see other bytes than this tokenizer decodes, and its masks then allow the wrong tokens."""
+        ids = self._tok.encode(GRAMMAR_PROBE, add_special_tokens=False)
+        seen = view.decode_bytes(ids).decode("utf-8", errors="replace").lstrip()
+        meant = self._tok.decode(ids).lstrip()  # lstrip: SentencePiece tokenizers drop a leading space here
+        if seen != meant:
+            at = next(i for i, (a, b) in enumerate(zip(seen + "\0", meant + "\0")) if a != b)
+            raise ValueError(
+                f"llguidance reads this tokenizer's tokens otherwise than it decodes them ({meant[at:at + 8]!r} "
+                f"reads as {seen[at:at + 8]!r}), so no constraint could be enforced: its tokenizer.json's decoder "
+                "does not fit its vocabulary; for a byte-level one, exlnb.models.repair_tokenizer(folder) fixes it"
+            )
 
     def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
         return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
