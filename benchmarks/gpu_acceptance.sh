@@ -190,7 +190,6 @@ all)
         (cd "$REPO" && timeout 600 python3 -m benchmarks --only kit --out "$OUTDIR" > "$OUTDIR/benchmarks-kit.log" 2>&1)
         log "end the kit-overhead benchmark (exit $?)"
     fi
-    [ -n "${EXLNB_GPU_REPORT:-}" ] && report "$EXLNB_GPU_REPORT"
     if [ "$benchmarks" = 1 ]; then
         log "start benchmarks on the exllamav3 engine"
         (cd "$REPO" && python3 -m benchmarks --engine exllamav3 --only kit,context,concurrency --out "$OUTDIR" \
@@ -203,6 +202,7 @@ all)
             > "$OUTDIR/serving.log" 2>&1)
         log "end the serving saturation sweep (exit $?)"
     fi
+    [ -n "${EXLNB_GPU_REPORT:-}" ] && report "$EXLNB_GPU_REPORT"
     touch "$OUTDIR/DONE"
     ;;
 collect)
