@@ -18,7 +18,7 @@
 # serving sweep; EXLNB_GPU_SERVING=1 runs the sweep all the same, and EXLNB_GPU_KIT=1 runs the kit-overhead
 # rows alone (`python -m benchmarks --only kit`) after the tests. EXLNB_GPU_REPORT="exllamav2
 # exllamav3:quantization,context" adds exlnb's investigations (`python -m exlnb.report --engine E`, one
-# engine after the other, after the tests and the benchmarks; after the colon, the notebooks to run, else all)
+# engine after the other, last of all; after the colon, the notebooks to run, else all)
 # with their executed notebooks, HTML, CSVs, figures and summary.md under report-E/; EXLNB_GPU_REPORT_ARGS
 # passes more arguments to each (e.g. "--preset full"). EXLNB_GPU_CONSTRAINED_PROBE=1 first runs
 # `python -m benchmarks.constrained_probe` alone on both engines (issue 16's masked-token draw).
