@@ -22,6 +22,8 @@
 # with their executed notebooks, HTML, CSVs, figures and summary.md under report-E/; EXLNB_GPU_REPORT_ARGS
 # passes more arguments to each (e.g. "--preset full"). EXLNB_GPU_CONSTRAINED_PROBE=1 first runs
 # `python -m benchmarks.constrained_probe` alone on both engines (issue 16's masked-token draw).
+# EXLNB_GPU_GRAPHS=1 runs `python -m benchmarks.graphs` (eager against CUDA-graph decode, with transformers
+# and the ExLlamaV3 engine beside them) alone right after the tests, into graphs-*.json and graphs.log.
 # EXLNB_GPU_GRAPH_PROBE=1 runs issue 17's CUDA-graph probe (`python -m benchmarks.graph_probe`, on the bundled
 # and then the 7B-shaped model) alone, right after the tests, into graph-probe-*.json and graph-probe-*.log.
 # EXLNB_GPU_PREQUANTIZE="exl3:3 exl3:6,8 exl2:3,6,8" makes those quantizations of the bundled model while the
@@ -108,6 +110,14 @@ graph_probe() {  # which parts of an ExLlamaV2 decode step CUDA graphs can captu
     done
 }
 
+graphs_benchmark() {  # eager against CUDA-graph decode with the peers (issue 17), alone, after the suites
+    wait_for "$WORK/build-exllamav2.rc"
+    wait_for "$WORK/build-exllamav3.rc"
+    log "start the CUDA-graph decode benchmark"
+    (cd "$REPO" && timeout 1200 python3 -m benchmarks.graphs --out "$OUTDIR" > "$OUTDIR/graphs.log" 2>&1)
+    log "end the CUDA-graph decode benchmark (exit $?)"
+}
+
 chain_quantized() {  # EXLNB_GPU_PREQUANTIZE's conversions side by side, then the EXL3 kernel probe
     local spec format bits
     for spec in ${EXLNB_GPU_PREQUANTIZE:-}; do
@@ -179,6 +189,7 @@ all)
     log "converted (exit $?)"
     [ "${EXLNB_GPU_CONSTRAINED_PROBE:-0}" = 1 ] && constrained_probe
     chain_exllamav2 & chain_exllamav3 & chain_quantized & wait
+    [ "${EXLNB_GPU_GRAPHS:-0}" = 1 ] && graphs_benchmark
     [ "${EXLNB_GPU_GRAPH_PROBE:-0}" = 1 ] && graph_probe
     benchmarks=${EXLNB_GPU_BENCHMARKS:-1}
     if [ "$benchmarks" = 1 ]; then

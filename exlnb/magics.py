@@ -24,7 +24,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import MagicHelpFormatter, argument, magic_arguments, real_name
 
 from exlnb.engines.base import SamplerSettings
-from exlnb.engines.options import CACHE_DTYPES, DISPLAY_HELP, DISPLAY_MODES, ENGINE_NAMES, TOKEN_COLOURS
+from exlnb.engines.options import CACHE_DTYPES, DISPLAY_HELP, DISPLAY_MODES, ENGINE_NAMES, GRAPH_MODES, TOKEN_COLOURS
 from exlnb.generation import Generation
 from exlnb.loadtest import bench
 from exlnb.models import BUNDLED_MODEL
@@ -260,6 +260,8 @@ class ExlnbMagics(Magics):
     @argument("--cache", choices=CACHE_DTYPES, default="fp16", help="KV cache precision, exllamav2 (default: fp16)")
     @argument("--max-batch-size", type=int, help="most jobs decoded together (default: 16)")
     @argument("--gpu-split", type=gpu_split, help="GiB per GPU, comma separated, e.g. 20,24 (exllamav2)")
+    @argument("--graphs", choices=GRAPH_MODES, default="auto",
+              help="CUDA-graph decode, exllamav2: auto uses it where its load check passes (default: auto)")
     @argument("--reload", action="store_true",
               help="load again even if the same model is loaded; replace a model while jobs run (they end)")
     @argument("-h", "--help", action=_ShowHelp)
@@ -273,7 +275,7 @@ class ExlnbMagics(Magics):
         with usage_errors():
             status = session.load(
                 args.model, engine=args.engine, cache_tokens=args.cache_tokens, cache=args.cache,
-                max_batch_size=args.max_batch_size, gpu_split=args.gpu_split, reload=args.reload,
+                max_batch_size=args.max_batch_size, gpu_split=args.gpu_split, graphs=args.graphs, reload=args.reload,
             )
         if before is not None and session.options != before:
             print(f"replaced {before.model_dir.name} ({before.engine} engine)")

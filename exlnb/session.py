@@ -84,6 +84,7 @@ class Session:
         max_batch_size: int | None = None,
         gpu_split: Sequence[float] | None = None,
         paged: str | bool = "auto",
+        graphs: str = "auto",
         reload: bool = False,
         progress: bool = True,
     ) -> EngineStatus:
@@ -92,7 +93,8 @@ class Session:
         `model` is "smollm2-135m-instruct" (fetched and converted once, then cached) or a local folder.
         `engine` is "auto" (ExLlamaV2 where CUDA is available, else CPU), "exllamav2" or "cpu".
         Replacing a loaded model while jobs run needs `reload=True` (they are ended); `reload=True` also
-        loads again with unchanged arguments. Everything that can be checked is checked before the loaded
+        loads again with unchanged arguments. `graphs` ("auto" or "off") is the ExLlamaV2 engine's CUDA-graph
+        decode: "auto" uses it where a decode step replayed at load agrees with the same step run eagerly. Everything that can be checked is checked before the loaded
         model is touched; if the new one fails to load, the previous one is loaded again.
         """
         model_dir = resolve_model(model, progress=progress)
@@ -104,6 +106,7 @@ class Session:
             max_batch_size=max_batch_size,
             gpu_split=tuple(gpu_split) if gpu_split else None,
             paged=paged,
+            graphs=graphs,
         )
         check_cache_fits(options)
         with self._load_lock:

@@ -267,14 +267,16 @@ class EngineStatus:
     device_memory_bytes: int | None = None
     notes: tuple[str, ...] = ()  # things the user should know once (e.g. SDPA turned off)
     library: str = ""  # the inference library and its version, e.g. "exllamav3 1.6.5"
+    decode: str = ""  # how decode steps run where an engine has a choice: "eager", or "CUDA graphs, ..."
 
     def line(self) -> str:
         mem = f", {self.device_memory_bytes / 2**30:.2f} GiB on device" if self.device_memory_bytes else ""
         mode = "paged" if self.paged else "unpaged"
         library = f" ({self.library})" if self.library else ""
+        decode = f" | decode: {self.decode}" if self.decode else ""
         return (
             f"{self.engine} engine{library} | {self.model} | {self.device} | {mode} ({self.attention}) | "
-            f"cache {self.cache_tokens} tokens {self.cache_dtype} | batch {self.max_batch_size}{mem}"
+            f"cache {self.cache_tokens} tokens {self.cache_dtype} | batch {self.max_batch_size}{mem}{decode}"
         )
 
 

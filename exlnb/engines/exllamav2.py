@@ -95,6 +95,7 @@ class ExLlamaV2Engine(LibraryEngine):
             paged=self.paged,
         )
         self.page_size = self.generator.page_size
+        self.graphs = self._start_graphs()
         self._start_tracking()
         # exllamav2 defragments only when idle after touching every page
         self._count_defrags(self.generator, "defrag_cache")
@@ -158,6 +159,32 @@ class ExLlamaV2Engine(LibraryEngine):
             "install flash-attn for faster attention"
         )
         return True, "exlnb paged attention (PyTorch)"
+
+    def _start_graphs(self):
+        """Decode from CUDA graphs unless asked not to, where the engine's setup allows it and a decode step
+        replayed agrees with the same step run eagerly (graph_decode.py); otherwise eager, with a note."""
+        from exlnb.engines.graph_decode import GraphDecoder, cannot_graph
+
+        if self.options.graphs == "off":
+            return None
+        reason = cannot_graph(self)
+        decoder = None
+        if reason is None:
+            decoder = GraphDecoder(self.model, self.cache, page_size=self.page_size,
+                                   max_batch_size=self.generator.max_batch_size, max_pages=self.generator.max_pages)
+            decoder.install()
+            try:
+                with torch.inference_mode():
+                    reason = decoder.self_check(self.tokenizer.encode("The quick brown fox jumps over the lazy dog."))
+            except Exception as error:  # a capture that fails here leaves decode eager, and says why
+                reason = f"capture failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            self._forget_cache_contents()  # the check wrote into the first pages
+            if reason is not None:
+                decoder.uninstall()
+                decoder = None
+        if reason is not None:
+            self._notes.append(f"decode eager, not from CUDA graphs: {reason}")
+        return decoder
 
     # -- jobs ----------------------------------------------------------------------------------------------
 
@@ -331,10 +358,14 @@ class ExLlamaV2Engine(LibraryEngine):
             device_memory_bytes=torch.cuda.memory_allocated(),
             notes=tuple(self._notes),
             library=f"exllamav2 {VERIFIED_EXLLAMAV2}",
+            decode=self.graphs.describe() if self.graphs else "eager",
         )
 
     def close(self) -> None:
         self._cancel_all()
+        if self.graphs:
+            self.graphs.uninstall()
+            self.graphs = None
         self.model.unload()
         del self.generator, self.cache, self.model
         torch.cuda.empty_cache()

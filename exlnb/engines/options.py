@@ -17,6 +17,7 @@ DISPLAY_HELP = "auto: a widget where the front end renders widgets, plain text o
 TOKEN_COLOURS = ("probability", "latency")  # what the token view's shades say
 PAGED_MODES = {"auto": "auto", "on": True, "off": False}  # `paged=` as command lines write it
 UNPAGED_ENGINES = ("exllamav2",)  # engines that can also run unpaged; the others always page
+GRAPH_MODES = ("auto", "off")  # CUDA-graph decode (ExLlamaV2 engine): auto is on where its load check passes
 
 DEFAULT_CACHE_TOKENS = 8192
 DEFAULT_MAX_BATCH_SIZE = 16
@@ -40,6 +41,7 @@ class EngineOptions:
     max_batch_size: int
     gpu_split: tuple[float, ...] | None
     paged: str | bool
+    graphs: str = "auto"
 
     @classmethod
     def resolve(
@@ -52,6 +54,7 @@ class EngineOptions:
         max_batch_size: int | None,
         gpu_split: Sequence[float] | None,
         paged: str | bool,
+        graphs: str = "auto",
     ) -> EngineOptions:
         if engine not in ENGINE_NAMES:
             raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINE_NAMES)}")
@@ -71,6 +74,8 @@ class EngineOptions:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
         if paged not in PAGED_MODES.values():
             raise ValueError(f'paged={paged!r} is not one of "auto", True, False')
+        if graphs not in GRAPH_MODES:
+            raise ValueError(f"graphs={graphs!r}: choose one of {', '.join(GRAPH_MODES)}")
         return cls(
             engine=engine,
             model_dir=Path(model_dir).resolve(),
@@ -79,6 +84,7 @@ class EngineOptions:
             max_batch_size=max_batch_size or DEFAULT_MAX_BATCH_SIZE,
             gpu_split=tuple(gpu_split) if gpu_split else None,
             paged=paged,
+            graphs=graphs,
         )
 
 

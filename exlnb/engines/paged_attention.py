@@ -157,6 +157,12 @@ class _LayoutMemo(threading.local):
 _memo = _LayoutMemo()
 
 
+def forget_layout() -> None:
+    """Drop this thread's remembered layout. A CUDA graph capture calls it first: a layout remembered from an
+    eager pass over the same tensors would be read by the graph instead of computed in it."""
+    _memo.__init__()
+
+
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -1,0 +1,123 @@
+"""CUDA-graph decode on the ExLlamaV2 engine (exlnb/engines/graph_decode.py).
+
+The bucket arithmetic and the option's checks run everywhere; the rest needs CUDA (`pytest -m gpu`): graphs on
+by default where the load check passes, and greedy output token-identical to eager decode at batch sizes 1 to
+16 in paged mode, over the engine acceptance prompts and a prompt several pages long.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.paged_acceptance import LONG_PROMPT, QUESTIONS, answers_together
+from exlnb.engines.base import EngineStatus
+from exlnb.engines.graph_decode import bucket_for, buckets
+from exlnb.engines.options import GRAPH_MODES, EngineOptions
+from exlnb.models import resolve_model
+from exlnb.session import Session
+from exlnb.templates import chatml
+from tests.test_session import max_overlap
+
+
+def test_buckets_pad_every_size_to_at_most_twice_itself():
+    assert buckets(16) == (1, 2, 4, 8, 16)
+    assert buckets(12) == (1, 2, 4, 8, 12)
+    assert buckets(1) == (1,)
+    for limit in (1, 5, 16, 32):
+        sizes = buckets(limit)
+        for size in range(1, limit + 1):
+            chosen = bucket_for(size, sizes)
+            assert size <= chosen <= min(2 * size, limit)
+        assert bucket_for(limit + 1, sizes) is None
+
+
+def test_an_unknown_graphs_mode_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"graphs='sometimes': choose one of auto, off"):
+        EngineOptions.resolve(engine="cpu", model_dir=resolve_model("smollm2-135m-instruct", progress=False),
+                              cache_tokens=None, cache_dtype="fp16", max_batch_size=None, gpu_split=None,
+                              paged="auto", graphs="sometimes")
+    assert GRAPH_MODES == ("auto", "off")
+
+
+def test_the_status_line_says_how_decode_runs():
+    status = EngineStatus("exllamav2", "m", "GPU", True, "exlnb paged attention (PyTorch)", 8192, "fp16", 16,
+                          decode="CUDA graphs, 2 captured, 24 MiB")
+    assert status.line().endswith("| decode: CUDA graphs, 2 captured, 24 MiB")
+    assert "decode:" not in EngineStatus("cpu", "m", "cpu", True, "sdpa", 8192, "fp16", 16).line()
+
+
+# -- on the GPU ------------------------------------------------------------------------------------------------
+
+
+def load(graphs: str, **options) -> Session:
+    session = Session()
+    session.load("smollm2-135m-instruct", engine="exllamav2", graphs=graphs, progress=False, **options)
+    return session
+
+
+@pytest.fixture(scope="module")
+def sessions():
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA-graph decode needs CUDA")
+    eager, graphed = load("off"), load("auto")
+    if not graphed.status().paged:
+        pytest.skip("the engine is unpaged here (flash-attn without paged kernels)")
+    yield eager, graphed
+    eager.unload()
+    graphed.unload()
+
+
+def token_ids(session: Session, prompts: list[str], max_new_tokens: int) -> tuple[list[tuple[int, ...]], list]:
+    streams = answers_together(session, prompts, max_new_tokens)
+    return [s.result().token_ids for s in streams], streams
+
+
+@pytest.mark.gpu
+def test_graphs_are_on_by_default_and_off_on_request(sessions):
+    eager, graphed = sessions
+    assert graphed.status().decode.startswith("CUDA graphs"), graphed.status().notes
+    assert eager.status().decode == "eager"
+    assert "decode: CUDA graphs" in graphed.status().line()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8, 13, 16])
+def test_greedy_output_from_graphs_equals_eager_at_batch_sizes_1_to_16(sessions, batch):
+    eager, graphed = sessions
+    prompts = [chatml(q) for q in QUESTIONS[:batch]]
+    replays_before = graphed.run_on_engine(lambda e: e.graphs.replays)
+
+    expected, _ = token_ids(eager, prompts, 48)
+    got, streams = token_ids(graphed, prompts, 48)
+
+    assert got == expected
+    assert graphed.run_on_engine(lambda e: e.graphs.replays) - replays_before >= 40  # decode really replayed
+    if batch >= 8:
+        assert max_overlap(streams) >= batch // 2  # they ran batched
+
+
+@pytest.mark.gpu
+def test_a_prompt_several_pages_long_decodes_the_same_from_graphs(sessions):
+    eager, graphed = sessions
+    prompts = [LONG_PROMPT, chatml(QUESTIONS[0]), LONG_PROMPT + "Answer briefly."]
+
+    expected, _ = token_ids(eager, prompts, 96)
+    got, _ = token_ids(graphed, prompts, 96)
+
+    assert got == expected
+    assert graphed.cache_view().free_pages == graphed.cache_view().total_pages
+
+
+@pytest.mark.gpu
+def test_a_quantized_cache_decodes_eagerly_and_says_why():
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA-graph decode needs CUDA")
+    session = load("auto", cache="q4")
+    try:
+        status = session.status()
+        assert status.decode == "eager"
+        assert any("not from CUDA graphs" in note and "q4 cache" in note for note in status.notes), status.notes
+        assert "Paris" in session.complete(chatml(QUESTIONS[0]), max_new_tokens=16).text
+    finally:
+        session.unload()
