@@ -92,7 +92,8 @@ def test_greedy_output_from_graphs_equals_eager_at_batch_sizes_1_to_16(sessions,
     got, streams = token_ids(graphed, prompts, 48)
 
     assert got == expected
-    assert graphed.run_on_engine(lambda e: e.graphs.replays) - replays_before >= 40  # decode really replayed
+    steps = max(len(ids) for ids in got) - 1  # decode steps after the prefill gave the first token
+    assert graphed.run_on_engine(lambda e: e.graphs.replays) - replays_before >= steps > 0  # decode really replayed
     if batch >= 8:
         assert max_overlap(streams) >= batch // 2  # they ran batched
 

@@ -99,13 +99,15 @@ def _async_break(session):
 
 
 def _async_task_cancelled(session):
-    async def consume():
+    async def consume(reading: asyncio.Event):
         async for _ in await session.agenerate(PROMPT, max_new_tokens=40):
-            await asyncio.sleep(0)
+            reading.set()
+            await asyncio.sleep(3600)  # still reading when its task is cancelled, however fast the engine
 
     async def main():
-        task = asyncio.create_task(consume())
-        await asyncio.sleep(0.05)
+        reading = asyncio.Event()
+        task = asyncio.create_task(consume(reading))
+        await reading.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -140,7 +140,7 @@ class GraphDecoder:
         rows, width = key
         params = self._static_params(rows, width)
         reserved = torch.cuda.memory_reserved(self.device)
-        side = torch.cuda.Stream(self.device)
+        side = _capture_stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(WARMUP_RUNS):
@@ -148,7 +148,7 @@ class GraphDecoder:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         paged_attention.forget_layout()  # the graph must record the layout's kernels, not reuse the warm-up's
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
             logits = self._run_device_modules(rows, params)
         paged_attention.forget_layout()
         self.graph_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
@@ -233,6 +233,18 @@ class GraphDecoder:
 # forward_chunk's arguments a replay can take (the dynamic generator passes these), and those that need eager
 _ALLOWED_ARGUMENTS = {"loras", "indexed_embeddings", "abort_event"}
 _EAGER_ONLY_ARGUMENTS = ("loras", "indexed_embeddings")
+
+
+_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One stream per device for every warm-up and capture, of every model loaded in the process. cuBLAS keeps
+    a workspace (32 MiB on an H100) for each stream it has run on and never frees it: a new stream per capture
+    made each reload hold 32 MiB more until the process ended (the twenty-reloads test)."""
+    if device not in _capture_streams:
+        _capture_streams[device] = torch.cuda.Stream(device)
+    return _capture_streams[device]
 
 
 def _on_gpu(module) -> bool:
