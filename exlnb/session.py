@@ -29,6 +29,7 @@ from exlnb.engines.base import (
     JobSpec,
     SamplerSettings,
     Tokenizer,
+    one_line,
 )
 from exlnb.engines.checks import check_option_names
 from exlnb.engines.constraint import OutputConstraint
@@ -455,12 +456,6 @@ def _drop_every_job(engine: Engine) -> None:
     """Take every job out of the engine; their streams are ended by the caller, with its own reason."""
     for info in engine.jobs():
         engine.cancel(info.job_id)
-
-
-def one_line(error: BaseException) -> str:
-    """An exception as `Type: first line of its message`, for errors shown in one line."""
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
 _session: Session | None = None

@@ -12,7 +12,7 @@ import torch
 
 from benchmarks.paged_acceptance import LONG_PROMPT, QUESTIONS, answers_together
 from exlnb.engines.base import EngineStatus
-from exlnb.engines.graph_decode import bucket_for, buckets
+from exlnb.engines.graph_decode import GraphDecoder, bucket_for, buckets
 from exlnb.engines.options import GRAPH_MODES, EngineOptions
 from exlnb.models import resolve_model
 from exlnb.session import Session
@@ -108,6 +108,28 @@ def test_a_prompt_several_pages_long_decodes_the_same_from_graphs(sessions):
 
     assert got == expected
     assert graphed.cache_view().free_pages == graphed.cache_view().total_pages
+
+
+@pytest.mark.gpu
+def test_a_capture_that_fails_mid_generation_falls_back_to_eager_and_says_why(sessions, monkeypatch):
+    eager, _ = sessions
+    session = load("auto")  # its load check captured batches 1 and 3 for real
+    try:
+        def refuse(self, key):
+            raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+        monkeypatch.setattr(GraphDecoder, "_capture", refuse)
+        prompts = [chatml(q) for q in QUESTIONS[:6]]  # decode steps of batch sizes no graph exists for
+
+        expected, _ = token_ids(eager, prompts, 32)
+        got, _ = token_ids(session, prompts, 32)
+
+        assert got == expected
+        decode = session.status().decode
+        assert decode.startswith("eager since capturing batch "), decode
+        assert decode.endswith("failed: RuntimeError: operation not permitted when stream is capturing"), decode
+    finally:
+        session.unload()
 
 
 @pytest.mark.gpu

@@ -25,6 +25,12 @@ DEFAULT_MAX_NEW_TOKENS = 256  # the one default for every entrance: API, magics,
 SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 
 
+def one_line(error: BaseException) -> str:
+    """An exception as `Type: first line of its message`, for errors shown in one line."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
 def wall_clock() -> float:
     """The one clock every timing in exlnb reads (monotonic, high resolution)."""
     return time.perf_counter()

@@ -23,6 +23,7 @@ from exlnb.engines.base import (
     PromptPass,
     SamplerSettings,
     StreamEvent,
+    one_line,
     wall_clock,
 )
 from exlnb.engines.grammar import GrammarMatcher
@@ -177,7 +178,7 @@ class ExLlamaV2Engine(LibraryEngine):
                 with torch.inference_mode():
                     reason = decoder.self_check(self.tokenizer.encode("The quick brown fox jumps over the lazy dog."))
             except Exception as error:  # a capture that fails here leaves decode eager, and says why
-                reason = f"capture failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                reason = f"capture failed: {one_line(error)}"
             self._forget_cache_contents()  # the check wrote into the first pages
             if reason is not None:
                 decoder.uninstall()

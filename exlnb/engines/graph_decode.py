@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from exlnb.engines import paged_attention
+from exlnb.engines.base import one_line
 
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture, as torch.cuda.graph's docs ask
 CHECK_TOLERANCE = 2e-2  # max |replay - eager| over max |eager| logit at which the load check still passes
@@ -68,6 +69,7 @@ class GraphDecoder:
         self.graph_bytes = 0  # device memory the captures reserved
         self.replays = 0
         self.installed = False
+        self.gave_up = ""  # why decode went back to eager after a capture failed mid-generation, if it did
 
     # -- in front of the model's own forward_chunk ---------------------------------------------------------
 
@@ -83,10 +85,13 @@ class GraphDecoder:
 
     def forward_chunk(self, input_ids: torch.Tensor, cache=None, *args, attn_params=None, **kwargs):
         """The model's `forward_chunk`: a replay where the step qualifies, the model's own method otherwise."""
-        key = None if args else self._key(input_ids, cache, attn_params, kwargs)
-        if key is None:
-            return self._eager(input_ids, cache, *args, attn_params=attn_params, **kwargs)
-        return {"logits": self._replay(key, input_ids, attn_params, kwargs)}
+        key = None if args or self.gave_up else self._key(input_ids, cache, attn_params, kwargs)
+        if key is not None:
+            try:
+                return {"logits": self._replay(key, input_ids, attn_params, kwargs)}
+            except _CaptureFailed as failure:  # this step and every later one run eagerly; the status says why
+                self.gave_up = str(failure)
+        return self._eager(input_ids, cache, *args, attn_params=attn_params, **kwargs)
 
     def _key(self, input_ids: torch.Tensor, cache, attn_params, kwargs: dict) -> tuple[int, int] | None:
         """The (batch size, pages bucket) of a step that qualifies for a graph; None for one that does not."""
@@ -111,7 +116,12 @@ class GraphDecoder:
                                indexed_embeddings=kwargs.get("indexed_embeddings"))
         set_device_streams()  # as forward_chunk does: the generator reads the logits on exllamav2's stream
         self._stage(key, x, attn_params.cache_seqlens, attn_params.block_index)
-        captured = self._graphs.get(key) or self._capture(key)
+        captured = self._graphs.get(key)
+        if captured is None:
+            try:
+                captured = self._capture(key)
+            except Exception as error:  # nothing ran yet that eager decode would not run again
+                raise _CaptureFailed(f"capturing batch {key[0]} over {key[1]} pages failed: {one_line(error)}") from error
         captured.graph.replay()
         self.cache.current_seq_len += 1
         self.replays += 1
@@ -217,6 +227,8 @@ class GraphDecoder:
 
             eager = step(self._eager)
             replayed = step(self.forward_chunk)
+            if self.gave_up:
+                return self.gave_up
             if replayed.shape != eager.shape:
                 return f"a batch-{batch} replay gave logits of shape {tuple(replayed.shape)}, eager {tuple(eager.shape)}"
             error = float((replayed - eager).abs().max() / eager.abs().max().clamp_min(1e-6))
@@ -227,7 +239,13 @@ class GraphDecoder:
         return None
 
     def describe(self) -> str:
+        if self.gave_up:
+            return f"eager since {self.gave_up}"
         return f"CUDA graphs, {len(self._graphs)} captured, {self.graph_bytes / 2**20:.0f} MiB"
+
+
+class _CaptureFailed(RuntimeError):
+    """A graph could not be captured for a step; the step runs eagerly instead."""
 
 
 # forward_chunk's arguments a replay can take (the dynamic generator passes these), and those that need eager
