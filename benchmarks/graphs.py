@@ -100,11 +100,13 @@ def transformers_peer(folder: Path, p: dict) -> dict:
     out = {}
     try:
         for name, options in (("eager", {}), ("static_cache_compiled", {"cache_implementation": "static"})):
-            start = clock()
-            decode_rates = [hf_generate_decode(model, decode.random_prompt(32, 500 + run), p["new_tokens"], **options)
-                            for run in range(p["warmup"] + p["repeats"])]
-            out[name] = {"tokens_per_s": summarise(decode_rates[p["warmup"]:]), "first_call_s": clock() - start,
-                         "warmup_tokens_per_s": decode_rates[: p["warmup"]]}
+            decode_rates, seconds = [], []
+            for run in range(p["warmup"] + p["repeats"]):
+                start = clock()
+                decode_rates.append(hf_generate_decode(model, decode.random_prompt(32, 500 + run), p["new_tokens"], **options))
+                seconds.append(clock() - start)
+            out[name] = {"tokens_per_s": summarise(decode_rates[p["warmup"]:]), "first_call_s": seconds[0],
+                         "all_calls_s": sum(seconds), "warmup_tokens_per_s": decode_rates[: p["warmup"]]}
     finally:
         del model
         torch.cuda.empty_cache()

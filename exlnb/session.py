@@ -95,8 +95,9 @@ class Session:
         `engine` is "auto" (ExLlamaV2 where CUDA is available, else CPU), "exllamav2" or "cpu".
         Replacing a loaded model while jobs run needs `reload=True` (they are ended); `reload=True` also
         loads again with unchanged arguments. `graphs` ("auto" or "off") is the ExLlamaV2 engine's CUDA-graph
-        decode: "auto" uses it where a decode step replayed at load agrees with the same step run eagerly. Everything that can be checked is checked before the loaded
-        model is touched; if the new one fails to load, the previous one is loaded again.
+        decode: "auto" uses it where a decode step replayed at load agrees with the same step run eagerly.
+        Everything that can be checked is checked before the loaded model is touched; if the new one fails to
+        load, the previous one is loaded again.
         """
         model_dir = resolve_model(model, progress=progress)
         options = EngineOptions.resolve(

@@ -69,7 +69,8 @@ def test_performance_table_reads_every_full_run_ratios_first(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the probes run instead of refusing")
-@pytest.mark.parametrize(("probe", "says"), [("graph_probe", "needs a CUDA GPU and exllamav2"), ("exl3_probe", "needs a CUDA GPU")])
+@pytest.mark.parametrize(("probe", "says"), [("graph_probe", "needs a CUDA GPU and exllamav2"), ("exl3_probe", "needs a CUDA GPU"),
+                                             ("graphs", "needs a CUDA GPU and exllamav2")])
 def test_the_gpu_probes_refuse_in_one_line_without_cuda_and_write_nothing(tmp_path, probe, says):
     done = subprocess.run([sys.executable, "-m", f"benchmarks.{probe}", "--out", str(tmp_path / "out")],
                           capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=120)
@@ -78,3 +79,20 @@ def test_the_gpu_probes_refuse_in_one_line_without_cuda_and_write_nothing(tmp_pa
     assert says in done.stderr
     assert done.stdout == ""
     assert not (tmp_path / "out").exists()
+
+
+def test_the_graph_benchmark_judges_each_goal_of_issue_17_by_its_own_threshold():
+    from benchmarks.graphs import goals
+
+    def rows(over_floor, speedup, over_transformers):
+        return {"7b-shaped": {"graphs_over_floor": over_floor},
+                "bundled": {"speedup_batch_1": speedup, "graphs_over_transformers_best": over_transformers}}
+
+    met = goals(rows(1.5, 3.0, 2.0))
+    missed = goals(rows(1.51, 2.99, 1.99))
+    assert set(met) == set(missed) == {"7b_batch_1_over_floor_at_most_1.5", "bundled_batch_1_speedup_at_least_3",
+                                       "engine_over_transformers_best_at_least_2"}
+    assert all(goal["met"] for goal in met.values())
+    assert not any(goal["met"] for goal in missed.values())
+    assert missed["7b_batch_1_over_floor_at_most_1.5"]["ratio"] == 1.51
+    assert "engine_over_transformers_best_at_least_2" not in goals({"bundled": {"speedup_batch_1": 4.0}})
