@@ -259,7 +259,10 @@ class ExlnbMagics(Magics):
     @argument("--cache-tokens", type=int, help="KV cache size in tokens (default: the engine's, 8192)")
     @argument("--cache", choices=CACHE_DTYPES, default="fp16", help="KV cache precision, exllamav2 (default: fp16)")
     @argument("--max-batch-size", type=int, help="most jobs decoded together (default: 16)")
-    @argument("--gpu-split", type=gpu_split, help="GiB per GPU, comma separated, e.g. 20,24 (exllamav2)")
+    @argument("--gpu-split", type=gpu_split,
+              help="GiB per GPU, comma separated, e.g. 20,24; 0 leaves a GPU out (exllamav2, exllamav3)")
+    @argument("--tensor-parallel", action="store_true",
+              help="split every layer over the GPUs instead of placing whole layers (exllamav2, exllamav3; 2+ GPUs)")
     @argument("--graphs", choices=GRAPH_MODES, default="auto",
               help="CUDA-graph decode, exllamav2: auto uses it where its load check passes (default: auto)")
     @argument("--reload", action="store_true",
@@ -275,7 +278,8 @@ class ExlnbMagics(Magics):
         with usage_errors():
             status = session.load(
                 args.model, engine=args.engine, cache_tokens=args.cache_tokens, cache=args.cache,
-                max_batch_size=args.max_batch_size, gpu_split=args.gpu_split, graphs=args.graphs, reload=args.reload,
+                max_batch_size=args.max_batch_size, gpu_split=args.gpu_split, graphs=args.graphs,
+                tensor_parallel=args.tensor_parallel, reload=args.reload,
             )
         if before is not None and session.options != before:
             print(f"replaced {before.model_dir.name} ({before.engine} engine)")

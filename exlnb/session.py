@@ -86,6 +86,7 @@ class Session:
         gpu_split: Sequence[float] | None = None,
         paged: str | bool = "auto",
         graphs: str = "auto",
+        tensor_parallel: bool = False,
         reload: bool = False,
         progress: bool = True,
     ) -> EngineStatus:
@@ -96,7 +97,8 @@ class Session:
         Replacing a loaded model while jobs run needs `reload=True` (they are ended); `reload=True` also
         loads again with unchanged arguments. `graphs` ("auto" or "off") is the ExLlamaV2 engine's CUDA-graph
         decode: "auto" uses it where a decode step replayed at load agrees with the same step run eagerly.
-        Everything that can be checked is checked before the loaded model is touched; if the new one fails to
+        `gpu_split` (GiB per GPU, 0 leaves one out) spreads the layers over GPUs; `tensor_parallel=True` splits
+        every layer over them instead (ExLlamaV2 and ExLlamaV3 engines, at least two GPUs). Everything that can be checked is checked before the loaded model is touched; if the new one fails to
         load, the previous one is loaded again.
         """
         model_dir = resolve_model(model, progress=progress)
@@ -109,6 +111,7 @@ class Session:
             gpu_split=tuple(gpu_split) if gpu_split else None,
             paged=paged,
             graphs=graphs,
+            tensor_parallel=tensor_parallel,
         )
         check_cache_fits(options)
         with self._load_lock:

@@ -115,13 +115,13 @@ def test_exl_load_options_reach_the_session(shell, cpu_session, monkeypatch, cap
     monkeypatch.setattr(cpu_session, "load", lambda model, **options: calls.append((model, options)) or cpu_session.status())
     shell.run_line_magic(
         "exl_load", "smollm2-135m-instruct --engine cpu --cache-tokens 4096 --cache q8 --max-batch-size 8 "
-                    "--gpu-split 20,24 --graphs off --reload"
+                    "--gpu-split 20,24 --graphs off --tensor-parallel --reload"
     )
 
     model, options = calls[0]
     assert model == "smollm2-135m-instruct"
     assert options == dict(engine="cpu", cache_tokens=4096, cache="q8", max_batch_size=8, gpu_split=[20.0, 24.0],
-                           graphs="off", reload=True)
+                           graphs="off", tensor_parallel=True, reload=True)
     assert "cpu engine | smollm2-135m-instruct" in capsys.readouterr().out  # the one-line status
 
 

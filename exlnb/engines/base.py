@@ -270,13 +270,16 @@ class EngineStatus:
     cache_tokens: int
     cache_dtype: str
     max_batch_size: int
-    device_memory_bytes: int | None = None
+    device_memory_bytes: int | None = None  # on every GPU together
+    device_memory_per_gpu: tuple[int, ...] = ()  # where the model spans several GPUs: each one's share
     notes: tuple[str, ...] = ()  # things the user should know once (e.g. SDPA turned off)
     library: str = ""  # the inference library and its version, e.g. "exllamav3 1.6.5"
     decode: str = ""  # how decode steps run where an engine has a choice: "eager", or "CUDA graphs, ..."
 
     def line(self) -> str:
         mem = f", {self.device_memory_bytes / 2**30:.2f} GiB on device" if self.device_memory_bytes else ""
+        if len(self.device_memory_per_gpu) > 1:
+            mem = ", " + " + ".join(f"cuda:{i} {b / 2**30:.2f} GiB" for i, b in enumerate(self.device_memory_per_gpu))
         mode = "paged" if self.paged else "unpaged"
         library = f" ({self.library})" if self.library else ""
         decode = f" | decode: {self.decode}" if self.decode else ""

@@ -27,7 +27,14 @@ from exlnb.engines.base import (
     wall_clock,
 )
 from exlnb.engines.grammar import GrammarMatcher
-from exlnb.engines.library_engine import LibraryEngine, import_library, job_arguments, max_new_tokens_within, page_view
+from exlnb.engines.library_engine import (
+    LibraryEngine,
+    allocated_per_gpu,
+    import_library,
+    job_arguments,
+    max_new_tokens_within,
+    page_view,
+)
 from exlnb.engines.paged_attention import VERIFIED_EXLLAMAV2
 from exlnb.engines.tokenizer import HfTokenizer
 
@@ -80,11 +87,15 @@ class ExLlamaV2Engine(LibraryEngine):
             "q6": exl.ExLlamaV2Cache_Q6,
             "q8": exl.ExLlamaV2Cache_Q8,
         }[options.cache_dtype]
-        self.cache = cache_class(self.model, max_seq_len=cache_tokens, lazy=options.gpu_split is None)
-        if options.gpu_split is None:
+        split = list(options.gpu_split) if options.gpu_split else None
+        if options.tensor_parallel:  # every layer split over the GPUs; the cache follows the model's split
+            self.model.load_tp(split, progress=progress, expect_cache_tokens=cache_tokens, expect_cache_base=cache_class)
+            self.cache = exl.ExLlamaV2Cache_TP(self.model, base=cache_class, max_seq_len=cache_tokens)
+        elif split is None:
+            self.cache = cache_class(self.model, max_seq_len=cache_tokens, lazy=True)
             self.model.load_autosplit(self.cache, progress=progress)
         else:
-            self.model.load(list(options.gpu_split), progress=progress)
+            self.model.load(split, progress=progress)
             self.cache = cache_class(self.model, max_seq_len=cache_tokens)
         self._check_sdpa()
         self.paged, self.attention = self._choose_attention()
@@ -141,6 +152,15 @@ class ExLlamaV2Engine(LibraryEngine):
 
         wanted = self.options.paged
         unpaged = "torch matmul" if self.config.no_sdpa else "torch SDPA"
+        if self.options.tensor_parallel and not attn.has_flash_attn_with_paged:
+            # exllamav2's paged tensor-parallel attention calls flash-attn's kernel from C++ (flash_attn_2_cuda),
+            # past the Python function exlnb's paged attention stands in for
+            if wanted is True:
+                raise ValueError("paged=True with tensor_parallel needs flash-attn >= 2.5.7 (exllamav2 calls its "
+                                 'kernel directly there): load with paged="auto" to run unpaged')
+            self._notes.append("unpaged: exllamav2's tensor-parallel paged attention needs flash-attn >= 2.5.7, "
+                               "so the dynamic generator runs one job at a time")
+            return False, unpaged
         if attn.has_flash_attn_with_paged and not paged_attention.installed() and not self.config.no_flash_attn:
             if wanted is False:
                 return False, "flash-attn (unpaged by request)"
@@ -346,6 +366,7 @@ class ExLlamaV2Engine(LibraryEngine):
         )
 
     def status(self) -> EngineStatus:
+        per_gpu = allocated_per_gpu()
         device = torch.cuda.get_device_name()
         return EngineStatus(
             engine=self.name,
@@ -356,7 +377,8 @@ class ExLlamaV2Engine(LibraryEngine):
             cache_tokens=self.generator.max_total_tokens,
             cache_dtype=self.options.cache_dtype,
             max_batch_size=self.generator.max_batch_size if self.paged else 1,
-            device_memory_bytes=torch.cuda.memory_allocated(),
+            device_memory_bytes=sum(per_gpu),
+            device_memory_per_gpu=per_gpu,
             notes=tuple(self._notes),
             library=f"exllamav2 {VERIFIED_EXLLAMAV2}",
             decode=self.graphs.describe() if self.graphs else "eager",

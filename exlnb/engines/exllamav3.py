@@ -24,6 +24,7 @@ from exlnb.engines.base import (
 from exlnb.engines.library_engine import (
     LibraryEngine,
     TrackedJob,
+    allocated_per_gpu,
     import_library,
     job_arguments,
     max_new_tokens_within,
@@ -71,6 +72,7 @@ class ExLlamaV3Engine(LibraryEngine):
         self.max_chunk_size = min(MAX_CHUNK_TOKENS, cache_tokens)
         self.model.load(
             use_per_device=list(options.gpu_split) if options.gpu_split else None,
+            tensor_p=options.tensor_parallel,
             progressbar=progress,
             max_batch_size=options.max_batch_size,
             max_chunk_size=self.max_chunk_size,
@@ -207,6 +209,7 @@ class ExLlamaV3Engine(LibraryEngine):
         )
 
     def status(self) -> EngineStatus:
+        per_gpu = allocated_per_gpu()
         return EngineStatus(
             engine=self.name,
             model=self.options.model_dir.name,
@@ -216,7 +219,8 @@ class ExLlamaV3Engine(LibraryEngine):
             cache_tokens=self.generator.max_total_tokens,
             cache_dtype=self.options.cache_dtype,
             max_batch_size=self.generator.max_batch_size,
-            device_memory_bytes=torch.cuda.memory_allocated(),
+            device_memory_bytes=sum(per_gpu),
+            device_memory_per_gpu=per_gpu,
             library=f"exllamav3 {VERIFIED_EXLLAMAV3}",
         )
 

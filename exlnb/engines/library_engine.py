@@ -109,6 +109,11 @@ class TrackedJob:
         return reason
 
 
+def allocated_per_gpu() -> tuple[int, ...]:
+    """Device memory this process holds on each GPU (the status line's per-GPU memory)."""
+    return tuple(torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count()))
+
+
 class LibraryEngine(Engine):
     """An engine over exactly one exllamav2 or exllamav3 generator: exlnb job ids, events, cancel, job table."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ TOKEN_COLOURS = ("probability", "latency")  # what the token view's shades say
 PAGED_MODES = {"auto": "auto", "on": True, "off": False}  # `paged=` as command lines write it
 UNPAGED_ENGINES = ("exllamav2",)  # engines that can also run unpaged; the others always page
 GRAPH_MODES = ("auto", "off")  # CUDA-graph decode (ExLlamaV2 engine): auto is on where its load check passes
+SPLIT_ENGINES = ("exllamav2", "exllamav3")  # engines that can spread a model over several GPUs
 
 DEFAULT_CACHE_TOKENS = 8192
 DEFAULT_MAX_BATCH_SIZE = 16
@@ -42,6 +44,7 @@ class EngineOptions:
     gpu_split: tuple[float, ...] | None
     paged: str | bool
     graphs: str = "auto"
+    tensor_parallel: bool = False
 
     @classmethod
     def resolve(
@@ -55,6 +58,7 @@ class EngineOptions:
         gpu_split: Sequence[float] | None,
         paged: str | bool,
         graphs: str = "auto",
+        tensor_parallel: bool = False,
     ) -> EngineOptions:
         if engine not in ENGINE_NAMES:
             raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINE_NAMES)}")
@@ -76,6 +80,8 @@ class EngineOptions:
             raise ValueError(f'paged={paged!r} is not one of "auto", True, False')
         if graphs not in GRAPH_MODES:
             raise ValueError(f"graphs={graphs!r}: choose one of {', '.join(GRAPH_MODES)}")
+        if gpu_split or tensor_parallel:
+            check_gpu_split(engine, gpu_split, tensor_parallel, cuda_device_memory())
         return cls(
             engine=engine,
             model_dir=Path(model_dir).resolve(),
@@ -85,6 +91,7 @@ class EngineOptions:
             gpu_split=tuple(gpu_split) if gpu_split else None,
             paged=paged,
             graphs=graphs,
+            tensor_parallel=bool(tensor_parallel),
         )
 
 
@@ -130,6 +137,48 @@ def device_memory_bytes(engine: str) -> tuple[int | None, str]:
     if not torch.cuda.is_available():
         return None, "the GPU"
     return torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
+
+
+def check_gpu_split(
+    engine: str, gpu_split: Sequence[float] | None, tensor_parallel: bool, devices: Sequence[int]
+) -> None:
+    """Refuse a split or tensor parallelism that cannot load, before anything is unloaded: the wrong engine,
+    values that are not GiB, more GPUs than `devices` (each one's total memory in bytes), a GPU given more
+    than it has, tensor parallelism over fewer than two GPUs. A 0 leaves that GPU out, as both libraries read it."""
+    asked = "--tensor-parallel" if tensor_parallel and not gpu_split else "--gpu-split"
+    if engine not in SPLIT_ENGINES:
+        raise ValueError(f"the {engine} engine runs on one device; {asked} needs {' or '.join(SPLIT_ENGINES)}")
+    split = list(gpu_split or ())
+    if any(not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 for v in split) or (
+        split and not any(split)
+    ):
+        raise ValueError(f"gpu_split={tuple(split)}: give GiB per GPU, each 0 or more (0 leaves a GPU out), "
+                         "at least one above 0")
+    if not devices:
+        raise ValueError(f"{asked} needs CUDA GPUs, and this machine has none")
+    if len(split) > len(devices):
+        raise ValueError(f"gpu_split={tuple(split)} names {len(split)} GPUs; this machine has {len(devices)} "
+                         f"({_gpu_list(devices)})")
+    for index, (gib, total) in enumerate(zip(split, devices)):
+        if gib * 2**30 > total:
+            raise ValueError(f"gpu_split gives cuda:{index} {gib:g} GiB; it has {total / 2**30:.1f} GiB")
+    used = sum(1 for v in split if v > 0) if split else len(devices)
+    if tensor_parallel and used < 2:
+        where = f"gpu_split={tuple(split)} uses one" if split else f"this machine has one ({_gpu_list(devices)})"
+        raise ValueError(f"tensor_parallel needs at least two GPUs: {where}")
+
+
+def _gpu_list(devices: Sequence[int]) -> str:
+    return ", ".join(f"cuda:{i} {total / 2**30:.1f} GiB" for i, total in enumerate(devices))
+
+
+def cuda_device_memory() -> list[int]:
+    """Each CUDA device's total memory in bytes; empty without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
 
 
 def cuda_available() -> bool:
