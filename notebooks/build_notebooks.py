@@ -157,12 +157,15 @@ model and cache, and beside it the dynamic generator as exlnb's engine steps it 
 first token). Each on the bundled model and on a Llama-2-7B-shaped model, whose heavier GPU work per token
 gives the early clock the most to miss: its weights are random, written on the GPU for this run, so its text is
 meaningless but its timings are real. Only the ExLlamaV2 engine on CUDA has these passes; elsewhere the notebook says so in a
-line and carries on.""",
+line and carries on. The chat and the context lengths are timed on the 7B-shaped model too, the reporters'
+model size, where a GPU has room for it.""",
         notes={
             "prompt_lengths": "report 5's prompt passes; 1441 is the reporter's length; each must fit the cache",
-            "timing_repeats": "timed passes per model, pass and length (medians); one more warms each pass up",
+            "timing_repeats": "rounds of the context lengths (order rotated); timed passes per model, pass and length",
             "prompt_models": '"bundled": the model loaded here; "7b-shaped": random fp16 weights written on the GPU '
             "for this run (left out, with a line saying why, where the GPU has no room for it)",
+            "speed_models": "the models the chat and context-length decode timings run on, named as in prompt_models "
+            "(the 7B-shaped one times the context lengths its 4096 positions hold)",
         },
         inspect_text="""\
 ## Report 5 through the reporter's own path

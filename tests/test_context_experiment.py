@@ -4,6 +4,8 @@ modes take turns."""
 
 from __future__ import annotations
 
+import pytest
+
 from exlnb.experiments.context import _chat, _decode_against_context
 
 
@@ -23,3 +25,53 @@ def test_the_chat_keeps_its_history_while_the_modes_take_turns(cpu_session):
     assert prompts.loc[0, "history"] == prompts.loc[0, "amnesia"]
     assert (prompts.loc[1:, "history"] > prompts.loc[1:, "amnesia"]).all()
     assert prompts["history"].is_monotonic_increasing
+
+
+def test_the_7b_shaped_speed_is_said_not_timed_without_cuda_and_the_session_model_is_timed(cpu_session):
+    from exlnb.experiments.context import run
+
+    result = run(cpu_session, turns=2, answer_tokens=3, context_lengths=(32, 64), decode_tokens=3, timing_repeats=1,
+                 prompt_lengths=(16,), prompt_models=("bundled",))
+
+    assert set(result.tables["turns"].model) == set(result.tables["context"].model) == {"bundled"}
+    assert result.values["speed_not_timed"] == [
+        "7b-shaped: the 7B-shaped model is made and run on CUDA: this machine has none; its chat and "
+        "context-length timings were not taken."
+    ]
+    assert result.values["speed_not_timed"][0] in result.findings
+    assert [e.name for e in result.effects][:2] == ["decode time per token in turn 2", "decode time per token"]
+    assert set(result.values["speed_by_model"]) == {"bundled"}
+    assert result.values["decode_tokens_per_s_by_context"].keys() == {32, 64}
+
+
+def test_an_unknown_speed_model_is_refused_before_anything_runs(cpu_session):
+    from exlnb.experiments.context import run
+
+    with pytest.raises(ValueError, match="no prompt model '13b': choose from bundled, 7b-shaped"):
+        run(cpu_session, speed_models=("13b",))
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_7b_shaped_model_times_its_chat_and_the_contexts_its_positions_hold():
+    from exlnb.experiments.context import run
+    from exlnb.random_model import cannot_make_here
+    from exlnb.session import get_session
+    from tests.conftest import skip_without_library
+
+    skip_without_library("exllamav2")
+    if reason := cannot_make_here():
+        pytest.skip(reason)
+    session = get_session()
+    session.load("smollm2-135m-instruct", engine="exllamav2", progress=False)
+
+    result = run(session, turns=2, answer_tokens=4, context_lengths=(128, 4090), decode_tokens=8, timing_repeats=1,
+                 prompt_lengths=(16,), prompt_models=("bundled",))
+
+    context = result.tables["context"]
+    assert sorted(set(context.model)) == ["7b-shaped", "bundled"]
+    assert set(context[context.model == "7b-shaped"].context_tokens) == {128}  # 4090 + 8 exceed 4096 positions
+    assert result.values["speed_not_timed"] == [
+        "7b-shaped: context 4090 and 8 new tokens exceed its 4096 positions; not timed."]
+    chat = result.tables["turns"]
+    assert (chat[chat.model == "7b-shaped"].groupby(["mode", "turn"]).size() == 3).all()  # 4 tokens each: no early end
+    assert "7b-shaped model, decode time per token" in [e.name for e in result.effects]

@@ -20,7 +20,9 @@ from exlnb.analysis import median_interval, ratio_of_medians
 from exlnb.datasets import filler_ids, load_prompts
 from exlnb.engines.base import SamplerSettings
 from exlnb.experiments import prompt_clocks
+from exlnb.engines.options import PAGE_TOKENS
 from exlnb.experiments.record import Effect, ExperimentResult, environment
+from exlnb.random_model import LLAMA_7B, cannot_make_here, seven_b_shaped
 from exlnb.session import Session
 
 # the reporters' numbers (Mistral 7B): 40 -> ~10 tokens/s over many chat turns (report 4); 31 tokens/s with a
@@ -45,13 +47,26 @@ def run(
     prompt_lengths: tuple[int, ...] = (256, 1441, 4000),
     timing_repeats: int = 3,
     prompt_models: tuple[str, ...] = prompt_clocks.PROMPT_MODELS,
+    speed_models: tuple[str, ...] = prompt_clocks.PROMPT_MODELS,
 ) -> ExperimentResult:
     prompt_clocks.check_prompt_models(prompt_models, prompt_lengths)
-    _warm_up(session, decode_tokens)
-    tables = {
-        "turns": _chat(session, turns, answer_tokens),
-        "context": _decode_against_context(session, context_lengths, decode_tokens, timing_repeats),
-    }
+    prompt_clocks.check_model_names(speed_models)
+    chats, contexts, speed_not_timed = [], [], []
+    for model in speed_models:
+        if model == prompt_clocks.BUNDLED:
+            speed = _speed(session, turns, answer_tokens, context_lengths, decode_tokens, timing_repeats)
+        elif reason := cannot_make_here():
+            speed_not_timed.append(f"{model}: {reason}; its chat and context-length timings were not taken.")
+            continue
+        else:
+            fit = tuple(n for n in context_lengths if n + decode_tokens <= LLAMA_7B["max_position_embeddings"])
+            if left := sorted(set(context_lengths) - set(fit)):
+                speed_not_timed.append(f"{model}: context {', '.join(map(str, left))} and {decode_tokens} new tokens exceed "
+                                 f"its {LLAMA_7B['max_position_embeddings']} positions; not timed.")
+            speed = _speed_on_seven_b(session.status().engine, turns, answer_tokens, fit, decode_tokens, timing_repeats)
+        chats.append(speed["turns"].assign(model=model))
+        contexts.append(speed["context"].assign(model=model))
+    tables = {"turns": _frame(chats, TURN_COLUMNS), "context": _frame(contexts, CONTEXT_COLUMNS)}
     tables["prefill"], not_timed = prompt_clocks.time_prompt_passes(
         session, models=prompt_models, lengths=prompt_lengths, repeats=timing_repeats
     )
@@ -63,8 +78,40 @@ def run(
         prompt_lengths=list(prompt_lengths),
         timing_repeats=timing_repeats,
         prompt_models=list(prompt_models),
+        speed_models=list(speed_models),
     )
-    return _summarise(tables, not_timed, parameters, environment(session))
+    return _summarise(tables, not_timed, speed_not_timed, parameters, environment(session))
+
+
+TURN_COLUMNS = ["model", "mode", "turn", "context_tokens", "prompt_tokens", "cached_tokens", "token_interval_s"]
+CONTEXT_COLUMNS = ["model", "context_tokens", "repeat", "position", "token_interval_s"]
+
+
+def _frame(parts: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
+    return pd.concat(parts, ignore_index=True)[columns] if parts else pd.DataFrame(columns=columns)
+
+
+def _speed(session: Session, turns: int, answer_tokens: int, lengths: tuple[int, ...], decode_tokens: int,
+           repeats: int, *, stop_at_eos: bool = True) -> dict[str, pd.DataFrame]:
+    """Reports 4 and 5's decode timings on one session's model: the chat both ways, then the context lengths."""
+    _warm_up(session, decode_tokens)
+    return {"turns": _chat(session, turns, answer_tokens, stop_at_eos=stop_at_eos),
+            "context": _decode_against_context(session, lengths, decode_tokens, repeats)}
+
+
+def _speed_on_seven_b(engine: str, turns: int, answer_tokens: int, lengths: tuple[int, ...], decode_tokens: int,
+                      repeats: int) -> dict[str, pd.DataFrame]:
+    """The same timings on the 7B-shaped model (the reporters' size), written for this run, in a session of its
+    own on the same engine with a cache for the longest context. Its random weights answer nonsense and may
+    draw the end token at any point, so its answers run to their length."""
+    cache_tokens = -(-(max(lengths) + decode_tokens) // PAGE_TOKENS) * PAGE_TOKENS
+    with seven_b_shaped() as (folder, _):
+        seven_b = Session()
+        seven_b.load(str(folder), engine=engine, cache_tokens=cache_tokens, progress=False)
+        try:
+            return _speed(seven_b, turns, answer_tokens, lengths, decode_tokens, repeats, stop_at_eos=False)
+        finally:
+            seven_b.unload()
 
 
 # -- multi-turn chat --------------------------------------------------------------------------------------------
@@ -77,7 +124,7 @@ def _warm_up(session: Session, decode_tokens: int) -> None:
     session.complete(ids, max_new_tokens=decode_tokens, sampler=SamplerSettings.greedy(), stop_at_eos=False)
 
 
-def _chat(session: Session, turns: int, answer_tokens: int) -> pd.DataFrame:
+def _chat(session: Session, turns: int, answer_tokens: int, *, stop_at_eos: bool = True) -> pd.DataFrame:
     """The same questions as one growing conversation and as independent prompts (--amnesia), turn by turn
     in alternating order, so that drift in the machine's speed falls on both modes alike."""
     questions = load_prompts("long_answers")[:turns]
@@ -90,7 +137,7 @@ def _chat(session: Session, turns: int, answer_tokens: int) -> pd.DataFrame:
             messages = [*history, asked] if mode == "history" else [asked]
             ids = tokenizer.encode(tokenizer.apply_chat_template(messages), special=True)
             stream = session.generate(ids, max_new_tokens=answer_tokens, sampler=SamplerSettings.greedy(),
-                                      identifier=f"{mode} turn {turn}")
+                                      stop_at_eos=stop_at_eos, identifier=f"{mode} turn {turn}")
             intervals = _token_intervals(stream)
             result = stream.result()
             answers[mode] = result.text
@@ -137,24 +184,25 @@ def _decode_against_context(session: Session, lengths: tuple[int, ...], decode_t
 # -- summary and figure -----------------------------------------------------------------------------------------
 
 
-def _summarise(tables: dict[str, pd.DataFrame], not_timed: list[str], parameters: dict, env: dict) -> ExperimentResult:
+def _summarise(tables: dict[str, pd.DataFrame], not_timed: list[str], speed_not_timed: list[str], parameters: dict,
+               env: dict) -> ExperimentResult:
     turns, context, prefill = tables["turns"], tables["context"], tables["prefill"]
-    last = turns.turn.max()
-    in_last_turn = {mode: g[g.turn == last].token_interval_s for mode, g in turns.groupby("mode")}
-    shortest, longest = context.context_tokens.min(), context.context_tokens.max()
-    effects = [
-        _time_per_token(f"decode time per token in turn {last + 1}", in_last_turn["history"], in_last_turn["amnesia"],
-                        "history", "amnesia"),
-        _time_per_token(
-            "decode time per token",
-            context[context.context_tokens == longest].token_interval_s,
-            context[context.context_tokens == shortest].token_interval_s,
-            f"context {longest}",
-            f"context {shortest}",
-        ),
-    ]
-    values = _values(turns, context, prefill, not_timed)
-    findings = _findings(effects, values) + prompt_clocks.findings(prefill, not_timed, REPORTED_PROMPT_SPEED)
+    effects, findings, by_model = [], [], {}
+    for model in dict.fromkeys(turns.model):  # in the order timed
+        who = "" if model == prompt_clocks.BUNDLED else f"{model} model, "
+        model_turns, model_context = turns[turns.model == model], context[context.model == model]
+        model_effects = _speed_effects(model_turns, model_context, who)
+        by_model[model] = _speed_values(model_turns, model_context)
+        effects += model_effects
+        findings += _findings(model_effects, by_model[model], who)
+    values = {
+        **by_model.get(prompt_clocks.BUNDLED, {}),
+        "speed_by_model": by_model,
+        "speed_not_timed": speed_not_timed,
+        "prompt_clocks": {"medians": prompt_clocks.clock_medians(prefill).to_dict("records"), "not_timed": not_timed},
+        "reported": REPORTED,
+    }
+    findings += speed_not_timed + prompt_clocks.findings(prefill, not_timed, REPORTED_PROMPT_SPEED)
     return ExperimentResult(
         name="context",
         field_reports=(4, 5),
@@ -165,6 +213,25 @@ def _summarise(tables: dict[str, pd.DataFrame], not_timed: list[str], parameters
         findings=findings,
         values=values,
     )
+
+
+def _speed_effects(turns: pd.DataFrame, context: pd.DataFrame, who: str) -> list[Effect]:
+    """One model's two decode effects: the last chat turn with history over amnesia, and the longest context
+    over the shortest. `who` names a model other than the session's in front of each effect's name."""
+    last = turns.turn.max()
+    in_last_turn = {mode: g[g.turn == last].token_interval_s for mode, g in turns.groupby("mode")}
+    shortest, longest = context.context_tokens.min(), context.context_tokens.max()
+    return [
+        _time_per_token(f"{who}decode time per token in turn {last + 1}", in_last_turn["history"],
+                        in_last_turn["amnesia"], "history", "amnesia"),
+        _time_per_token(
+            f"{who}decode time per token",
+            context[context.context_tokens == longest].token_interval_s,
+            context[context.context_tokens == shortest].token_interval_s,
+            f"context {longest}",
+            f"context {shortest}",
+        ),
+    ]
 
 
 def _time_per_token(name: str, slow: pd.Series, fast: pd.Series, slow_label: str, fast_label: str) -> Effect:
@@ -179,7 +246,7 @@ def _time_per_token(name: str, slow: pd.Series, fast: pd.Series, slow_label: str
     )
 
 
-def _values(turns: pd.DataFrame, context: pd.DataFrame, prefill: pd.DataFrame, not_timed: list[str]) -> dict:
+def _speed_values(turns: pd.DataFrame, context: pd.DataFrame) -> dict:
     last = turns.turn.max()
     decode_rate = context.groupby("context_tokens").token_interval_s.median().rdiv(1.0)
     return {
@@ -191,23 +258,23 @@ def _values(turns: pd.DataFrame, context: pd.DataFrame, prefill: pd.DataFrame, n
         "context_tokens_last_turn": {
             mode: int(g[g.turn == last].prompt_tokens.iloc[0]) for mode, g in turns.groupby("mode")
         },
-        "prompt_clocks": {"medians": prompt_clocks.clock_medians(prefill).to_dict("records"), "not_timed": not_timed},
-        "reported": REPORTED,
     }
 
 
-def _findings(effects: list[Effect], values: dict) -> list[str]:
-    chat, length = effects[0], effects[1]
+def _findings(effects: list[Effect], values: dict, who: str) -> list[str]:
+    chat, length = effects
     rates = values["decode_tokens_per_s_by_context"]
     contexts = values["context_tokens_last_turn"]
+    subject = f"{who[:-2]} (random weights: its text is meaningless, its timings real): " if who else ""
     return [
-        f"Last chat turn: {contexts['history']} prompt tokens with history, {contexts['amnesia']} with amnesia; decode "
-        f"{1000 / chat.symptom.value:.1f} against {1000 / chat.fix.value:.1f} tokens/s ({chat.ratio.value:.2f}x the time "
-        f"per token, 95% CI {chat.ratio.low:.2f}-{chat.ratio.high:.2f}"
+        f"{subject}Last chat turn: {contexts['history']} prompt tokens with history, {contexts['amnesia']} with "
+        f"amnesia; decode {1000 / chat.symptom.value:.1f} against {1000 / chat.fix.value:.1f} tokens/s "
+        f"({chat.ratio.value:.2f}x the time per token, 95% CI {chat.ratio.low:.2f}-{chat.ratio.high:.2f}"
         + (": no slowdown this run can tell from noise at this length" if chat.ratio.low <= 1 else "")
         + "). The reporter saw 40 fall to about 10 tokens/s over many turns with a 7B model; the context-length "
         "measurement below shows where a longer history leads.",
-        "Decode speed by context length: " + ", ".join(f"{k} tokens {v:.1f} tokens/s" for k, v in rates.items())
+        f"{subject}Decode speed by context length: "
+        + ", ".join(f"{k} tokens {v:.1f} tokens/s" for k, v in rates.items())
         + f" ({length.ratio.value:.2f}x the time per token at the longest). The reporter saw 31 -> 20 tokens/s "
         "from a short prompt to ~1000 tokens.",
     ]
@@ -221,12 +288,24 @@ def prompt_clock_medians(result: ExperimentResult) -> tuple[pd.DataFrame, list[s
 
 def plot(result: ExperimentResult):
     turns, context = result.tables["turns"], result.tables["context"]
-    turns = turns.assign(tokens_per_s=1 / turns.token_interval_s)
+    several = turns.model.nunique() > 1
+    turns = turns.assign(tokens_per_s=1 / turns.token_interval_s,
+                         condition=turns["mode"] + (" (" + turns.model + ")" if several else ""))
     context = context.assign(tokens_per_s=1 / context.token_interval_s)
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.3))
-    sns.pointplot(data=turns, x="turn", y="tokens_per_s", hue="mode", estimator=np.median, errorbar=("pi", 50), ax=axes[0])
+    if turns.empty:  # no model's speed was timed: say why where the panels would be
+        for ax in axes[:2]:
+            ax.text(0.5, 0.5, "\n\n".join(result.values["speed_not_timed"]) or "nothing timed", ha="center",
+                    va="center", wrap=True, transform=ax.transAxes)
+            ax.set_axis_off()
+        prompt_clocks.draw_clocks(axes[2], result.tables["prefill"], result.values["prompt_clocks"]["not_timed"])
+        fig.tight_layout()
+        return fig
+    sns.pointplot(data=turns, x="turn", y="tokens_per_s", hue="condition", estimator=np.median, errorbar=("pi", 50),
+                  ax=axes[0])
     axes[0].set(ylabel="decode tokens/s (median, IQR)", title="Field report 4: chat history against amnesia")
-    sns.pointplot(data=context, x="context_tokens", y="tokens_per_s", estimator=np.median, errorbar=("pi", 50), ax=axes[1])
+    sns.pointplot(data=context, x="context_tokens", y="tokens_per_s", hue="model" if several else None,
+                  estimator=np.median, errorbar=("pi", 50), ax=axes[1])
     axes[1].set(xlabel="context length (tokens)", ylabel="decode tokens/s (median, IQR)",
                 title="Decode speed against context length")
     prompt_clocks.draw_clocks(axes[2], result.tables["prefill"], result.values["prompt_clocks"]["not_timed"])

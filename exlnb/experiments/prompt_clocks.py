@@ -35,14 +35,18 @@ LATE = "clock read after torch.cuda.synchronize()"
 CLEARLY_EARLY = 1.5  # an early clock that makes the pass look this many times faster shows the report's mistake
 
 
+def check_model_names(models: Sequence[str]) -> None:
+    unknown = [m for m in models if m not in PROMPT_MODELS]
+    if unknown:
+        raise ValueError(f"no prompt model {', '.join(map(repr, unknown))}: choose from {', '.join(PROMPT_MODELS)}")
+
+
 def check_prompt_models(models: Sequence[str], lengths: Sequence[int]) -> None:
     """Refuse an unknown model, or a prompt the 7B-shaped model has no positions for, before anything runs."""
     if not lengths or min(lengths) < 2:
         raise ValueError(f"prompt_lengths={tuple(lengths)!r}: give one or more lengths of at least 2 tokens "
                          "(the streaming generator passes all but the last prompt token)")
-    unknown = [m for m in models if m not in PROMPT_MODELS]
-    if unknown:
-        raise ValueError(f"no prompt model {', '.join(map(repr, unknown))}: choose from {', '.join(PROMPT_MODELS)}")
+    check_model_names(models)
     positions = LLAMA_7B["max_position_embeddings"]
     if SEVEN_B_SHAPED in models and max(lengths) + 1 > positions:
         raise ValueError(f"prompt length {max(lengths)} and its first token exceed the {SEVEN_B_SHAPED} model's "
