@@ -69,13 +69,24 @@ def seven_b_shaped() -> Iterator[tuple[Path, int]]:
         yield folder, weight_bytes
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def copy_tokenizer(source: Path, folder: Path) -> None:
+    """The bundled model's tokenizer and chat template for the random model (transformers 5 keeps the template
+    in chat_template.jinja: without it a chat on the 7B-shaped model failed on the GPU, "tokenizer.chat_template
+    is not set")."""
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copy(source / name, folder / name)
+
+
 def make_random_llama(folder: Path, tokenizer_dir: Path) -> int:
     """Write a 7B-shaped Llama with random fp16 weights; returns the bytes of weights read per token."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, folder / name)
+    copy_tokenizer(tokenizer_dir, folder)
     vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
     config = dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, rms_norm_eps=1e-5,

@@ -75,3 +75,16 @@ def test_on_cuda_the_7b_shaped_model_times_its_chat_and_the_contexts_its_positio
     chat = result.tables["turns"]
     assert (chat[chat.model == "7b-shaped"].groupby(["mode", "turn"]).size() == 3).all()  # 4 tokens each: no early end
     assert "7b-shaped model, decode time per token" in [e.name for e in result.effects]
+
+
+def test_the_7b_shaped_model_gets_the_bundled_models_tokenizer_and_chat_template(tmp_path):
+    from exlnb.engines.tokenizer import HfTokenizer
+    from exlnb.models import resolve_model
+    from exlnb.random_model import copy_tokenizer
+
+    bundled = resolve_model("smollm2-135m-instruct", progress=False)
+    copy_tokenizer(bundled, tmp_path)
+    (tmp_path / "config.json").write_text((bundled / "config.json").read_text())
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+
+    assert HfTokenizer(tmp_path).apply_chat_template(messages) == HfTokenizer(bundled).apply_chat_template(messages)
