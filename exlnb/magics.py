@@ -365,7 +365,8 @@ class ExlnbMagics(Magics):
             raise UsageError("name the jobs to cancel (see %exl_jobs), or pass --all")
         session = get_session()
         if args.all:
-            print(f"cancelled {session.cancel_all()} jobs")
+            count = session.cancel_all()
+            print(f"cancelled {count} job{'' if count == 1 else 's'}")
         for job_id in args.job_ids:
             print(f"job {job_id}: {'cancelled' if session.cancel(job_id) else 'not running'}")
 

@@ -245,7 +245,8 @@ def test_keyboard_interrupt_while_waiting_cancels_the_samples(shell, idle, ctrl_
 
 
 def test_cache_and_jobs_magics_print_text_without_a_widget_front_end(shell, idle, capsys):
-    generation = start(QUESTION, n=2, max_new_tokens=400, temperature=1.0)
+    # no end of sequence before 400 tokens: a sample at temperature 1 once ended by itself before the cancel
+    generation = start(QUESTION, n=2, max_new_tokens=400, min_new_tokens=400, temperature=1.0)
     while len(idle.jobs()) < 2:
         time.sleep(0.01)
     shell.run_line_magic("exl_cache", "")
