@@ -98,8 +98,9 @@ class Session:
         loads again with unchanged arguments. `graphs` ("auto" or "off") is the ExLlamaV2 engine's CUDA-graph
         decode: "auto" uses it where a decode step replayed at load agrees with the same step run eagerly.
         `gpu_split` (GiB per GPU, 0 leaves one out) spreads the layers over GPUs; `tensor_parallel=True` splits
-        every layer over them instead (ExLlamaV2 and ExLlamaV3 engines, at least two GPUs). Everything that can be checked is checked before the loaded model is touched; if the new one fails to
-        load, the previous one is loaded again.
+        every layer over them instead (ExLlamaV2 and ExLlamaV3 engines, at least two GPUs). Everything that can
+        be checked is checked before the loaded model is touched; if the new one fails to load, the previous one
+        is loaded again.
         """
         model_dir = resolve_model(model, progress=progress)
         options = EngineOptions.resolve(

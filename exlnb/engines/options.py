@@ -134,9 +134,8 @@ def device_memory_bytes(engine: str) -> tuple[int | None, str]:
             return None, "this machine"
     import torch
 
-    if not torch.cuda.is_available():
-        return None, "the GPU"
-    return torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
+    devices = cuda_device_memory()
+    return (devices[0], torch.cuda.get_device_name(0)) if devices else (None, "the GPU")
 
 
 def check_gpu_split(

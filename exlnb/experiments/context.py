@@ -20,9 +20,8 @@ from exlnb.analysis import median_interval, ratio_of_medians
 from exlnb.datasets import filler_ids, load_prompts
 from exlnb.engines.base import SamplerSettings
 from exlnb.experiments import prompt_clocks
-from exlnb.engines.options import PAGE_TOKENS
 from exlnb.experiments.record import Effect, ExperimentResult, environment
-from exlnb.random_model import LLAMA_7B, cannot_make_here, seven_b_shaped
+from exlnb.random_model import LLAMA_7B, cannot_make_here
 from exlnb.session import Session
 
 # the reporters' numbers (Mistral 7B): 40 -> ~10 tokens/s over many chat turns (report 4); 31 tokens/s with a
@@ -104,14 +103,8 @@ def _speed_on_seven_b(engine: str, turns: int, answer_tokens: int, lengths: tupl
     """The same timings on the 7B-shaped model (the reporters' size), written for this run, in a session of its
     own on the same engine with a cache for the longest context. Its random weights answer nonsense and may
     draw the end token at any point, so its answers run to their length."""
-    cache_tokens = -(-(max(lengths) + decode_tokens) // PAGE_TOKENS) * PAGE_TOKENS
-    with seven_b_shaped() as (folder, _):
-        seven_b = Session()
-        seven_b.load(str(folder), engine=engine, cache_tokens=cache_tokens, progress=False)
-        try:
-            return _speed(seven_b, turns, answer_tokens, lengths, decode_tokens, repeats, stop_at_eos=False)
-        finally:
-            seven_b.unload()
+    with prompt_clocks.seven_b_session(engine, max(lengths) + decode_tokens) as seven_b:
+        return _speed(seven_b, turns, answer_tokens, lengths, decode_tokens, repeats, stop_at_eos=False)
 
 
 # -- multi-turn chat --------------------------------------------------------------------------------------------
@@ -189,12 +182,13 @@ def _summarise(tables: dict[str, pd.DataFrame], not_timed: list[str], speed_not_
     turns, context, prefill = tables["turns"], tables["context"], tables["prefill"]
     effects, findings, by_model = [], [], {}
     for model in dict.fromkeys(turns.model):  # in the order timed
-        who = "" if model == prompt_clocks.BUNDLED else f"{model} model, "
+        other = model != prompt_clocks.BUNDLED  # a model besides the session's: named in its effects and findings
         model_turns, model_context = turns[turns.model == model], context[context.model == model]
-        model_effects = _speed_effects(model_turns, model_context, who)
+        model_effects = _speed_effects(model_turns, model_context, f"{model} model, " if other else "")
         by_model[model] = _speed_values(model_turns, model_context)
         effects += model_effects
-        findings += _findings(model_effects, by_model[model], who)
+        subject = f"{model} model (random weights: its text is meaningless, its timings real): " if other else ""
+        findings += _findings(model_effects, by_model[model], subject)
     values = {
         **by_model.get(prompt_clocks.BUNDLED, {}),
         "speed_by_model": by_model,
@@ -261,11 +255,10 @@ def _speed_values(turns: pd.DataFrame, context: pd.DataFrame) -> dict:
     }
 
 
-def _findings(effects: list[Effect], values: dict, who: str) -> list[str]:
+def _findings(effects: list[Effect], values: dict, subject: str) -> list[str]:
     chat, length = effects
     rates = values["decode_tokens_per_s_by_context"]
     contexts = values["context_tokens_last_turn"]
-    subject = f"{who[:-2]} (random weights: its text is meaningless, its timings real): " if who else ""
     return [
         f"{subject}Last chat turn: {contexts['history']} prompt tokens with history, {contexts['amnesia']} with "
         f"amnesia; decode {1000 / chat.symptom.value:.1f} against {1000 / chat.fix.value:.1f} tokens/s "

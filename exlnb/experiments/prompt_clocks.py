@@ -13,7 +13,8 @@ lends both passes (`Engine.lend_prompt_pass`); only the ExLlamaV2 engine on CUDA
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import pandas as pd
@@ -22,6 +23,7 @@ import seaborn as sns
 from exlnb.analysis import median_interval, ratio_of_medians
 from exlnb.datasets import filler_ids
 from exlnb.engines.base import Engine, wall_clock
+from exlnb.engines.options import PAGE_TOKENS
 from exlnb.experiments.record import Effect
 from exlnb.random_model import LLAMA_7B, SEVEN_B_SHAPED, cannot_make_here, seven_b_shaped
 from exlnb.session import Session
@@ -77,16 +79,23 @@ def time_prompt_passes(
     return clock_rates(pd.DataFrame(rows, columns=READING_COLUMNS)), not_timed
 
 
-def _time_on_seven_b(passes: list[str], lengths: Sequence[int], repeats: int) -> list[dict]:
-    """The 7B-shaped model, written for this run, in a session of its own with a cache just large enough."""
-    cache_tokens = -(-(max(lengths) + 1) // 256) * 256
+@contextmanager
+def seven_b_session(engine: str, tokens: int) -> Iterator[Session]:
+    """The 7B-shaped model, written for this run, loaded on `engine` in a session of its own whose cache holds
+    `tokens` (rounded up to whole pages); unloaded and removed afterwards."""
     with seven_b_shaped() as (folder, _):
         session = Session()
-        session.load(str(folder), engine="exllamav2", cache_tokens=cache_tokens, progress=False)
+        session.load(str(folder), engine=engine, cache_tokens=-(-tokens // PAGE_TOKENS) * PAGE_TOKENS, progress=False)
         try:
-            return _time_on(session, SEVEN_B_SHAPED, passes, lengths, repeats)
+            yield session
         finally:
             session.unload()
+
+
+def _time_on_seven_b(passes: list[str], lengths: Sequence[int], repeats: int) -> list[dict]:
+    """Report 5's passes on the 7B-shaped model, with a cache just large enough (the passes are exllamav2's)."""
+    with seven_b_session("exllamav2", max(lengths) + 1) as session:
+        return _time_on(session, SEVEN_B_SHAPED, passes, lengths, repeats)
 
 
 def _time_on(session: Session, model: str, passes: list[str], lengths: Sequence[int], repeats: int) -> list[dict]:
