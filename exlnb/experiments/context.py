@@ -297,6 +297,7 @@ def plot(result: ExperimentResult):
     sns.pointplot(data=turns, x="turn", y="tokens_per_s", hue="condition", estimator=np.median, errorbar=("pi", 50),
                   ax=axes[0])
     axes[0].set(ylabel="decode tokens/s (median, IQR)", title="Field report 4: chat history against amnesia")
+    axes[0].get_legend().set_title("mode (model)" if several else "mode")
     sns.pointplot(data=context, x="context_tokens", y="tokens_per_s", hue="model" if several else None,
                   estimator=np.median, errorbar=("pi", 50), ax=axes[1])
     axes[1].set(xlabel="context length (tokens)", ylabel="decode tokens/s (median, IQR)",
