@@ -50,7 +50,11 @@ behind it (5 s per request at first, up to 5 minutes after about 100 requests).
 
 `generate(..., cancel_when_abandoned=False)` restores that bug on purpose; exlnb's default cancels the job
 when its consumer leaves. The cache is small on purpose (4 pages of 256 tokens, one per request): the ratio
-of cache to request size decides how many abandoned jobs fit before new requests must wait.""",
+of cache to request size decides how many abandoned jobs fit before new requests must wait.
+
+The reporter ran a 7B model. Where a GPU has room for it, the same requests also run on a Llama-2-7B-shaped
+model with random weights, written on the GPU for this run, with a cache of as many pages: its text is
+meaningless, its timings are a 7B model's.""",
         notes={
             "cache_tokens": "4 pages of 256 tokens, one per request",
             "requests": "requests sent one after another: a multiple of the cache's 4 pages, so that without the "
@@ -60,6 +64,8 @@ of cache to request size decides how many abandoned jobs fit before new requests
             "next_job_tokens": "the normal request measured afterwards, read to the end",
             "trials": "repeats of the whole sequence per condition, for the intervals",
             "sample_interval_s": "how often the job table and cache are sampled",
+            "models": '"bundled": the model loaded here; "7b-shaped": random fp16 weights written on the GPU for '
+            "this run, with as many cache pages (left out, with a line saying why, where the GPU has no room for it)",
         },
         inspect_text="""\
 ## The cache inspector with abandoned jobs

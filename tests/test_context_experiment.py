@@ -47,7 +47,7 @@ def test_the_7b_shaped_speed_is_said_not_timed_without_cuda_and_the_session_mode
 def test_an_unknown_speed_model_is_refused_before_anything_runs(cpu_session):
     from exlnb.experiments.context import run
 
-    with pytest.raises(ValueError, match="no prompt model '13b': choose from bundled, 7b-shaped"):
+    with pytest.raises(ValueError, match="no model '13b' to time: choose from bundled, 7b-shaped"):
         run(cpu_session, speed_models=("13b",))
 
 

@@ -10,7 +10,6 @@ from exlnb import SamplerSettings, get_session
 from exlnb.datasets import filler_ids
 from exlnb.experiments import prompt_clocks
 from exlnb.experiments.prompt_clocks import (
-    PROMPT_MODELS,
     RATE_COLUMNS,
     READING_COLUMNS,
     check_prompt_models,
@@ -19,6 +18,7 @@ from exlnb.experiments.prompt_clocks import (
     findings,
     time_prompt_passes,
 )
+from exlnb.experiments.timed_models import TIMED_MODELS
 from tests.conftest import skip_without_library
 
 
@@ -78,7 +78,7 @@ def test_findings_call_only_a_clearly_early_clock_the_reports_mistake():
 
 
 def test_off_the_exllamav2_engine_report_5_says_in_one_line_that_it_needs_it_on_cuda(cpu_session):
-    table, not_timed = time_prompt_passes(cpu_session, models=PROMPT_MODELS, lengths=(256,), repeats=1)
+    table, not_timed = time_prompt_passes(cpu_session, models=TIMED_MODELS, lengths=(256,), repeats=1)
 
     assert table.empty and table.columns.tolist() == READING_COLUMNS + RATE_COLUMNS
     [line] = not_timed
@@ -89,7 +89,7 @@ def test_off_the_exllamav2_engine_report_5_says_in_one_line_that_it_needs_it_on_
 
 @pytest.mark.parametrize(
     "models, lengths, message",
-    [(("bundled", "llama-70b"), (256,), "no prompt model 'llama-70b': choose from bundled, 7b-shaped"),
+    [(("bundled", "llama-70b"), (256,), "no model 'llama-70b' to time: choose from bundled, 7b-shaped"),
      (("7b-shaped",), (256, 4096), "exceed the 7b-shaped model's 4096 positions"),
      (("bundled",), (), "give one or more lengths of at least 2 tokens")],
 )

@@ -21,6 +21,14 @@ from exlnb.datasets import filler_ids, load_prompts
 from exlnb.engines.base import SamplerSettings
 from exlnb.experiments import prompt_clocks
 from exlnb.experiments.record import Effect, ExperimentResult, environment
+from exlnb.experiments.timed_models import (
+    BUNDLED,
+    TIMED_MODELS,
+    check_model_names,
+    effect_prefix,
+    finding_subject,
+    seven_b_session,
+)
 from exlnb.random_model import LLAMA_7B, cannot_make_here
 from exlnb.session import Session
 
@@ -45,14 +53,14 @@ def run(
     decode_tokens: int = 16,
     prompt_lengths: tuple[int, ...] = (256, 1441, 4000),
     timing_repeats: int = 3,
-    prompt_models: tuple[str, ...] = prompt_clocks.PROMPT_MODELS,
-    speed_models: tuple[str, ...] = prompt_clocks.PROMPT_MODELS,
+    prompt_models: tuple[str, ...] = TIMED_MODELS,
+    speed_models: tuple[str, ...] = TIMED_MODELS,
 ) -> ExperimentResult:
     prompt_clocks.check_prompt_models(prompt_models, prompt_lengths)
-    prompt_clocks.check_model_names(speed_models)
+    check_model_names(speed_models)
     chats, contexts, speed_not_timed = [], [], []
     for model in speed_models:
-        if model == prompt_clocks.BUNDLED:
+        if model == BUNDLED:
             speed = _speed(session, turns, answer_tokens, context_lengths, decode_tokens, timing_repeats)
         elif reason := cannot_make_here():
             speed_not_timed.append(f"{model}: {reason}; its chat and context-length timings were not taken.")
@@ -103,7 +111,7 @@ def _speed_on_seven_b(engine: str, turns: int, answer_tokens: int, lengths: tupl
     """The same timings on the 7B-shaped model (the reporters' size), written for this run, in a session of its
     own on the same engine with a cache for the longest context. Its random weights answer nonsense and may
     draw the end token at any point, so its answers run to their length."""
-    with prompt_clocks.seven_b_session(engine, max(lengths) + decode_tokens) as seven_b:
+    with seven_b_session(engine, max(lengths) + decode_tokens) as seven_b:
         return _speed(seven_b, turns, answer_tokens, lengths, decode_tokens, repeats, stop_at_eos=False)
 
 
@@ -182,15 +190,13 @@ def _summarise(tables: dict[str, pd.DataFrame], not_timed: list[str], speed_not_
     turns, context, prefill = tables["turns"], tables["context"], tables["prefill"]
     effects, findings, by_model = [], [], {}
     for model in dict.fromkeys(turns.model):  # in the order timed
-        other = model != prompt_clocks.BUNDLED  # a model besides the session's: named in its effects and findings
         model_turns, model_context = turns[turns.model == model], context[context.model == model]
-        model_effects = _speed_effects(model_turns, model_context, f"{model} model, " if other else "")
+        model_effects = _speed_effects(model_turns, model_context, effect_prefix(model))
         by_model[model] = _speed_values(model_turns, model_context)
         effects += model_effects
-        subject = f"{model} model (random weights: its text is meaningless, its timings real): " if other else ""
-        findings += _findings(model_effects, by_model[model], subject)
+        findings += _findings(model_effects, by_model[model], finding_subject(model))
     values = {
-        **by_model.get(prompt_clocks.BUNDLED, {}),
+        **by_model.get(BUNDLED, {}),
         "speed_by_model": by_model,
         "speed_not_timed": speed_not_timed,
         "prompt_clocks": {"medians": prompt_clocks.clock_medians(prefill).to_dict("records"), "not_timed": not_timed},

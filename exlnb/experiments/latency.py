@@ -7,6 +7,8 @@ later requests queue behind it. With the cancel (exlnb's default) each job ends 
 
 Measured per condition: each request's time to the tokens its consumer wanted, the time of one normal
 request afterwards ("the next job"), and, sampled over time, the jobs in the engine and the pages they hold.
+On the session's model and, where a GPU has room for it, on a 7B-shaped model with random weights (the
+reporter's model size; `timed_models`) with a cache of as many pages.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from exlnb.analysis import mean_interval, median_interval, ratio_of_medians
 from exlnb.engines.base import SamplerSettings, Stage, wall_clock
 from exlnb.datasets import load_prompts
 from exlnb.experiments.record import Effect, ExperimentResult, environment
+from exlnb.experiments import timed_models
+from exlnb.random_model import cannot_make_here
 from exlnb.session import Session
 from exlnb.templates import chatml
 
@@ -42,14 +46,17 @@ def run(
     trials: int = 3,
     sample_interval_s: float = 0.2,
     seed: int = 0,
+    models: tuple[str, ...] = timed_models.TIMED_MODELS,
 ) -> ExperimentResult:
-    """Run the same request sequence with and without cancelling abandoned streams, `trials` times each.
+    """Run the same request sequence with and without cancelling abandoned streams, `trials` times each, on
+    each of `models` (the 7B-shaped one gets a cache of as many pages as the session's).
 
     The conditions alternate within each trial, so a machine that gets busier or quieter during the run
     affects both alike.
     """
     if tokens_read >= max_new_tokens:
         raise ValueError(f"tokens_read={tokens_read} must be below max_new_tokens={max_new_tokens}: the consumer stops early")
+    timed_models.check_model_names(models)
     parameters = dict(
         requests=requests,
         tokens_read=tokens_read,
@@ -58,15 +65,36 @@ def run(
         trials=trials,
         sample_interval_s=sample_interval_s,
         seed=seed,
+        models=list(models),
     )
+    sequence = dict(requests=requests, tokens_read=tokens_read, max_new_tokens=max_new_tokens,
+                    next_job_tokens=next_job_tokens, sample_interval_s=sample_interval_s, seed=seed)
+    rows: dict[str, list[dict]] = {"requests": [], "timeline": [], "state": [], "pages": []}
+    not_timed = []
+    for model in models:
+        if model == timed_models.BUNDLED:
+            measured = _trials(session, trials, sequence)
+        elif reason := cannot_make_here():
+            not_timed.append(f"{model}: {reason}; its requests were not timed.")
+            continue
+        else:
+            status = session.status()
+            with timed_models.seven_b_session(status.engine, status.cache_tokens) as seven_b:
+                measured = _trials(seven_b, trials, sequence)
+        for table, new_rows in measured.items():
+            rows[table] += [{"model": model, **row} for row in new_rows]
+    tables = {name: pd.DataFrame(table, columns=None if table else ["model"]) for name, table in rows.items()}
+    return _summarise(tables, parameters, not_timed, environment(session))
+
+
+def _trials(session: Session, trials: int, sequence: dict) -> dict[str, list[dict]]:
+    """`trials` rounds of the request sequence on one session's model, both conditions in each round."""
     rows: dict[str, list[dict]] = {"requests": [], "timeline": [], "state": [], "pages": []}
     for trial in range(trials):
         for label, cancel in CONDITIONS:
-            measured = _sequence(session, cancel, requests, tokens_read, max_new_tokens, next_job_tokens, sample_interval_s, seed)
-            for table, new_rows in measured.items():
+            for table, new_rows in _sequence(session, cancel, **sequence).items():
                 rows[table] += [{"trial": trial, "condition": label, **row} for row in new_rows]
-    tables = {name: pd.DataFrame(table) for name, table in rows.items()}
-    return _summarise(tables, parameters, environment(session))
+    return rows
 
 
 def _sequence(
@@ -211,14 +239,38 @@ def _wait_until_idle(session: Session, timeout_s: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict) -> ExperimentResult:
+def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, not_timed: list[str], env: dict) -> ExperimentResult:
+    effects, findings, by_model = [], [], {}
+    for model in dict.fromkeys(tables["requests"].model):  # in the order timed
+        own = {name: table[table.model == model] for name, table in tables.items()}
+        model_effects = _effects(own, parameters, timed_models.effect_prefix(model))
+        by_model[model] = _values(own)
+        effects += model_effects
+        subject = timed_models.finding_subject(model)
+        findings += [subject + line for line in _findings(model_effects, by_model[model], parameters)]
+    first = next(iter(by_model.values()), {})
+    values = {**first, "by_model": by_model, "not_timed": not_timed, "reported": REPORTED}
+    return ExperimentResult(
+        name="latency",
+        field_reports=(1,),
+        tables=tables,
+        effects=effects,
+        parameters=parameters,
+        environment=env,
+        findings=findings + not_timed,
+        values=values,
+    )
+
+
+def _effects(tables: dict[str, pd.DataFrame], parameters: dict, who: str) -> list[Effect]:
+    """One model's two effects of the cancel; `who` names a model other than the session's."""
     requests, state = tables["requests"], tables["state"]
     latency = {label: requests[requests.condition == label].latency_s for label, _ in CONDITIONS}
     next_job = {label: state[state.condition == label].next_job_elapsed_s for label, _ in CONDITIONS}
     trials, n = parameters["trials"], parameters["requests"]
-    effects = [
+    return [
         Effect(
-            name=f"next job ({parameters['next_job_tokens']} tokens, read to the end) after {n} requests, "
+            name=f"{who}next job ({parameters['next_job_tokens']} tokens, read to the end) after {n} requests, "
             f"median of {trials} trials",
             symptom=median_interval(next_job["un-cancelled"], "s"),
             fix=median_interval(next_job["cancelled"], "s"),
@@ -228,16 +280,19 @@ def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict) -> 
         ),
         # the mean, not the median: the symptom is the occasional request that waits for whole jobs to finish
         Effect(
-            name=f"request latency (time to {parameters['tokens_read']} tokens), mean of {n} requests x {trials} trials",
+            name=f"{who}request latency (time to {parameters['tokens_read']} tokens), mean of {n} requests x {trials} trials",
             symptom=mean_interval(latency["un-cancelled"], "s"),
             fix=mean_interval(latency["cancelled"], "s"),
             symptom_label="un-cancelled",
             fix_label="cancelled",
         ),
     ]
+
+
+def _values(tables: dict[str, pd.DataFrame]) -> dict:
+    requests, state, timeline = tables["requests"], tables["state"], tables["timeline"]
     by_condition = state.groupby("condition")
-    timeline = tables["timeline"]
-    values = {
+    return {
         "max_request_latency_s": {c: float(g.latency_s.max()) for c, g in requests.groupby("condition")},
         "median_latency_by_request_s": {
             c: [float(v) for v in g.groupby("request").latency_s.median()] for c, g in requests.groupby("condition")
@@ -248,18 +303,7 @@ def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict) -> 
         "max_unread_jobs": {c: int(g.unread_jobs.max()) for c, g in timeline.groupby("condition")},
         "max_pending_jobs": {c: int(g.pending_jobs.max()) for c, g in timeline.groupby("condition")},
         "max_pages_held": {c: int(g.pages_held.max()) for c, g in timeline.groupby("condition")},
-        "reported": REPORTED,
     }
-    return ExperimentResult(
-        name="latency",
-        field_reports=(1,),
-        tables=tables,
-        effects=effects,
-        parameters=parameters,
-        environment=env,
-        findings=_findings(effects, values, parameters),
-        values=values,
-    )
 
 
 def _findings(effects: list[Effect], values: dict, parameters: dict) -> list[str]:
@@ -289,20 +333,28 @@ def _findings(effects: list[Effect], values: dict, parameters: dict) -> list[str
 
 def plot(result: ExperimentResult):
     """Request latency by request index; jobs nobody reads and pages held over time (one line per trial); the
-    cache's pages when the next job arrived (the engine's own page table: exllamav2's on the GPU)."""
+    cache's pages when the next job arrived (the engine's own page table: exllamav2's on the GPU). With a
+    second model timed, line styles tell the models apart; the page map is the first model's."""
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.2), gridspec_kw={"width_ratios": [1, 1, 1, 0.8]})
     requests, timeline = result.tables["requests"], result.tables["timeline"]
-    sns.lineplot(data=requests, x="request", y="latency_s", hue="condition", marker="o", ax=axes[0])
+    if requests.empty:  # no model was timed: say why where the panels would be
+        for ax in axes:
+            ax.set_axis_off()
+        axes[0].text(0, 0.5, "\n\n".join(result.values["not_timed"]), va="center", wrap=True, transform=axes[0].transAxes)
+        return fig
+    style = "model" if requests.model.nunique() > 1 else None
+    sns.lineplot(data=requests, x="request", y="latency_s", hue="condition", style=style, marker="o", ax=axes[0])
     axes[0].set(yscale="log", xlabel="request index", ylabel="latency to the tokens wanted (s)",
                 title="Field report 1: request latency")
     for ax, column, label in ((axes[1], "unread_jobs", "jobs nobody reads"), (axes[2], "pages_held", "cache pages held")):
-        sns.lineplot(data=timeline, x="t_s", y=column, hue="condition", units="trial", estimator=None,
+        sns.lineplot(data=timeline, x="t_s", y=column, hue="condition", style=style, units="trial", estimator=None,
                      drawstyle="steps-post", ax=ax)
         ax.set(xlabel="time since the first request (s)", ylabel=label, title=label.capitalize() + " over time")
     total = result.values["total_pages"]
     axes[2].axhline(total, color="grey", linestyle=":", label=f"all {total} pages")
     axes[2].legend()
-    _page_map(result.tables["pages"], axes[3])
+    pages = result.tables["pages"]
+    _page_map(pages[pages.model == pages.model.iloc[0]], axes[3])
     fig.tight_layout()
     return fig
 

@@ -13,8 +13,7 @@ lends both passes (`Engine.lend_prompt_pass`); only the ExLlamaV2 engine on CUDA
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
@@ -23,24 +22,15 @@ import seaborn as sns
 from exlnb.analysis import median_interval, ratio_of_medians
 from exlnb.datasets import filler_ids
 from exlnb.engines.base import Engine, wall_clock
-from exlnb.engines.options import PAGE_TOKENS
 from exlnb.experiments.record import Effect
-from exlnb.random_model import LLAMA_7B, SEVEN_B_SHAPED, cannot_make_here, seven_b_shaped
+from exlnb.experiments.timed_models import BUNDLED, check_model_names, seven_b_session
+from exlnb.random_model import LLAMA_7B, SEVEN_B_SHAPED, cannot_make_here
 from exlnb.session import Session
-
-BUNDLED = "bundled"  # the model the notebook's session loaded
-PROMPT_MODELS = (BUNDLED, SEVEN_B_SHAPED)
 READING_COLUMNS = ["model", "prompt_pass", "prompt_tokens", "repeat", "early_s", "late_s"]
 RATE_COLUMNS = ["early_tokens_per_s", "late_tokens_per_s", "early_over_late"]
 EARLY = "clock read when the call returns"
 LATE = "clock read after torch.cuda.synchronize()"
 CLEARLY_EARLY = 1.5  # an early clock that makes the pass look this many times faster shows the report's mistake
-
-
-def check_model_names(models: Sequence[str]) -> None:
-    unknown = [m for m in models if m not in PROMPT_MODELS]
-    if unknown:
-        raise ValueError(f"no prompt model {', '.join(map(repr, unknown))}: choose from {', '.join(PROMPT_MODELS)}")
 
 
 def check_prompt_models(models: Sequence[str], lengths: Sequence[int]) -> None:
@@ -77,19 +67,6 @@ def time_prompt_passes(
         else:
             rows += _time_on_seven_b(passes, lengths, repeats)
     return clock_rates(pd.DataFrame(rows, columns=READING_COLUMNS)), not_timed
-
-
-@contextmanager
-def seven_b_session(engine: str, tokens: int) -> Iterator[Session]:
-    """The 7B-shaped model, written for this run, loaded on `engine` in a session of its own whose cache holds
-    `tokens` (rounded up to whole pages); unloaded and removed afterwards."""
-    with seven_b_shaped() as (folder, _):
-        session = Session()
-        session.load(str(folder), engine=engine, cache_tokens=-(-tokens // PAGE_TOKENS) * PAGE_TOKENS, progress=False)
-        try:
-            yield session
-        finally:
-            session.unload()
 
 
 def _time_on_seven_b(passes: list[str], lengths: Sequence[int], repeats: int) -> list[dict]:
