@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from exlnb.experiments.context import _chat, _decode_against_context
+from exlnb.engines.base import Stage, StreamEvent
+from exlnb.experiments.context import _chat, _decode_against_context, _token_intervals
 
 
 def test_each_round_times_every_length_starting_from_a_different_one(cpu_session):
@@ -25,6 +26,17 @@ def test_the_chat_keeps_its_history_while_the_modes_take_turns(cpu_session):
     assert prompts.loc[0, "history"] == prompts.loc[0, "amnesia"]
     assert (prompts.loc[1:, "history"] > prompts.loc[1:, "amnesia"]).all()
     assert prompts["history"].is_monotonic_increasing
+
+
+def test_an_event_that_carries_several_tokens_shares_its_gap_out_over_them():
+    # as the 7B-shaped model's random tokens came on the H100: one token, then 6 held back together, then 9
+    events = [StreamEvent(1, Stage.DECODE, t, token_ids=tuple(range(n))) for t, n in ((0.0, 1), (0.09, 6), (0.225, 9))]
+    events.insert(1, StreamEvent(1, Stage.DECODE, 0.05))  # an event with no token has no interval
+
+    intervals = _token_intervals(events)
+
+    assert len(intervals) == 15  # every token after the first event's counts once
+    assert intervals == pytest.approx([0.015] * 15)
 
 
 def test_the_7b_shaped_speed_is_said_not_timed_without_cuda_and_the_session_model_is_timed(cpu_session):
