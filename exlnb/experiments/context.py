@@ -24,12 +24,13 @@ from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.experiments.timed_models import (
     BUNDLED,
     TIMED_MODELS,
+    cannot_time,
     check_model_names,
     effect_prefix,
     finding_subject,
-    seven_b_session,
+    session_for,
 )
-from exlnb.random_model import LLAMA_7B, cannot_make_here
+from exlnb.random_model import LLAMA_7B
 from exlnb.session import Session
 
 # the reporters' numbers (Mistral 7B): 40 -> ~10 tokens/s over many chat turns (report 4); 31 tokens/s with a
@@ -60,17 +61,20 @@ def run(
     check_model_names(speed_models)
     chats, contexts, speed_not_timed = [], [], []
     for model in speed_models:
-        if model == BUNDLED:
-            speed = _speed(session, turns, answer_tokens, context_lengths, decode_tokens, timing_repeats)
-        elif reason := cannot_make_here():
+        if reason := cannot_time(model):
             speed_not_timed.append(f"{model}: {reason}; its chat and context-length timings were not taken.")
             continue
-        else:
-            fit = tuple(n for n in context_lengths if n + decode_tokens <= LLAMA_7B["max_position_embeddings"])
-            if left := sorted(set(context_lengths) - set(fit)):
+        lengths = context_lengths
+        if model != BUNDLED:  # the 7B-shaped model times the lengths its positions hold
+            lengths = tuple(n for n in context_lengths if n + decode_tokens <= LLAMA_7B["max_position_embeddings"])
+            if left := sorted(set(context_lengths) - set(lengths)):
                 speed_not_timed.append(f"{model}: context {', '.join(map(str, left))} and {decode_tokens} new tokens exceed "
                                  f"its {LLAMA_7B['max_position_embeddings']} positions; not timed.")
-            speed = _speed_on_seven_b(session.status().engine, turns, answer_tokens, fit, decode_tokens, timing_repeats)
+        # the 7B-shaped model's cache holds the longest context; its random weights answer nonsense and may draw
+        # the end token at any point, so its answers run to their length
+        with session_for(model, session, max(lengths) + decode_tokens) as timed:
+            speed = _speed(timed, turns, answer_tokens, lengths, decode_tokens, timing_repeats,
+                           stop_at_eos=model == BUNDLED)
         chats.append(speed["turns"].assign(model=model))
         contexts.append(speed["context"].assign(model=model))
     tables = {"turns": _frame(chats, TURN_COLUMNS), "context": _frame(contexts, CONTEXT_COLUMNS)}
@@ -104,15 +108,6 @@ def _speed(session: Session, turns: int, answer_tokens: int, lengths: tuple[int,
     _warm_up(session, decode_tokens)
     return {"turns": _chat(session, turns, answer_tokens, stop_at_eos=stop_at_eos),
             "context": _decode_against_context(session, lengths, decode_tokens, repeats)}
-
-
-def _speed_on_seven_b(engine: str, turns: int, answer_tokens: int, lengths: tuple[int, ...], decode_tokens: int,
-                      repeats: int) -> dict[str, pd.DataFrame]:
-    """The same timings on the 7B-shaped model (the reporters' size), written for this run, in a session of its
-    own on the same engine with a cache for the longest context. Its random weights answer nonsense and may
-    draw the end token at any point, so its answers run to their length."""
-    with seven_b_session(engine, max(lengths) + decode_tokens) as seven_b:
-        return _speed(seven_b, turns, answer_tokens, lengths, decode_tokens, repeats, stop_at_eos=False)
 
 
 # -- multi-turn chat --------------------------------------------------------------------------------------------

@@ -26,11 +26,11 @@ from exlnb.engines.base import SamplerSettings, Stage, wall_clock
 from exlnb.datasets import load_prompts
 from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.experiments import timed_models
-from exlnb.random_model import cannot_make_here
 from exlnb.session import Session
 from exlnb.templates import chatml
 
 CONDITIONS = (("cancelled", True), ("un-cancelled", False))  # label, cancel_when_abandoned
+TABLES = ("requests", "timeline", "state", "pages")  # what one request sequence records
 NEXT_JOB_PROMPT = "What is the capital of France?"
 # the reporter's numbers: ~5 s per request at first, up to 5 minutes after ~100 requests (RTX 4090, Mistral 7B)
 REPORTED = {"first_request_s": 5.0, "late_request_s": 300.0, "requests": 100}
@@ -69,27 +69,22 @@ def run(
     )
     sequence = dict(requests=requests, tokens_read=tokens_read, max_new_tokens=max_new_tokens,
                     next_job_tokens=next_job_tokens, sample_interval_s=sample_interval_s, seed=seed)
-    rows: dict[str, list[dict]] = {"requests": [], "timeline": [], "state": [], "pages": []}
+    rows: dict[str, list[dict]] = {table: [] for table in TABLES}
     not_timed = []
     for model in models:
-        if model == timed_models.BUNDLED:
-            measured = _trials(session, trials, sequence)
-        elif reason := cannot_make_here():
+        if reason := timed_models.cannot_time(model):
             not_timed.append(f"{model}: {reason}; its requests were not timed.")
             continue
-        else:
-            status = session.status()
-            with timed_models.seven_b_session(status.engine, status.cache_tokens) as seven_b:
-                measured = _trials(seven_b, trials, sequence)
-        for table, new_rows in measured.items():
-            rows[table] += [{"model": model, **row} for row in new_rows]
+        with timed_models.session_for(model, session, session.status().cache_tokens) as timed:
+            for table, new_rows in _trials(timed, trials, sequence).items():
+                rows[table] += [{"model": model, **row} for row in new_rows]
     tables = {name: pd.DataFrame(table, columns=None if table else ["model"]) for name, table in rows.items()}
     return _summarise(tables, parameters, not_timed, environment(session))
 
 
 def _trials(session: Session, trials: int, sequence: dict) -> dict[str, list[dict]]:
     """`trials` rounds of the request sequence on one session's model, both conditions in each round."""
-    rows: dict[str, list[dict]] = {"requests": [], "timeline": [], "state": [], "pages": []}
+    rows: dict[str, list[dict]] = {table: [] for table in TABLES}
     for trial in range(trials):
         for label, cancel in CONDITIONS:
             for table, new_rows in _sequence(session, cancel, **sequence).items():

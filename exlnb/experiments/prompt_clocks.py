@@ -23,8 +23,8 @@ from exlnb.analysis import median_interval, ratio_of_medians
 from exlnb.datasets import filler_ids
 from exlnb.engines.base import Engine, wall_clock
 from exlnb.experiments.record import Effect
-from exlnb.experiments.timed_models import BUNDLED, check_model_names, seven_b_session
-from exlnb.random_model import LLAMA_7B, SEVEN_B_SHAPED, cannot_make_here
+from exlnb.experiments.timed_models import cannot_time, check_model_names, session_for
+from exlnb.random_model import LLAMA_7B, SEVEN_B_SHAPED
 from exlnb.session import Session
 READING_COLUMNS = ["model", "prompt_pass", "prompt_tokens", "repeat", "early_s", "late_s"]
 RATE_COLUMNS = ["early_tokens_per_s", "late_tokens_per_s", "early_over_late"]
@@ -60,19 +60,13 @@ def time_prompt_passes(
         ]
     rows, not_timed = [], []
     for model in models:
-        if model == BUNDLED:
-            rows += _time_on(session, model, passes, lengths, repeats)
-        elif reason := cannot_make_here():
+        if reason := cannot_time(model):
             not_timed.append(f"{model}: {reason}; not timed.")
-        else:
-            rows += _time_on_seven_b(passes, lengths, repeats)
+            continue
+        # the 7B-shaped model gets a cache just large enough for the longest prompt and its first token
+        with session_for(model, session, max(lengths) + 1) as timed:
+            rows += _time_on(timed, model, passes, lengths, repeats)
     return clock_rates(pd.DataFrame(rows, columns=READING_COLUMNS)), not_timed
-
-
-def _time_on_seven_b(passes: list[str], lengths: Sequence[int], repeats: int) -> list[dict]:
-    """Report 5's passes on the 7B-shaped model, with a cache just large enough (the passes are exllamav2's)."""
-    with seven_b_session("exllamav2", max(lengths) + 1) as session:
-        return _time_on(session, SEVEN_B_SHAPED, passes, lengths, repeats)
 
 
 def _time_on(session: Session, model: str, passes: list[str], lengths: Sequence[int], repeats: int) -> list[dict]:

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from exlnb.engines.options import PAGE_TOKENS
-from exlnb.random_model import SEVEN_B_SHAPED, seven_b_shaped
+from exlnb.random_model import SEVEN_B_SHAPED, cannot_make_here, seven_b_shaped
 from exlnb.session import Session
 
 BUNDLED = "bundled"  # the model the notebook's session loaded
@@ -31,6 +31,22 @@ def effect_prefix(model: str) -> str:
 def finding_subject(model: str) -> str:
     """What goes in front of a finding about a model other than the session's."""
     return "" if model == BUNDLED else f"{model} model (random weights: its text is meaningless, its timings real): "
+
+
+def cannot_time(model: str) -> str | None:
+    """Why `model` cannot be timed on this machine, in a line; None where it can (the session's own always can)."""
+    return None if model == BUNDLED else cannot_make_here()
+
+
+@contextmanager
+def session_for(model: str, session: Session, tokens: int) -> Iterator[Session]:
+    """The session that times `model`: the notebook's own for the bundled model; for the 7B-shaped one, a session
+    of its own on the same engine, its cache holding `tokens`, unloaded and removed afterwards."""
+    if model == BUNDLED:
+        yield session
+        return
+    with seven_b_session(session.status().engine, tokens) as seven_b:
+        yield seven_b
 
 
 @contextmanager
