@@ -2,14 +2,27 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+# torch 2.13.0, the version the suite runs with, from pip's index like every other dependency. On Linux, PyPI's
+# torch 2.13.0 is the CUDA 13 build (several GB; it runs on a CPU too). For the CPU-only build (a few hundred MB),
+# opt in to PyTorch's CPU index:  make report TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?=
 
-.PHONY: report test benchmarks browser-deps clean
+.PHONY: report test test-fast benchmarks browser-deps clean
 
 report: $(VENV)/.installed
 	$(BIN)/python -m exlnb.report
 
+# Two worker processes (pytest-xdist), fewer on a machine of fewer cores. Each takes whole test files (a file's
+# JupyterLab, notebook run or kernel is started once), the files with slow tests first (tests/conftest.py).
+PARALLEL := -n logical --maxprocesses=2 --dist loadfile --no-loadscope-reorder
+
 test: $(VENV)/.installed-test browser-deps
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PARALLEL) --durations=20
+
+# The edit loop: everything but the tests marked slow (notebooks, browser, kernels, servers) and gpu.
+test-fast: $(VENV)/.installed-test
+	$(BIN)/python -m pytest $(PARALLEL) -m 'not slow and not gpu' --durations=10
 
 benchmarks: $(VENV)/.installed
 	$(BIN)/python -m benchmarks
@@ -17,8 +30,7 @@ benchmarks: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# Without CUDA, take torch 2.13.0 (a CPU build here): an unpinned torch pulls a multi-GB CUDA build.
-	command -v nvidia-smi >/dev/null 2>&1 || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install -q -e .
 	touch $@
 

@@ -1,6 +1,6 @@
 """What the cache inspector shows while jobs run: a snapshot of the engine's real pages, as JSON and as HTML.
 
-    python -m benchmarks.cache_snapshot [--engine exllamav2|cpu] [--out benchmarks/results]
+    python -m benchmarks cache-snapshot [--engine exllamav2|cpu] [--out benchmarks/results]
 
 Three jobs share one long prompt (its full pages are shared: ref count 3), two run other prompts, and one is
 abandoned by its reader with `cancel_when_abandoned=False` (field report 1: it holds its pages with nobody
@@ -66,12 +66,12 @@ def snapshot_html(view, rows, title: str) -> str:
             f"<h3 class='exlnb'>{html.escape(title)}</h3>{record_html(inspector_html(view, rows))}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks cache-snapshot", description=__doc__.splitlines()[0])
     parser.add_argument("--engine", default="auto", choices=ENGINE_NAMES)
     parser.add_argument("--cache-tokens", type=int, default=16384)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     session = get_session()
     status = session.load(engine=args.engine, cache_tokens=args.cache_tokens)

@@ -105,6 +105,19 @@ def library_by_hand(generator, job, prompt_tokens: int) -> Run:
     return timer.run()
 
 
+def library_aggregate(generator, library: str, prompts: list[list[int]], new_tokens: int) -> float:
+    """Total new tokens per second of one library job per prompt, enqueued together and iterated to the end."""
+    start = clock()
+    for prompt in prompts:
+        generator.enqueue(library_job(library, prompt, new_tokens))
+    produced = 0
+    while generator.num_remaining_jobs():
+        for result in generator.iterate():
+            if result["stage"] == "streaming" and result.get("token_ids") is not None:
+                produced += result["token_ids"].numel()
+    return produced / (clock() - start)
+
+
 def library_job(library: str, prompt: list[int], new_tokens: int):
     """A greedy job without stop conditions, in the library's own terms."""
     if library == "exllamav2":
@@ -126,10 +139,10 @@ def exllamav3_peer_available(session: Session) -> bool:
 
 def load_exllamav3_peer(model_dir, cache_tokens: int = 8192):
     """exllamav3's own generator over the model, loaded as its README does it, outside exlnb (with the fixes
-    without which exllamav3 1.6.5 cannot run a model whose sizes are not multiples of 128, exllamav3_compat)."""
+    without which exllamav3 1.6.5 cannot run a model whose sizes are not multiples of 128, exllamav3/compat.py)."""
     from exllamav3 import Cache, Config, Generator, Model, Tokenizer
 
-    from exlnb.engines.exllamav3_compat import fix_exllamav3
+    from exlnb.engines.exllamav3.compat import fix_exllamav3
 
     fix_exllamav3()
 
@@ -138,6 +151,29 @@ def load_exllamav3_peer(model_dir, cache_tokens: int = 8192):
     cache = Cache(model, max_num_tokens=cache_tokens)  # built before load(): exllamav3 allocates it then
     model.load()
     return Generator(model=model, cache=cache, tokenizer=Tokenizer.from_config(config))
+
+
+def load_exllamav2_peer(model_dir, cache_tokens: int = 8192):
+    """exllamav2's own dynamic generator over the model, loaded as its examples do, outside exlnb. Paged only
+    where flash-attn is installed (exllamav2 0.3.2 refuses paged mode without it), and on the matmul path
+    (`no_sdpa`), as the ExLlamaV2 engine chooses on the GPU machine: there exllamav2's SDPA path gave wrong
+    logits, and was slower (docs/gpu.md)."""
+    import importlib.util
+    from pathlib import Path
+
+    from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
+    from exllamav2.generator import ExLlamaV2DynamicGenerator
+
+    from exlnb.engines.exllamav2.engine import _apply_rope_theta
+
+    config = ExLlamaV2Config(str(model_dir))
+    _apply_rope_theta(config, Path(model_dir))
+    config.no_sdpa = True
+    model = ExLlamaV2(config)
+    cache = ExLlamaV2Cache(model, max_seq_len=cache_tokens, lazy=True)
+    model.load_autosplit(cache, progress=False)
+    return ExLlamaV2DynamicGenerator(model=model, cache=cache, tokenizer=ExLlamaV2Tokenizer(config),
+                                     paged=importlib.util.find_spec("flash_attn") is not None)
 
 
 def exllamav3_by_hand(generator, prompt: list[int], new_tokens: int) -> Run:
@@ -197,7 +233,11 @@ def hf_prefill(model, prompt: list[int]) -> float:
 
 def aggregate_throughput(session: Session, concurrency: int, new_tokens: int, seed: int) -> float:
     """Total new tokens per second of `concurrency` jobs submitted together."""
-    prompts = [random_prompt(64, seed * 100 + i) for i in range(concurrency)]
+    return session_aggregate(session, [random_prompt(64, seed * 100 + i) for i in range(concurrency)], new_tokens)
+
+
+def session_aggregate(session: Session, prompts: list[list[int]], new_tokens: int) -> float:
+    """Total new tokens per second of one job per prompt, submitted together, from submit to the last one's end."""
     start = clock()
     streams = session.submit_together(
         [session.job_spec(p, max_new_tokens=new_tokens, sampler=GREEDY, stop_at_eos=False) for p in prompts]

@@ -1,6 +1,6 @@
 """What exlnb's paged attention costs a decode step as the context grows, and what a matmul form would; JSON out.
 
-    python -m benchmarks.decode_attention [--out benchmarks/results]
+    python -m benchmarks decode-attention [--out benchmarks/results]
 
 With CUDA graphs the host no longer sets the decode speed, and on the H100 the time per token then grew with
 the context (the bundled model 3.1 ms at 128 tokens, 17.6 ms at 4096). This times the attention alone, a
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import device_slug, environment
-from exlnb.engines import paged_attention
+from exlnb.engines.exllamav2 import paged_attention
 from exlnb.random_model import LLAMA_7B
 
 PAGE = 256
@@ -102,11 +102,11 @@ def measure(shape: str, context: int, batch: int, form: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks decode-attention", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks.decode_attention times CUDA kernels: this machine has no CUDA")
+        raise SystemExit("python -m benchmarks decode-attention times CUDA kernels: this machine has no CUDA")
     rows = []
     with torch.inference_mode():
         for shape in SHAPES:

@@ -20,25 +20,20 @@
 # exllamav3:quantization,context" adds exlnb's investigations (`python -m exlnb.report --engine E`, one
 # engine after the other, last of all; after the colon, the notebooks to run, else all)
 # with their executed notebooks, HTML, CSVs, figures and summary.md under report-E/; EXLNB_GPU_REPORT_ARGS
-# passes more arguments to each (e.g. "--preset full"). EXLNB_GPU_CONSTRAINED_PROBE=1 first runs
-# `python -m benchmarks.constrained_probe` alone on both engines (issue 16's masked-token draw).
-# EXLNB_GPU_GRAPHS=1 runs `python -m benchmarks.graphs` (eager against CUDA-graph decode, with transformers
+# passes more arguments to each (e.g. "--preset full").
+# EXLNB_GPU_GRAPHS=1 runs `python -m benchmarks graphs` (eager against CUDA-graph decode, with transformers
 # and the ExLlamaV3 engine beside them) alone right after the tests, into graphs-*.json and graphs.log.
-# EXLNB_GPU_GRAPH_PROBE=1 runs issue 17's CUDA-graph probe (`python -m benchmarks.graph_probe`, on the bundled
-# and then the 7B-shaped model) alone, right after the tests, into graph-probe-*.json and graph-probe-*.log.
 # EXLNB_GPU_PREQUANTIZE="exl3:3 exl3:6,8 exl2:3,6,8" makes those quantizations of the bundled model while the
 # suites run: the words side by side, each word's bit widths one after the other (EXL2's later ones reuse the
 # first one's measurement). The quantization investigation then finds them in the cache (the tests make
-# 4.0 bpw); logs in prequantize-FORMAT-BITS.log. EXLNB_GPU_EXL3_PROBE=1 then runs
-# `python -m benchmarks.exl3_probe` in that same chain, beside the suites (which EXL3 bundle exllamav3's kernels
-# cannot run on the bundled model as shipped, and whether exlnb's fix makes it run), into exl3-probe-*.json/.log.
+# 4.0 bpw); logs in prequantize-FORMAT-BITS.log.
 # These variables are read by `all`, so set them on the `model` call that starts it.
 #
 # The bundled GGUF travels xz-compressed in parts (`xz -6`, then `split`). Everything runs from a snapshot of
 # the repository taken at setup, so a later copy of the working tree cannot change files under a running
 # test. `all` runs two chains side by side once the model is converted: ExLlamaV2 (its `pytest -m gpu`, then
 # EXL2 quantized) and ExLlamaV3 (once its ~7-minute build is done: its `pytest -m gpu`, then EXL3 quantized);
-# the graph probe, the benchmarks, the investigations, then the serving saturation sweep run alone after both,
+# the CUDA-graph benchmark, the benchmarks, the investigations, then the serving saturation sweep run alone after both,
 # one at a time, so that no other work disturbs their clocks. Each suite writes every failure's traceback to
 # pytest-gpu-ENGINE-failures.txt as it happens (EXLNB_FAILURE_LOG), so a copy taken mid-run says why.
 set -u
@@ -93,32 +88,15 @@ report() {  # report "ENGINE[:NOTEBOOK,...] ...": exlnb's investigations on each
     done
 }
 
-constrained_probe() {  # issue 16: which part of a constrained step lets a masked token through, per engine
-    wait_for "$WORK/build-exllamav2.rc"
-    wait_for "$WORK/build-exllamav3.rc"
-    log "start the constrained probe"
-    (cd "$REPO" && timeout 300 python3 -m benchmarks.constrained_probe --out "$OUTDIR" > "$OUTDIR/constrained-probe.log" 2>&1)
-    log "end the constrained probe (exit $?)"
-}
-
-graph_probe() {  # which parts of an ExLlamaV2 decode step CUDA graphs can capture (issue 17), per model
-    local model
-    for model in bundled 7b-shaped; do
-        log "start the graph probe on the $model model"
-        (cd "$REPO" && timeout 240 python3 -m benchmarks.graph_probe --model "$model" --out "$OUTDIR" > "$OUTDIR/graph-probe-$model.log" 2>&1)
-        log "end the graph probe on the $model model (exit $?)"
-    done
-}
-
-graphs_benchmark() {  # eager against CUDA-graph decode with the peers (issue 17), alone, after the suites
+graphs_benchmark() {  # eager against CUDA-graph decode with the peers, alone, after the suites
     wait_for "$WORK/build-exllamav2.rc"
     wait_for "$WORK/build-exllamav3.rc"
     log "start the CUDA-graph decode benchmark"
-    (cd "$REPO" && timeout 1200 python3 -m benchmarks.graphs --out "$OUTDIR" > "$OUTDIR/graphs.log" 2>&1)
+    (cd "$REPO" && timeout 1200 python3 -m benchmarks graphs --out "$OUTDIR" > "$OUTDIR/graphs.log" 2>&1)
     log "end the CUDA-graph decode benchmark (exit $?)"
 }
 
-chain_quantized() {  # EXLNB_GPU_PREQUANTIZE's conversions side by side, then the EXL3 kernel probe
+chain_quantized() {  # EXLNB_GPU_PREQUANTIZE's conversions side by side
     local spec format bits
     for spec in ${EXLNB_GPU_PREQUANTIZE:-}; do
         format=${spec%%:*}
@@ -131,11 +109,6 @@ chain_quantized() {  # EXLNB_GPU_PREQUANTIZE's conversions side by side, then th
         done) &
     done
     wait
-    if [ "${EXLNB_GPU_EXL3_PROBE:-0}" = 1 ]; then
-        log "start the EXL3 kernel probe"
-        (cd "$REPO" && timeout 420 python3 -m benchmarks.exl3_probe --out "$OUTDIR" > "$OUTDIR/exl3-probe.log" 2>&1)
-        log "end the EXL3 kernel probe (exit $?)"
-    fi
 }
 
 chain_exllamav3() {
@@ -187,29 +160,27 @@ all)
     (cd "$REPO" && python3 -c "from exlnb.models import resolve_model; print(resolve_model('smollm2-135m-instruct', progress=False))") \
         > "$OUTDIR/convert.log" 2>&1
     log "converted (exit $?)"
-    [ "${EXLNB_GPU_CONSTRAINED_PROBE:-0}" = 1 ] && constrained_probe
     chain_exllamav2 & chain_exllamav3 & chain_quantized & wait
     [ "${EXLNB_GPU_GRAPHS:-0}" = 1 ] && graphs_benchmark
-    [ "${EXLNB_GPU_GRAPH_PROBE:-0}" = 1 ] && graph_probe
     benchmarks=${EXLNB_GPU_BENCHMARKS:-1}
     if [ "$benchmarks" = 1 ]; then
         log "start benchmarks"
-        (cd "$REPO" && timeout 900 python3 -m benchmarks --out "$OUTDIR" > "$OUTDIR/benchmarks.log" 2>&1)
+        (cd "$REPO" && timeout 900 python3 -m benchmarks core --out "$OUTDIR" > "$OUTDIR/benchmarks.log" 2>&1)
         log "end benchmarks (exit $?)"
     elif [ "${EXLNB_GPU_KIT:-0}" = 1 ]; then
         log "start the kit-overhead benchmark"
-        (cd "$REPO" && timeout 600 python3 -m benchmarks --only kit --out "$OUTDIR" > "$OUTDIR/benchmarks-kit.log" 2>&1)
+        (cd "$REPO" && timeout 600 python3 -m benchmarks core --only kit --out "$OUTDIR" > "$OUTDIR/benchmarks-kit.log" 2>&1)
         log "end the kit-overhead benchmark (exit $?)"
     fi
     if [ "$benchmarks" = 1 ]; then
         log "start benchmarks on the exllamav3 engine"
-        (cd "$REPO" && python3 -m benchmarks --engine exllamav3 --only kit,context,concurrency --out "$OUTDIR" \
+        (cd "$REPO" && python3 -m benchmarks core --engine exllamav3 --only kit,context,concurrency --out "$OUTDIR" \
             > "$OUTDIR/benchmarks-exllamav3.log" 2>&1)
         log "end benchmarks on the exllamav3 engine (exit $?)"
     fi
     if [ "${EXLNB_GPU_SERVING:-$benchmarks}" = 1 ]; then
         log "start the serving saturation sweep"
-        (cd "$REPO" && python3 -m benchmarks.serving --engine exllamav2,exllamav3 --paged on,off --out "$OUTDIR" \
+        (cd "$REPO" && python3 -m benchmarks serving --engine exllamav2,exllamav3 --paged on,off --out "$OUTDIR" \
             > "$OUTDIR/serving.log" 2>&1)
         log "end the serving saturation sweep (exit $?)"
     fi

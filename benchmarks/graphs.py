@@ -1,6 +1,6 @@
 """Eager against CUDA-graph decode on the ExLlamaV2 engine, with the peers, in one run; JSON out.
 
-    python -m benchmarks.graphs [--quick] [--models bundled,7b-shaped] [--out benchmarks/results]
+    python -m benchmarks graphs [--quick] [--models bundled,7b-shaped] [--out benchmarks/results]
 
 Per model, the ExLlamaV2 engine loaded with `graphs="off"` and with `graphs="auto"`: batch-1 decode (the
 engine's generator driven by hand, as `raw_decode` does, ms per token) and the aggregate new tokens/s of 8 jobs
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import decode
-from benchmarks.harness import clock, device_slug, environment, summarise
+from benchmarks.harness import clock, device_slug, environment, new_result_path, summarise, write_json
 from benchmarks.suites import _or_its_error
 from exlnb.models import BUNDLED_MODEL, resolve_model
 from exlnb.random_model import SEVEN_B_SHAPED, cannot_make_here, seven_b_shaped
@@ -158,7 +158,7 @@ def goals(rows: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.graphs", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks graphs", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short runs, to check the script")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma separated: {', '.join(MODELS)}")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> Path:
     if unknown := set(models) - set(MODELS):
         parser.error(f"unknown models {sorted(unknown)}: choose from {', '.join(MODELS)}")
     if not torch.cuda.is_available() or importlib.util.find_spec("exllamav2") is None:
-        parser.exit(2, "benchmarks.graphs needs a CUDA GPU and exllamav2 0.3.2\n")
+        parser.exit(2, "python -m benchmarks graphs needs a CUDA GPU and exllamav2 0.3.2\n")
     if SEVEN_B_SHAPED in models and (reason := cannot_make_here()):
         parser.exit(2, reason + "\n")
     env, p = environment(), plan(args.quick)
@@ -178,9 +178,8 @@ def main(argv: list[str] | None = None) -> Path:
               f"{rows[model]['graphs']['ms_per_token']['median']:.2f} ms/token ({rows[model]['speedup_batch_1']:.2f}x); "
               f"batch {BATCH} {rows[model][f'speedup_batch_{BATCH}']:.2f}x", flush=True)
     result = {"environment": env, "plan": p, "cache_tokens": CACHE_TOKENS, "models": rows, "goals": goals(rows)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"graphs-{device_slug(env)}-{env['date'][:10]}.json"
-    path.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
+    path = new_result_path(args.out, f"graphs-{device_slug(env)}-{env['date'][:10]}")
+    write_json(path, result, indent=2)
     print(json.dumps(result["goals"], indent=2))
     print(f"wrote {path}")
     return path

@@ -6,6 +6,7 @@ Also the record of where a number came from (device, driver, versions, date), wr
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import statistics
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from exlnb.experiments.record import git_commit
+from exlnb.experiments.record import git_commit, write_atomically
 
 
 def sync() -> None:
@@ -84,3 +85,18 @@ def device_slug(env: dict) -> str:
     """`nvidia-h100-80gb-hbm3`, `amd-epyc`: the device part of a result's file name."""
     name = env["device"].removeprefix("cpu: ").split(",")[0].split(" (")[0]
     return "-".join(name.lower().replace("(r)", "").replace("(tm)", "").split())
+
+
+def new_result_path(out: Path, stem: str) -> Path:
+    """`out/<stem>.json`, or `<stem>-2.json`, `-3`, ... where an earlier run (of the same day, the same device)
+    holds the name: a second run never replaces the first's files, the JSON nor what is written beside it."""
+    out.mkdir(parents=True, exist_ok=True)
+    number = 1
+    while (path := out / f"{stem if number == 1 else f'{stem}-{number}'}.json").exists():
+        number += 1
+    return path
+
+
+def write_json(path: Path, record: dict, **dumps) -> None:
+    """The record as strict JSON (NaN and infinity refused), written whole or not at all."""
+    write_atomically(path, json.dumps(record, allow_nan=False, **dumps) + "\n")

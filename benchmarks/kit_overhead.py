@@ -1,6 +1,6 @@
 """What the session itself costs per token, with the model's work replaced by a step of fixed cost.
 
-    python -m benchmarks.kit_overhead [--step-ms 0 12] [--tokens 200] [--repeats 6] [--out DIR]
+    python -m benchmarks kit-overhead [--step-ms 0 12] [--tokens 200] [--repeats 6] [--out DIR]
 
 The kit row of `python -m benchmarks` compares a session stream with the engine's generator driven by hand on
 a real model, where host noise is as large as the effect (GPU runs since the typed request read 0.78 to 0.91,
@@ -12,18 +12,17 @@ session adds: the engine thread's delivery, the stream's queue, and the consumer
 The consumer reads its clock when it gets the GIL, which a GIL-holding step can delay: a late first token
 shortens the span the rate is taken over, so with a long step the session's figure is, if anything, flattered
 by up to one switch interval (5 ms) spread over the run's tokens.
-Writes kit-overhead-<device>-<date>.json under --out.
+Writes kit-overhead-<device>-<date>.json under --out (-2, -3, ... for a later run of the same day).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 from benchmarks import decode
-from benchmarks.harness import device_slug, environment, summarise
+from benchmarks.harness import device_slug, environment, new_result_path, summarise, write_json
 from exlnb import Session
 from exlnb.models import BUNDLED_MODEL
 
@@ -65,7 +64,7 @@ def measure(step_ms: float, tokens: int, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.kit_overhead", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks kit-overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--step-ms", type=float, nargs="+", default=[0.0, 12.0], help="fixed cost of each step")
     parser.add_argument("--tokens", type=int, default=200, help="new tokens per generation")
     parser.add_argument("--repeats", type=int, default=6, help="pairs measured per step cost (after one warm-up)")
@@ -78,11 +77,10 @@ def main(argv: list[str] | None = None) -> Path:
         print(f"step {r['step_ms']:g} ms: session {m['session']['median']:.3f} ms/token, by hand "
               f"{m['by_hand']['median']:.3f}: the session adds {1000 * m['session_cost_per_token_ms']:.0f} us a token "
               f"(ratio {m['ratio_decode_session_over_by_hand']:.3f})")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"kit-overhead-{device_slug(env)}-{env['date'][:10]}.json"
+    path = new_result_path(args.out, f"kit-overhead-{device_slug(env)}-{env['date'][:10]}")
     payload = {"benchmark": "kit_overhead", "environment": env, "tokens": args.tokens, "repeats": args.repeats,
                "results": results}
-    path.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
+    write_json(path, payload, indent=2)
     print(f"wrote {path}")
     return path
 

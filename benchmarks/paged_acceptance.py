@@ -1,6 +1,6 @@
 """Paged mode on the ExLlamaV2 engine without flash-attn: the acceptance numbers, written as JSON.
 
-    python -m benchmarks.paged_acceptance [--engine exllamav2] [--quick] [--out benchmarks/results]
+    python -m benchmarks paged-acceptance [--engine exllamav2] [--quick] [--out benchmarks/results]
 
 Records, for the bundled model: the greedy text of 16 prompts run together in paged mode against each run
 alone in unpaged mode; prompt pages shared by two running jobs with the same long prompt and reused by a
@@ -106,7 +106,7 @@ def throughput(session: Session, counts: tuple[int, ...], new_tokens: int, repea
 
 
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.paged_acceptance", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks paged-acceptance", description=__doc__.splitlines()[0])
     parser.add_argument("--engine", default="auto", choices=ENGINE_NAMES)
     parser.add_argument("--quick", action="store_true", help="4 prompts, short runs: checks that everything runs")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))

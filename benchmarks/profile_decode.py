@@ -1,7 +1,7 @@
 """Where a decode step spends its time, by the torch profiler: on the GPU, kernels against the host issuing
 them; on the CPU, which operators.
 
-    python -m benchmarks.profile_decode [--model 7b|bundled] [--engine auto|exllamav2|cpu] [--batch N]
+    python -m benchmarks profile-decode [--model 7b|bundled] [--engine auto|exllamav2|cpu] [--batch N]
 
 Writes, per step (one token of each job): wall time, the busiest operators (and on the GPU: kernel time, kernel launches, and the
 fraction of the wall time the GPU was busy). If kernel time is far below wall time, the step is bound by
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import decode
-from benchmarks.harness import environment, sync
+from benchmarks.harness import environment, new_result_path, sync, write_json
 from exlnb.engines.base import JobSpec
 from exlnb.engines.options import ENGINE_NAMES
 from exlnb.models import BUNDLED_MODEL
@@ -27,8 +27,9 @@ from exlnb.random_model import seven_b_shaped
 from exlnb.session import Session
 
 
-def profile_steps(session: Session, tokens: int, batch: int = 1) -> dict:
-    """Profile `tokens` decode steps of `batch` jobs, after their prefill and a few warm-up steps."""
+def profile_steps(session: Session, tokens: int, batch: int = 1, *, extra=None) -> dict:
+    """Profile `tokens` decode steps of `batch` jobs, after their prefill and a few warm-up steps; `extra(prof,
+    wall_s, steps)` adds its own summary of the same profile (the speed suite's kernel kinds)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -47,7 +48,8 @@ def profile_steps(session: Session, tokens: int, batch: int = 1) -> dict:
             wall = time.perf_counter() - start
         clear()
         summary = {"engine": engine.name, "batch": batch, "steps": tokens, "wall_ms_per_step": 1000 * wall / tokens}
-        return summary | (_gpu_summary(prof, wall, tokens) if cuda else _cpu_summary(prof, wall, tokens))
+        summary |= _gpu_summary(prof, wall, tokens) if cuda else _cpu_summary(prof, wall, tokens)
+        return summary | (extra(prof, wall, tokens) if extra else {})
 
     return session.run_on_engine(run)
 
@@ -87,14 +89,14 @@ def _cpu_summary(prof, wall: float, steps: int) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_decode", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks profile-decode", description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("7b", "bundled"), default="bundled")
     parser.add_argument("--engine", choices=ENGINE_NAMES, default="auto")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     session = Session()
     with contextlib.ExitStack() as stack:
         if args.model == "7b":
@@ -105,10 +107,9 @@ def main() -> None:
         result = {"environment": environment(), "model": args.model,
                   **profile_steps(session, args.tokens, args.batch)}
         session.unload()
-    args.out.mkdir(parents=True, exist_ok=True)
     engine = result["engine"]
-    path = args.out / f"profile-decode-{engine}-{args.model}-batch{args.batch}-{result['environment']['date'][:10]}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = new_result_path(args.out, f"profile-decode-{engine}-{args.model}-batch{args.batch}-{result['environment']['date'][:10]}")
+    write_json(path, result, indent=2)
     print(json.dumps({k: v for k, v in result.items() if k != "environment"}, indent=2))
     print(f"wrote {path}")
 

@@ -2,8 +2,8 @@
 
 Each sweep runs through `exlnb.bench`, as vLLM's benchmark_serving runs one against a server.
 
-    python -m benchmarks.serving --engine exllamav2,exllamav3 --paged on,off --out DIR   # the GPU saturation sweep
-    python -m benchmarks.serving --engine cpu --quick --out DIR                          # a short run: does it work
+    python -m benchmarks serving --engine exllamav2,exllamav3 --paged on,off --out DIR   # the GPU saturation sweep
+    python -m benchmarks serving --engine cpu --quick --out DIR                          # a short run: does it work
 
 Each setup (an engine, paged or not: exllamav2 runs in each mode asked for, an engine that always pages runs
 once) is loaded in turn and sent the same seeded requests (random-token prompts, exact output lengths) at
@@ -18,13 +18,12 @@ setup that fails keeps the ones before it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.harness import device_slug, environment
+from benchmarks.harness import device_slug, environment, new_result_path, write_json
 from benchmarks.saturation import figure, saturation
 from exlnb import bench, get_session
 from exlnb.bench_result import plain_json
@@ -53,7 +52,7 @@ def choices_argument(choices):
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks serving", description=__doc__.splitlines()[0])
     parser.add_argument("--engine", type=choices_argument(ENGINE_NAMES), default=["auto"],
                         help=f"engines, comma separated: {', '.join(ENGINE_NAMES)} (default auto)")
     parser.add_argument("--paged", type=choices_argument(tuple(PAGED_MODES)), default=["auto"],
@@ -106,10 +105,10 @@ def main(argv: list[str] | None = None) -> Path:
     env = environment()
     engines = "-".join(dict.fromkeys(engine for engine, _ in args.setups))
     stem = f"serving-{engines}-{device_slug(env)}-{env['date'][:10]}{'-quick' if args.quick else ''}"
-    path = args.out / f"{stem}.json"
+    path = new_result_path(args.out, stem)
     record = {
         "benchmark": "serving",
-        "command": " ".join(["python -m benchmarks.serving", *(sys.argv[1:] if argv is None else argv)]),
+        "command": " ".join(["python -m benchmarks serving", *(sys.argv[1:] if argv is None else argv)]),
         "environment": env,
         "quick": args.quick,
         "setups": [],
@@ -143,7 +142,7 @@ def write(path: Path, record: dict) -> None:
     import matplotlib.pyplot as plt
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1, allow_nan=False) + "\n")
+    write_json(path, record, indent=1)
     env = record["environment"]
     title = f"{env['device']} · {env['date'][:10]}" + (" · quick" if record["quick"] else "")
     fig = figure(record["setups"], title=title)

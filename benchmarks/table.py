@@ -1,6 +1,6 @@
 """The performance table, ratios first, generated from result files: for the README and after every run.
 
-    python -m benchmarks.table [--out FILE]     # every full run under benchmarks/results, as markdown
+    python -m benchmarks table [--out FILE]     # every full run under benchmarks/results, as markdown
 """
 
 from __future__ import annotations
@@ -133,11 +133,11 @@ def markdown(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.table", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks table", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the markdown here as well as printing it")
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder of result files")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     text = markdown(full_runs(args.results))
     print(text)
     if args.out:

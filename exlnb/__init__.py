@@ -10,6 +10,7 @@ from exlnb.session import Session, get_session
 from exlnb.streaming import GenerationResult, JobStream
 
 __all__ = [
+    "BranchTree",
     "Chat",
     "EosReason",
     "Generation",
@@ -22,12 +23,14 @@ __all__ = [
     "abench",
     "agenerate_live",
     "bench",
+    "branch_live",
     "generate_live",
     "get_chat",
     "get_session",
     "load_ipython_extension",
     "show_cache",
     "show_jobs",
+    "show_server",
 ]
 __version__ = "0.1.0"
 
@@ -36,8 +39,11 @@ __version__ = "0.1.0"
 _WIDGETS = {
     "show_cache": "exlnb.widgets.cache",
     "show_jobs": "exlnb.widgets.cache",
+    "show_server": "exlnb.widgets.server",
     "abench": "exlnb.widgets.loadtest",
     "agenerate_live": "exlnb.widgets.stream",
+    "BranchTree": "exlnb.widgets.branches",
+    "branch_live": "exlnb.widgets.stream",
     "generate_live": "exlnb.widgets.stream",
 }
 
@@ -49,8 +55,8 @@ def __getattr__(name: str):
 
 
 def load_ipython_extension(ipython) -> None:
-    """`%load_ext exlnb`: registers %exl_load, %%exl_generate, %exl_cache, %exl_jobs, %exl_cancel, %exl_bench and
-    %exl_quantize."""
+    """`%load_ext exlnb`: registers %exl_load, %%exl_generate, %exl_branch, %exl_cache, %exl_jobs, %exl_cancel,
+    %exl_bench, %exl_quantize and %exl_divergence."""
     from exlnb.magics import ExlnbMagics, await_magic_cells
 
     magics = ExlnbMagics(ipython)

@@ -30,6 +30,29 @@ class RateRun:
         """Requests a stop kept from being sent (a duration names no number of requests, so none there)."""
         return 0 if self.requested is None else self.requested - len(self.records)
 
+    @property
+    def slo_missed(self) -> bool:
+        """Objectives were given and a request that ran to its end missed them."""
+        g = self.metrics.goodput
+        return g is not None and g.good_requests < self.metrics.successful_requests
+
+    def compact_row(self) -> dict[str, str]:
+        """The rate as one row of the compact table: what finished, throughput, latencies and the SLO's share."""
+        m = self.metrics
+        of = f" of {self.requested}" if self.requested is not None else ""
+        row = {
+            "rate (req/s)": rate_label(self.request_rate),
+            "finished": f"{m.successful_requests}{of}",
+            "req/s": f"{m.request_throughput:.2f}",
+            "output tok/s": f"{m.output_token_throughput:.1f}",
+            "TTFT median / p99 (ms)": f"{_ms_cell(m.ttft_ms.median)} / {_ms_cell(m.ttft_ms.p99)}",
+            "TPOT median (ms)": _ms_cell(m.tpot_ms.median),
+            "E2EL median (ms)": _ms_cell(m.e2el_ms.median),
+        }
+        if m.goodput is not None:
+            row["SLO met"] = slo_words(m.goodput.good_requests, m.successful_requests)
+        return row
+
     def count_words(self) -> str:
         """'5 of 8 requests finished, 2 cancelled in flight, 1 never sent'."""
         m = self.metrics
@@ -191,6 +214,17 @@ class BenchResult:
 
     def __repr__(self) -> str:
         return self.table()
+
+
+def slo_words(good: int, finished: int) -> str:
+    """'17% (1 of 6)': the share of the requests that ran to their end and met every objective."""
+    if not finished:
+        return "no request ran to its end"
+    return f"{good / finished:.0%} ({good} of {finished})"
+
+
+def _ms_cell(ms: float) -> str:
+    return "-" if math.isnan(ms) else f"{ms:.1f}"
 
 
 def _ms(seconds: float | None) -> float:

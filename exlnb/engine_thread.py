@@ -8,6 +8,11 @@ and a cancel requested from a garbage-collector callback in the middle of a step
 A command is answered through a `Future`: a thread waits on it (`call`), a coroutine awaits it (`submit`
 wrapped with `asyncio.wrap_future`), so the event loop never waits for a step. Once stopped, the thread
 refuses new commands at once instead of leaving their callers waiting for an answer that never comes.
+
+Views of the jobs and the cache (`views`) need no command: a command waits for the step in progress, and
+`%exl_cache` once held the kernel 3-5 s while a long prompt was prefilled. The thread holds a lock while it
+runs a command or a step; between them any thread reads the engine under that lock, and during a step gets
+what the thread published when it last let go of the engine.
 """
 
 from __future__ import annotations
@@ -17,14 +22,31 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from exlnb.engines.base import Engine, JobFailed, StreamEvent
+from exlnb.engines.base import CacheView, Engine, JobFailed, JobInfo, StreamEvent, wall_clock
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 _STOP = object()
+# how long a view waits for the step in progress before it takes the published one; and at most how long a
+# run of short steps goes unpublished (a step that ends a job, and every command, is published at once)
+VIEW_WAIT_S = 0.05
+
+
+@dataclass(frozen=True)
+class EngineViews:
+    """The engine's jobs and cache as they were at one moment between two steps."""
+
+    jobs: tuple[JobInfo, ...]
+    cache: CacheView
+    at: float  # wall_clock() when they were read
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineViews:
+        return cls(tuple(engine.jobs()), engine.cache_view(), wall_clock())
 
 
 class EngineStopped(RuntimeError):
@@ -57,12 +79,16 @@ class EngineThread(threading.Thread):
         self._accepting = threading.Lock()  # orders "refuse from now on" against every put
         self._stopped = False
         self._stepping = False
+        self._engine_lock = threading.RLock()  # held by this thread through each command and step
+        self._ended = False  # `on_stop` has run: the engine is being closed, nothing may read it
+        self._views = EngineViews.of(engine)  # the last published; replaced whole, never changed
 
     def submit(self, fn: Callable[[Engine], T]) -> Future[T]:
         """Queue `fn(engine)` to run between steps; its result (or error) arrives on the returned future."""
         future: Future[T] = Future()
         if threading.current_thread() is self and not self._stepping:
-            _run(fn, self.engine, future)
+            with self._engine_lock:
+                _run(fn, self.engine, future, self._publish)
             return future
         with self._accepting:
             if self._stopped:
@@ -89,6 +115,26 @@ class EngineThread(threading.Thread):
             if not self._stopped:
                 self._commands.put((fn, None))
 
+    def views(self) -> EngineViews:
+        """The jobs and the cache without waiting for the step in progress: read now where the engine is
+        between steps (or will be within VIEW_WAIT_S), else as published at the last command, the last step
+        that ended a job, or at most VIEW_WAIT_S of short steps before the one in progress. A command queued
+        before the view (a cancel asked for without waiting) shows in it: then the view waits its turn."""
+        if threading.current_thread() is self and self._stepping:
+            return self._views  # a finaliser mid-step: the engine's state is half-way through the step
+        if not self._engine_lock.acquire(timeout=VIEW_WAIT_S):
+            return self._views if self._commands.empty() else self.call(EngineViews.of)
+        try:
+            if self._ended:
+                raise EngineStopped("the model was unloaded")
+            return self._publish()
+        finally:
+            self._engine_lock.release()
+
+    def _publish(self) -> EngineViews:
+        self._views = EngineViews.of(self.engine)
+        return self._views
+
     def stop(self) -> None:
         """Run every command already queued, then `on_stop`, then end. Later commands are refused."""
         with self._accepting:
@@ -105,39 +151,58 @@ class EngineThread(threading.Thread):
                 command = self._commands.get_nowait() if busy else self._commands.get()
             except queue.Empty:
                 command = None
-            if command is _STOP:
-                self._on_stop(self.engine)
-                return
-            if command is not None:
-                fn, future = command
-                _run(fn, self.engine, future)
-                continue  # drain every waiting command before the next step
-            self._step()
+            with self._engine_lock:
+                if command is _STOP:
+                    self._on_stop(self.engine)
+                    self._ended = True
+                    return
+                if command is not None:
+                    fn, future = command
+                    _run(fn, self.engine, future, self._publish)
+                    continue  # drain every waiting command before the next step
+                self._step()
 
     def _step(self) -> None:
+        """One step, its views published before anyone hears of its events (a consumer told that its job
+        ended, then reading the job table, finds it gone)."""
         self._stepping = True
         try:
             events = self.engine.step()
         except JobFailed as failure:  # the engine named the jobs: only they fail
+            self._publish_after_step()
             self._deliver(list(failure.events))
             self._on_job_failure(failure.job_ids, failure.cause)
             return
         except BaseException as error:  # noqa: BLE001 - reported to every consumer, thread lives on
             self._on_step_error(self.engine, error)
+            self._publish_after_step()
             return
         finally:
             self._stepping = False
+        if any(event.eos for event in events) or wall_clock() - self._views.at >= VIEW_WAIT_S:
+            self._publish_after_step()
         if events:
             self._deliver(events)
 
+    def _publish_after_step(self) -> None:
+        """A view that fails after a step is reported and the last one kept: the thread must live on."""
+        try:
+            self._publish()
+        except Exception:  # noqa: BLE001 - logged; a view read between steps raises it to its caller
+            log.exception("exlnb: reading the engine's jobs and cache after a step failed")
 
-def _run(fn: Callable[[Engine], Any], engine: Engine, future: Future | None) -> None:
+
+def _run(fn: Callable[[Engine], Any], engine: Engine, future: Future | None, publish: Callable[[], Any]) -> None:
+    """Run a command and publish the views it leaves before its caller hears the answer."""
     if future is not None and not future.set_running_or_notify_cancel():
         # the caller stopped waiting (a cancelled task): run the command all the same, since an enqueue must
         # meet the cancel its caller queued behind it, but nobody takes the answer
         future = None
     try:
-        result = fn(engine)
+        try:
+            result = fn(engine)
+        finally:
+            publish()
     except BaseException as error:  # noqa: BLE001 - handed to the caller
         if future is None:
             log.exception("exlnb: a queued engine command failed")

@@ -15,11 +15,13 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 
 from exlnb.analysis import Loop, find_tail_loop
+from exlnb.branching import plan_branch
 from exlnb.chat import Chat, get_chat
-from exlnb.engines.base import LOOP_DETECTOR, EosReason, JobSpec, Stage, StreamEvent, Tokenizer, wall_clock
-from exlnb.request import GenerationRequest
+from exlnb.engines.base import LOOP_DETECTOR, EosReason, JobSpec, Stage, StreamEvent, wall_clock
+from exlnb.engines.options import EngineOptions
+from exlnb.request import GenerationRequest, takes_request_options
 from exlnb.session import Session, get_session
-from exlnb.streaming import Delivered, GenerationResult, JobError, JobStream
+from exlnb.streaming import Delivered, GenerationResult, JobError, JobStream, reading
 from exlnb.templates import LintFinding, conversation, lint_rendered, render
 
 LOOP_CHECK_EVERY = 8  # tokens between loop checks; find_tail_loop looks at the last 32
@@ -40,6 +42,7 @@ class Sample:
     stopped_by: str | None = None  # "stop button", "interrupted", "loop guard", "re-run", ... when cancelled
     error: JobError | None = None  # why the sample failed (its last event then says EosReason.FAILED)
     loop: Loop | None = None
+    lineage: Lineage | None = None  # what ran it, which its result keeps so that it can branch
 
     @property
     def done(self) -> bool:
@@ -57,20 +60,47 @@ class Sample:
 
     def result(self) -> GenerationResult:
         error = None if self.error is None else str(self.error)
-        return GenerationResult.from_events(self.stream.job_id, self.events, self.stream.constraint, error)
+        return GenerationResult.from_events(self.stream.job_id, self.events, self.stream.constraint, error,
+                                            self.lineage)
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """A result's `origin`: the request and prompt that ran it and, for a branch, its parent, the position and the
+    token forced there. Every result of one answer's tree shares `family`, its branches in the order they ran."""
+
+    session: Session = field(repr=False)
+    request: GenerationRequest
+    prompt_ids: tuple[int, ...]  # what the result's first token follows
+    seed: int | None  # the sample's own
+    model: EngineOptions | None  # what was loaded when it ran
+    parent: GenerationResult | None = field(default=None, repr=False)
+    at: int | None = None  # the position in the parent's tokens where the branch left it
+    lead: tuple[int, ...] = ()  # the forced token
+    lead_text: str = ""
+    family: list[GenerationResult] = field(default_factory=list, repr=False, compare=False)
+
+    def branch(self, result: GenerationResult, at: int, token: int | str | None) -> GenerationResult:
+        generation = start_branch(result, at=at, token=token)
+        generation.wait()
+        if generation.errors:
+            raise generation.errors[0]
+        return branch_result(generation)
 
 
 class Generation:
     """N samples of one prompt, consumed in the background on one thread; `wait()` for the results."""
 
     def __init__(self, session: Session, request: GenerationRequest, prompt: PreparedPrompt,
-                 streams: list[JobStream], events: queue.SimpleQueue[Delivered]) -> None:
+                 streams: list[JobStream], events: queue.SimpleQueue[Delivered], lineages: list[Lineage]) -> None:
         self.session = session
         self.request = request
         self.prompt_text = prompt.text
         self.prompt_ids = prompt.ids
         self.prompt_findings = prompt.findings  # template mistakes in the prompt as the model gets it
-        self.samples = [Sample(i, s) for i, s in enumerate(streams)]
+        self.samples = [Sample(i, s, lineage=lineage) for i, (s, lineage) in enumerate(zip(streams, lineages))]
+        for sample in self.samples:  # a branch's view starts with its forced token
+            sample.text, sample.token_ids = sample.lineage.lead_text, list(sample.lineage.lead)
         self.chat = prompt.chat
         self.loop_guard = request.loop_guard and not prompt.loop_guard_by_engine  # exlnb's own check, else none
         self._events = events
@@ -86,6 +116,10 @@ class Generation:
         self._thread.start()
 
     def _consume(self) -> None:
+        with reading([sample.stream for sample in self.samples]):  # the job table: these streams are read
+            self._consume_all()
+
+    def _consume_all(self) -> None:
         by_job = {sample.stream.job_id: sample for sample in self.samples}
         running = len(self.samples)
         try:
@@ -218,6 +252,7 @@ _owned: dict[Hashable, Generation] = {}
 _owned_lock = threading.Lock()
 
 
+@takes_request_options
 def start(
     request: GenerationRequest | str,
     *,
@@ -238,6 +273,7 @@ def start(
     return _launch(session, request, prompt, streams, events, owner)
 
 
+@takes_request_options
 async def astart(
     request: GenerationRequest | str,
     *,
@@ -273,21 +309,12 @@ def _prepare(request: GenerationRequest, session: Session, owner: Hashable | Non
     conv = _conversation_for(request)
     text = (conv.prompt(request.prompt, request.template, tokenizer) if conv
             else render(request.template, conversation(request.prompt, request.system), tokenizer))
+    session.check_text_fits(text)
     ids = tokenizer.encode(text, special=True)
     # a class attribute, read without the engine's thread: it never changes
     by_engine = request.loop_guard and session.engine.loop_guard_by_engine
     prompt = PreparedPrompt(text, ids, lint_rendered(ids, request.template, tokenizer), conv, by_engine)
-    stops = [_stop_as_id(s, tokenizer) for s in request.stop]
-    specs = [
-        session.job_spec(
-            ids, max_new_tokens=request.max_new_tokens, sampler=request.sampler, stop=stops,
-            seed=None if request.seed is None else request.seed + i,
-            identifier=f"sample {i}" if request.n > 1 else None,
-            min_new_tokens=request.min_new_tokens, banned_strings=request.banned_strings, top_tokens=request.tokens,
-            json_schema=request.json_schema, regex=request.regex, stop_on_loop=LOOP_DETECTOR if by_engine else None,
-        )
-        for i in range(request.n)
-    ]
+    specs = request.job_specs(ids, tokenizer, stop_on_loop=LOOP_DETECTOR if by_engine else None)
     if owner is not None:
         with _owned_lock:
             previous = _owned.pop(owner, None)
@@ -297,9 +324,13 @@ def _prepare(request: GenerationRequest, session: Session, owner: Hashable | Non
 
 
 def _launch(session: Session, request: GenerationRequest, prompt: PreparedPrompt, streams: list[JobStream],
-            events: queue.SimpleQueue[Delivered], owner: Hashable | None) -> Generation:
+            events: queue.SimpleQueue[Delivered], owner: Hashable | None,
+            lineages: list[Lineage] | None = None) -> Generation:
+    if lineages is None:
+        lineages = [Lineage(session, request, tuple(prompt.ids), None if request.seed is None else request.seed + i,
+                            session.options) for i in range(len(streams))]
     try:  # a Ctrl-C anywhere in here leaves no job behind
-        generation = Generation(session, request, prompt, streams, events)
+        generation = Generation(session, request, prompt, streams, events, lineages)
         if owner is not None:
             with _owned_lock:
                 _owned[owner] = generation
@@ -311,6 +342,51 @@ def _launch(session: Session, request: GenerationRequest, prompt: PreparedPrompt
     return generation
 
 
+def start_branch(result: GenerationResult, *, at: int, token: int | str | None = None,
+                 owner: Hashable | None = None) -> Generation:
+    """Start `result`'s branch at `at` (`GenerationResult.branch`) as a one-sample `Generation`, to watch."""
+    session, plan, prompt, specs, child = _prepare_branch(result, at, token)
+    events: queue.SimpleQueue[Delivered] = queue.SimpleQueue()
+    streams = session.submit_together(specs, shared=events)
+    return _launch(session, plan.request, prompt, streams, events, owner, [child])
+
+
+async def astart_branch(result: GenerationResult, *, at: int, token: int | str | None = None,
+                        owner: Hashable | None = None) -> Generation:
+    """`start_branch` for a coroutine: the event loop runs on while the engine finishes its step."""
+    session, plan, prompt, specs, child = _prepare_branch(result, at, token)
+    events: queue.SimpleQueue[Delivered] = queue.SimpleQueue()
+    streams = await session.asubmit_together(specs, shared=events)
+    return _launch(session, plan.request, prompt, streams, events, owner, [child])
+
+
+def _prepare_branch(result: GenerationResult, at: int, token: int | str | None) -> tuple:
+    lineage = result.origin
+    if not isinstance(lineage, Lineage):
+        raise ValueError(f"job {result.job_id}'s result does not keep its request: only results of a generation "
+                         "(exlnb.generate_live, %%exl_generate --out) can branch")
+    session = lineage.session
+    if session.options != lineage.model:
+        now = "nothing" if session.options is None else f"{session.options.model_dir.name} ({session.options.engine})"
+        raise ValueError(f"job {result.job_id} ran on {lineage.model.model_dir.name} ({lineage.model.engine}), but "
+                         f"{now} is loaded now: load that model again to branch it")
+    plan = plan_branch(result, at, token, request=lineage.request, prompt_ids=lineage.prompt_ids, lead=lineage.lead,
+                       seed=lineage.seed, tokenizer=session.tokenizer)
+    by_engine = plan.request.loop_guard and session.engine.loop_guard_by_engine
+    prompt = PreparedPrompt(session.tokenizer.decode(plan.input_ids), list(plan.input_ids), [], None, by_engine)
+    specs = plan.request.job_specs(plan.input_ids, session.tokenizer, stop_on_loop=LOOP_DETECTOR if by_engine else None)
+    child = Lineage(session, plan.request, plan.prefix, plan.request.seed, session.options, parent=result, at=at,
+                    lead=(plan.forced,), lead_text=plan.forced_text, family=lineage.family)
+    return session, plan, prompt, specs, child
+
+
+def branch_result(generation: Generation) -> GenerationResult:
+    """A finished branch's result, recorded in its tree's family."""
+    result = generation.samples[0].result()
+    result.origin.family.append(result)
+    return result
+
+
 def _conversation_for(request: GenerationRequest) -> Chat | None:
     if request.chat is None:
         return None
@@ -320,10 +396,3 @@ def _conversation_for(request: GenerationRequest) -> Chat | None:
     if request.amnesia:
         conv.clear()
     return conv
-
-
-def _stop_as_id(stop: str | int, tokenizer: Tokenizer) -> str | int:
-    """A stop string that is a special token (e.g. "<|im_end|>") stops on its id: it is never decoded as text."""
-    if isinstance(stop, str) and stop in tokenizer.special_tokens():
-        return tokenizer.special_tokens()[stop]
-    return stop

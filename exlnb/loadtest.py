@@ -2,9 +2,10 @@
 
 A request is one job of the session, submitted when its planned arrival comes (`exlnb.workload`) and a
 concurrency slot is free; requests due at the same moment go in one `submit_together`, so a burst reaches
-the engine in one step rather than straddling several. One thread per request in flight reads its stream
-and hands back its record (`exlnb.metrics`); the calling thread only submits and waits, so Ctrl-C lands
-there, and every job the run started is cancelled before the interrupt goes on.
+the engine in one step rather than straddling several. Every request's events go to one queue, which the
+calling thread reads between submissions: no thread per request (a run of 10,000 requests once held 9,619),
+and Ctrl-C lands on that thread, where every job the run started is cancelled, in one engine command,
+before the interrupt goes on.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import math
 import queue
 import threading
 from collections import deque
+from contextlib import ExitStack
 from collections.abc import Callable, Mapping, Sequence
 
 from exlnb.bench_result import BenchResult, RateRun
 from exlnb.engines.base import SamplerSettings, wall_clock
 from exlnb.metrics import RequestRecord, request_record, serving_metrics
 from exlnb.session import Session, get_session
-from exlnb.streaming import JobStream
+from exlnb.streaming import JobError, JobStream, reading
 from exlnb.workload import Length, PlannedRequest, Workload, plan_requests, rate_label
 
 POLL_S = 0.02  # longest wait between looks at the clock and the stop: a Stop or a duration acts at most this late
@@ -85,10 +87,12 @@ class LoadRun:
         self.stopped = False  # the stop was seen: unsent requests dropped, those in flight cancelled
         self.tag = f"bench-{next(_run_numbers)}"  # job tables show (tag, request index)
         self.pending = deque(planned)
-        self.in_flight: dict[int, threading.Thread] = {}
+        self.in_flight: dict[int, tuple[JobStream, float]] = {}  # request index -> its stream, when submitted
         self.records: dict[int, RequestRecord] = {}
         self.started_at = 0.0  # wall_clock() when the first request could go
-        self._finished: queue.SimpleQueue[tuple[int, RequestRecord | BaseException]] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue = queue.SimpleQueue()  # every request's events, read by this one thread
+        self._requests: dict[int, int] = {}  # job id -> request index
+        self._reading = ExitStack()  # the streams count as read (the job table) while the run takes their events
 
     def run(self, duration_s: float | None, on_finish: Callable[[RequestRecord], None]) -> float:
         """Send and wait until every sent request has ended; returns the run's duration in seconds.
@@ -99,7 +103,8 @@ class LoadRun:
         """
         self.started_at = wall_clock()
         try:
-            self._send_and_collect(duration_s, on_finish)
+            with self._reading:
+                self._send_and_collect(duration_s, on_finish)
         except BaseException:
             self.cancel()
             raise
@@ -111,23 +116,18 @@ class LoadRun:
             if duration_s is not None and now >= duration_s:
                 self.pending.clear()
             if self.stop.is_set() and not self.stopped:
-                # the readers then hand back cancelled records, which end the loop as failed requests
+                # the cancelled jobs' last events are then read below, and end the loop as failed requests
                 self.stopped = True
                 self.pending.clear()
-                self._cancel_jobs()
+                self.cancel()
             self._submit_due(now)
             if not self.in_flight and not self.pending:
                 return
             try:
-                index, outcome = self._finished.get(timeout=self._wait_s(now))
+                delivered = self._events.get(timeout=self._wait_s(now))
             except queue.Empty:
                 continue
-            self.in_flight.pop(index).join()
-            if isinstance(outcome, BaseException):
-                raise RuntimeError(f"request {index} failed: {outcome}") from outcome
-            self.records[index] = outcome
-            self.progress.finished(outcome)
-            on_finish(outcome)
+            self._receive(delivered, on_finish)
 
     def _submit_due(self, now: float) -> None:
         due: list[PlannedRequest] = []
@@ -143,20 +143,28 @@ class LoadRun:
             for r in due
         ]
         submitted_at = wall_clock()
-        streams = self.session.submit_together(specs)
-        self.progress.sent(len(due))
+        streams = self.session.submit_together(specs, shared=self._events)
+        self._reading.enter_context(reading(streams))
         for request, stream in zip(due, streams):
-            thread = threading.Thread(target=self._read, args=(request.index, stream, submitted_at), daemon=True,
-                                      name=f"exlnb-{self.tag}-{request.index}")
-            self.in_flight[request.index] = thread
-            thread.start()
+            self.in_flight[request.index] = (stream, submitted_at)
+            self._requests[stream.job_id] = request.index
+        self.progress.sent(len(due))
 
-    def _cancel_jobs(self) -> None:
-        """By the run's tag, so a job whose stream an interrupt kept from being registered goes too."""
-        for row in self.session.jobs():
-            identifier = row.info.identifier
-            if isinstance(identifier, tuple) and identifier[:1] == (self.tag,):
-                self.session.cancel(row.info.job_id)
+    def _receive(self, delivered, on_finish: Callable[[RequestRecord], None]) -> None:
+        """One event (or failure) of one request; a request's last event makes its record."""
+        index = self._requests[delivered.job_id]
+        stream, submitted_at = self.in_flight[index]
+        try:
+            event = stream.receive(delivered)
+        except JobError as error:
+            raise RuntimeError(f"request {index} failed: {error}") from error
+        if not event.eos:
+            return
+        del self.in_flight[index]
+        record = request_record(stream.events, submitted_at=submitted_at, identifier=(self.tag, index))
+        self.records[index] = record
+        self.progress.finished(record)
+        on_finish(record)
 
     def _has_slot(self, about_to_submit: int) -> bool:
         return self.max_concurrency is None or len(self.in_flight) + about_to_submit < self.max_concurrency
@@ -167,21 +175,15 @@ class LoadRun:
             return min(POLL_S, max(0.0, self.pending[0].arrival_s - now))
         return POLL_S
 
-    def _read(self, index: int, stream: JobStream, submitted_at: float) -> None:
-        try:
-            for _ in stream:
-                pass
-            outcome = request_record(stream.events, submitted_at=submitted_at, identifier=(self.tag, index))
-        except BaseException as error:  # noqa: BLE001 - handed to the submitting thread, which raises it
-            outcome = error
-        self._finished.put((index, outcome))
+    def cancel(self) -> int:
+        """Cancel every job of this run in one engine command; how many were running.
 
-    def cancel(self) -> None:
-        """Cancel every job of this run and wait for its readers."""
-        self._cancel_jobs()
-        for thread in self.in_flight.values():
-            thread.join(timeout=5)  # each reader ends on its job's cancelled event
-        self.in_flight.clear()
+        By the run's tag, so a job whose stream an interrupt kept from being registered goes too; in one
+        command, because each command waits for the engine's step in progress (one cancel per job made a
+        Stop with 3,000 requests in flight take 326 s)."""
+        return self.session.cancel_where(
+            lambda info: isinstance(info.identifier, tuple) and info.identifier[:1] == (self.tag,)
+        )
 
 
 def bench(

@@ -1,9 +1,11 @@
 """IPython magics: argument parsing, then one call into the Python API, nothing more.
 
-`%%exl_generate`'s options are generated from `GenerationRequest` and `SamplerSettings`, so a new sampler
-setting is an option (with its help and default) the moment it is a field. Every other option maps to a
-keyword of `Session.load`, `generate_live`, `show_cache` / `show_jobs` or `Session.cancel`. `%exl_generate?`,
-`%%exl_generate?` and `--help` print the help; a user's mistake is a one-line `UsageError`.
+`%%exl_generate`'s options are read from the options that `GenerationRequest`, `SamplerSettings` and
+`CellOptions` declare (`exlnb.engines.declaration`), grouped as they declare them, so a new sampler setting is
+an option (with its help and default) the moment it is a field. `%exl_load`'s options are `Session.load`'s
+keywords by name. Every other option maps to a keyword of `show_cache` / `show_jobs`, `bench` or
+`Session.cancel`. `%exl_generate?`, `%%exl_generate?` and `--help` print the help; a user's mistake is a
+one-line `UsageError`.
 """
 
 from __future__ import annotations
@@ -11,35 +13,70 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import keyword
 import re
 import shlex
 import string
-import typing
 from contextlib import contextmanager
-from dataclasses import fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
-from IPython.core.magic_arguments import MagicHelpFormatter, argument, magic_arguments, real_name
+from IPython.core.magic_arguments import MagicHelpFormatter, argument, argument_group, kwds, magic_arguments, real_name
 
+from exlnb.divergence import REFERENCE_DTYPES
 from exlnb.engines.base import SamplerSettings
-from exlnb.engines.options import CACHE_DTYPES, DISPLAY_HELP, DISPLAY_MODES, ENGINE_NAMES, GRAPH_MODES, TOKEN_COLOURS
+from exlnb.engines.declaration import GROUPS, Option, declared, option
+from exlnb.engines.options import AUTO_SPLIT, CACHE_DTYPES, DISPLAY_HELP, DISPLAY_MODES, ENGINE_NAMES, GRAPH_MODES, SERVER_APIS
 from exlnb.generation import Generation
 from exlnb.loadtest import bench
 from exlnb.models import BUNDLED_MODEL
 from exlnb.quantize import DEFAULT_HEAD_BITS, QUANT_FORMATS, quantize
-from exlnb.request import REQUEST_HELP, GenerationRequest
+from exlnb.request import GenerationRequest
+from exlnb.scoring import DEFAULT_TOKENS, divergence_from
 from exlnb.session import LoadFailed, NoModelLoaded, get_session
-from exlnb.streaming import JobError
-from exlnb.templates import TEMPLATES
-from exlnb.widgets.cache import show_cache, show_jobs
-from exlnb.widgets.loadtest import abench
-from exlnb.widgets.stream import agenerate_live, generate_live
+from exlnb.streaming import GenerationResult, JobError
+from exlnb.widgets.cache import show_jobs
+from exlnb.widgets.loadtest import abench, shows_widget
+from exlnb.widgets.server import show_cache_or_server
+from exlnb.widgets.branches import BranchTree
+from exlnb.widgets.stream import abranch_live, agenerate_live, branch_live, generate_live
 from exlnb.workload import DEFAULT_REQUESTS, Workload, length_argument, rates_argument, slo_argument
 
-# %%exl_generate options that say how to show the answer, not what to generate
-SHOW_OPTIONS = ("out", "background", "show_prompt", "display")
+
+@dataclass(frozen=True)
+class CellOptions:
+    """What `%%exl_generate` adds to a `GenerationRequest`: how the answer is shown and where it is kept."""
+
+    display: str = option("auto", group="display", choices=DISPLAY_MODES, help=DISPLAY_HELP)
+    background: bool = option(False, group="display", help="return at once; the widget keeps streaming")
+    show_prompt: bool = option(False, group="display", help="show the exact tokens, special tokens highlighted")
+    out: str | None = option(None, group="output", metavar="VAR",
+                             help="store the result in this variable (a list for --n > 1; the running Generation "
+                                  "with --background)")
+
+    def __post_init__(self) -> None:
+        if self.out is not None and (not self.out.isidentifier() or keyword.iskeyword(self.out)):
+            raise ValueError(f"--out {self.out}: name a Python variable (letters, digits and _, not starting "
+                             "with a digit, not a keyword)")
+
+
+# every %%exl_generate option, as its declarations say
+GENERATE_OPTIONS = (*declared(GenerationRequest), *declared(SamplerSettings), *declared(CellOptions))
+SHOW_OPTIONS = tuple(o.keyword for o in declared(CellOptions))
+GENERATE_USAGE = "%%exl_generate [options]\n  the prompt, on the lines below"
+GENERATE_EXAMPLES = """Generate from the cell body as the user's turn; {name} is filled from the notebook's variables.
+
+Examples:
+  %%exl_generate --temperature 0 --max-new-tokens 64
+  What is the capital of France?
+
+  %%exl_generate --n 4 --seed 1 --out answers
+  Write a haiku about {topic}.
+
+  %%exl_generate --json-schema Person --tokens 5
+  Describe a fictional person as JSON."""
 
 
 class _HelpShown(Exception):
@@ -62,12 +99,15 @@ class _Help(MagicHelpFormatter):
         super().add_usage(usage, actions, groups, prefix)
 
 
-def gpu_split(text: str) -> list[float]:
-    """'20,24' -> [20.0, 24.0] (GiB per GPU)."""
+def gpu_split(text: str) -> list[float] | str:
+    """'20,24' -> [20.0, 24.0] (GiB per GPU); 'auto' -> 'auto' (the library fills the GPUs in turn)."""
+    if text == AUTO_SPLIT:
+        return AUTO_SPLIT
     try:
         return [float(part) for part in text.split(",")]
     except ValueError:
-        raise UsageError(f"--gpu-split {text!r}: give GiB per GPU separated by commas, e.g. 20,24") from None
+        raise UsageError(f"--gpu-split {text!r}: give {AUTO_SPLIT}, or GiB per GPU separated by commas, "
+                         "e.g. 20,24") from None
 
 
 def escaped(text: str) -> str:
@@ -97,8 +137,13 @@ def parse_options(magic, line: str) -> argparse.Namespace | None:
     except _HelpShown:
         return None
     if unknown:
-        raise UsageError(_unknown_options(unknown, parser, real_name(magic)))
+        raise UsageError(_unknown_options(unknown, parser, _called_as(magic)))
     return args
+
+
+def _called_as(magic) -> str:
+    name = real_name(magic)
+    return f"%%{name}" if name == "exl_generate" else f"%{name}"
 
 
 def _unknown_options(unknown: list[str], parser: argparse.ArgumentParser, name: str) -> str:
@@ -106,7 +151,7 @@ def _unknown_options(unknown: list[str], parser: argparse.ArgumentParser, name: 
     wrong = next((u for u in unknown if u.startswith("-")), unknown[0])
     close = difflib.get_close_matches(wrong, known, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
-    return f"%{name}: unknown option {wrong}{hint}; the options are {' '.join(known)}"
+    return f"{name}: unknown option {wrong}{hint}; {name} --help lists the options"
 
 
 def schema_from_notebook(name_or_file: str, namespace: dict):
@@ -160,62 +205,33 @@ def usage_errors():
 
 
 def generation_arguments(func):
-    """`%%exl_generate`'s options, one per `GenerationRequest` field and sampler setting, with help and defaults."""
-    defaults = GenerationRequest(prompt="")
-    declared = [_request_argument(f, getattr(defaults, f.name)) for f in fields(GenerationRequest)
-                if f.name not in ("prompt", "sampler")]
-    declared += [_sampler_argument(f) for f in fields(SamplerSettings)]
-    declared += [
-        argument("--out", metavar="VAR",
-                 help="store the result (a list for --n > 1; the running Generation with --background)"),
-        argument("--background", action="store_true", help="return at once; the widget keeps streaming"),
-        argument("--show-prompt", action="store_true", help="show the exact tokens, special tokens highlighted"),
-        argument("--display", choices=DISPLAY_MODES, default="auto", help=DISPLAY_HELP),
-        argument("-h", "--help", action=_ShowHelp),
-    ]
-    for decorate in reversed(declared):
+    """`%%exl_generate`'s options, grouped as declared, each with its help and default; examples first."""
+    decorators = [kwds(usage=GENERATE_USAGE, description=GENERATE_EXAMPLES), argument("-h", "--help", action=_ShowHelp)]
+    for group, about in GROUPS.items():
+        members = [o for o in GENERATE_OPTIONS if o.group == group]
+        if members:
+            decorators += [argument_group(group, about), *map(option_argument, members)]
+    for decorate in reversed(decorators):
         func = decorate(func)
     return magic_arguments()(func)
-
-
-CHOICES = {"template": TEMPLATES, "token_colour": TOKEN_COLOURS}  # request fields with a fixed set of values
-TEXT_METAVARS = {"json_schema": "NAME_OR_FILE", "regex": "PATTERN"}  # request fields given as text, read as such
-
-
-def _request_argument(f, default):
-    flag, help_text = "--" + f.name.replace("_", "-"), REQUEST_HELP[f.name]
-    if f.name in CHOICES:
-        return argument(flag, choices=CHOICES[f.name], default=default, help=f"{help_text} (default: {default})")
-    if f.name in ("stop", "banned_strings"):  # repeatable: one value per use
-        flag = {"stop": "--stop", "banned_strings": "--ban"}[f.name]
-        return argument(flag, dest=f.name, action="append", default=[], type=escaped, metavar="TEXT", help=help_text)
-    if isinstance(default, bool):
-        return argument(flag, action="store_true", help=help_text)
-    if f.name in TEXT_METAVARS:
-        return argument(flag, metavar=TEXT_METAVARS[f.name], help=help_text)
-    kind = _scalar_type(typing.get_type_hints(GenerationRequest)[f.name])
-    shown = f" (default: {default})" if default is not None else ""
-    return argument(flag, type=kind, default=default, metavar=_METAVARS.get(kind, "VALUE"), help=help_text + shown)
-
-
-def _sampler_argument(f):
-    option = f.metadata.get("option", f.name)
-    flag = "--" + option.replace("_", "-")
-    help_text = f"{f.metadata.get('help', f.name)} (default: {f.default})"
-    hint = typing.get_type_hints(SamplerSettings)[f.name]
-    if hint is bool:
-        return argument(flag, dest=option, action="store_const", const=not f.default, help=help_text)
-    kind = _scalar_type(hint)
-    return argument(flag, dest=option, type=kind, metavar=_METAVARS.get(kind, "VALUE"), help=help_text)
 
 
 _METAVARS = {int: "N", float: "X", str: "TEXT"}
 
 
-def _scalar_type(hint):
-    """The argparse type for a field: int, float, str, or a Python literal for anything richer."""
-    arms = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-    return arms[0] if len(arms) == 1 and arms[0] in (int, float, str) else python_value
+def option_argument(o: Option):
+    """The magic's argument for a declared option: its flag, help and default, read as its type says."""
+    shown = "" if o.default is None or o.default == () or isinstance(o.default, bool) else f" (default: {o.default})"
+    help_text = o.help + shown
+    if o.choices:
+        return argument(o.flag, dest=o.keyword, choices=o.choices, help=help_text)
+    if o.scalar is bool:
+        return argument(o.flag, dest=o.keyword, action="store_const", const=not o.default, help=help_text)
+    if o.repeatable:  # one value per use
+        return argument(o.flag, dest=o.keyword, action="append", type=escaped, metavar=o.metavar, help=help_text)
+    kind = o.scalar or python_value  # anything richer is written as a Python literal
+    return argument(o.flag, dest=o.keyword, type=kind, metavar=o.metavar or _METAVARS.get(kind, "LITERAL"),
+                    help=help_text)
 
 
 def _tidy_help(magic) -> None:
@@ -226,21 +242,21 @@ def _tidy_help(magic) -> None:
 
 # what IPython's magic transforms make of a %%exl_generate cell and of an %exl_bench line
 _GENERATE_CALL = re.compile(r"^get_ipython\(\)\.run_cell_magic\('exl_generate', ")
-_BENCH_CALL = re.compile(r"^get_ipython\(\)\.run_line_magic\('exl_bench', ")
+_LINE_CALL = re.compile(r"^get_ipython\(\)\.run_line_magic\('(exl_bench|exl_branch)', ")
 _AWAIT_MAGIC = "await get_ipython().magics_manager.registry['ExlnbMagics'].{}("
 
 
 def await_magic_cells(lines: list[str]) -> list[str]:
-    """IPython input transformer: a kernel runs a %%exl_generate cell, and a cell with an %exl_bench line at
-    its top level, as an async cell awaiting the magic.
+    """IPython input transformer: a kernel runs a %%exl_generate cell, and a cell with an %exl_bench or
+    %exl_branch line at its top level, as an async cell awaiting the magic.
 
     ipykernel (7.4) hands widget messages to their widgets while a cell awaits, not while it blocks: a cell
     blocked in a plain call would hear the Stop button only after its work had ended. An indented %exl_bench
-    (perhaps inside a function, where `await` cannot go) stays a plain call.
+    (or %exl_branch; perhaps inside a function, where `await` cannot go) stays a plain call.
     """
     if lines and _GENERATE_CALL.match(lines[0]):
         lines = [_GENERATE_CALL.sub(_AWAIT_MAGIC.format("exl_generate_async"), lines[0], count=1), *lines[1:]]
-    return [_BENCH_CALL.sub(_AWAIT_MAGIC.format("exl_bench_async"), line, count=1) for line in lines]
+    return [_LINE_CALL.sub(lambda m: _AWAIT_MAGIC.format(f"{m[1]}_async"), line, count=1) for line in lines]
 
 
 @magics_class
@@ -260,11 +276,18 @@ class ExlnbMagics(Magics):
     @argument("--cache", choices=CACHE_DTYPES, default="fp16", help="KV cache precision, exllamav2 (default: fp16)")
     @argument("--max-batch-size", type=int, help="most jobs decoded together (default: 16)")
     @argument("--gpu-split", type=gpu_split,
-              help="GiB per GPU, comma separated, e.g. 20,24; 0 leaves a GPU out (exllamav2, exllamav3)")
+              help="auto (fill the GPUs in turn), or GiB per GPU, comma separated, e.g. 20,24; 0 leaves a GPU out "
+                   "(exllamav2, exllamav3)")
     @argument("--tensor-parallel", action="store_true",
               help="split every layer over the GPUs instead of placing whole layers (exllamav2, exllamav3; 2+ GPUs)")
     @argument("--graphs", choices=GRAPH_MODES, default="auto",
               help="CUDA-graph decode, exllamav2: auto uses it where its load check passes (default: auto)")
+    @argument("--url", help="an OpenAI-compatible server's API base, e.g. http://127.0.0.1:8000/v1 (openai engine); "
+              "the model argument then names the same model's local folder, for its tokenizer and template")
+    @argument("--served-model", metavar="NAME", help="the server's name for the model (default: the one it serves)")
+    @argument("--api-key-env", metavar="VAR", help="environment variable holding the server's API key")
+    @argument("--api", choices=SERVER_APIS, default="chat",
+              help="chat: the server's chat template; completions: exlnb's templates (default: chat)")
     @argument("--reload", action="store_true",
               help="load again even if the same model is loaded; replace a model while jobs run (they end)")
     @argument("-h", "--help", action=_ShowHelp)
@@ -276,11 +299,7 @@ class ExlnbMagics(Magics):
         session = get_session()
         before = session.options
         with usage_errors():
-            status = session.load(
-                args.model, engine=args.engine, cache_tokens=args.cache_tokens, cache=args.cache,
-                max_batch_size=args.max_batch_size, gpu_split=args.gpu_split, graphs=args.graphs,
-                tensor_parallel=args.tensor_parallel, reload=args.reload,
-            )
+            status = session.load(**vars(args))  # each option's dest is a keyword of Session.load
         if before is not None and session.options != before:
             print(f"replaced {before.model_dir.name} ({before.engine} engine)")
         print(status.line())
@@ -315,38 +334,92 @@ class ExlnbMagics(Magics):
         if cell is None:
             raise UsageError("%%exl_generate is a cell magic: options on the first line, the prompt in the cell "
                              "below (see %exl_generate? for the options)")
-        values = {k: v for k, v in vars(args).items() if v is not None and k not in SHOW_OPTIONS}
-        if "json_schema" in values:
-            values["json_schema"] = schema_from_notebook(values["json_schema"], self.shell.user_ns)
+        given = {k: v for k, v in vars(args).items() if v is not None}
+        if "json_schema" in given:
+            given["json_schema"] = schema_from_notebook(given["json_schema"], self.shell.user_ns)
         with usage_errors():
-            request = GenerationRequest.build(fill_prompt(cell.strip(), self.shell.user_ns), **values)
-        show = dict(background=args.background, show_prompt=args.show_prompt, display=args.display,
-                    owner=self.cell_id)
-        return args, request, show
+            cell_options = CellOptions(**{k: given.pop(k) for k in SHOW_OPTIONS if k in given})
+            request = GenerationRequest.build(fill_prompt(cell.strip(), self.shell.user_ns), **given)
+        show = dict(background=cell_options.background, show_prompt=cell_options.show_prompt,
+                    display=cell_options.display, owner=self.cell_id)
+        return cell_options, request, show
 
-    def _store(self, args, generation: Generation) -> None:
+    def _store(self, args: CellOptions, generation: Generation) -> None:
         if args.out:
             results = None if args.background else generation.results
             one = len(generation.samples) == 1
             self.shell.user_ns[args.out] = generation if results is None else results[0] if one else results
 
     @magic_arguments()
+    @argument("result", metavar="RESULT_VAR",
+              help="a notebook variable (or expression, answers[1]) holding a result: %%%%exl_generate's --out, "
+                   "or a branch's")
+    @argument("--at", type=int, required=True, metavar="K",
+              help="the position (0 for the first answer token) to branch at")
+    @argument("--token", type=escaped, metavar="TEXT",
+              help="the text of the one token forced at K (default: the likeliest alternative the token view "
+                   "recorded there)")
+    @argument("--token-id", type=int, metavar="N", help="the id of the token forced at K, instead of --token")
+    @argument("--display", choices=DISPLAY_MODES, default="auto", help=DISPLAY_HELP)
+    @argument("--out", metavar="VAR", help="store the branch's result (branch it again with %%exl_branch VAR)")
+    @argument("-h", "--help", action=_ShowHelp)
+    @line_magic
+    def exl_branch(self, line: str) -> None:
+        """Run a result again from token K with another token forced there, show it as it streams, then the tree."""
+        if (call := self._branch_call(line)) is None:
+            return
+        args, result, token = call
+        with usage_errors():
+            branched = branch_live(result, at=args.at, token=token, display=args.display, owner=self.cell_id)
+        self._show_branch(args, branched)
+
+    async def exl_branch_async(self, line: str) -> None:
+        """`%exl_branch` as a kernel runs it (see `await_magic_cells`): the cell awaits, so Stop is heard."""
+        if (call := self._branch_call(line)) is None:
+            return
+        args, result, token = call
+        with usage_errors():
+            branched = await abranch_live(result, at=args.at, token=token, display=args.display, owner=self.cell_id)
+        self._show_branch(args, branched)
+
+    def _branch_call(self, line: str) -> tuple | None:
+        if (args := parse_options(self.exl_branch, line)) is None:
+            return None
+        if args.token is not None and args.token_id is not None:
+            raise UsageError("give the forced token as --token TEXT or --token-id N, not both")
+        try:  # a name, or an expression such as answers[1] (--n 4 stores a list)
+            result = self.shell.ev(args.result)
+        except Exception as error:
+            raise UsageError(f"{args.result} does not name a result in the notebook ({type(error).__name__}: "
+                             f"{error}): give the --out of an %%exl_generate, e.g. answer, or answers[1]") from None
+        if not isinstance(result, GenerationResult):
+            raise UsageError(f"{args.result} is a {type(result).__name__}, not a result: give the --out of an "
+                             "%%exl_generate, e.g. answer, or answers[1] for one of several samples")
+        return args, result, args.token_id if args.token_id is not None else args.token
+
+    def _show_branch(self, args, branched) -> None:
+        if args.out:
+            self.shell.user_ns[args.out] = branched
+        BranchTree.of(branched).show()
+
+    @magic_arguments()
     @argument("--display", choices=DISPLAY_MODES, default="auto", help=DISPLAY_HELP)
     @argument("-h", "--help", action=_ShowHelp)
     @line_magic
     def exl_cache(self, line: str) -> None:
-        """The cache inspector: pages coloured by owner job, shared pages outlined, free pages, totals."""
+        """The cache inspector: pages coloured by owner job, shared pages outlined, free pages, totals; for a model
+        behind a server (openai engine), the server view: its queue and KV-cache use, and this kernel's jobs."""
         if (args := parse_options(self.exl_cache, line)) is None:
             return
         with usage_errors():
-            show_cache(display=args.display)
+            show_cache_or_server(display=args.display)
 
     @magic_arguments()
     @argument("--display", choices=DISPLAY_MODES, default="auto", help=DISPLAY_HELP)
     @argument("-h", "--help", action=_ShowHelp)
     @line_magic
     def exl_jobs(self, line: str) -> None:
-        """Pending and active jobs, whether their streams are read, with Cancel buttons."""
+        """Pending and active jobs, with Cancel buttons; a job whose answer nobody is reading is marked."""
         if (args := parse_options(self.exl_jobs, line)) is None:
             return
         with usage_errors():
@@ -384,9 +457,34 @@ class ExlnbMagics(Magics):
             return
         try:
             folder = quantize(args.model, format=args.format, bits=args.bits, head_bits=args.head_bits)
-        except (ValueError, FileNotFoundError, RuntimeError) as error:
+        except (ValueError, OSError, RuntimeError) as error:  # OSError: a file, or a folder it may not read
             raise UsageError(str(error)) from None
         print(folder)
+
+    @magic_arguments()
+    @argument("reference", help='the reference: a model folder (or "smollm2-135m-instruct"), or a .pt file of '
+                                "reference logits that exlnb kept")
+    @argument("--tokens", type=int, default=DEFAULT_TOKENS,
+              help=f"length of the fixed text scored, for a reference folder (default {DEFAULT_TOKENS})")
+    @argument("--engine", choices=ENGINE_NAMES, default="auto",
+              help="the engine that computes the reference's logits when they are not cached (default: auto)")
+    @argument("--dtype", choices=tuple(REFERENCE_DTYPES), default="float32",
+              help="how the reference's logits are kept on disk (default: float32)")
+    @argument("--no-noise-floor", action="store_true", help="leave out the fp16 noise floor")
+    @argument("--out", metavar="VAR", help="store the Divergence")
+    @argument("-h", "--help", action=_ShowHelp)
+    @line_magic
+    def exl_divergence(self, line: str) -> None:
+        """Score the loaded model against a reference (KL per position, top-1 agreement, perplexities) and print
+        the table; the reference's logits are computed once and cached on disk."""
+        if (args := parse_options(self.exl_divergence, line)) is None:
+            return
+        with usage_errors():
+            result = divergence_from(get_session(), args.reference, tokens=args.tokens, engine=args.engine,
+                                     dtype=args.dtype, noise_floor=not args.no_noise_floor)
+        print(result.table())
+        if args.out:
+            self.shell.user_ns[args.out] = result
 
     @magic_arguments()
     @argument("--request-rate", type=rates_argument, default=list(Workload.request_rates), metavar="RATES",
@@ -427,7 +525,7 @@ class ExlnbMagics(Magics):
         args, options = call
         with usage_errors():
             result = await abench(**options, display=args.display, progress=not args.no_progress)
-        self._show_bench(args, result)
+        self._show_bench(args, result, printed=not shows_widget(args.display, not args.no_progress))
 
     def _bench_call(self, line: str) -> tuple | None:
         if (args := parse_options(self.exl_bench, line)) is None:
@@ -439,12 +537,15 @@ class ExlnbMagics(Magics):
         )
         return args, options
 
-    def _show_bench(self, args, result) -> None:
-        print(result.table())
+    def _show_bench(self, args, result, printed: bool = True) -> None:
+        """vLLM's printout, unless the live view showed the results (its record holds them, the printout folded)."""
+        if printed:
+            print(result.table())
         if args.out:
             self.shell.user_ns[args.out] = result
 
 
-for _magic in (ExlnbMagics.exl_load, ExlnbMagics.exl_generate, ExlnbMagics.exl_cache, ExlnbMagics.exl_jobs,
-               ExlnbMagics.exl_cancel, ExlnbMagics.exl_quantize, ExlnbMagics.exl_bench):
+for _magic in (ExlnbMagics.exl_load, ExlnbMagics.exl_generate, ExlnbMagics.exl_branch, ExlnbMagics.exl_cache,
+               ExlnbMagics.exl_jobs, ExlnbMagics.exl_cancel, ExlnbMagics.exl_quantize, ExlnbMagics.exl_bench,
+               ExlnbMagics.exl_divergence):
     _tidy_help(_magic)

@@ -16,12 +16,14 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
 from filelock import FileLock
-from tqdm.auto import tqdm
+from tqdm import tqdm  # plain text: a notebook saves it as text, never as a widget that needs the kernel
 
 BUNDLED_MODEL = "smollm2-135m-instruct"
 
@@ -143,6 +145,23 @@ def _prepare_into(target: Path, *, progress: bool) -> None:
     steps.close()
 
 
+def bundled_gguf() -> Path:
+    """The bundled model's GGUF as published, verified and kept in the cache: what a GGUF server (llama.cpp's)
+    serves, so it and the converted folder are the same model."""
+    target = cache_root() / "gguf" / Path(SMOLLM2.member).name
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"), tempfile.TemporaryDirectory(prefix="exlnb-") as tmp:
+        if not target.is_file():
+            gguf = _local_gguf() or _fetch_gguf_from_pypi(SMOLLM2, Path(tmp))
+            verify_gguf(gguf, SMOLLM2)
+            partial = target.with_name(target.name + ".partial")
+            shutil.copyfile(gguf, partial)
+            partial.replace(target)  # whole or absent, never half-written
+    return target
+
+
 def _local_gguf() -> Path | None:
     """An offline machine can point $EXLNB_BUNDLED_GGUF at a copy of the GGUF (it is still verified)."""
     path = os.environ.get("EXLNB_BUNDLED_GGUF")
@@ -181,12 +200,32 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True), dtype=torch.float16
-    )
+    with library_bars_silenced():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True), dtype=torch.float16
+        )
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+@contextmanager
+def library_bars_silenced() -> Iterator[None]:
+    """No progress bar of transformers' or huggingface_hub's own while the block runs (a model load).
+
+    They draw with tqdm.auto: in a notebook a widget, which a saved notebook reopened without its kernel shows
+    as "Error displaying widget". exlnb's own progress (the bundled model's preparation) is the one shown, as
+    text. Their setting is put back afterwards, so a user's own transformers calls keep their bars.
+    """
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def fix_config_for_exllamav2(config_path: Path) -> None:

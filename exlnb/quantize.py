@@ -35,7 +35,7 @@ from exlnb.models import BUNDLED_MODEL, cache_root, resolve_model
 QUANT_FORMATS = ("exl2", "exl3")
 DEFAULT_HEAD_BITS = 6  # both converters' default for the output layer
 EXL2_HEAD_BITS = (2, 3, 4, 5, 6, 8)  # exllamav2 0.3.2 conversion/qparams.py: qparams_headoptions
-EXL3_CONVERTER = "exlnb.engines.exllamav3_compat"  # exllamav3's convert_model, with exlnb's fix for padded MLPs
+EXL3_CONVERTER = "exlnb.engines.exllamav3.compat"  # exllamav3's convert_model, with exlnb's fix for padded MLPs
 EXL3_HEAD_BITS = (1, 2, 3, 4, 5, 6, 7, 8, 16)  # exllamav3 1.6.5 convert_model.prepare: 1-8, or 16 unquantized
 BITS_RANGE = {"exl2": (2.0, 8.0), "exl3": (1.0, 8.0)}  # convert_exl2 warns outside 2-8; convert_model refuses outside 1-8
 ERROR_LINE = re.compile(r"^\s*(##|!! Error|\*\* Error)")

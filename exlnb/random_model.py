@@ -28,9 +28,46 @@ LLAMA_7B = dict(
     num_key_value_heads=32,
     max_position_embeddings=4096,
 )
+# Llama-2-70B's widths (grouped-query attention, 8 KV heads); the layer count is chosen to reach a size
+LLAMA_70B_LAYER = dict(
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    max_position_embeddings=4096,
+)
 WEIGHTS_BYTES = 13_360_000_000  # fp16, with the bundled tokenizer's 49152-token vocabulary
 # the weights, a full 4096-token fp16 cache (0.5 MiB a token) and room for exllamav2's scratch buffers
 DEVICE_BYTES_NEEDED = WEIGHTS_BYTES + 4 * 2**30
+TOKENIZER_DIR_VARIABLE = "EXLNB_TOKENIZER_DIR"
+
+
+def layer_bytes(shape: dict) -> int:
+    """fp16 bytes of one decoder layer of a Llama shape: the bytes each token reads from it at decode."""
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    return 2 * (2 * h * h + 2 * kv * h + 3 * i * h + 2 * h)
+
+
+def head_bytes(shape: dict, vocab: int) -> int:
+    """fp16 bytes of the embedding, the final norm and the (untied) output head."""
+    return 2 * (2 * vocab * shape["hidden_size"] + shape["hidden_size"])
+
+
+def shape_larger_than(device_bytes: int, ratio: float, vocab: int) -> dict:
+    """A Llama-2-70B-wide shape with just enough layers that its weights exceed `ratio` times `device_bytes`:
+    a model that cannot load on one card, for the layer split and tensor parallelism."""
+    needed = ratio * device_bytes - head_bytes(LLAMA_70B_LAYER, vocab)
+    layers = max(1, -int(-needed // layer_bytes(LLAMA_70B_LAYER)))
+    return dict(LLAMA_70B_LAYER, num_hidden_layers=layers)
+
+
+def tokenizer_folder() -> Path:
+    """Where the random models take their tokenizer, chat template and vocabulary size from: the bundled
+    model's folder, or the folder that EXLNB_TOKENIZER_DIR names (its config.json and tokenizer files alone
+    serve, on a machine that has the tokenizer but not the bundled GGUF)."""
+    named = os.environ.get(TOKENIZER_DIR_VARIABLE)
+    return Path(named) if named else resolve_model(BUNDLED_MODEL)
 
 
 def cannot_make_here() -> str | None:
@@ -44,27 +81,38 @@ def cannot_make_here() -> str | None:
     return None
 
 
-def scratch_folder() -> tempfile.TemporaryDirectory:
+def scratch_folder(weights_bytes: int = WEIGHTS_BYTES) -> tempfile.TemporaryDirectory:
     """A folder for the random weights: in memory (/dev/shm) where it has room, else the temp directory.
 
     Suspected cause of the first H100 run's slow 7B samples (191 and 318 ms/token before settling at 15):
     13 GB just written to disk keep the host busy with page-cache writeback while decode, which is bound
-    by the host issuing kernels, is timed. tmpfs has no writeback; on disk, `seven_b_shaped` waits for it.
+    by the host issuing kernels, is timed. tmpfs has no writeback; on disk, `random_llama` waits for it.
     """
     shm = Path("/dev/shm")
-    if shm.is_dir() and shutil.disk_usage(shm).free > 1.2 * WEIGHTS_BYTES:
-        return tempfile.TemporaryDirectory(prefix="exlnb-7b-", dir=shm)
-    return tempfile.TemporaryDirectory(prefix="exlnb-7b-")
+    if shm.is_dir() and shutil.disk_usage(shm).free > 1.2 * weights_bytes:
+        return tempfile.TemporaryDirectory(prefix="exlnb-random-", dir=shm)
+    return tempfile.TemporaryDirectory(prefix="exlnb-random-")
 
 
 @contextmanager
 def seven_b_shaped() -> Iterator[tuple[Path, int]]:
     """The 7B-shaped model written to a scratch folder, and the bytes of weights read per token; the folder
-    is removed afterwards. The writes are flushed before the folder is handed out, so that no page-cache
-    writeback competes with what is timed on the model."""
-    with scratch_folder() as tmp:
+    is removed afterwards."""
+    with random_llama(LLAMA_7B) as made:
+        yield made
+
+
+@contextmanager
+def random_llama(shape: dict, *, distinct_layers: bool = True) -> Iterator[tuple[Path, int]]:
+    """A Llama of `shape` with random fp16 weights in a scratch folder, and the bytes of weights read per token;
+    the folder is removed afterwards. The writes are flushed before the folder is handed out, so that no
+    page-cache writeback competes with what is timed on the model."""
+    source = tokenizer_folder()
+    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+    size = head_bytes(shape, vocab) + shape["num_hidden_layers"] * layer_bytes(shape)
+    with scratch_folder(size) as tmp:
         folder = Path(tmp)
-        weight_bytes = make_random_llama(folder, resolve_model(BUNDLED_MODEL))
+        weight_bytes = make_random_llama(folder, source, shape, distinct_layers=distinct_layers)
         os.sync()
         yield folder, weight_bytes
 
@@ -81,8 +129,12 @@ def copy_tokenizer(source: Path, folder: Path) -> None:
             shutil.copy(source / name, folder / name)
 
 
-def make_random_llama(folder: Path, tokenizer_dir: Path) -> int:
-    """Write a 7B-shaped Llama with random fp16 weights; returns the bytes of weights read per token."""
+def make_random_llama(folder: Path, tokenizer_dir: Path, shape: dict = LLAMA_7B, *,
+                      distinct_layers: bool = True) -> int:
+    """Write a Llama of `shape` with random fp16 weights; returns the bytes of weights read per token.
+
+    `distinct_layers=False` writes one layer's random weights into every layer: the same work per token,
+    written in a fraction of the time, for a model of a hundred GB or more whose outputs nobody reads."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -91,28 +143,30 @@ def make_random_llama(folder: Path, tokenizer_dir: Path) -> int:
     config = dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, rms_norm_eps=1e-5,
         rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float16", bos_token_id=1, eos_token_id=2,
-        hidden_act="silu", **LLAMA_7B,
+        hidden_act="silu", **shape,
     )
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    h, i = LLAMA_7B["hidden_size"], LLAMA_7B["intermediate_size"]
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
     layer_shapes = {
-        "self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (h, h), "self_attn.v_proj.weight": (h, h),
+        "self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
         "self_attn.o_proj.weight": (h, h), "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
         "mlp.down_proj.weight": (h, i), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
     }
-    read_per_token = 0
     generator = torch.Generator(device="cuda").manual_seed(0)
 
-    def tensor(shape) -> torch.Tensor:
-        if len(shape) == 1:
-            return torch.ones(shape, dtype=torch.float16)
-        return (torch.randn(shape, generator=generator, device="cuda", dtype=torch.float16) * 0.02).cpu()
+    def tensor(dims) -> torch.Tensor:
+        if len(dims) == 1:
+            return torch.ones(dims, dtype=torch.float16)
+        return (torch.randn(dims, generator=generator, device="cuda", dtype=torch.float16) * 0.02).cpu()
 
     save_file({"model.embed_tokens.weight": tensor((vocab, h)), "model.norm.weight": tensor((h,)),
                "lm_head.weight": tensor((vocab, h))}, folder / "model-head.safetensors")
-    read_per_token += (vocab * h + h) * 2  # the head and final norm; one embedding row is negligible
-    for layer in range(LLAMA_7B["num_hidden_layers"]):
-        shard = {f"model.layers.{layer}.{k}": tensor(s) for k, s in layer_shapes.items()}
+    read_per_token = (vocab * h + h) * 2  # the head and final norm; one embedding row is negligible
+    shared = None if distinct_layers else {k: tensor(dims) for k, dims in layer_shapes.items()}
+    for layer in range(shape["num_hidden_layers"]):
+        weights = shared or {k: tensor(dims) for k, dims in layer_shapes.items()}
+        shard = {f"model.layers.{layer}.{k}": t for k, t in weights.items()}
         read_per_token += sum(t.numel() * 2 for t in shard.values())
-        save_file(shard, folder / f"model-layer{layer:02d}.safetensors")
+        save_file(shard, folder / f"model-layer{layer:03d}.safetensors")
     return read_per_token

@@ -1,10 +1,12 @@
-"""The main job (`make report`): run the six investigation notebooks with papermill and write `reports/`.
+"""The main job (`make report`): run the investigation notebooks with papermill and write `reports/`.
 
-    python -m exlnb.report [--engine auto|exllamav2|cpu] [--out reports] [--only NAME ...]
+    python -m exlnb.report [--engine auto|NAME] [--out reports] [--only NAME ...]
                            [--preset full] [--set NAME.PARAMETER=VALUE ...] [--publish [DIR]]
 
 For each notebook, `reports/<name>/` gets the executed notebook, its HTML rendering, the JSON summary, the
-CSVs of raw measurements and the PNG figure; `reports/summary.md` has one line per effect. The default
+CSVs of raw measurements and the PNG figure; `reports/summary.md` has one line per effect. A notebook runs
+in `reports/.running/<name>/` and replaces `reports/<name>/` only once it has finished, so a failed or killed
+run never overwrites the last complete one (a failed run is kept in `reports/failed/<name>/`). The default
 engine is ExLlamaV2 where CUDA is available, the CPU engine otherwise. The notebooks' own defaults are
 small enough for CI on two CPU cores; `--preset full` and `--set` give larger runs. `--publish` copies
 the summaries, CSVs and figures to `data/results/gpu/` (ExLlamaV2 engine), `data/results/exllamav3/` or
@@ -15,15 +17,18 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
+import os
 import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from exlnb.engines.formats import engine_for, model_format
 from exlnb.engines.options import ENGINE_NAMES
 from exlnb.experiments.notebooks import NOTEBOOKS, check_parameters
+from exlnb.experiments.record import read_summary, write_atomically
+from exlnb.models import BUNDLED_MODEL, prepare_bundled
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = REPOSITORY / "notebooks"
@@ -31,7 +36,7 @@ RESULTS_DIR = REPOSITORY / "data" / "results"
 PUBLISHED_UNDER = {"exllamav2": "gpu", "exllamav3": "exllamav3", "cpu": "cpu"}  # data/results/<this>/ per engine
 
 # Larger runs for a GPU (or a patient CPU): more requests, longer outputs, tighter intervals. Sized so
-# that all six finish in about ten minutes on an H100 with the bundled model.
+# that the notebooks finish in about ten minutes on an H100 with the bundled model.
 PRESETS: dict[str, dict[str, dict]] = {
     "full": {
         # 8 pages, one per request (prompt and 200 new tokens fit one 256-token page): two rounds of requests
@@ -63,20 +68,38 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     overrides = _overrides(args.preset, args.set, args.only)
     args.out.mkdir(parents=True, exist_ok=True)
+    engine = chosen_engine(args.engine)
     runs = []
     for number, name in enumerate(args.only, 1):
-        print(f"[{number}/{len(args.only)}] {name}: running on engine {args.engine!r} ...", flush=True)
-        run = run_notebook(name, args.out / name, engine=args.engine, parameters=overrides.get(name, {}))
-        outcome = f"failed: {run.error}" if run.error else "done"
-        print(f"[{number}/{len(args.only)}] {name}: {outcome} in {run.seconds:.0f} s -> {args.out / name}", flush=True)
+        step = f"[{number}/{len(args.only)}] {name}"
+        print(f"{step}: running on the {engine} engine ...", flush=True)
+        run = run_notebook(name, args.out, engine=engine, parameters=overrides.get(name, {}), progress=step)
+        outcome = f"failed: {run.error}" if run.error else f"done -> {args.out / name}"
+        print(f"{step}: {outcome} ({run.seconds:.0f} s)", flush=True)
         runs.append(run)
+    if not any((args.out / ".running").iterdir()):  # a notebook killed mid-run leaves its folder here
+        (args.out / ".running").rmdir()
     summary = args.out / "summary.md"
-    summary.write_text(summary_markdown(runs + earlier_runs(args.out, skip=args.only)))
+    write_atomically(summary, summary_markdown(runs + earlier_runs(args.out, skip=args.only)))
     print(f"wrote {summary}")
     if args.publish:
         target = publish(runs, args.out, None if args.publish == "auto" else Path(args.publish))
         print(f"copied summaries, CSVs and figures to {target}")
     return 1 if any(run.error for run in runs) else 0
+
+
+def chosen_engine(engine: str) -> str:
+    """The engine every notebook will load, named before they run: "auto" resolved as `Session.load` resolves it
+    for the bundled model, which is prepared here (fetched and converted once, with its progress shown) rather
+    than silently inside the first notebook's kernel."""
+    print(f"the bundled model ({BUNDLED_MODEL}) ...", flush=True)
+    folder = prepare_bundled(progress=True)
+    print(f"the bundled model is ready at {folder}", flush=True)
+    if engine != "auto":
+        return engine
+    import torch
+
+    return engine_for(model_format(folder), cuda=torch.cuda.is_available())
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -128,52 +151,105 @@ def _check(where: str, name: str, parameters) -> None:
         raise SystemExit(f"{where}: {error}") from None
 
 
-def run_notebook(name: str, out_dir: Path, *, engine: str, parameters: dict) -> NotebookRun:
-    """Execute one notebook into `out_dir` (notebook, HTML, results); a failure is reported, not raised."""
+def run_notebook(name: str, out: Path, *, engine: str, parameters: dict, progress: str = "") -> NotebookRun:
+    """Execute one notebook into `out/.running/<name>/`, then put it in place of `out/<name>/` once it has
+    finished; a failure is reported, not raised, and leaves the last complete result where it was."""
     import papermill
     from nbclient.exceptions import DeadKernelError
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    executed = out_dir / f"{name}.ipynb"
+    running, failed = out / ".running" / name, out / "failed" / name
+    shutil.rmtree(running, ignore_errors=True)
+    running.mkdir(parents=True)
+    executed = running / f"{name}.ipynb"
     start = time.perf_counter()
     error = None
     try:
         papermill.execute_notebook(
             NOTEBOOK_DIR / f"{name}.ipynb",
             executed,
-            parameters={"engine": engine, "output_dir": str(out_dir.resolve()), **parameters},
-            cwd=str(NOTEBOOK_DIR),
+            # "." with the kernel started in the run's folder: the notebook records no path of this machine
+            parameters={"engine": engine, "output_dir": ".", **parameters},
+            cwd=str(running),
             kernel_name="python3",
-            progress_bar=sys.stderr.isatty(),
+            progress_bar={"desc": f"{progress} cells", "file": sys.stdout, "ascii": True, "leave": False} if progress else False,
+            config=_kernel_config(),
         )
     except papermill.PapermillExecutionError as failure:
-        error = f"{failure.ename}: {failure.evalue} (see {executed})"
+        error = f"{failure.ename}: {failure.evalue}"
     except DeadKernelError as failure:  # e.g. killed for memory: the other notebooks can still run
-        error = f"the kernel died: {failure} (see {executed})"
+        error = f"the kernel died: {failure}"
     seconds = time.perf_counter() - start
     if executed.exists():
+        _strip_machine_paths(executed, name)
         _write_html(executed)
-    summary_path = out_dir / f"{name}.json"
-    summary = json.loads(summary_path.read_text()) if error is None and summary_path.exists() else None
-    if error is None and summary is None:
-        error = f"the notebook ran but wrote no {summary_path.name}"
-    return NotebookRun(name, seconds, summary, error)
+    summary = None
+    if error is None:
+        summary, error = read_summary(running / f"{name}.json")
+    if error is not None:
+        shutil.rmtree(failed, ignore_errors=True)
+        failed.parent.mkdir(exist_ok=True)
+        running.rename(failed)
+        kept = f"; the last complete run is still in {out / name}" if (out / name).exists() else ""
+        return NotebookRun(name, seconds, None, f"{error} (see {failed / executed.name}{kept})")
+    _replace_folder(out / name, running)
+    shutil.rmtree(failed, ignore_errors=True)  # an older failure of this notebook is no longer the news
+    return NotebookRun(name, seconds, summary, None)
+
+
+def _kernel_config():
+    """Kernels on IPC sockets where the platform has them: no network port, and no "running over TCP without
+    encryption" warning from every kernel ipykernel starts."""
+    from traitlets.config import Config
+
+    config = Config()
+    if os.name == "posix":
+        config.KernelManager.transport = "ipc"
+    return config
+
+
+def _strip_machine_paths(notebook: Path, name: str) -> None:
+    """papermill records where the notebook was read and written: keep those relative to the repository, so an
+    executed notebook shared or committed carries no path of the machine that ran it."""
+    import nbformat
+
+    executed = nbformat.read(notebook, as_version=4)
+    record = executed.metadata.get("papermill", {})
+    record["input_path"] = f"notebooks/{name}.ipynb"
+    record["output_path"] = f"{name}.ipynb"
+    write_atomically(notebook, nbformat.writes(executed) + "\n")
+
+
+def _replace_folder(target: Path, finished: Path) -> None:
+    """Put a finished run's folder in place of the last one: two renames, so `target` is never half-written."""
+    previous = target.with_name(f".{target.name}.previous")
+    shutil.rmtree(previous, ignore_errors=True)
+    if target.exists():
+        target.rename(previous)
+    finished.rename(target)
+    shutil.rmtree(previous, ignore_errors=True)
 
 
 def earlier_runs(out: Path, *, skip: list[str]) -> list[NotebookRun]:
-    """Results an earlier run left in `out`, so that runs split with --only still add up to one summary."""
-    return [
-        NotebookRun(name, None, json.loads(path.read_text()))
-        for name in NOTEBOOKS
-        if name not in skip and (path := out / name / f"{name}.json").exists()
-    ]
+    """Complete results an earlier run left in `out`, so that runs split with --only still add up to one
+    summary; a summary that cannot be read is skipped with one line saying which."""
+    runs = []
+    for name in NOTEBOOKS:
+        path = out / name / f"{name}.json"
+        if name in skip or not path.exists():
+            continue
+        summary, error = read_summary(path)
+        if error:
+            print(f"skipping {name}'s earlier result: {error}", file=sys.stderr)
+            continue
+        runs.append(NotebookRun(name, None, summary))
+    return runs
 
 
 def _write_html(notebook: Path) -> None:
     from nbconvert import HTMLExporter
 
     body, _ = HTMLExporter().from_filename(str(notebook))
-    notebook.with_suffix(".html").write_text(body)
+    write_atomically(notebook.with_suffix(".html"), body)
 
 
 def summary_markdown(runs: list[NotebookRun]) -> str:
@@ -182,7 +258,7 @@ def summary_markdown(runs: list[NotebookRun]) -> str:
     environments = {_environment_line(run.summary["environment"]) for run in runs if run.summary}
     lines += [f"- {line}" for line in sorted(environments)]
     for run in sorted(runs, key=lambda run: NOTEBOOKS.index(run.name)):
-        when = "from an earlier run" if run.seconds is None else f"{run.seconds:.0f} s"
+        when = f"{run.seconds:.0f} s" if run.seconds is not None else _earlier(run.summary["environment"])
         lines += ["", f"## {run.name} ({when})", ""]
         if run.error:
             lines.append(f"- FAILED: {run.error}")
@@ -191,7 +267,14 @@ def summary_markdown(runs: list[NotebookRun]) -> str:
             lines += [f"Field report{'s' if ',' in reports else ''} {reports}.", ""]
         lines += [f"- {effect['line']}" for effect in run.summary["effects"]]
         lines += ["", *[f"- {finding}" for finding in run.summary["findings"]]]
+        if "figure" in run.summary and run.summary["figure"] is None:
+            lines.append("- No figure: nothing measured here could be drawn; the lines above say why.")
     return "\n".join(lines) + "\n"
+
+
+def _earlier(env: dict) -> str:
+    """Results kept from an earlier run say when they were measured, so they are not read as this run's."""
+    return f"from an earlier run, {env['date']}" if env.get("date") else "from an earlier run"
 
 
 def _environment_line(env: dict) -> str:
@@ -212,7 +295,7 @@ def publish(runs: list[NotebookRun], out: Path, target: Path | None) -> Path:
     for run in done:
         for path in sorted((out / run.name).iterdir()):
             if path.suffix in (".json", ".csv", ".png"):
-                shutil.copy2(path, target / path.name)
+                write_atomically(target / path.name, path.read_bytes())
     return target
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exlnb.experiments.notebooks import NOTEBOOKS
+from exlnb.experiments.record import read_summary, write_atomically
 
 VERDICTS = ("higher", "lower", "overlap")  # the symptom's interval against the fix's
 
@@ -55,7 +56,11 @@ def summaries(run: Path) -> dict[str, dict]:
     for name in NOTEBOOKS:
         for path in (run / f"{name}.json", run / name / f"{name}.json"):
             if path.is_file():
-                found[name] = json.loads(path.read_text())
+                summary, error = read_summary(path)
+                if error:
+                    print(f"skipping {name} in {run}: {error}", file=sys.stderr)
+                else:
+                    found[name] = summary
                 break
     if not found:
         raise FileNotFoundError(f"{run} holds no investigation summary (<notebook>.json): give a --publish folder "
@@ -130,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(rows)
     print(text)
     if args.out:
-        args.out.write_text(text + "\n")
-        args.out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
+        write_atomically(args.out, text + "\n")
+        write_atomically(args.out.with_suffix(".json"), json.dumps(rows, indent=2) + "\n")
     return 0
 
 

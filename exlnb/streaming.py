@@ -19,8 +19,10 @@ import asyncio
 import queue
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from exlnb.engines.base import EosReason, Stage, StreamEvent, wall_clock
 from exlnb.engines.constraint import OutputConstraint
@@ -46,6 +48,16 @@ class StreamFailure:
 Delivered = StreamEvent | StreamFailure
 
 
+class Origin(Protocol):
+    """What ran a result, kept by the generation layer, which can run it again from any of its tokens
+    (`GenerationResult.branch`); this layer only asks it."""
+
+    lead: tuple[int, ...]  # tokens the result starts with that its job was given, not generated (a forced token)
+    lead_text: str
+
+    def branch(self, result: GenerationResult, at: int, token: int | str | None) -> GenerationResult: ...
+
+
 @dataclass(frozen=True)
 class GenerationResult:
     """Everything a finished (or cancelled) job produced, for `--out VAR` and the experiments."""
@@ -64,6 +76,16 @@ class GenerationResult:
     token_records: tuple[TokenRecord, ...] = ()  # per token, when the job asked for top_tokens
     constraint: OutputConstraint | None = field(default=None, repr=False)  # the job's json_schema or regex
     error: str | None = None  # why the job failed, in one line, where eos_reason is FAILED
+    origin: Origin | None = field(default=None, repr=False, compare=False)  # its request and prompt, for `branch`
+
+    def branch(self, at: int, token: int | str | None = None) -> GenerationResult:
+        """Run again from the prompt and this result's first `at` tokens, with `token` (an id, or the text of one
+        token; default: the likeliest alternative the token view recorded at `at`) in place of token `at`, then on
+        with the same settings; the prompt's cached pages are reused. The branch's text starts with `token`."""
+        if self.origin is None:
+            raise ValueError(f"job {self.job_id}'s result does not keep its request: only results of a generation "
+                             "(exlnb.generate_live, %%exl_generate --out) can branch")
+        return self.origin.branch(self, at, token)
 
     def tokens(self):
         """One row per generated token: probability, alternatives, arrival and latency (a pandas DataFrame)."""
@@ -79,31 +101,35 @@ class GenerationResult:
         try:
             return self.constraint.parse(self.text)
         except ValueError as error:
-            ended = self.eos_reason.value if self.eos_reason else "no event"
+            ended = self.eos_reason.words if self.eos_reason else "no event"
             first = str(error).splitlines()[0]
             raise ValueError(f"job {self.job_id}'s answer does not satisfy its {self.constraint.describe()} "
-                             f"(it ended by {ended}): {first}") from None
+                             f"(it ended: {ended}): {first}") from None
 
     @classmethod
     def from_events(
-        cls, job_id: int, events: list[StreamEvent], constraint: OutputConstraint | None = None, error: str | None = None
+        cls, job_id: int, events: list[StreamEvent], constraint: OutputConstraint | None = None,
+        error: str | None = None, origin: Origin | None = None,
     ) -> GenerationResult:
         last = events[-1] if events else None
+        lead, lead_text = (origin.lead, origin.lead_text) if origin else ((), "")
         return cls(
             job_id=job_id,
-            text="".join(e.text for e in events),
-            token_ids=tuple(t for e in events for t in e.token_ids),
+            text=lead_text + "".join(e.text for e in events),
+            token_ids=lead + tuple(t for e in events for t in e.token_ids),
             eos_reason=last.eos_reason if last else None,
             prompt_tokens=last.prompt_tokens if last else 0,
             cached_tokens=last.cached_tokens if last else 0,
-            new_tokens=last.new_tokens if last else 0,
+            new_tokens=len(lead) + (last.new_tokens if last else 0),
             time_to_first_token_s=last.time_to_first_token_s if last else None,
             prefill_tokens_per_s=last.prefill_tokens_per_s if last else None,
             decode_tokens_per_s=last.decode_tokens_per_s if last else None,
             elapsed_s=(last.time_produced - last.time_enqueued) if last else 0.0,
-            token_records=token_records(events),
+            # a given token has no record: the generated ones keep their places in token_ids
+            token_records=tuple(replace(r, position=r.position + len(lead)) for r in token_records(events)),
             constraint=constraint,
             error=error,
+            origin=origin,
         )
 
 
@@ -119,7 +145,7 @@ class EventInbox:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._async: asyncio.Queue[Delivered] | None = None
-        self.consuming = False  # a consumer is iterating right now
+        self.consuming = False  # a consumer is taking its events right now (`reading`)
         self.finished = False
 
     def put(self, item: Delivered) -> None:
@@ -292,15 +318,14 @@ class JobStream:
         if self.done:
             self._raise_error()
             return
-        self._inbox.consuming = True
         try:
-            while True:
-                event = self.receive(self._inbox.get())
-                yield event
-                if event.eos:
-                    return
+            with reading([self]):
+                while True:
+                    event = self.receive(self._inbox.get())
+                    yield event
+                    if event.eos:
+                        return
         finally:
-            self._inbox.consuming = False
             if not self.done and self.cancel_when_abandoned:
                 self.cancel()
 
@@ -309,15 +334,14 @@ class JobStream:
             self._raise_error()
             return
         inbox = self._inbox.attach_loop(asyncio.get_running_loop())
-        self._inbox.consuming = True
         try:
-            while True:
-                event = self.receive(await inbox.get())
-                yield event
-                if event.eos:
-                    return
+            with reading([self]):
+                while True:
+                    event = self.receive(await inbox.get())
+                    yield event
+                    if event.eos:
+                        return
         finally:
-            self._inbox.consuming = False
             if not self.done and self.cancel_when_abandoned:
                 self.request_cancel()  # never wait for an engine step on the event loop
 
@@ -344,6 +368,21 @@ class JobStream:
     def __repr__(self) -> str:
         state = "failed" if self.error else "done" if self.done else f"{len(self._events)} events so far"
         return f"<JobStream job {self.job_id}: {state}>"
+
+
+@contextmanager
+def reading(streams: Sequence[JobStream]) -> Iterator[None]:
+    """These streams count as read while the block runs: a consumer takes their events (iterating one stream,
+    or one thread reading the shared queue of a generation's samples). The job table marks a job that nobody
+    reads, and that mark must catch a leaked job (field report 1), not every job a widget streams."""
+    inboxes = [stream._inbox for stream in streams]
+    for inbox in inboxes:
+        inbox.consuming = True
+    try:
+        yield
+    finally:
+        for inbox in inboxes:
+            inbox.consuming = False
 
 
 def _cancel_unless_finished(inbox: EventInbox, request_cancel: Callable[[int], None], job_id: int) -> None:

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from exlnb.engines.base import StreamEvent
 from exlnb.engines.token_info import TokenInfo
 
-COLUMNS = ("position", "token_id", "text", "probability", "alternatives", "arrival_s", "latency_s")
+COLUMNS = (
+    "position", "token_id", "text", "probability", "sampled_probability", "alternatives", "arrival_s", "latency_s",
+)
 
 
 @dataclass(frozen=True)
@@ -38,13 +40,14 @@ def token_records(events: Iterable[StreamEvent]) -> tuple[TokenRecord, ...]:
 
 
 def token_frame(records: Sequence[TokenRecord]):
-    """The records as a pandas DataFrame, one row per token; `alternatives` holds (id, text, probability) tuples."""
+    """The records as a pandas DataFrame, one row per token: `probability` is the model's own, `sampled_probability`
+    the sampler's (token_info.py), `alternatives` the model's likeliest as (id, text, probability) tuples."""
     import pandas as pd  # only here: the streaming layer stays free of pandas
 
     if not records:
         raise ValueError("this result has no per-token data: generate with tokens=N (--tokens N) to record it")
     return pd.DataFrame(
-        [(r.position, r.info.token_id, r.info.text, r.info.probability, r.info.alternatives, r.arrival_s, r.latency_s)
-         for r in records],
+        [(r.position, r.info.token_id, r.info.text, r.info.probability, r.info.sampled_probability, r.info.alternatives,
+          r.arrival_s, r.latency_s) for r in records],
         columns=list(COLUMNS),
     )

@@ -21,6 +21,9 @@ from exlnb.metrics import check_slos
 from exlnb.templates import conversation, render
 
 MAX_REQUESTS = 10_000  # per rate: a notebook cell, not a soak test; also the cap of a run given a duration
+# the longest a rate may take to send its requests: a rate of 1e-6 req/s was once accepted, and would have
+# waited about 10^6 s for its 16 requests
+MAX_SEND_S = 3600.0
 DEFAULT_REQUESTS = 16
 # Random prompt tokens come from ids below 32000, the smallest vocabulary the engines load (Llama 2), and
 # from 100 up, past the special tokens. Random tokens share no prefix, so no prompt is served from cache.
@@ -63,11 +66,23 @@ class Workload:
         if self.duration_s is not None:
             if not (self.duration_s > 0 and math.isfinite(self.duration_s)):
                 raise ValueError(f"duration_s={self.duration_s!r} must be a positive number of seconds")
+            if self.duration_s > MAX_SEND_S:
+                raise ValueError(f"duration_s={self.duration_s:g} is longer than a rate may send for "
+                                 f"({_in_words(MAX_SEND_S)}): give at most {MAX_SEND_S:g} seconds")
             if math.inf in self.request_rates and self.max_concurrency is None:
                 raise ValueError(
                     "duration_s with request_rate=inf would send every request at once: set max_concurrency "
                     "to keep that many in flight for the duration, or give a finite rate"
                 )
+        if self.duration_s is None:
+            for rate in self.request_rates:
+                sending_s = (self.requests_per_rate - 1) / rate  # the mean of the last arrival
+                if sending_s > MAX_SEND_S:
+                    raise ValueError(
+                        f"request_rate={rate:g} would take about {_in_words(sending_s)} to send "
+                        f"{self.requests_per_rate} requests, and a rate may take at most {_in_words(MAX_SEND_S)}: "
+                        "raise the rate, send fewer requests, or give duration_s"
+                    )
         if self.slos:
             check_slos(self.slos)
         if self.dataset is not None and self.dataset not in prompt_sets():
@@ -95,6 +110,15 @@ class Workload:
             "seed": self.seed,
             "slos": dict(self.slos) if self.slos else None,
         }
+
+
+def _in_words(seconds: float) -> str:
+    """'45 s', '20 minutes', '3 hours', '185 days': a duration as a person reads it."""
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= size:
+            amount = f"{seconds / size:.3g}"
+            return f"{amount} {unit}" if amount == "1" else f"{amount} {unit}s"
+    return f"{seconds:.3g} s"
 
 
 def rate_label(request_rate: float) -> str:

@@ -192,12 +192,38 @@ display(clock_medians)
 People load quantized models at 2.5 to 8 bits per weight: EXL2 with ExLlamaV2, EXL3 with ExLlamaV3. The
 bundled model is quantized with each library's own converter (`exlnb.quantize.quantize`, cached after the
 first run) at several bit widths and compared with fp16: greedy agreement with fp16, accuracy on the
-question set (`data/questions/short_answers.csv`), perplexity on a fixed text, decode speed and memory.
-Quantizing needs CUDA: on a machine without it the notebook says so and stops.""",
+question set (`data/questions/short_answers.csv`), perplexity on a fixed text and, on that text, the KL
+divergence from fp16's next-token distributions and top-1 agreement (`exlnb.divergence`), decode speed and
+memory. Quantizing needs CUDA: on a machine without it the notebook says so and stops.""",
         notes={
             "bits": "bits per weight for each format",
-            "perplexity_tokens": "tokens of the fixed text scored for perplexity",
+            "perplexity_tokens": "tokens of the fixed text scored for perplexity and KL divergence",
             "decode_tokens": "tokens generated per timed decode",
+        },
+    ),
+    Investigation(
+        name="disconnect",
+        title="Does the server stop when the client leaves? (field report 1, at a server)",
+        story="""\
+Field report 1's abandoned jobs, at a server: published 2026 issues show SGLang, vLLM, llama.cpp's server and
+TabbyAPI generating on for clients that had gone. Streams are opened and abandoned while queued, during
+prefill and during decode; leaving closes the connection, which is all a server is told. Right after, a probe
+request's time to first token is compared with the same probe on the idle server, and where the server has a
+Prometheus `/metrics` its own count of running requests says whether it is still working for nobody. Probes
+then repeat until one is back near the idle figure.
+
+The engine loaded here is the control: exlnb's session cancels an abandoned job at once. Give `url` (an
+OpenAI-compatible server's API base, serving the same model) to measure that server beside it.""",
+        notes={
+            "url": "an OpenAI-compatible server's API base, e.g. http://127.0.0.1:8000/v1; None: the control alone",
+            "served_model": "the server's name for the model; None: the one it serves",
+            "api_key_env": "environment variable holding the server's API key, if it wants one",
+            "abandoned": "streams opened and abandoned in each phase",
+            "prefill_prompt_tokens": "the prefill phase's long prompt, left half-way through its idle prefill",
+            "max_new_tokens": "what each abandoned request asks for (a server that goes on runs to this)",
+            "tokens_read": "tokens read before leaving in the decode phase",
+            "probes": "probes on the idle target, for its reference time to first token",
+            "settle_timeout_s": "how long probes wait for the target to be idle again",
         },
     ),
 )
@@ -244,7 +270,7 @@ print(session.load(engine=engine, cache_tokens=cache_tokens, progress=False).lin
 for name, table in result.tables.items():
     display(Markdown(f"**{{name}}**: {{len(table)}} rows"), table.head())"""
         ),
-        new_code_cell("figure = experiment.plot(result)"),
+        new_code_cell("figure = experiment.plot(result)  # None where nothing measured could be drawn: the findings say why"),
         new_markdown_cell("## What the data say"),
         new_code_cell("display(Markdown(result.markdown()))"),
         new_code_cell("for path in result.save(output_dir, figure):\n    print(path)"),

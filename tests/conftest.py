@@ -1,17 +1,29 @@
-"""Shared fixtures: the real bundled model on the real CPU engine, loaded once per test run."""
+"""Shared fixtures: the real bundled model on the real CPU engine, loaded once per test process.
+
+`make test` runs the suite on two processes (pytest-xdist), each loading its own copy of the 135M model. It
+hands out whole files (`pytest_xdist_make_scheduler` below), so a module-scoped fixture (a JupyterLab, a
+notebook run, a kernel) is built once, and all the files that take the real servers to one process, so each
+server starts once. Any other session-scoped fixture is built once per process that uses it. (xdist 3.8's
+`--dist loadgroup` would group by marks, but it marks a group by rewriting node ids, which pytest 9.2 no longer
+lets it do: its groups are silently ignored.)
+"""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import signal
 import sys
 import types
+from collections import Counter
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
 from exlnb import SamplerSettings, get_session
+from exlnb.engines.options import EngineOptions
 from exlnb.session import Session
 
 from exlnb.templates import chatml  # noqa: F401 - re-exported for the tests
@@ -26,12 +38,74 @@ def pytest_runtest_logreport(report) -> None:
             log.write(f"==== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n\n")
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """The tests marked `slow` first, those of the file with the most of them first (the notebook run): `make
+    test` hands out whole files in this order, so the longest work starts at once and short files fill in."""
+    slow_in_file = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow_in_file[item.path] if item.get_closest_marker("slow") else 1)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without xdist, nothing asks for it
+def pytest_xdist_make_scheduler(config, log):
+    """Whole files to a worker, as `--dist loadfile`, and every file that takes tests/servers.py's servers
+    (`pytest_plugins = ["tests.servers"]`) to the same one, so that each server starts once."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesAndServers(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return "servers" if _takes_the_servers(config.rootpath / file) else file
+
+    return FilesAndServers(config, log)
+
+
+@functools.cache
+def _takes_the_servers(path: Path) -> bool:
+    return path.is_file() and "tests.servers" in path.read_text(encoding="utf-8")
+
+
+def pytest_configure(config) -> None:
+    """On N worker processes, each one's torch gets its share of the cores, and so do the kernels, servers and
+    scripts they start (OMP_NUM_THREADS, inherited): two processes of two threads each on two cores wait on each
+    other, and OpenMP's waiting threads spin on cores the other worker needs."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        share = max(1, cores // workers)
+        torch.set_num_threads(share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
+
+
+BUNDLED_ON_CPU: EngineOptions | None = None  # what cpu_session loaded, once it has
+
+
 @pytest.fixture(scope="session")
 def cpu_session() -> Session:
     """The kernel-style singleton session with SmolLM2-135M-Instruct on the CPU engine."""
+    global BUNDLED_ON_CPU
     session = get_session()
     session.load("smollm2-135m-instruct", engine="cpu", progress=False)
+    BUNDLED_ON_CPU = session.options
     return session
+
+
+@pytest.fixture(autouse=True)
+def kernel_session_put_back(request):
+    """A test that loads something else into the kernel's session (another cache size, the toy engine) or
+    unloads it leaves the bundled model on the CPU engine as it found it: the next test, whichever it is and on
+    whichever worker, gets what `cpu_session` promises. A test on a GPU engine (`engine_name`) leaves that
+    engine loaded, as the next test on it needs it."""
+    session = get_session()
+    before = session.options
+    yield
+    callspec = getattr(request.node, "callspec", None)
+    on_gpu = callspec is not None and callspec.params.get("engine_name", "cpu") != "cpu"
+    if before is not None and before == BUNDLED_ON_CPU and session.options != before and not on_gpu:
+        session.cancel_all()
+        session.load("smollm2-135m-instruct", engine="cpu", progress=False, reload=True)
 
 
 @pytest.fixture(

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import html
 import json
 import math
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -140,17 +144,23 @@ def test_an_interrupt_mid_run_leaves_no_job_and_every_page_free(idle_session):
     assert_idle(idle_session)
 
 
-def test_ctrl_c_while_waiting_cancels_the_run(idle_session, ctrl_c):
-    def interrupt_once_tokens_flow():
-        deadline = time.monotonic() + 30  # never left to interrupt a later test
+def ctrl_c_once_tokens_flow(session) -> None:
+    """From another thread, Ctrl-C the main thread once the first token has come (waits 30 s at most, so that it
+    never interrupts a later test)."""
+    def interrupt() -> None:
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            if any(row.info.new_tokens for row in idle_session.jobs()):
+            if any(row.info.new_tokens for row in session.jobs()):
                 _thread.interrupt_main()
                 return
             time.sleep(0.01)
 
+    threading.Thread(target=interrupt, daemon=True).start()
+
+
+def test_ctrl_c_while_waiting_cancels_the_run(idle_session, ctrl_c):
     with pytest.raises(KeyboardInterrupt):
-        threading.Thread(target=interrupt_once_tokens_flow, daemon=True).start()
+        ctrl_c_once_tokens_flow(idle_session)
         bench(num_requests=4, prompt_len=8, output_len=8, progress=False)
     assert_idle(idle_session)
 
@@ -270,7 +280,7 @@ def test_the_stop_button_ends_exl_bench_with_no_job_left_and_counts_that_add_up(
 
     words = (f"stopped at inf req/s: {m.successful_requests} of 6 requests finished, {m.failed_requests} cancelled "
              f"in flight, {run.unsent_requests} never sent; rate 20 not run")
-    assert result.stop_words() == words and words in capsys.readouterr().out  # the table printed by the magic
+    assert result.stop_words() == words and words in view.record()["text/html"]  # in the folded printout
     assert "stopped (stop button)" in view.text() and "20 req/s · not run" in view.text()
     assert run.count_words() in view.record()["text/plain"]
     assert words in result.figure().texts[0].get_text()
@@ -292,3 +302,164 @@ def test_a_kernel_interrupt_stops_exl_bench_with_one_line_and_no_job_left(shell,
                                             r"\d cancelled in flight", lines[0]), lines
     assert "stopped (interrupt)" in view.text()
     assert_idle(idle_session)
+
+
+# -- abuse: big runs, stops, interrupts and rates that never end (issue 29, item 13) ---------------------------
+
+
+def count_steps(session, monkeypatch) -> list[int]:
+    """Counts the engine's steps from now on: steps[0] goes up by one per step."""
+    engine, steps = session.engine, [0]
+    real = engine.step
+
+    def step():
+        steps[0] += 1
+        return real()
+
+    monkeypatch.setattr(engine, "step", step)
+    return steps
+
+
+def test_a_stop_cancels_every_request_in_flight_in_one_engine_command(idle_session, monkeypatch):
+    steps = count_steps(idle_session, monkeypatch)
+    stop, at_stop = threading.Event(), []
+
+    def stop_at_the_first_end(record):
+        if not stop.is_set():
+            at_stop.append(steps[0])
+            stop.set()
+
+    # seed 5 draws output lengths from 1 to 40: one request ends early, the other 23 are still in flight
+    result = bench(num_requests=24, prompt_len=8, output_len=(1, 40), seed=5, on_finish=stop_at_the_first_end,
+                   stop=stop, progress=False)
+
+    [run] = result.runs
+    assert run.stopped and run.metrics.failed_requests >= 10
+    # one cancel per job waited for a step each: 20 steps for 20 jobs; one command waits for one step at most
+    assert steps[0] - at_stop[0] <= 2, (steps[0] - at_stop[0], run.metrics.failed_requests)
+    assert_idle(idle_session)
+
+
+def test_requests_in_flight_are_read_without_a_thread_each(idle_session):
+    threads_before = threading.active_count()
+    during = []
+    result = bench(num_requests=24, prompt_len=8, output_len=(2, 12), seed=2, progress=False,
+                   on_finish=lambda record: during.append(threading.active_count()))
+
+    assert result.summary.successful_requests.iloc[0] == 24
+    assert max(during) - threads_before <= 1, during  # was one reader thread per request in flight
+    assert_idle(idle_session)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(request_rates=(1e-6,)), r"request_rate=1e-06 would take about 174 days to send 16 requests, and a "
+                                      r"rate may take at most 1 hour"),
+        (dict(request_rates=(2.0, 0.001), num_requests=10), r"request_rate=0\.001 would take about 2\.5 hours"),
+        (dict(duration_s=7200, max_concurrency=2), r"duration_s=7200 is longer than a rate may send for \(1 hour\)"),
+    ],
+)
+def test_a_run_that_could_not_end_within_the_limit_is_refused_with_how_long_it_would_take(settings, message):
+    with pytest.raises(ValueError, match=message):
+        Workload(**settings)
+
+
+def test_a_slow_rate_with_a_duration_is_not_refused():
+    assert Workload(request_rates=(1e-6,), duration_s=60).duration_s == 60
+
+
+def test_ctrl_c_on_an_awaited_abench_in_terminal_ipython_stops_the_test_and_its_jobs(idle_session, ctrl_c):
+    """Terminal IPython runs `await abench(...)` with the loop's run_until_complete; Ctrl-C is a SIGINT to the
+    main thread, which is in the loop's select. It must stop the test, not leave it running on its thread."""
+    from exlnb.widgets.loadtest import abench
+    from exlnb.widgets.stream import Interrupted
+
+    loop = asyncio.new_event_loop()
+    ctrl_c_once_tokens_flow(idle_session)
+    try:
+        loop.run_until_complete(abench(num_requests=6, prompt_len=8, output_len=40, display="text", progress=False))
+    except BaseException as error:  # noqa: BLE001 - a KeyboardInterrupt that escaped is the failure looked for
+        raised = error
+    finally:
+        loop.close()
+
+    assert isinstance(raised, Interrupted), repr(raised)  # not a KeyboardInterrupt out of the loop's select
+    assert re.fullmatch(r"interrupted: stopped at inf req/s: \d of 6 requests finished, \d cancelled in flight",
+                        str(raised))
+    assert not [t for t in threading.enumerate() if t.name.startswith("exlnb-bench")]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert_idle(idle_session)
+
+
+# -- what the widget leaves (issue 29, item 4) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("ttft_ms", "state", "words"), [
+    (0.001, "error", "SLO met by 0% (0 of 3)"),
+    (60_000, "done", "SLO met by 100% (3 of 3)"),
+])
+def test_each_rate_line_says_what_share_met_the_slo_and_a_miss_is_in_the_error_colour(idle_session, ttft_ms, state,
+                                                                                      words):
+    view = BenchView(threading.Event())
+    result = bench(num_requests=3, prompt_len=8, output_len=3, slos={"ttft_ms": ttft_ms}, progress=view)
+    view.finish(result)
+
+    assert f'class="exlnb-sample exlnb-{state}"' in view.html  # was green whatever share met the objective
+    assert words in view.text() and words in view.html
+    assert ("SLO missed" in view.text()) == (state == "error")
+    assert ("exlnb-slo-missed" in view.html) == (state == "error")
+
+
+def test_exl_bench_under_the_widget_leaves_one_compact_table_with_the_printout_folded(shell, idle_session,
+                                                                                    monkeypatch, capsys):
+    async def watch(task, view):
+        """Nothing to press: the test runs to its end."""
+
+    cell, view = run_bench_cell(shell, "--request-rate inf,20 --num-requests 2 --prompt-len 8 --output-len 3 "
+                                       "--slo ttft_ms=60000 --out load", monkeypatch, watch)
+    assert cell.success
+    result = shell.user_ns.pop("load")
+    record = view.record()
+
+    assert capsys.readouterr().out == ""  # was vLLM's printout, about 45 lines a rate, under the widget
+    table, folded = record["text/html"].split("<details>")
+    assert table.count("<tr>") == 1 + len(result.runs)  # the heading, then a row per rate
+    assert "SLO met" in table and "100% (2 of 2)" in table
+    assert result.table().splitlines()[-1] in html.unescape(folded)  # vLLM's printout, folded
+    assert len(record["text/plain"].splitlines()) <= 3 + 1 + 1 + len(result.runs)  # head, lines, gap, table
+    assert_idle(idle_session)
+
+
+EXITS_AFTER_AN_ESCAPED_INTERRUPT = """
+import asyncio, signal
+from exlnb import get_session
+from exlnb.widgets.loadtest import abench
+
+get_session().load(engine="cpu", progress=False)
+
+
+def interrupt(signum, frame):  # a handler of its own, which abench leaves in place: the interrupt escapes the loop
+    raise KeyboardInterrupt
+
+
+signal.signal(signal.SIGINT, interrupt)
+loop = asyncio.new_event_loop()
+loop.call_later(1.0, signal.raise_signal, signal.SIGINT)
+try:  # 30 requests at 0.01 req/s: about 48 minutes of sending left when the loop is given up
+    loop.run_until_complete(abench(0.01, num_requests=30, prompt_len=8, output_len=4, display="text", progress=False))
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+def test_a_process_whose_loop_gave_up_an_awaited_abench_still_exits(tmp_path):
+    """The test's thread used to be a ThreadPoolExecutor's worker, which the interpreter joins at exit: terminal
+    IPython hung at exit until the abandoned test had sent every request."""
+    script = tmp_path / "escaped.py"
+    script.write_text(EXITS_AFTER_AN_ESCAPED_INTERRUPT)
+    try:
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process did not exit: it waited for the load test its loop had given up")
+    assert done.returncode == 0 and "interrupted" in done.stdout, done.stderr[-2000:]

@@ -1,5 +1,5 @@
-"""The benchmark suite runs in quick mode and writes a complete, valid record (no timing assertions); the
-CUDA-graph probe refuses cleanly where it cannot run."""
+"""The core suite runs in quick mode and writes a complete, valid record (no timing assertions); every suite is
+reached through one entry, and a GPU suite refuses cleanly where it cannot run; results stay light."""
 
 import json
 import math
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.__main__ import main
+from benchmarks.__main__ import SUITES
+from benchmarks.core import main
 from benchmarks.table import full_runs, markdown
 
 
@@ -18,6 +19,7 @@ def _reject_non_json(name: str):
     raise ValueError(f"{name} in the record: Python writes it, strict JSON readers refuse it")
 
 
+@pytest.mark.slow  # every benchmark in quick mode, the Hugging Face reference model too
 def test_quick_benchmarks_write_valid_json_with_raw_samples(cpu_session, tmp_path):
     path = main(["--quick", "--out", str(tmp_path)])
     record = json.loads(path.read_text(), parse_constant=_reject_non_json)
@@ -59,6 +61,19 @@ def test_the_kit_overhead_benchmark_writes_per_token_times_of_both_sides(tmp_pat
         assert times["session_cost_per_token_ms"] == times["session"]["median"] - times["by_hand"]["median"]
 
 
+def test_a_second_run_of_the_same_day_keeps_the_first_runs_file(tmp_path):
+    from benchmarks.kit_overhead import main as kit_overhead
+
+    arguments = ["--step-ms", "0", "--tokens", "4", "--repeats", "1", "--out", str(tmp_path)]
+    first = kit_overhead(arguments)
+    written = first.read_bytes()
+    second = kit_overhead(arguments)
+
+    assert second != first and second.name == f"{first.stem}-2.json"
+    assert first.read_bytes() == written
+    assert json.loads(second.read_text())["results"]
+
+
 def test_performance_table_reads_every_full_run_ratios_first(tmp_path):
     committed = full_runs()
     assert committed, "benchmarks/results holds no full run"
@@ -68,12 +83,24 @@ def test_performance_table_reads_every_full_run_ratios_first(tmp_path):
         assert run["file"] in table
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the probes run instead of refusing")
-@pytest.mark.parametrize(("probe", "says"), [("graph_probe", "needs a CUDA GPU and exllamav2"), ("exl3_probe", "needs a CUDA GPU"),
-                                             ("graphs", "needs a CUDA GPU and exllamav2")])
-def test_the_gpu_probes_refuse_in_one_line_without_cuda_and_write_nothing(tmp_path, probe, says):
-    done = subprocess.run([sys.executable, "-m", f"benchmarks.{probe}", "--out", str(tmp_path / "out")],
-                          capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=120)
+def _benchmarks(*arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks", *arguments], capture_output=True, text=True,
+                          cwd=Path(__file__).parent.parent, timeout=120)
+
+
+def test_one_entry_names_every_suite_and_refuses_an_unknown_one_in_one_line():
+    listed = _benchmarks("--help")
+    refused = _benchmarks("graph_probe")
+
+    assert listed.returncode == 0 and all(f"  {suite} " in listed.stdout for suite in SUITES)
+    assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
+        f"python -m benchmarks: no suite 'graph_probe'; choose one of {', '.join(SUITES)}"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the suite runs instead of refusing")
+def test_a_gpu_suite_refuses_in_one_line_without_cuda_and_writes_nothing(tmp_path):
+    done = _benchmarks("graphs", "--out", str(tmp_path / "out"))
+    says = "needs a CUDA GPU and exllamav2"
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
     assert says in done.stderr
@@ -96,3 +123,17 @@ def test_the_graph_benchmark_judges_each_goal_of_issue_17_by_its_own_threshold()
     assert not any(goal["met"] for goal in missed.values())
     assert missed["7b_batch_1_over_floor_at_most_1.5"]["ratio"] == 1.51
     assert "engine_over_transformers_best_at_least_2" not in goals({"bundled": {"speedup_batch_1": 4.0}})
+
+
+RESULTS_BUDGET_BYTES = 3 * 1024 * 1024  # what a clone carries; raw logs and notebooks stay on the measuring machine
+
+
+def test_the_results_git_carries_stay_under_3_mb():
+    root = Path(__file__).parent.parent
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "benchmarks/results"],
+                            capture_output=True, text=True, cwd=root, check=True, timeout=60).stdout.splitlines()
+    files = [root / name for name in listed if (root / name).is_file()]
+    assert files, "benchmarks/results holds no result"
+    sizes = sorted(((f.stat().st_size, f) for f in files), reverse=True)
+    total = sum(size for size, _ in sizes)
+    assert total <= RESULTS_BUDGET_BYTES, f"{total / 2**20:.1f} MB tracked; largest: {sizes[:5]}"

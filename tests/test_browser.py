@@ -27,7 +27,7 @@ nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the n
 sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright: pip install playwright")
 TimeoutError, expect = sync_api.TimeoutError, sync_api.expect
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 CHROMIUM = Path(os.environ.get("EXLNB_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_FLAGS = [
@@ -37,11 +37,12 @@ CHROMIUM_FLAGS = [
 WORKTREE = Path(__file__).resolve().parent.parent
 ARTIFACTS = WORKTREE / "test-artifacts"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
-RECORDED = (2, 4, 5, 6, 8, 10)  # the cells whose widgets leave a record: answers, samples, inspector, job table
+RECORDED = (2, 4, 5, 6, 8, 10, 11)  # the cells whose widgets leave a record: answers, samples, inspector, job table
 THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
 # text that must read on its background: WCAG's 4.5:1 for normal text
 READABLE = (".exlnb-token:not(.exlnb-special)", ".exlnb-special", ".exlnb-status", ".exlnb-head", ".exlnb-text",
-            ".exlnb-warning", ".exlnb-summary", ".exlnb-jobs td", ".exlnb-label", ".exlnb-muted", ".exlnb-chip")
+            ".exlnb-warning", ".exlnb-summary", ".exlnb-jobs td", ".exlnb-label", ".exlnb-muted", ".exlnb-chip",
+            ".exlnb-popover")
 # WCAG 2 contrast of each selector's text against the colour behind it (its own and its ancestors' backgrounds
 # composed over white), the lowest over the page
 CONTRAST_JS = """selectors => {
@@ -103,6 +104,10 @@ def lab(tmp_path_factory):
         f"%%exl_generate --max-new-tokens 2000\n{STORY}",
         "%%exl_generate --show-prompt --max-new-tokens 12 --temperature 0\nWhat is the capital of France?",
         "%%exl_generate --tokens 5 --max-new-tokens 40 --temperature 0.8 --seed 2\nDescribe a dragon in two sentences.",
+        f"%%exl_generate --background --max-new-tokens 2000 --min-new-tokens 2000\n{STORY}",
+        "%exl_jobs",
+        "%exl_cache",
+        "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)  # the kernel dies without a word, as a crash does",
     ]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
@@ -217,7 +222,7 @@ def test_stream_widget_grows_stop_ends_the_job_and_leaves_a_record(page):
     cell.locator(".jp-OutputArea").screenshot(path=str(ARTIFACTS / "stream-live-light.png"))
 
     cell.locator(".exlnb-stop").click()
-    expect(status).to_contain_text("eos: cancelled (stop button)", timeout=30_000)
+    expect(status).to_contain_text("ended: cancelled (stop button)", timeout=30_000)
     wait_done(page, 2, timeout_s=30)  # the cell itself ends once its job is cancelled
     expect(cell.locator(".exlnb-record")).to_be_visible(timeout=10_000)  # the widget became static output
     assert cell.locator(".exlnb-stop").count() == 0
@@ -242,11 +247,14 @@ def test_samples_inspector_and_job_table_show_running_jobs_then_settle(page):
         " && el.querySelectorAll('.exlnb-grid .exlnb-page.exlnb-used').length >= 4",
         arg=inspector.element_handle(), timeout=60_000,
     )
-    summary = inspector.locator(".exlnb-summary").inner_text()
-    assert "pages in use" in summary and "live" in summary
+    assert "pages in use" in inspector.locator(".exlnb-summary").inner_text()
+    assert inspector.locator(".exlnb-liveness").inner_text().startswith("live")
     run_cell(page, 6)
     table = page.locator(".jp-Notebook .jp-Cell").nth(6).locator(".jp-OutputArea")
     expect(table.locator("tbody tr")).to_have_count(4)
+    # the samples' widget streams them: no job is flagged as one that nobody reads
+    assert "4 jobs, 0 with nobody reading" in table.locator(".exlnb-summary").inner_text()
+    assert "nobody reading" not in inspector.locator(".exlnb-legend").inner_text()
     time.sleep(2)  # let the pages fill a little for the picture
     samples.locator(".jp-OutputArea").screenshot(path=str(ARTIFACTS / "stream-n4-live-light.png"))
     head = samples.locator(".exlnb-head").inner_text()
@@ -295,14 +303,30 @@ def test_an_interrupt_prints_one_line_and_no_traceback(page):
     assert "Traceback" not in output and "CancelledError" not in output
 
 
-def test_the_token_view_shades_tokens_and_shows_alternatives_on_hover(page):
+def test_the_token_view_opens_a_popover_of_both_probabilities_by_keyboard_and_its_text_copies(page):
     run_cell(page, 11)
     wait_done(page, 11)
     output = page.locator(".jp-Notebook .jp-Cell").nth(11).locator(".jp-OutputArea")
     expect(output.locator(".exlnb-record")).to_be_visible(timeout=30_000)
-    chips = output.locator(".exlnb-token-view .exlnb-chip")
-    assert chips.count() >= 5
-    assert "alternatives:" in chips.first.get_attribute("title")
+    chips = output.locator(".exlnb-token-view > .exlnb-chip")
+    assert chips.count() >= 5 and chips.first.get_attribute("title") is None
+    popover = chips.first.locator(".exlnb-popover")
+    expect(popover).to_be_hidden()
+    chips.first.focus()
+    expect(popover).to_be_visible()
+    box = output.bounding_box()  # the popover shows over what follows the output: a picture of both
+    page.screenshot(path=str(ARTIFACTS / "token-popover-light.png"),
+                    clip={**box, "height": box["height"] + 160})
+    text = popover.inner_text()
+    assert "model's probability" in text and "sampled with" in text and "before sampling" in text
+    assert popover.locator("tr").count() == 5  # --tokens 5: five alternatives, whatever top-k kept
+    copied = page.evaluate("el => { window.getSelection().selectAllChildren(el); return window.getSelection().toString(); }",
+                           popover.element_handle())
+    assert "model's probability" in copied
+    page.keyboard.press("Tab")  # the next token is the next tab stop, with its own popover
+    expect(chips.nth(1).locator(".exlnb-popover")).to_be_visible()
+    expect(popover).to_be_hidden()
+    page.evaluate("document.activeElement.blur()")
 
 
 @pytest.mark.parametrize("theme", ["light", "dark"])
@@ -319,6 +343,30 @@ def test_records_read_well_in_light_and_dark_themes(page, theme):
     assert all(ratios[s] is not None and ratios[s] >= 4.5 for s in READABLE), ratios  # None: nothing to measure
 
 
+def test_every_live_view_says_at_once_that_the_kernel_has_gone(page):
+    cells = page.locator(".jp-Notebook .jp-Cell")
+    run_cell(page, 12)
+    wait_done(page, 12)
+    expect(cells.nth(12).locator(".exlnb-text")).not_to_be_empty(timeout=120_000)
+    for index in (13, 14):
+        run_cell(page, index)
+        wait_done(page, index)
+    expect(cells.nth(13).locator("tbody tr")).to_have_count(1, timeout=30_000)
+    views = [cells.nth(i).locator(".jp-OutputArea .exlnb").first for i in (12, 13, 14)]
+    for view in views:
+        expect(view.locator(".exlnb-gone-note")).to_be_hidden()
+
+    run_cell(page, 15)
+    for view in views:  # no click needed: each view hears the kernel go
+        expect(view.locator(".exlnb-gone-note")).to_be_visible(timeout=30_000)
+        expect(view.locator("button:visible")).to_have_count(0)
+        assert view.locator("button:enabled").count() == 0
+    after = views[0].locator(".exlnb-state").evaluate("el => getComputedStyle(el, '::after').content")
+    assert "when the kernel went" in after  # "running when the kernel went", not "running"
+    expect(views[2].locator(".exlnb-liveness")).to_be_hidden()
+    page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=120_000)
+
+
 def test_a_saved_notebook_keeps_answers_and_statistics_after_the_kernel_has_gone(page, lab):
     _, root, api = lab
     answer = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".exlnb-text").inner_text()
@@ -328,13 +376,15 @@ def test_a_saved_notebook_keeps_answers_and_statistics_after_the_kernel_has_gone
         api("DELETE", f"/api/kernels/{session['kernel']['id']}")  # shut the kernel down
 
     saved = nbformat.read(root / "face.ipynb", as_version=4)
-    recorded = [saved.cells[i] for i in RECORDED]  # (%exl_load's weight-loading bar is transformers' tqdm widget)
+    recorded = [saved.cells[i] for i in (1, *RECORDED)]  # %exl_load's progress is text too, no library's widget
     assert not [o for c in recorded for o in c.outputs if WIDGET_MIME in o.get("data", {})]
+    stopped = saved.cells[2].outputs[-1]["data"]["text/plain"]  # the plain record of a run the Stop button ended
+    assert "[stopped · " in stopped and "[done" not in stopped
 
     page.reload()
     page.wait_for_selector(".jp-Notebook .jp-Cell")
     cells = page.locator(".jp-Notebook .jp-Cell")
-    for index, texts in [(2, [first_line(answer), "TTFT", "eos: cancelled (stop button)"]), (5, ["pages in use"]),
+    for index, texts in [(2, [first_line(answer), "TTFT", "ended: cancelled (stop button)"]), (5, ["pages in use"]),
                          (6, ["job", "new / max"])]:
         cells.nth(index).scroll_into_view_if_needed()  # JupyterLab renders the cells in view
         for text in texts:
@@ -343,6 +393,12 @@ def test_a_saved_notebook_keeps_answers_and_statistics_after_the_kernel_has_gone
         cells.nth(index).scroll_into_view_if_needed()
         expect(cells.nth(index).locator(".exlnb-record")).to_be_visible()
         assert "model not found" not in cells.nth(index).inner_text()
+    cells.nth(1).scroll_into_view_if_needed()
+    assert "Error displaying widget" not in cells.nth(1).inner_text()  # %exl_load left text only
+    chip = cells.nth(11).locator(".exlnb-token-view > .exlnb-chip").first
+    chip.focus()  # the reopened record's token popover still opens from the keyboard, no kernel needed
+    expect(chip.locator(".exlnb-popover")).to_be_visible()
+    assert "model's probability" in chip.locator(".exlnb-popover").inner_text()
 
     subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "html", str(root / "face.ipynb")],
                    check=True, capture_output=True)

@@ -15,7 +15,7 @@ from IPython.core.error import UsageError
 
 from exlnb import EosReason, SamplerSettings
 from exlnb.engines.constraint import OutputConstraint
-from exlnb.engines.exllamav2 import ExLlamaV2Engine
+from exlnb.engines.exllamav2.engine import ExLlamaV2Engine
 from exlnb.generation import start
 from exlnb.request import GenerationRequest
 from tests.conftest import chatml
@@ -59,6 +59,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow  # a hundred constrained samples
 def test_a_hundred_constrained_samples_all_parse_under_their_constraint(engine_name, idle_session, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "review.json").write_text(json.dumps(REVIEW))
@@ -96,7 +97,7 @@ def test_a_hundred_constrained_samples_all_parse_under_their_constraint(engine_n
 
 def test_a_constraint_that_breaks_fails_its_own_job_and_no_other(engine_name, idle_session, monkeypatch):
     """Both ExLlama libraries run filters inside iterate(), where an exception would fail every job of the batch:
-    the filters keep the error and the engine fails that job alone (exllamav2_filter.py, exllamav3_filter.py);
+    the filters keep the error and the engine fails that job alone (exllamav2/filter.py, exllamav3/filter.py);
     the CPU engine samples each job on its own."""
     from exlnb.engines.grammar import GrammarMatcher
     from exlnb.streaming import JobError
@@ -124,13 +125,18 @@ def test_a_constraint_that_breaks_fails_its_own_job_and_no_other(engine_name, id
     assert idle_session.jobs() == [] and idle_session.cache_view().free_pages == idle_session.cache_view().total_pages
 
 
-def test_a_greedy_answer_and_its_alternatives_stay_inside_the_constraint(cpu_session):
-    # the CPU engine reports a greedy step's probabilities after the mask; the ExLlama engines the unmasked softmax
+def test_a_greedy_answer_stays_inside_the_constraint_and_its_view_shows_the_models_own_choices(cpu_session):
+    # every engine reports the model's own distribution, before the constraint's mask, and the sampler's beside it:
+    # the alternatives say what the model wanted, the sampled probability what the constraint left it
     result = start("Is Paris in France?", regex="(yes|no)", temperature=0, tokens=5).wait(60)[0]
 
     assert result.parsed.group(0) in ("yes", "no")
     first = result.tokens().iloc[0]
-    assert all("yes".startswith(text) or "no".startswith(text) for _, text, _ in first.alternatives)
+    assert "yes".startswith(first.text) or "no".startswith(first.text)
+    assert first.sampled_probability == 1.0
+    assert len(first.alternatives) == 5
+    model = [p for _, _, p in first.alternatives]
+    assert model == sorted(model, reverse=True) and first.probability <= model[0]
 
 
 def test_parsed_is_none_without_a_constraint(idle_session):
@@ -141,7 +147,7 @@ def test_an_answer_cut_short_says_so_when_parsed(idle_session, greedy):
     result = idle_session.complete(chatml("Hi"), regex=r"[a-z ]{40}\.", max_new_tokens=2, sampler=greedy)
 
     assert result.eos_reason is EosReason.MAX_NEW_TOKENS
-    with pytest.raises(ValueError, match=r"does not satisfy its regex .* \(it ended by max_new_tokens\)"):
+    with pytest.raises(ValueError, match=r"does not satisfy its regex .* \(it ended: max new tokens reached\)"):
         result.parsed
 
 
@@ -155,7 +161,7 @@ def test_a_cancelled_constrained_sample_frees_its_pages(idle_session):
 
     assert {r.eos_reason for r in results} == {EosReason.CANCELLED}
     assert idle_session.jobs() == [] and idle_session.cache_view().free_pages == idle_session.cache_view().total_pages
-    with pytest.raises(ValueError, match="ended by cancelled"):
+    with pytest.raises(ValueError, match="ended: cancelled"):
         results[0].parsed
 
 

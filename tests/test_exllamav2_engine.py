@@ -13,7 +13,7 @@ import torch
 
 from benchmarks.paged_acceptance import QUESTIONS, answers_alone, answers_together, shared_prompt_pages
 from exlnb import get_session
-from exlnb.engines import paged_attention
+from exlnb.engines.exllamav2 import paged_attention
 from exlnb.models import resolve_model
 from exlnb.session import Session
 from tests.test_session import max_overlap

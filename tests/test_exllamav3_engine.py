@@ -92,7 +92,7 @@ def test_a_setting_exllamav3_lacks_is_refused_at_submit(exl3_session):
 def test_every_planned_step_exists_in_exllamav3(exl3_session):
     from exllamav3.generator.sampler import CustomSampler
 
-    from exlnb.engines.exllamav3 import build_sampler
+    from exlnb.engines.exllamav3.engine import build_sampler
 
     tokenizer = exl3_session.tokenizer
     every_mapped = SamplerSettings(

@@ -10,8 +10,8 @@ import pytest
 
 from exlnb.engines import vocab
 from exlnb.engines.base import JobSpec, SamplerSettings
-from exlnb.engines.exllamav3 import ExLlamaV3Engine
-from exlnb.engines.exllamav3_sampler import MAPPED_FIELDS, WHOLE_SEQUENCE, Step, refused_settings, sampler_steps
+from exlnb.engines.exllamav3.engine import ExLlamaV3Engine
+from exlnb.engines.exllamav3.sampler import MAPPED_FIELDS, WHOLE_SEQUENCE, Step, refused_settings, sampler_steps
 from exlnb.engines.tokenizer import HfTokenizer
 from exlnb.models import resolve_model
 

@@ -21,10 +21,10 @@ def fake_model(tmp_path: Path, quant_method: str | None = None, *, architectures
     return tmp_path
 
 
-def resolve(model_dir: Path, engine: str = "auto", cache: str = "fp16") -> EngineOptions:
+def resolve(model_dir: Path, engine: str = "auto", cache: str = "fp16", paged: str | bool = "auto") -> EngineOptions:
     return EngineOptions.resolve(
         engine=engine, model_dir=model_dir, cache_tokens=None, cache_dtype=cache,
-        max_batch_size=None, gpu_split=None, paged="auto",
+        max_batch_size=None, gpu_split=None, paged=paged,
     )
 
 
@@ -95,3 +95,13 @@ def test_a_folder_without_config_is_refused(tmp_path, cuda):
 def test_quantized_cache_on_the_cpu_engine_names_both_gpu_engines(tmp_path, no_cuda):
     with pytest.raises(ValueError, match="needs exllamav2 or exllamav3"):
         resolve(fake_model(tmp_path), cache="q4")
+
+
+def test_unpaged_on_an_engine_that_always_pages_is_refused(tmp_path, no_cuda):
+    with pytest.raises(ValueError, match="the cpu engine always pages: paged=False needs exllamav2"):
+        resolve(fake_model(tmp_path), engine="cpu", paged=False)
+
+
+def test_an_unknown_engine_names_the_registered_ones(tmp_path, no_cuda):
+    with pytest.raises(ValueError, match="unknown engine 'exllamav4': choose one of auto, exllamav2, exllamav3, cpu"):
+        resolve(fake_model(tmp_path), engine="exllamav4")

@@ -54,7 +54,7 @@ def test_the_session_refuses_a_split_before_it_touches_the_loaded_model(cpu_sess
 def test_the_split_is_parsed_as_gib_per_gpu():
     assert gpu_split("20,24") == [20.0, 24.0]
     assert gpu_split("0,23.5") == [0.0, 23.5]
-    with pytest.raises(UsageError, match="--gpu-split '20;24': give GiB per GPU separated by commas"):
+    with pytest.raises(UsageError, match="--gpu-split '20;24': give auto, or GiB per GPU separated by commas"):
         gpu_split("20;24")
 
 
@@ -66,3 +66,58 @@ def test_the_status_line_gives_memory_per_gpu_where_the_model_spans_several():
     assert ", cuda:0 6.50 GiB + cuda:1 6.25 GiB" in status((int(6.5 * 2**30), int(6.25 * 2**30))).line()
     one = status((int(13.5 * 2**30),)).line()
     assert ", 13.50 GiB on device" in one and "cuda:0" not in one
+
+
+@pytest.mark.parametrize(("engine", "fmt", "refused"), [
+    ("exllamav2", "hf", True), ("exllamav2", "exl2", False), ("exllamav3", "hf", False), ("exllamav3", "exl3", False),
+])
+def test_tensor_parallelism_over_weights_the_library_cannot_split_is_refused_in_one_line(engine, fmt, refused, tmp_path):
+    from exlnb.engines.options import check_tensor_parallel_format
+
+    if not refused:
+        check_tensor_parallel_format(engine, fmt, tmp_path)
+        return
+    with pytest.raises(ValueError, match="splits only EXL2 weights with tensor parallelism; .* is HF: use --gpu-split") as error:
+        check_tensor_parallel_format(engine, fmt, tmp_path)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(("engine", "devices", "says"), [
+    ("cpu", TWO, "the cpu engine runs on one device; --gpu-split needs exllamav2 or exllamav3"),
+    ("exllamav2", (), "--gpu-split needs CUDA GPUs, and this machine has none"),
+])
+def test_an_automatic_split_is_refused_where_it_cannot_load(engine, devices, says):
+    with pytest.raises(ValueError, match=says):
+        check_gpu_split(engine, "auto", False, devices)
+
+
+def test_an_automatic_split_lets_the_library_fill_the_gpus(tmp_path):
+    from exlnb.engines.options import EngineOptions
+
+    check_gpu_split("exllamav3", "auto", True, TWO)
+    options = EngineOptions(engine="exllamav2", model_dir=tmp_path, cache_tokens=4096, cache_dtype="fp16",
+                            max_batch_size=8, gpu_split="auto", paged="auto")
+    assert options.split_gib() is None
+    assert EngineOptions(**{**options.__dict__, "gpu_split": (20.0, 24.0)}).split_gib() == [20.0, 24.0]
+
+
+def test_the_magic_reads_auto_as_an_automatic_split_and_says_what_else_it_takes():
+    assert gpu_split("auto") == "auto"
+    assert gpu_split("20,24") == [20.0, 24.0]
+    with pytest.raises(UsageError, match="give auto, or GiB per GPU separated by commas"):
+        gpu_split("twenty")
+
+
+def test_the_inspector_and_the_job_table_show_each_cards_memory_where_the_model_spans_several():
+    from exlnb.engines.base import CacheView, PageInfo
+    from exlnb.widgets.cache import cache_summary, inspector_html, jobs_html, jobs_text
+
+    pages = (PageInfo(index=0, owners=(), ref_count=0, tokens_filled=0, shared=False),)
+    split = CacheView(paged=True, page_size=256, pages=pages, max_tokens=256,
+                      device_memory_per_gpu=(8 * 2**30, 4 * 2**30, 0))
+    one_card = CacheView(paged=True, page_size=256, pages=pages, max_tokens=256, device_memory_per_gpu=(8 * 2**30, 0))
+    says = "cuda:0 8.00 GiB + cuda:1 4.00 GiB + cuda:2 0.00 GiB"
+
+    assert says in cache_summary(split) and says in inspector_html(split, [])
+    assert says in jobs_text([], split) and says in jobs_html([], 0.0, split)
+    assert "cuda:" not in cache_summary(one_card) + jobs_text([], one_card)

@@ -1,4 +1,4 @@
-"""CUDA-graph decode on the ExLlamaV2 engine (exlnb/engines/graph_decode.py).
+"""CUDA-graph decode on the ExLlamaV2 engine (exlnb/engines/exllamav2/graph_decode.py).
 
 The bucket arithmetic and the option's checks run everywhere; the rest needs CUDA (`pytest -m gpu`): graphs on
 by default where the load check passes, and greedy output token-identical to eager decode at batch sizes 1 to
@@ -12,7 +12,7 @@ import torch
 
 from benchmarks.paged_acceptance import LONG_PROMPT, QUESTIONS, answers_together
 from exlnb.engines.base import EngineStatus
-from exlnb.engines.graph_decode import GraphDecoder, bucket_for, buckets
+from exlnb.engines.exllamav2.graph_decode import GraphDecoder, bucket_for, buckets
 from exlnb.engines.options import GRAPH_MODES, EngineOptions
 from exlnb.models import resolve_model
 from exlnb.session import Session

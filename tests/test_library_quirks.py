@@ -7,8 +7,8 @@ import types
 import pytest
 import torch
 
-from exlnb.engines.exllamav2 import without_taken_back
-from exlnb.engines.exllamav3_compat import _trimming, drop_unpadded_mlp_paths, drop_untileable_bundles
+from exlnb.engines.exllamav2.engine import without_taken_back
+from exlnb.engines.exllamav3.compat import _trimming, drop_unpadded_mlp_paths, drop_untileable_bundles
 from exlnb.engines.library_engine import installed_version
 
 

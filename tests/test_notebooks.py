@@ -1,7 +1,8 @@
-"""The main command runs the six investigation notebooks on the CPU engine; their summaries hold up.
+"""The main command runs the investigation notebooks on the CPU engine; their summaries hold up.
 
-The notebooks run once for the whole module (about 13 minutes on two cores), through the same command a
-user runs (`python -m exlnb.report`), with the notebooks' own default parameters. The assertions check what
+The notebooks run once for the whole module (under five minutes on two cores), through the same command a
+user runs (`python -m exlnb.report`), with parameters smaller than the notebooks' defaults (`SMALLER`, each
+chosen so that its test still shows what it shows with the defaults). The assertions check what
 follows from mechanism, not what a field report hopes for: an abandoned job that nobody cancels holds its
 pages until it finishes, so the next request must wait for it; a repetition penalty lowers the logits of
 tokens already seen; separate page tables over one cache overwrite each other's keys and values.
@@ -18,6 +19,8 @@ import pandas as pd
 import pytest
 
 from exlnb.report import NOTEBOOKS, main
+
+pytestmark = pytest.mark.slow  # notebooks under papermill: not in `make test-fast`
 
 
 @dataclass(frozen=True)
@@ -40,13 +43,27 @@ class Report:
         )
 
 
+# Smaller than the notebooks' defaults where each test's point survives it, as the CPU results in
+# data/results/cpu show: decoding after 2048 tokens of context takes twice as long as after 128 (149 against
+# 75 ms a token; the prefills of 4096 tokens were most of the run), separate generators mix outputs at a
+# concurrency of 4 already, greedy outputs loop and a penalty diversifies them without the sampled half of the
+# grid, and the prompt-format verdicts follow their intervals for any number of questions. Two latency trials
+# instead of three: the next job's ratio has about the fastest un-cancelled run over the slowest cancelled one
+# as its lower bound, which fewer trials cannot lower.
+SMALLER = [
+    "latency.trials=2", "context.context_lengths=[128, 2048]", "context.prompt_lengths=[256, 1441]",
+    "concurrency.prompts=4", "concurrency.concurrency=[2, 4]",
+    "repetition.temperatures=[0.0]", "prompt_format.questions=12",
+]
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> Report:
     out = tmp_path_factory.mktemp("reports")
     start = time.perf_counter()
-    exit_code = main(["--engine", "cpu", "--out", str(out)])
+    exit_code = main(["--engine", "cpu", "--out", str(out), *(arg for s in SMALLER for arg in ("--set", s))])
     seconds = time.perf_counter() - start
-    print(f"\nsix notebooks on the CPU engine: {seconds:.0f} s")
+    print(f"\n{len(NOTEBOOKS)} notebooks on the CPU engine: {seconds:.0f} s")
     return Report(out, exit_code, seconds)
 
 
@@ -55,8 +72,10 @@ def test_main_command_runs_every_notebook_and_writes_the_report(report):
     summary_md = (report.out / "summary.md").read_text()
     for name in NOTEBOOKS:
         folder = report.out / name
-        for suffix in (".ipynb", ".html", ".json", ".png"):
+        for suffix in (".ipynb", ".html", ".json"):
             assert (folder / f"{name}{suffix}").stat().st_size > 0, f"{name}{suffix} missing or empty"
+        figure = report.summary(name)["figure"]
+        assert (folder / f"{name}.png").exists() == (figure is not None), f"{name}: figure {figure!r}"
         assert list(folder.glob(f"{name}-*.csv")), f"{name} wrote no CSV"
         for effect in report.summary(name)["effects"]:
             assert effect["line"] in summary_md
@@ -142,3 +161,22 @@ def test_history_lengthens_every_prompt_and_a_longer_context_slows_decoding(repo
     assert contexts["history"] > contexts["amnesia"]
     by_length = next(e for e in summary["effects"] if e["name"] == "decode time per token")
     assert by_length["ratio"]["ci95"][0] > 1, by_length["line"]
+
+
+def test_a_panel_with_nothing_to_show_is_left_out_not_drawn_as_text():
+    """On the CPU the prompt clocks are not timed (no asynchronous queue): the context figure keeps its two
+    speed panels and leaves the clocks out; with nothing timed at all there is no figure."""
+    from exlnb.experiments import context
+    from exlnb.experiments.record import ExperimentResult
+
+    turns = pd.DataFrame({"model": "bundled", "mode": ["history", "amnesia"] * 2, "turn": [1, 1, 2, 2],
+                          "token_interval_s": [0.05, 0.04, 0.06, 0.04]})
+    lengths = pd.DataFrame({"model": "bundled", "context_tokens": [128, 512], "token_interval_s": [0.04, 0.05]})
+    empty = pd.DataFrame()
+
+    def result(turns, lengths):
+        return ExperimentResult("context", (4, 5), {"turns": turns, "context": lengths, "prefill": empty}, [], {}, {})
+
+    figure = context.plot(result(turns, lengths))
+    assert len(figure.axes) == 2 and all(ax.axison and not ax.texts for ax in figure.axes)
+    assert context.plot(result(empty, empty)) is None

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from exlnb.engines import paged_attention
-from exlnb.engines.paged_attention import flash_attn_with_kvcache
+from exlnb.engines.exllamav2 import paged_attention
+from exlnb.engines.exllamav2.paged_attention import flash_attn_with_kvcache
 
 PAGE = 16
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

@@ -24,8 +24,9 @@ def test_without_cuda_it_says_so_and_still_writes_its_files(cpu_session, tmp_pat
 
     written = {path.name for path in result.save(tmp_path, quantization.plot(result))}
 
-    assert written == {"quantization-conditions.csv", "quantization.json", "quantization.png"}
-    assert json.loads((tmp_path / "quantization.json").read_text())["findings"] == [NEEDS_CUDA]
+    assert written == {"quantization-conditions.csv", "quantization.json"}  # no figure of text alone
+    summary = json.loads((tmp_path / "quantization.json").read_text())
+    assert summary["findings"] == [NEEDS_CUDA] and summary["figure"] is None
 
 
 def test_the_gpu_summary_compares_each_quantized_model_with_fp16(tmp_path):
@@ -33,8 +34,9 @@ def test_the_gpu_summary_compares_each_quantized_model_with_fp16(tmp_path):
 
     labels = [("fp16", "fp16", 16.0, "exllamav2"), ("EXL3 4 bpw", "exl3", 4.0, "exllamav3"), ("EXL2 4 bpw", "exl2", 4.0, "exllamav2")]
     conditions = pd.DataFrame(
-        [{"condition": c, "format": f, "bits": b, "engine": e, "perplexity": 10.0 + b / 16, "weights_gib": b / 64,
-          "device_memory_gib": 0.3} for c, f, b, e in labels]
+        [{"condition": c, "format": f, "bits": b, "engine": e, "perplexity": 10.0 + b / 16, "kl_mean": 1 / b - 1 / 16,
+          "kl_median": 0.5 / b - 0.5 / 16, "kl_p90": 2 / b - 2 / 16, "top1_agreement": 1 - 1 / b + 1 / 16,
+          "weights_gib": b / 64, "device_memory_gib": 0.3} for c, f, b, e in labels]
     )
     answers = pd.DataFrame(
         [{"condition": c, "format": f, "bits": b, "question_id": q, "correct": q % 2 == 0, "agreement": 1.0 if f == "fp16" else 0.5,
@@ -52,6 +54,7 @@ def test_the_gpu_summary_compares_each_quantized_model_with_fp16(tmp_path):
     assert speed.symptom_label == "fp16" and speed.ratio.value == pytest.approx(101 / 201)
     assert result.findings[0].startswith("fp16 (exllamav2 engine): perplexity 11.00, accuracy 50%")
     assert "EXL3 (exllamav3 engine): 4 bpw: agreement 50%" in result.findings[2]
+    assert "KL from fp16 0.1875 (median 0.09375), top-1 agreement 81%" in result.findings[2]
     assert result.findings[-1] == "EXL3 3 bpw: not measured, it failed: RuntimeError: no kernel"
     assert result.values["failed"] == [{"condition": "EXL3 3 bpw", "format": "exl3", "bits": 3.0, "error": "RuntimeError: no kernel"}]
     assert quantization.plot(result) is not None

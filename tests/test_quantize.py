@@ -75,7 +75,7 @@ def test_a_finished_quantization_is_returned_from_the_cache_without_cuda(home, t
 def test_exl3_resumes_from_a_work_directory_that_holds_a_started_job(tmp_path):
     target = QuantizedModel(fp16_model(tmp_path / "m"), "exl3", 4.0, 6)
     fresh = converter_command(target)
-    assert fresh[:3] == [sys.executable, "-m", "exlnb.engines.exllamav3_compat"] and "-r" not in fresh
+    assert fresh[:3] == [sys.executable, "-m", "exlnb.engines.exllamav3.compat"] and "-r" not in fresh
     assert fresh[fresh.index("-b") + 1] == "4" and fresh[fresh.index("-o") + 1] == str(target.partial)
     target.work.mkdir(parents=True)
     (target.work / "args.json").write_text("{}")

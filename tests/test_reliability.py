@@ -1,6 +1,7 @@
-"""Abuse, on the real bundled model and CPU engine: streams abandoned in every way, reloads under load, bad
-jobs among good ones, failed loads, long prefills under an event loop. Whatever happens, every stream ends,
-no job or page is left behind, other jobs carry on, and the kernel's event loop is never held for a step."""
+"""Abuse, on the real bundled model and CPU engine: streams abandoned in every way, concurrent jobs against solo
+ones, reloads under load, bad jobs among good ones, failed loads, long prefills under an event loop, views read
+mid-step, and a real kernel interrupted in either display. Whatever happens, every stream ends, no job or page is
+left behind, other jobs carry on, and the kernel's event loop is never held for a step."""
 
 from __future__ import annotations
 
@@ -30,15 +31,18 @@ QUESTIONS = [chatml(q) for q in (
 
 
 def settle(session: Session, timeout: float = 10.0) -> None:
-    """Cancels asked for by finalisers and event loops are queued; let the engine thread run them."""
+    """Cancels asked for by finalisers and event loops are queued; let the engine thread run them. An engine
+    command runs after every command queued before it, where a view may be one published before them."""
     deadline = time.monotonic() + timeout
-    while session.jobs() and time.monotonic() < deadline:
+    while session.run_on_engine(lambda engine: engine.jobs()) and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
 def nothing_left(session: Session) -> tuple[int, int]:
-    view = session.cache_view()
-    return len(session.jobs()), sum(1 for p in view.pages if p.ref_count > 0)
+    """Jobs and used pages left, read by an engine command: after every cancel queued before it."""
+    return session.run_on_engine(
+        lambda engine: (len(engine.jobs()), sum(1 for p in engine.cache_view().pages if p.ref_count > 0))
+    )
 
 
 # -- every way a consumer can walk away ---------------------------------------------------------------------
@@ -136,6 +140,7 @@ ABANDONMENTS = [
 ]
 
 
+@pytest.mark.slow  # two hundred streams
 def test_two_hundred_abandoned_streams_leave_no_job_page_or_thread(idle_session):
     threads_before = threading.active_count()
     rounds = -(-200 // len(ABANDONMENTS))  # every way, at least 200 streams in all
@@ -151,6 +156,7 @@ def test_two_hundred_abandoned_streams_leave_no_job_page_or_thread(idle_session)
     assert threading.active_count() == threads_before
 
 
+@pytest.mark.slow  # sixteen answers twice
 def test_sixteen_concurrent_greedy_jobs_equal_their_solo_outputs(idle_session, greedy):
     solo = [idle_session.complete(q, max_new_tokens=16, sampler=greedy).token_ids for q in QUESTIONS]
     streams = [idle_session.generate(q, max_new_tokens=16, sampler=greedy) for q in QUESTIONS]
@@ -161,6 +167,7 @@ def test_sixteen_concurrent_greedy_jobs_equal_their_solo_outputs(idle_session, g
 # -- unload and reload under load (a consumer once waited for ever) -------------------------------------------
 
 
+@pytest.mark.slow  # ten loads under load
 def test_unload_and_reload_under_load_ends_every_stream(engine_name):
     session = Session()
     session.load("smollm2-135m-instruct", engine=engine_name, progress=False, cache_tokens=1024)
@@ -343,6 +350,7 @@ def test_loading_another_model_while_jobs_run_needs_reload(engine_name):
 # -- the event loop is never held for an engine step ----------------------------------------------------------
 
 
+@pytest.mark.slow  # a 5,000-token prefill
 def test_async_calls_during_a_long_prefill_never_block_the_event_loop(idle_session):
     """Field report-style abuse: a 5,000-token prompt prefills in steps of about a second on two cores.
     Calls made from the event loop queue their command and await the answer; the loop keeps ticking."""
@@ -381,6 +389,76 @@ def test_async_calls_during_a_long_prefill_never_block_the_event_loop(idle_sessi
 
     assert worst < 0.5, record  # before: 1.3 to 6 s, a whole prefill step
     assert nothing_left(idle_session) == (0, 0)
+
+
+def test_the_cache_and_job_views_come_back_while_a_step_is_still_running(idle_session, shell, monkeypatch, capsys):
+    """A long prefill step held `%exl_cache` 3-5 s: a view used to be a command, which waits for the step. The
+    step here is held open until the views have come back (20 s at most); before, they came back after it."""
+    engine = idle_session.engine
+    real_step, in_step, release, steps_ended = engine.step, threading.Event(), threading.Event(), []
+
+    def held_step():
+        in_step.set()
+        release.wait(20)
+        events = real_step()
+        steps_ended.append(True)
+        return events
+
+    monkeypatch.setattr(engine, "step", held_step)
+    stream = idle_session.generate(PROMPT, max_new_tokens=4)
+    try:
+        assert in_step.wait(20)
+        rows, view = idle_session.jobs(), idle_session.cache_view()
+        shell.run_line_magic("exl_cache", "--display text")
+        ended_before_the_views_came_back = bool(steps_ended)
+    finally:
+        release.set()
+
+    assert not ended_before_the_views_came_back
+    assert [row.info.job_id for row in rows] == [stream.job_id]  # as published when the job was queued
+    assert view.total_pages > 0 and f"{view.free_pages} free" in capsys.readouterr().out
+    assert stream.result().new_tokens == 4
+    assert nothing_left(idle_session) == (0, 0)
+
+
+# -- a real kernel, interrupted as JupyterLab interrupts it, in either display --------------------------------
+# (bad inputs through the magics in a real kernel: tests/test_bad_inputs.py, which docs/bad-inputs.md is made from)
+
+INTERRUPTED_CELLS = {
+    "generate": "%%exl_generate --display {display} --max-new-tokens 400 --min-new-tokens 400 --seed 1\n"
+                "Tell me a very long story about a dragon who learns to bake bread.",
+    "bench": "%exl_bench --display {display} --num-requests 4 --prompt-len 8 --output-len 400",
+}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """A kernel without a widget front end (as papermill and nbclient start one), the bundled model loaded."""
+    pytest.importorskip("jupyter_client", reason="the kernel tests need the notebook stack: pip install -e '.[test]'")
+    from docs.bad_inputs import Kernel
+
+    started = Kernel()
+    try:
+        reply = started.execute("%load_ext exlnb\n%exl_load --engine cpu\nfrom exlnb import get_session")
+        assert reply.error is None, reply.seen()
+        yield started
+    finally:
+        started.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("display", ["text", "widget"])
+@pytest.mark.parametrize("magic", sorted(INTERRUPTED_CELLS))
+def test_a_kernel_interrupt_stops_the_cell_in_either_display_with_one_line_and_no_job_left(kernel, magic, display):
+    def tokens_flow(reply) -> bool:  # the cell has shown something: its jobs are queued or running
+        return bool(reply.stdout or reply.stderr or reply.widget_html or reply.widgets)
+
+    reply = kernel.execute(INTERRUPTED_CELLS[magic].format(display=display), interrupt_when=tokens_flow)
+    left = kernel.execute("print(len(get_session().run_on_engine(lambda engine: engine.jobs())))")
+
+    assert reply.error is not None, "the cell ran to its end: the interrupt was not heard while it ran"
+    assert reply.error["ename"] == "Interrupted" and len(reply.error["traceback"]) == 1, reply.error
+    assert left.stdout.strip() == "0"
 
 
 @pytest.mark.gpu

@@ -123,3 +123,92 @@ def test_a_notebook_that_answers_no_field_report_names_none():
     text = summary_markdown([NotebookRun("quantization", 73.0, summary)])
 
     assert "Field report" not in text and "- fp16: perplexity 3.04" in text
+
+
+def _tiny_notebook(folder: Path, name: str) -> None:
+    """A notebook with the report's parameters that writes its summary, then fails where told to: a run that
+    dies half-way, as one killed or crashed mid-notebook does."""
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    parameters = new_code_cell('engine = "auto"\noutput_dir = "results"\nmark = "first"\nfail = False')
+    parameters.metadata["tags"] = ["parameters"]
+    body = new_code_cell(
+        "import json, pathlib\n"
+        f"pathlib.Path(output_dir, '{name}.json').write_text(json.dumps({{'mark': mark, 'environment': {{}}}}))\n"
+        "assert not fail, 'stopped half-way'"
+    )
+    notebook = new_notebook(cells=[parameters, body])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(notebook, folder / f"{name}.ipynb")
+
+
+def test_a_run_that_fails_half_way_keeps_the_last_complete_result(tmp_path, monkeypatch):
+    notebooks, out = tmp_path / "notebooks", tmp_path / "reports"
+    notebooks.mkdir()
+    _tiny_notebook(notebooks, "latency")
+    monkeypatch.setattr(report, "NOTEBOOK_DIR", notebooks)
+
+    good = report.run_notebook("latency", out, engine="cpu", parameters={"mark": "complete"})
+    bad = report.run_notebook("latency", out, engine="cpu", parameters={"mark": "partial", "fail": True})
+
+    assert good.error is None and good.summary["mark"] == "complete"
+    assert "stopped half-way" in bad.error and f"the last complete run is still in {out / 'latency'}" in bad.error
+    assert json.loads((out / "latency" / "latency.json").read_text())["mark"] == "complete"
+    kept = (out / "latency" / "latency.ipynb").read_text()
+    assert '"complete"' in kept and "AssertionError" not in kept
+    assert (out / "latency" / "latency.html").exists()
+    assert "AssertionError" in (out / "failed" / "latency" / "latency.ipynb").read_text()
+
+
+def test_an_executed_notebook_records_no_path_of_the_machine_that_ran_it(tmp_path, monkeypatch):
+    notebooks, out = tmp_path / "notebooks", tmp_path / "reports"
+    notebooks.mkdir()
+    _tiny_notebook(notebooks, "latency")
+    monkeypatch.setattr(report, "NOTEBOOK_DIR", notebooks)
+
+    assert report.run_notebook("latency", out, engine="cpu", parameters={}).error is None
+    executed = (out / "latency" / "latency.ipynb").read_text()
+    assert str(tmp_path) not in executed
+    assert "running over TCP without encryption" not in executed
+
+
+def test_a_truncated_earlier_summary_is_skipped_with_one_line_naming_it(tmp_path, capsys):
+    for name, text in (("latency", '{"environment": {"engine": "cp'), ("streaming", json.dumps(
+            {"environment": {"engine": "cpu", "model": "m", "device": "cpu", "paged": True, "attention": "a", "versions": {},
+                             "date": "2026-11-20T10:00:00+00:00"}, "effects": [], "findings": [], "field_reports": [3]}))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"{name}.json").write_text(text)
+
+    earlier = earlier_runs(tmp_path, skip=[])
+
+    assert [run.name for run in earlier] == ["streaming"]
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "latency" in line and "latency.json is not valid JSON" in line
+    assert "## streaming (from an earlier run, 2026-11-20T10:00:00+00:00)" in summary_markdown(earlier)
+
+
+def test_a_figure_that_fails_mid_write_leaves_the_previous_files_whole(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from exlnb.experiments.record import ExperimentResult
+
+    figure = plt.figure()
+    figure.add_subplot().plot([1, 2], [3, 4])
+    result = ExperimentResult(name="latency", tables={"requests": pd.DataFrame({"a": [1]})}, effects=[],
+                              findings=["first"], parameters={}, environment={}, field_reports=[1])
+    result.save(tmp_path, figure)
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+
+    class CutShort:
+        def savefig(self, target, **_):
+            target.write(b"\x89PNG half")
+            raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        result.save(tmp_path, CutShort())
+
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == before

@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 
 from exlnb import EosReason, SamplerSettings
-from exlnb.engines import exllamav3_sampler
+from exlnb.engines.exllamav3 import sampler as exllamav3_sampler
 from exlnb.engines.base import JobSpec
-from exlnb.engines.exllamav2 import ExLlamaV2Engine
+from exlnb.engines.exllamav2.engine import ExLlamaV2Engine
 from tests.conftest import chatml
 
 QUESTION = chatml("What is the capital of France?")

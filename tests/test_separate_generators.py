@@ -34,6 +34,7 @@ def run_separately(session, specs, engine_name: str):
     return None
 
 
+@pytest.mark.slow  # every prompt alone, then through one generator and through one per request
 def test_a_generator_per_request_mixes_outputs_that_one_generator_keeps_apart(engine_name, idle_session, greedy):
     solo = [idle_session.complete(prompt(story), max_new_tokens=8, sampler=greedy).token_ids for story in STORIES]
     specs = [spec(idle_session, story, greedy) for story in STORIES]

@@ -145,6 +145,7 @@ def _latency(session: Session, prompt: str) -> float:
     return time.perf_counter() - start
 
 
+@pytest.mark.slow  # fifty streams, then a second model loaded
 def test_fifty_abandoned_streams_do_not_slow_the_next_job(idle_session, engine_name):
     probe = chatml("What is 2 plus 2?")
     for i in range(50):

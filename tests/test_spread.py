@@ -61,3 +61,16 @@ def test_the_command_writes_the_table_and_refuses_in_one_line(tmp_path):
                              capture_output=True, text=True, cwd=REPOSITORY, timeout=120)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1
     assert "holds no investigation summary" in refused.stderr
+
+
+def test_a_truncated_summary_is_skipped_with_one_line_not_a_crash(tmp_path, capsys):
+    runs = [tmp_path / f"run{i}" for i in range(2)]
+    for run in runs:
+        shutil.copytree(CPU_RESULTS, run)
+    (runs[1] / "latency.json").write_text('{"effects": [')
+
+    rows = spread(runs)
+
+    assert rows and "latency" not in {row["notebook"] for row in rows}
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "skipping latency" in line and "latency.json is not valid JSON" in line

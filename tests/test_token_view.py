@@ -1,7 +1,10 @@
 """The token view's data on the real bundled model and CPU engine: per-token probabilities that match the
-model's own softmax, alternatives most likely first, nothing computed when the view is off."""
+model's own softmax beside the sampler's, the model's alternatives most likely first, nothing computed when the
+view is off."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -24,18 +27,24 @@ def reference_model(cpu_session):
     return model.eval()
 
 
-def test_greedy_probabilities_match_the_models_softmax(cpu_session, greedy, reference_model):
-    result = cpu_session.generate(PROMPT, max_new_tokens=4, sampler=greedy, top_tokens=5, stop_at_eos=False).result()
-    prompt = cpu_session.tokenizer.encode(PROMPT, special=True)
+def model_softmax(model, session, result) -> torch.Tensor:
+    """The reference model's own distribution at each new token's position (softmax at temperature 1)."""
+    prompt = session.tokenizer.encode(PROMPT, special=True)
     ids = torch.tensor([prompt + list(result.token_ids)])
     with torch.inference_mode():
-        logits = reference_model(ids).logits[0, len(prompt) - 1 : -1].float()
-    expected = torch.softmax(logits, dim=-1)
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.softmax(logits, dim=-1)
+
+
+def test_greedy_probabilities_match_the_models_softmax(cpu_session, greedy, reference_model):
+    result = cpu_session.generate(PROMPT, max_new_tokens=4, sampler=greedy, top_tokens=5, stop_at_eos=False).result()
+    expected = model_softmax(reference_model, cpu_session, result)
 
     assert [r.info.token_id for r in result.token_records] == list(result.token_ids)
     for record, probs in zip(result.token_records, expected):
         info = record.info
         assert info.probability == pytest.approx(float(probs[info.token_id]), abs=1e-4)
+        assert info.sampled_probability == 1.0  # a greedy step is certain
         assert info.alternatives[0][0] == info.token_id  # greedy picks the likeliest
         alternative_probs = [p for _, _, p in info.alternatives]
         assert alternative_probs == sorted(alternative_probs, reverse=True)
@@ -43,13 +52,19 @@ def test_greedy_probabilities_match_the_models_softmax(cpu_session, greedy, refe
         assert all(p == pytest.approx(float(probs[i]), abs=1e-4) for i, _, p in info.alternatives)
 
 
-def test_sampled_tokens_carry_the_distribution_they_were_drawn_from(cpu_session):
-    result = cpu_session.generate(PROMPT, max_new_tokens=4, temperature=0.8, top_k=3, seed=5, top_tokens=5).result()
-    for record in result.token_records:
-        alternatives = record.info.alternatives
-        assert len(alternatives) <= 3  # top-k kept three candidates, renormalised
-        assert sum(p for _, _, p in alternatives) == pytest.approx(1.0, abs=1e-5)
-        assert record.info.token_id in [i for i, _, _ in alternatives]
+def test_a_truncated_draw_shows_the_models_probability_beside_the_sampled_one(cpu_session, reference_model):
+    result = cpu_session.generate(PROMPT, max_new_tokens=6, temperature=0.8, top_k=2, seed=5, top_tokens=5,
+                                  stop_at_eos=False).result()
+    expected = model_softmax(reference_model, cpu_session, result)
+
+    for record, probs in zip(result.token_records, expected):
+        info = record.info
+        assert len(info.alternatives) == 5  # the requested number, not the two candidates top-k kept
+        assert [i for i, _, _ in info.alternatives] == torch.topk(probs, 5).indices.tolist()
+        assert info.probability == pytest.approx(float(probs[info.token_id]), abs=1e-4)
+        # renormalised over two candidates, the drawn token's sampled probability is at least the model's
+        assert info.probability <= info.sampled_probability <= 1
+    assert any(r.info.sampled_probability - r.info.probability > 0.05 for r in result.token_records)
 
 
 def test_with_the_view_off_no_token_records_are_computed(cpu_session, greedy, monkeypatch):
@@ -76,7 +91,8 @@ def test_the_dataframe_has_one_row_per_token(cpu_session):
     [result] = generation.wait(60)
     frame = result.tokens()
     assert len(frame) == len(result.token_ids) == 3
-    assert list(frame.columns) == ["position", "token_id", "text", "probability", "alternatives", "arrival_s", "latency_s"]
+    assert list(frame.columns) == ["position", "token_id", "text", "probability", "sampled_probability", "alternatives",
+                                   "arrival_s", "latency_s"]
     assert frame["arrival_s"].is_monotonic_increasing and (frame["latency_s"] >= 0).all()
 
 
@@ -85,14 +101,25 @@ def test_top_tokens_out_of_range_is_refused_in_one_line(cpu_session):
         GenerationRequest.build(PROMPT, tokens=21)
 
 
-def test_the_view_shades_each_token_by_band_with_its_alternatives_on_hover(cpu_session):
-    generation = start(GenerationRequest.build(PROMPT, max_new_tokens=3, temperature=0, tokens=2, show_whitespace=True))
+def test_the_view_shades_each_token_by_band_with_a_popover_of_its_figures(cpu_session):
+    generation = start(GenerationRequest.build(PROMPT, max_new_tokens=3, temperature=0.7, top_k=2, seed=1, tokens=4,
+                                               show_whitespace=True))
     [result] = generation.wait(60)
     page = generation_html(generation, 3)
+    popovers = re.findall(r'<span class="exlnb-popover" role="tooltip">(.*?)</table></span>', page)
+
+    assert len(popovers) == len(result.token_records) == 3 and "title=" not in page
+    for record, popover in zip(result.token_records, popovers):
+        info = record.info
+        assert f'exlnb-chip exlnb-p{band(info.probability)}" tabindex="0">' in page  # a tab stop, shaded by the model
+        assert f"model's probability {info.probability:.3f}" in popover
+        assert f"sampled with {info.sampled_probability:.3f}" in popover
+        assert popover.count("<tr>") == 4 and popover.count("← drawn") == (info.token_id in [i for i, _, _ in info.alternatives])
+    assert "·" in page  # a leading space drawn as a mark
+    text = generation_text(generation)
+    assert "the model's probability/sampled with" in text
     for record in result.token_records:
-        assert f'exlnb-chip exlnb-p{band(record.info.probability)}" title="token {record.info.token_id} ' in page
-    assert "alternatives:" in page and "·" in page  # a leading space drawn as a mark
-    assert generation_text(generation).count("[") == 3 + 1  # three tokens and the status line
+        assert f"{record.info.probability:.2f}/{record.info.sampled_probability:.2f}]" in text
 
 
 def test_latency_colouring_shades_the_slow_tokens_and_prints_milliseconds(cpu_session):

@@ -8,6 +8,7 @@ real front end).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import re
 import time
@@ -18,6 +19,7 @@ from IPython.utils.capture import capture_output
 
 from exlnb import EosReason
 from exlnb.generation import start
+from exlnb.widgets.figures import generation_text
 from exlnb.widgets.cache import CacheInspector, JobTable
 from exlnb.widgets.loadtest import abench
 from exlnb.widgets.stream import StreamView
@@ -62,7 +64,7 @@ def test_a_finished_generation_leaves_its_answer_and_statistics_as_static_output
     assert WIDGET_MIME not in record.data and record.update  # then replaced in place by plain HTML and text
     answer = generation.samples[0].text
     assert answer and answer.strip() in record.data["text/plain"]
-    assert "TTFT" in record.data["text/plain"] and "eos: max_new_tokens" in record.data["text/plain"]
+    assert "TTFT" in record.data["text/plain"] and "ended: max new tokens reached" in record.data["text/plain"]
     assert "4/4 tokens" in record.data["text/html"] and "<style>" in record.data["text/html"]
     assert view.controls == [] and view.comm is None  # no Stop button left behind, the widget closed
 
@@ -182,7 +184,9 @@ def test_inspector_settles_into_its_last_state_with_jobs_once_they_have_ended(id
     record = captured.outputs[-1]
     assert record.update and WIDGET_MIME not in record.data
     assert f"job {generation.samples[0].stream.job_id}" in record.data["text/html"]
-    assert "had ended by" in record.data["text/plain"]
+    assert "had ended by" in record.data["text/plain"] and "had ended by" in record.data["text/html"]
+    shown = record.data["text/html"].split("</style>", 1)[1]
+    assert not re.search(r"\blive\b", shown)  # a record is not live, whatever it recorded
 
 
 def test_job_table_cancel_and_cancel_all_end_the_jobs(idle):
@@ -233,3 +237,98 @@ def test_a_state_recorded_as_running_shows_the_jobs_that_made_it_running(idle):
     finally:
         generation.cancel()
         generation.wait(30)
+
+
+def test_only_a_job_that_nobody_reads_is_marked_unread(idle):
+    long = dict(max_new_tokens=2000, min_new_tokens=2000)  # none ends on its own during the test
+    generation = start(PROMPT, n=2, temperature=1.0, **long)  # read by its generation, as a widget shows it
+    leaked = idle.generate(PROMPT, **long)  # held and never read: what the mark exists to catch
+    try:
+        settle(lambda: len(idle.jobs()) == 3)
+        table, inspector = JobTable(idle, interval=0.02), CacheInspector(idle, interval=0.02)
+        table.close()
+        inspector.close()
+        read = {int(line.split()[1]): line.split()[-1] for line in table.text().splitlines()[1:]}
+
+        assert read == {**{s.stream.job_id: "yes" for s in generation.samples}, leaked.job_id: "no"}
+        assert "3 jobs, 1 with nobody reading" in table.html
+        unread = set(re.findall(r"job (\d+) \([^)]*nobody reading\)", inspector.html))  # legend text and tooltip
+        assert unread == {str(leaked.job_id)}
+    finally:
+        leaked.cancel()
+        generation.cancel()
+        generation.wait(30)
+
+
+def test_a_stopped_run_reads_stopped_with_its_reason_in_words_everywhere(idle):
+    generation = start(PROMPT, max_new_tokens=2000, min_new_tokens=2000, temperature=1.0)
+    settle(lambda: generation.samples[0].token_ids)
+    generation.cancel("stop button")
+    generation.wait(30)
+    view = StreamView(generation, max_new_tokens=2000)
+    status = view.text().splitlines()[-1]
+
+    assert status.startswith("[stopped · ") and "done" not in status  # the plain-text record, as nbconvert shows it
+    assert status.endswith("ended: cancelled (stop button)]") and "exlnb-stopped" in view.html
+    assert "eos:" not in view.text() + view.html
+
+
+def test_end_reasons_are_plain_words_not_the_libraries_names(idle):
+    generation = start("What is the capital of France?", max_new_tokens=30, temperature=0)
+    generation.wait(60)
+    reason = generation.samples[0].eos_reason
+    view = StreamView(generation, max_new_tokens=30)
+
+    assert reason is EosReason.STOP_TOKEN
+    assert "ended: end of turn" in view.text() and "ended: end of turn" in view.html
+    assert reason.value not in view.text() + view.html
+
+
+def test_the_settings_in_effect_are_shown_with_the_answer(idle):
+    generation = start("Name a fruit.", max_new_tokens=3, dry_multiplier=0.8, xtc_probability=0.5, xtc_threshold=0.2,
+                       banned_strings=["apple"], stop=["\n\n"], seed=1)
+    generation.wait(60)
+    view = StreamView(generation, max_new_tokens=3)
+    line = view.text().splitlines()[0]
+
+    assert line.startswith("sampler: temperature 0.8, top_k 50, top_p 0.8, rep_penalty 1.025, ")  # defaults too
+    assert "dry_multiplier 0.8, xtc_probability 0.5, xtc_threshold 0.2" in line
+    assert "banned: 'apple'" in line and "stop: '\\n\\n'" in line
+    assert "banned: &#x27;apple&#x27;" in view.html
+    constrained = start("Name a fruit.", max_new_tokens=3, temperature=0, regex="[a-z]+")
+    constrained.wait(60)
+    assert "sampler: greedy, rep_penalty 1.025 · answer constrained by a regex '[a-z]+'" in generation_text(constrained)
+
+
+def test_samples_that_did_different_prompt_work_show_their_own_ttft(idle):
+    generation = start(PROMPT, n=2, max_new_tokens=2, temperature=0)
+    generation.wait(60)
+    shared = StreamView(generation, max_new_tokens=2).html
+    head = re.search(r'<div class="exlnb-head">(.*?)</div>', shared).group(1)
+    assert "TTFT" in head and shared.count("TTFT") == 1  # the same prompt work: one TTFT, in the head
+
+    # the second sample found the prompt cached, as a sample started after the first one's prefill does
+    first = generation.samples[0].last
+    generation.samples[1].last = dataclasses.replace(
+        first, job_id=generation.samples[1].last.job_id, cached_tokens=first.prompt_tokens - 1,
+        time_to_first_token_s=first.time_to_first_token_s / 10,
+    )
+    apart = StreamView(generation, max_new_tokens=2).html
+    head = re.search(r'<div class="exlnb-head">(.*?)</div>', apart).group(1)
+    statuses = re.findall(r'<div class="exlnb-status">(.*?)</div>', apart)
+    assert "TTFT" not in head and len(statuses) == 2
+    assert all(status.count("TTFT") == 1 and "prefill" in status for status in statuses)
+
+
+def test_the_status_says_when_a_ban_took_text_back(idle):
+    plain = start("The capital of France is", max_new_tokens=4, temperature=0, min_new_tokens=4)
+    plain.wait(60)
+    banned = plain.samples[0].text.split()[0]  # the word the model says first, then banned
+    generation = start("The capital of France is", max_new_tokens=4, temperature=0, min_new_tokens=4,
+                       banned_strings=[banned])
+    generation.wait(60)
+    view = StreamView(generation, max_new_tokens=4)
+
+    assert banned.lower() not in generation.samples[0].text.lower()
+    assert "a banned string was taken back once" in view.text() and "a banned string was taken back once" in view.html
+    assert "taken back" not in StreamView(plain, max_new_tokens=4).text()

@@ -57,6 +57,23 @@ class EosReason(str, enum.Enum):
     CANCELLED = "cancelled"
     FAILED = "failed"  # ended by an error (an engine failure, the model unloaded); the stream raised it
 
+    @property
+    def words(self) -> str:
+        """Why the job ended, as a reader says it: what every view shows (the value is the libraries' name)."""
+        return END_WORDS[self]
+
+
+END_WORDS = {
+    EosReason.STOP_TOKEN: "end of turn",
+    EosReason.STOP_STRING: "stop string",
+    EosReason.MAX_NEW_TOKENS: "max new tokens reached",
+    EosReason.END_OF_CACHE: "cache full",
+    EosReason.LOOP_DETECTED: "loop detected",
+    EosReason.END_FILTER: "constraint complete",
+    EosReason.CANCELLED: "cancelled",
+    EosReason.FAILED: "failed",
+}
+
 
 # stop_on_loop=(window, min_reps): exllamav3's LoopDetector ends a job once the last `window` sampled tokens are
 # one exact cycle of at most window // min_reps tokens repeated. (64, 3) catches a cycle of up to 21 tokens
@@ -104,6 +121,15 @@ class JobSpec:
             raise ValueError(f"a job constrained to a {self.constraint.describe()} ends on a stop token where the "
                              "constraint is satisfied: give one (keep stop_at_eos=True)")
 
+    @staticmethod
+    def stopping(stop: Sequence[str | int], tokenizer: Tokenizer, *, at_eos: bool = True) -> dict[str, object]:
+        """`stop_token_ids` and `stop_strings` for what a user wrote: token ids, strings, and a string that is a
+        special token ("<|im_end|>"), which stops on its id since it is never decoded as text."""
+        special = tokenizer.special_tokens()
+        stops = [special.get(s, s) if isinstance(s, str) else s for s in stop]
+        ids = {s for s in stops if isinstance(s, int)} | (set(tokenizer.eos_token_ids) if at_eos else set())
+        return dict(stop_token_ids=frozenset(ids), stop_strings=tuple(s for s in stops if isinstance(s, str)))
+
     def check_vocabulary(self, vocab_size: int) -> None:
         """Refuse, in one line, a prompt or `token_bias` id the model has no logit for."""
         bad = [t for t in self.input_ids + tuple(t for t, _ in self.sampler.token_bias) if not 0 <= t < vocab_size]
@@ -135,6 +161,7 @@ class StreamEvent:
     time_to_first_token_s: float | None = None  # submit -> first new token
     prefill_tokens_per_s: float | None = None  # prompt tokens actually computed (not cached) per second
     decode_tokens_per_s: float | None = None  # new tokens after the first, per second of decoding
+    taken_back: int = 0  # times so far a banned string was spelled and its tokens taken back (0 where not reported)
 
     @property
     def computed_prompt_tokens(self) -> int:
@@ -176,6 +203,7 @@ def job_event(
     token_ids: Sequence[int] = (),
     token_info: Sequence[TokenInfo] = (),
     eos_reason: EosReason | None = None,
+    taken_back: int = 0,
 ) -> StreamEvent:
     """One job's event with its timings derived the one way exlnb defines them.
 
@@ -202,6 +230,7 @@ def job_event(
         time_to_first_token_s=(first - clock.enqueued) if first else None,
         prefill_tokens_per_s=prefill_rate,
         decode_tokens_per_s=decode_rate,
+        taken_back=taken_back,
     )
 
 
@@ -231,6 +260,12 @@ class PageInfo:
     cached: bool = False  # unreferenced, but its contents are kept for prefix reuse
 
 
+def memory_per_gpu_text(per_gpu: tuple[int, ...]) -> str:
+    """"cuda:0 16.50 GiB + cuda:1 8.19 GiB": each GPU's share, as the status line, the inspector and the job table
+    show it where a model spans several GPUs."""
+    return " + ".join(f"cuda:{i} {b / 2**30:.2f} GiB" for i, b in enumerate(per_gpu))
+
+
 @dataclass(frozen=True)
 class CacheView:
     """A read-only snapshot of an engine's KV cache."""
@@ -240,6 +275,7 @@ class CacheView:
     pages: tuple[PageInfo, ...]
     max_tokens: int
     defrag_count: int | None = None  # None where the engine never defragments
+    device_memory_per_gpu: tuple[int, ...] = ()  # bytes each GPU holds for the model, on a GPU engine
 
     @property
     def total_pages(self) -> int:
@@ -279,7 +315,7 @@ class EngineStatus:
     def line(self) -> str:
         mem = f", {self.device_memory_bytes / 2**30:.2f} GiB on device" if self.device_memory_bytes else ""
         if len(self.device_memory_per_gpu) > 1:
-            mem = ", " + " + ".join(f"cuda:{i} {b / 2**30:.2f} GiB" for i, b in enumerate(self.device_memory_per_gpu))
+            mem = ", " + memory_per_gpu_text(self.device_memory_per_gpu)
         mode = "paged" if self.paged else "unpaged"
         library = f" ({self.library})" if self.library else ""
         decode = f" | decode: {self.decode}" if self.decode else ""
@@ -359,6 +395,8 @@ class Engine(ABC):
     loop_guard_by_engine: bool = False
     # field report 5's prompt passes this engine can lend (`lend_prompt_pass`): name -> what it runs
     prompt_passes: Mapping[str, str] = MappingProxyType({})
+    # True where `score(..., noise_eps=...)` can inject noise after every layer (a noise floor for `divergence`)
+    scores_with_noise: bool = False
 
     @abstractmethod
     def enqueue(self, spec: JobSpec) -> int:
@@ -418,6 +456,17 @@ class Engine(ABC):
         is as before afterwards. For timing a prompt pass the way field report 5's reporter did."""
         raise NotImplementedError(
             f"the {self.name} engine lends no prompt pass: field report 5's passes need the ExLlamaV2 engine on CUDA"
+        )
+
+    def score(self, token_ids: Sequence[int], *, noise_eps: float = 0.0):
+        """The logits this engine's model gives at every position of `token_ids`, in one pass without the
+        paged cache: a float32 CPU tensor [len(token_ids), vocab] (row i predicts token i + 1). For measuring
+        a model's distributions against a reference (`exlnb.divergence`); engines with "scoring" implement it.
+        With `noise_eps` (engines that set `scores_with_noise`), every decoder layer's output is multiplied by
+        1 + noise_eps * N(0, 1) from a fixed seed: ExLlamaV3's qbench noise floor."""
+        raise NotImplementedError(
+            f"the {self.name} engine cannot score a token sequence (it returns no logits): load the model "
+            "with the cpu, exllamav2 or exllamav3 engine"
         )
 
     def _refuse_while_busy(self, what: str) -> None:

@@ -7,6 +7,7 @@ engine step where it would take every running job down.
 from __future__ import annotations
 
 import difflib
+import math
 import numbers
 import types
 import typing
@@ -19,6 +20,8 @@ def check_field_types(instance) -> None:
     where the user passed it, not inside an engine step where it would take every running job down."""
     hints = typing.get_type_hints(type(instance))
     for f in fields(instance):
+        if not f.init:  # derived from the others, not given
+            continue
         value = getattr(instance, f.name)
         if not _has_type(value, hints[f.name]):
             raise TypeError(f"{f.name}={value!r} has the wrong type: it must be {_type_name(hints[f.name])}")
@@ -38,6 +41,31 @@ def _has_type(value, hint) -> bool:
         args = [a for a in typing.get_args(hint) if a is not Ellipsis]
         return isinstance(value, origin) and all(any(_has_type(v, a) for a in args) for v in value)
     return True  # richer types (settings objects, identifiers) are checked where they are used
+
+
+# exllamav2's C++ sampler functions take these counts as C ints
+INT_MAX = 2**31 - 1
+
+
+def check_finite(instance) -> None:
+    """Refuse a float field that is not finite and an int field beyond a C int: `top_a=inf` or
+    `rep_decay=10**20` pass every range check and fail only inside an engine step (or, NaN penalties, never
+    fail and give garbage)."""
+    hints = typing.get_type_hints(type(instance))
+    for f in fields(instance):
+        value, hint = getattr(instance, f.name), hints[f.name]
+        if hint is float and not math.isfinite(value):
+            raise ValueError(f"{f.name}={value!r} is out of range: it must be a finite number")
+        if hint is int and abs(value) > INT_MAX:
+            raise ValueError(f"{f.name}={value!r} is out of range: it must be at most {INT_MAX:,} in size")
+
+
+def one_or_many(items: object) -> tuple:
+    """A list option's items, where one string (or token id) is one item: `stop="Paris"` is ("Paris",), not
+    its five letters."""
+    if isinstance(items, (str, int)):
+        return (items,)
+    return tuple(items)
 
 
 def _type_name(hint) -> str:

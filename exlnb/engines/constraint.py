@@ -15,6 +15,8 @@ from pathlib import Path
 
 from llguidance import LLMatcher, grammar_from
 
+from exlnb.engines.schema_refs import check_references_end
+
 # llguidance's grammar formats, which are also the keywords of exllamav3's LLGuidanceFilter
 CONSTRAINT_KINDS = ("json_schema", "regex")
 # How a JSON answer is laid out: on one line, separated as Python's json.dumps does. llguidance's default allows
@@ -73,6 +75,7 @@ class OutputConstraint:
             raise TypeError(
                 f"json_schema={schema!r} has the wrong type: give a dict, a pydantic model class, or a .json file's path"
             )
+        check_references_end(schema)
         try:
             text = json.dumps({"x-guidance": JSON_LAYOUT, **schema})  # the schema's own x-guidance wins
         except TypeError as error:

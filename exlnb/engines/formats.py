@@ -10,14 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-MODEL_FORMATS = ("hf", "exl2", "exl3")
+from exlnb.engines.registry import engine_spec, engines_loading
 
-# engine -> the formats it loads; exllamav3 loads unquantized weights too, exllamav2 cannot read EXL3
-ENGINE_FORMATS = {
-    "exllamav2": ("hf", "exl2"),
-    "exllamav3": ("hf", "exl3"),
-    "cpu": ("hf",),
-}
+MODEL_FORMATS = ("hf", "exl2", "exl3")
 FORMAT_NAMES = {"hf": "unquantized Hugging Face", "exl2": "EXL2", "exl3": "EXL3"}
 
 
@@ -49,23 +44,31 @@ def model_format(folder: Path) -> str:
 
 
 def check_engine_can_load(engine: str, fmt: str, folder: Path) -> None:
-    if fmt not in ENGINE_FORMATS[engine]:
-        able = [name for name, formats in ENGINE_FORMATS.items() if fmt in formats]
+    """Refuse, before anything is unloaded, an engine whose declaration (registry.py) does not load `fmt`."""
+    if fmt not in engine_spec(engine).loads:
+        able = [spec.name for spec in engines_loading(fmt)]
+        instead = f'engine="{able[0]}" or ' if able else ""
         raise ValueError(
-            f"the {engine} engine cannot load {FORMAT_NAMES[fmt]} weights ({folder}): use engine=\"{able[0]}\" "
-            'or engine="auto"'
+            f"the {engine} engine cannot load {FORMAT_NAMES.get(fmt, fmt)} weights ({folder}): use {instead}"
+            'engine="auto"'
         )
 
 
 def engine_for(fmt: str, *, cuda: bool) -> str:
-    """The engine `engine="auto"` picks: EXL3 on exllamav3, EXL2 and fp16 on exllamav2 (the kit's design
-    default), fp16 on the CPU engine without CUDA."""
-    if fmt == "hf":
-        return "exllamav2" if cuda else "cpu"
-    engine = "exllamav3" if fmt == "exl3" else "exllamav2"
-    if not cuda:
-        raise ValueError(
-            f"{FORMAT_NAMES[fmt]} models run on the {engine} engine, which needs a CUDA GPU; on this machine "
-            "load the unquantized model with the CPU engine"
-        )
-    return engine
+    """The engine `engine="auto"` picks: the lowest `auto_rank` among the registered engines that load `fmt` and
+    can run here. The built-in ranks give EXL3 to exllamav3, EXL2 and fp16 to exllamav2 (the kit's design
+    default), and fp16 to the CPU engine without CUDA."""
+    ranked = sorted((s for s in engines_loading(fmt) if s.auto_rank is not None), key=lambda s: s.auto_rank)
+    runnable = [spec for spec in ranked if cuda or not spec.needs_cuda]
+    if runnable:
+        return runnable[0].name
+    if not ranked:
+        loaders = ", ".join(spec.name for spec in engines_loading(fmt)) or "none is registered"
+        raise ValueError(f"no engine is chosen automatically for {FORMAT_NAMES.get(fmt, fmt)}: name one with "
+                         f"engine= ({loaders})")
+    without_cuda = [spec.name for spec in engines_loading("hf") if not spec.needs_cuda]
+    instead = f' with engine="{without_cuda[0]}"' if without_cuda else ""
+    raise ValueError(
+        f"{FORMAT_NAMES[fmt]} models run on the {ranked[0].name} engine, which needs a CUDA GPU; on this machine "
+        f"load the unquantized model{instead}"
+    )

@@ -114,8 +114,20 @@ def allocated_per_gpu() -> tuple[int, ...]:
     return tuple(torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count()))
 
 
+def used_per_gpu() -> tuple[int, ...]:
+    """Device memory in use on each GPU as the driver counts it, every process included. exllamav3's tensor
+    parallelism keeps the other cards' shards in worker processes, out of this process's sight: over two H100s
+    the allocator counted 8.4 + 0.1 GiB where the driver counted 10.1 + 9.9 GiB."""
+    return tuple(total - free for free, total in map(torch.cuda.mem_get_info, range(torch.cuda.device_count())))
+
+
 class LibraryEngine(Engine):
     """An engine over exactly one exllamav2 or exllamav3 generator: exlnb job ids, events, cancel, job table."""
+
+    def memory_per_gpu(self) -> tuple[int, ...]:
+        """Each GPU's memory held for the model: the status line and the cache view show it (cheap enough for a
+        view published every few steps)."""
+        return allocated_per_gpu()
 
     generator: object
     page_size: int
@@ -195,27 +207,35 @@ class LibraryEngine(Engine):
     def _token_info(self, spec: JobSpec, ids: Sequence[int], *parts: Mapping) -> list[TokenInfo]:
         """The records of `ids` from a result's per-token outputs (and exllamav3's "held" part), in order.
 
-        Both libraries return "token_probs" (1, n) and "top_k_tokens" / "top_k_probs" (1, n, k); a job that asked
-        for "logits" (1, n, padded vocab) instead gets the softmax at temperature 1 of them (token_info.py). A
-        token the library reports without them (exllamav2's stop token) has no record: the list may be shorter.
+        The model's own distribution (token_info.py) comes from "logits" (1, n, padded vocab; exllamav2), whose
+        softmax at temperature 1 is taken here, with "token_probs" (1, n) then the sampler's probability of each
+        drawn token; or from "token_probs" with "top_k_tokens" / "top_k_probs" (1, n, k), which exllamav3 reports
+        from the model's softmax, with no sampler's figure. A greedy step's sampler's figure is a certain 1.0.
+        A token the library reports without them (exllamav2's stop token) has no record: the list may be shorter.
         """
         if not spec.top_tokens:
             return []
-        rows: list[tuple[float, list[int], list[float]]] = []
+        certain = 1.0 if spec.sampler.is_greedy else None
+        rows: list[tuple[float, list[int], list[float], float | None]] = []
         for part in parts:
             if part.get("logits") is not None:
                 chosen_ids = torch.tensor(ids[len(rows) : len(rows) + part["logits"].shape[1]], dtype=torch.long)
                 probs = torch.softmax(part["logits"][0, : len(chosen_ids), : self.vocab_size].float(), dim=-1)
                 top = torch.topk(probs, spec.top_tokens)
                 chosen = probs.gather(1, chosen_ids[:, None])[:, 0]
-                rows += zip(chosen.tolist(), top.indices.tolist(), top.values.tolist())
+                reported = part.get("token_probs")
+                sampled = reported[0].tolist() if reported is not None else [certain] * len(chosen_ids)
+                rows += zip(chosen.tolist(), top.indices.tolist(), top.values.tolist(), sampled)
             elif part.get("token_probs") is not None:
-                rows += zip(part["token_probs"][0].tolist(), part["top_k_tokens"][0].tolist(), part["top_k_probs"][0].tolist())
-        return [token_info(self.tokenizer, t, p, top_ids, top_probs) for t, (p, top_ids, top_probs) in zip(ids, rows)]
+                probs = part["token_probs"][0].tolist()
+                likeliest, their_probs = part["top_k_tokens"][0].tolist(), part["top_k_probs"][0].tolist()
+                rows += zip(probs, likeliest, their_probs, [certain] * len(probs))
+        return [token_info(self.tokenizer, t, p, top_ids, top_probs, sampled)
+                for t, (p, top_ids, top_probs, sampled) in zip(ids, rows)]
 
     def _cancel_failed_filters(self) -> dict[int, Exception]:
-        """Cancel the jobs whose constraint filter kept an error during the step (exllamav2_filter.py,
-        exllamav3_filter.py) and return their errors: both libraries run filters inside `iterate()`, where
+        """Cancel the jobs whose constraint filter kept an error during the step (exllamav2/filter.py,
+        exllamav3/filter.py) and return their errors: both libraries run filters inside `iterate()`, where
         raising would fail every job, so a constraint's error ends its own job here, after the step."""
         failures = {
             job_id: f.error

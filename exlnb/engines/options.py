@@ -10,17 +10,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exlnb.engines.formats import check_engine_can_load, engine_for, model_format
+from exlnb.engines.registry import ENGINE_CHOICES, engine_spec, engines_loading, engines_that
 
-ENGINE_NAMES = ("auto", "exllamav2", "exllamav3", "cpu")
+ENGINE_NAMES = ENGINE_CHOICES  # "auto" and every registered engine, read afresh (registry.py)
 CACHE_DTYPES = ("fp16", "q4", "q6", "q8")
 DISPLAY_MODES = ("auto", "widget", "text")
 DISPLAY_HELP = "auto: a widget where the front end renders widgets, plain text otherwise (papermill, terminal)"
 TOKEN_COLOURS = ("probability", "latency")  # what the token view's shades say
 PAGED_MODES = {"auto": "auto", "on": True, "off": False}  # `paged=` as command lines write it
-UNPAGED_ENGINES = ("exllamav2",)  # engines that can also run unpaged; the others always page
+UNPAGED_ENGINES = engines_that("unpaged")  # the built-in engines that can also run unpaged; the others always page
 GRAPH_MODES = ("auto", "off")  # CUDA-graph decode (ExLlamaV2 engine): auto is on where its load check passes
-SPLIT_ENGINES = ("exllamav2", "exllamav3")  # engines that can spread a model over several GPUs
+SERVER_APIS = ("chat", "completions")  # a server's endpoint (openai engine): its chat template, or exlnb's rendering
 
+# the model formats an engine can split with tensor parallelism, where it cannot split every format it loads
+TENSOR_PARALLEL_FORMATS = {"exllamav2": ("exl2",)}
+AUTO_SPLIT = "auto"  # gpu_split: the library fills the GPUs in turn (exllamav2's autosplit, exllamav3's default)
 DEFAULT_CACHE_TOKENS = 8192
 DEFAULT_MAX_BATCH_SIZE = 16
 PAGE_TOKENS = 256  # exllamav2's page size; the CPU engine uses the same, so grids and counts read alike
@@ -41,10 +45,18 @@ class EngineOptions:
     cache_tokens: int
     cache_dtype: str
     max_batch_size: int
-    gpu_split: tuple[float, ...] | None
+    gpu_split: tuple[float, ...] | str | None  # GiB per GPU, or AUTO_SPLIT
     paged: str | bool
     graphs: str = "auto"
     tensor_parallel: bool = False
+    url: str | None = None  # an OpenAI-compatible server's API base (openai engine); model_dir then gives the tokenizer
+    api_key_env: str | None = None  # the environment variable holding the server's API key
+    api: str = "chat"  # one of SERVER_APIS
+    served_model: str | None = None  # the server's name for the model; None: the one it serves
+
+    def split_gib(self) -> list[float] | None:
+        """GiB per GPU as the libraries take it; None lets the library fill the GPUs in turn."""
+        return None if self.gpu_split in (None, AUTO_SPLIT) else list(self.gpu_split)
 
     @classmethod
     def resolve(
@@ -55,22 +67,34 @@ class EngineOptions:
         cache_tokens: int | None,
         cache_dtype: str,
         max_batch_size: int | None,
-        gpu_split: Sequence[float] | None,
+        gpu_split: Sequence[float] | str | None,
         paged: str | bool,
         graphs: str = "auto",
         tensor_parallel: bool = False,
+        url: str | None = None,
+        api_key_env: str | None = None,
+        api: str = "chat",
+        served_model: str | None = None,
     ) -> EngineOptions:
-        if engine not in ENGINE_NAMES:
-            raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINE_NAMES)}")
+        if engine != "auto":
+            engine_spec(engine)  # an unknown name fails here, naming every registered engine
         if cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"unknown cache type {cache_dtype!r}: choose one of {', '.join(CACHE_DTYPES)}")
-        fmt = model_format(model_dir)
+        if api not in SERVER_APIS:
+            raise ValueError(f"api={api!r}: choose one of {', '.join(SERVER_APIS)}")
+        # a server is loaded by its url; the local folder only lends its tokenizer and chat template
+        fmt = "url" if url else model_format(model_dir)
+        if engine != "auto" and ("url" in engine_spec(engine).loads) != bool(url):
+            raise ValueError(f'the {engine} engine talks to a server: give its url, e.g. url="http://127.0.0.1:8000/v1"'
+                             if url is None else f"url={url!r} is for a server: load it with engine=\"auto\" or "
+                             f"{' or '.join(s.name for s in engines_loading('url'))}, not the {engine} engine")
         if engine == "auto":
             engine = engine_for(fmt, cuda=cuda_available())
         check_engine_can_load(engine, fmt, model_dir)
-        if engine == "cpu" and cache_dtype != "fp16":
+        if cache_dtype != "fp16" and not engine_spec(engine).can("quantized_cache"):
             raise ValueError(
-                f"the CPU engine keeps its cache in full precision; --cache {cache_dtype} needs exllamav2 or exllamav3"
+                f"the {engine} engine keeps its cache in full precision; --cache {cache_dtype} needs "
+                f"{' or '.join(engines_that('quantized_cache'))}"
             )
         if cache_tokens is not None and cache_tokens < PAGE_TOKENS:
             raise ValueError(f"cache_tokens={cache_tokens} is too small: give at least {PAGE_TOKENS} (one page)")
@@ -78,20 +102,28 @@ class EngineOptions:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
         if paged not in PAGED_MODES.values():
             raise ValueError(f'paged={paged!r} is not one of "auto", True, False')
+        if paged is False and not engine_spec(engine).can("unpaged"):
+            raise ValueError(f"the {engine} engine always pages: paged=False needs {' or '.join(engines_that('unpaged'))}")
         if graphs not in GRAPH_MODES:
             raise ValueError(f"graphs={graphs!r}: choose one of {', '.join(GRAPH_MODES)}")
         if gpu_split or tensor_parallel:
             check_gpu_split(engine, gpu_split, tensor_parallel, cuda_device_memory())
+        if tensor_parallel:
+            check_tensor_parallel_format(engine, fmt, Path(model_dir))
         return cls(
             engine=engine,
             model_dir=Path(model_dir).resolve(),
             cache_tokens=cache_tokens or DEFAULT_CACHE_TOKENS,
             cache_dtype=cache_dtype,
             max_batch_size=max_batch_size or DEFAULT_MAX_BATCH_SIZE,
-            gpu_split=tuple(gpu_split) if gpu_split else None,
+            gpu_split=AUTO_SPLIT if gpu_split == AUTO_SPLIT else tuple(gpu_split) if gpu_split else None,
             paged=paged,
             graphs=graphs,
             tensor_parallel=bool(tensor_parallel),
+            url=url,
+            api_key_env=api_key_env,
+            api=api,
+            served_model=served_model,
         )
 
 
@@ -112,6 +144,8 @@ def kv_cache_bytes(model_dir: Path, cache_tokens: int, element_bytes: float) -> 
 
 def check_cache_fits(options: EngineOptions) -> None:
     """Refuse a cache larger than the device's whole memory before anything is unloaded or allocated."""
+    if options.url:
+        return  # a server's cache is on the server
     element = 4.0 if options.engine == "cpu" else _CACHE_ELEMENT_BYTES[options.cache_dtype]
     try:
         needed = kv_cache_bytes(options.model_dir, options.cache_tokens, element)
@@ -127,7 +161,7 @@ def check_cache_fits(options: EngineOptions) -> None:
 
 def device_memory_bytes(engine: str) -> tuple[int | None, str]:
     """The whole memory of the device an engine runs on, and what to call it."""
-    if engine == "cpu":
+    if not engine_spec(engine).needs_cuda:
         try:
             return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine"
         except (ValueError, OSError, AttributeError):
@@ -139,15 +173,16 @@ def device_memory_bytes(engine: str) -> tuple[int | None, str]:
 
 
 def check_gpu_split(
-    engine: str, gpu_split: Sequence[float] | None, tensor_parallel: bool, devices: Sequence[int]
+    engine: str, gpu_split: Sequence[float] | str | None, tensor_parallel: bool, devices: Sequence[int]
 ) -> None:
     """Refuse a split or tensor parallelism that cannot load, before anything is unloaded: the wrong engine,
     values that are not GiB, more GPUs than `devices` (each one's total memory in bytes), a GPU given more
     than it has, tensor parallelism over fewer than two GPUs. A 0 leaves that GPU out, as both libraries read it."""
     asked = "--tensor-parallel" if tensor_parallel and not gpu_split else "--gpu-split"
-    if engine not in SPLIT_ENGINES:
-        raise ValueError(f"the {engine} engine runs on one device; {asked} needs {' or '.join(SPLIT_ENGINES)}")
-    split = list(gpu_split or ())
+    capability = "tensor_parallel" if tensor_parallel else "gpu_split"
+    if not engine_spec(engine).can(capability):
+        raise ValueError(f"the {engine} engine runs on one device; {asked} needs {' or '.join(engines_that(capability))}")
+    split = [] if gpu_split == AUTO_SPLIT else list(gpu_split or ())
     if any(not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 for v in split) or (
         split and not any(split)
     ):
@@ -165,6 +200,16 @@ def check_gpu_split(
     if tensor_parallel and used < 2:
         where = f"gpu_split={tuple(split)} uses one" if split else f"this machine has one ({_gpu_list(devices)})"
         raise ValueError(f"tensor_parallel needs at least two GPUs: {where}")
+
+
+def check_tensor_parallel_format(engine: str, fmt: str, model_dir: Path) -> None:
+    """Refuse tensor parallelism over weights the engine's library cannot split, before anything is unloaded:
+    exllamav2 0.3.2's `load_tp` splits quantized tensors only (an fp16 7B-shaped model failed on four H100s
+    with "Can only split quantized tensor."); exllamav3 splits fp16 and EXL3 weights alike."""
+    formats = TENSOR_PARALLEL_FORMATS.get(engine)
+    if formats and fmt not in formats:
+        raise ValueError(f"the {engine} engine splits only {' or '.join(formats).upper()} weights with tensor parallelism; "
+                         f"{model_dir.name} is {fmt.upper()}: use --gpu-split for a layer split, or the exllamav3 engine")
 
 
 def _gpu_list(devices: Sequence[int]) -> str:

@@ -1,16 +1,17 @@
 """Sampler settings with exllamav2's names, defaults and order: the one definition every engine maps from.
 
-Each field carries its one-line help and, where exllamav2's name is long, the short option name the magics
-use (`metadata`), so `%%exl_generate`'s options and help come from here.
+Each field is declared with `option()`: its one-line help, its group and, where exllamav2's name is long, the
+short keyword users write, so `%%exl_generate`'s options, the Python keywords and docs/options.md come from here.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 
-from exlnb.engines.checks import check_field_types, check_option_names, is_number
+from exlnb.engines.checks import check_field_types, check_finite, check_option_names, is_number, one_or_many
+from exlnb.engines.declaration import declared, option
 
 
 @dataclass(frozen=True)
@@ -24,54 +25,54 @@ class SamplerSettings:
     A temperature below 0.01 means greedy, as in exllamav2's `sample_basic`.
     """
 
-    temperature: float = field(default=0.8, metadata={"help": "0 is greedy"})
-    top_k: int = field(default=50, metadata={"help": "keep the k most likely tokens; 0 disables"})
-    top_p: float = field(default=0.8, metadata={"help": "nucleus: smallest set with this probability; 1 disables"})
-    min_p: float = field(default=0.0, metadata={"help": "drop tokens below min_p x the top probability; 0 disables"})
-    top_a: float = field(default=0.0, metadata={"help": "drop tokens below top_a x the top probability squared; 0 disables"})
-    tfs: float = field(default=0.0, metadata={"help": "tail-free sampling: keep this share of the curvature; 0 disables"})
-    typical: float = field(default=0.0, metadata={"help": "locally typical sampling: keep this mass nearest the entropy; 0 disables"})
-    smoothing_factor: float = field(
-        default=0.0, metadata={"help": "quadratic sampling: squash logits around the top one; 0 disables"}
+    temperature: float = option(0.8, group="sampling", help="0 is greedy")
+    top_k: int = option(50, group="sampling", help="keep the k most likely tokens; 0 disables")
+    top_p: float = option(0.8, group="sampling", help="nucleus: smallest set with this probability; 1 disables")
+    min_p: float = option(0.0, group="sampling", help="drop tokens below min_p x the top probability; 0 disables")
+    top_a: float = option(0.0, group="sampling", help="drop tokens below top_a x the top probability squared; 0 disables")
+    tfs: float = option(0.0, group="sampling", help="tail-free sampling: keep this share of the curvature; 0 disables")
+    typical: float = option(0.0, group="sampling",
+                            help="locally typical sampling: keep this mass nearest the entropy; 0 disables")
+    smoothing_factor: float = option(0.0, group="sampling",
+                                     help="quadratic sampling: squash logits around the top one; 0 disables")
+    min_temp: float = option(0.0, group="sampling", help="dynamic temperature: the temperature at zero entropy")
+    max_temp: float = option(0.0, group="sampling", help="dynamic temperature at full entropy; on when above min_temp")
+    temp_exponent: float = option(1.0, group="sampling", help="dynamic temperature: exponent of the entropy curve")
+    temperature_last: bool = option(False, group="sampling",
+                                    help="apply the temperature after the truncating samplers, not before")
+    skew: float = option(0.0, group="sampling", help="shift the draw towards less (>0) or more (<0) likely tokens")
+    mirostat: bool = option(False, group="sampling", help="mirostat: truncate to hold surprise near mirostat_tau")
+    mirostat_tau: float = option(1.5, group="sampling", help="mirostat's target surprise, in bits")
+    mirostat_eta: float = option(0.1, group="sampling", help="mirostat's learning rate")
+    token_bias: tuple[tuple[int, float], ...] = option(
+        (), group="sampling", metavar="DICT", help="token id -> value added to its logit (-inf bans it), e.g. {198: -5}"
     )
-    min_temp: float = field(default=0.0, metadata={"help": "dynamic temperature: the temperature at zero entropy"})
-    max_temp: float = field(default=0.0, metadata={"help": "dynamic temperature at full entropy; on when above min_temp"})
-    temp_exponent: float = field(default=1.0, metadata={"help": "dynamic temperature: exponent of the entropy curve"})
-    temperature_last: bool = field(
-        default=False, metadata={"help": "apply the temperature after the truncating samplers, not before"}
+    token_repetition_penalty: float = option(
+        1.025, group="penalties", short="rep_penalty", help="divide logits of tokens already in the sequence; 1 disables"
     )
-    skew: float = field(default=0.0, metadata={"help": "shift the draw towards less (>0) or more (<0) likely tokens"})
-    mirostat: bool = field(default=False, metadata={"help": "mirostat: truncate to hold surprise near mirostat_tau"})
-    mirostat_tau: float = field(default=1.5, metadata={"help": "mirostat's target surprise, in bits"})
-    mirostat_eta: float = field(default=0.1, metadata={"help": "mirostat's learning rate"})
-    token_repetition_penalty: float = field(
-        default=1.025, metadata={"help": "divide logits of tokens already in the sequence; 1 disables", "option": "rep_penalty"}
+    token_repetition_range: int = option(
+        -1, group="penalties", short="rep_range", help="how many recent tokens the penalties look at; -1 is all"
     )
-    token_repetition_range: int = field(
-        default=-1, metadata={"help": "how many recent tokens the penalties look at; -1 is all", "option": "rep_range"}
+    token_repetition_decay: int = option(
+        0, group="penalties", short="rep_decay", help="tokens over which the repetition penalty fades in; 0 is none"
     )
-    token_repetition_decay: int = field(
-        default=0, metadata={"help": "tokens over which the repetition penalty fades in; 0 is none", "option": "rep_decay"}
+    token_frequency_penalty: float = option(
+        0.0, group="penalties", short="freq_penalty", help="subtract this x the count of each earlier token"
     )
-    token_frequency_penalty: float = field(
-        default=0.0, metadata={"help": "subtract this x the count of each earlier token", "option": "freq_penalty"}
+    token_presence_penalty: float = option(
+        0.0, group="penalties", short="presence_penalty", help="subtract this once from every earlier token"
     )
-    token_presence_penalty: float = field(
-        default=0.0, metadata={"help": "subtract this once from every earlier token", "option": "presence_penalty"}
+    dry_multiplier: float = option(0.0, group="DRY and XTC", help="DRY: penalise tokens that extend a repeat; 0 disables")
+    dry_base: float = option(1.75, group="DRY and XTC", help="DRY: penalty grows by this factor per repeated token")
+    dry_allowed_length: int = option(2, group="DRY and XTC", help="DRY: repeats up to this long go unpenalised")
+    dry_sequence_breakers: frozenset[str] | None = option(
+        None, group="DRY and XTC", metavar="SET",
+        help="DRY: strings no repeat may span, e.g. {'.', '\\n'}; default .,!?<>[](){} quote, newline, tab",
     )
-    token_bias: tuple[tuple[int, float], ...] = field(
-        default=(), metadata={"help": "token id -> value added to its logit (-inf bans it)"}
-    )
-    dry_multiplier: float = field(default=0.0, metadata={"help": "DRY: penalise tokens that extend a repeat; 0 disables"})
-    dry_base: float = field(default=1.75, metadata={"help": "DRY: penalty grows by this factor per repeated token"})
-    dry_allowed_length: int = field(default=2, metadata={"help": "DRY: repeats up to this long go unpenalised"})
-    dry_sequence_breakers: frozenset[str] | None = field(
-        default=None, metadata={"help": "DRY: strings no repeat may span; default .,!?<>[](){} quote, newline, tab"}
-    )
-    dry_range: int = field(default=0, metadata={"help": "DRY: how many recent tokens it looks at; 0 is all"})
-    dry_max_ngram: int = field(default=20, metadata={"help": "DRY: longest repeat it looks for"})
-    xtc_probability: float = field(default=0.0, metadata={"help": "XTC: how strongly to exclude the top choices; 0 disables"})
-    xtc_threshold: float = field(default=0.1, metadata={"help": "XTC: tokens at least this likely count as top choices"})
+    dry_range: int = option(0, group="DRY and XTC", help="DRY: how many recent tokens it looks at; 0 is all")
+    dry_max_ngram: int = option(20, group="DRY and XTC", help="DRY: longest repeat it looks for")
+    xtc_probability: float = option(0.0, group="DRY and XTC", help="XTC: how strongly to exclude the top choices; 0 disables")
+    xtc_threshold: float = option(0.1, group="DRY and XTC", help="XTC: tokens at least this likely count as top choices")
 
     def __post_init__(self) -> None:
         self._normalise_collections()
@@ -111,20 +112,19 @@ class SamplerSettings:
         for ok, name, expected in checks:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} is out of range: it must be {expected}")
+        check_finite(self)
 
     def _normalise_collections(self) -> None:
-        """Accept a dict for `token_bias` and any iterable of strings for the breakers; store them frozen."""
+        """Accept a dict for `token_bias` and any iterable of strings for the breakers (one string is one
+        breaker); store them frozen."""
         bias = self.token_bias
         pairs = sorted(bias.items() if isinstance(bias, Mapping) else bias)
         if not all(is_number(t, int) and is_number(b, float) for t, b in pairs):
             raise TypeError(f"token_bias={bias!r} must map token ids to numbers, e.g. {{198: -2.5}}")
         pairs = tuple((t, float(b)) for t, b in pairs)
         object.__setattr__(self, "token_bias", pairs)
-        breakers = self.dry_sequence_breakers
-        if breakers is not None and not isinstance(breakers, frozenset):
-            if isinstance(breakers, str):
-                raise TypeError(f"dry_sequence_breakers={breakers!r} must be a set of strings, e.g. {{'.', '\\n'}}")
-            object.__setattr__(self, "dry_sequence_breakers", frozenset(breakers))
+        if self.dry_sequence_breakers is not None:
+            object.__setattr__(self, "dry_sequence_breakers", frozenset(one_or_many(self.dry_sequence_breakers)))
 
     @classmethod
     def greedy(cls, **overrides: float) -> SamplerSettings:
@@ -146,9 +146,7 @@ class SamplerSettings:
     def option_names(cls) -> dict[str, str]:
         """Every name a setting answers to -> its field: exllamav2's (`token_repetition_penalty`) and the
         short option name (`rep_penalty`) the magics use."""
-        names = {f.name: f.name for f in fields(cls)}
-        names.update({f.metadata["option"]: f.name for f in fields(cls) if "option" in f.metadata})
-        return names
+        return {name: o.name for o in declared(cls) for name in {o.name, o.keyword}}
 
     def with_options(self, **options) -> SamplerSettings:
         """These settings with some changed, by field or short option name; unknown names are refused."""

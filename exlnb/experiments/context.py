@@ -294,20 +294,28 @@ def prompt_clock_medians(result: ExperimentResult) -> tuple[pd.DataFrame, list[s
 
 
 def plot(result: ExperimentResult):
-    turns, context = result.tables["turns"], result.tables["context"]
+    """Chat history against amnesia and speed against context length where speed was timed, and the prompt
+    clocks where they were (the ExLlamaV2 engine on CUDA). A panel with nothing to show is left out, and the
+    findings say why; None where no panel is left."""
+    turns, context, prefill = result.tables["turns"], result.tables["context"], result.tables["prefill"]
+    panels = (2 if not turns.empty else 0) + (1 if not prefill.empty else 0)
+    if panels == 0:
+        return None
+    fig, axes = plt.subplots(1, panels, figsize=(5.4 * panels, 4.3), squeeze=False)
+    axes = list(axes[0])
+    if not prefill.empty:
+        prompt_clocks.draw_clocks(axes.pop(), prefill)
+    if not turns.empty:
+        _draw_speed(turns, context, axes)
+    fig.tight_layout()
+    return fig
+
+
+def _draw_speed(turns: pd.DataFrame, context: pd.DataFrame, axes) -> None:
     several = turns.model.nunique() > 1
     turns = turns.assign(tokens_per_s=1 / turns.token_interval_s,
                          condition=turns["mode"] + (" (" + turns.model + ")" if several else ""))
     context = context.assign(tokens_per_s=1 / context.token_interval_s)
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.3))
-    if turns.empty:  # no model's speed was timed: say why where the panels would be
-        for ax in axes[:2]:
-            ax.text(0.5, 0.5, "\n\n".join(result.values["speed_not_timed"]) or "nothing timed", ha="center",
-                    va="center", wrap=True, transform=ax.transAxes)
-            ax.set_axis_off()
-        prompt_clocks.draw_clocks(axes[2], result.tables["prefill"], result.values["prompt_clocks"]["not_timed"])
-        fig.tight_layout()
-        return fig
     sns.pointplot(data=turns, x="turn", y="tokens_per_s", hue="condition", estimator=np.median, errorbar=("pi", 50),
                   ax=axes[0])
     axes[0].set(ylabel="decode tokens/s (median, IQR)", title="Field report 4: chat history against amnesia")
@@ -316,6 +324,3 @@ def plot(result: ExperimentResult):
                   estimator=np.median, errorbar=("pi", 50), ax=axes[1])
     axes[1].set(xlabel="context length (tokens)", ylabel="decode tokens/s (median, IQR)",
                 title="Decode speed against context length")
-    prompt_clocks.draw_clocks(axes[2], result.tables["prefill"], result.values["prompt_clocks"]["not_timed"])
-    fig.tight_layout()
-    return fig

@@ -329,14 +329,12 @@ def _findings(effects: list[Effect], values: dict, parameters: dict) -> list[str
 def plot(result: ExperimentResult):
     """Request latency by request index; jobs nobody reads and pages held over time (one line per trial); the
     cache's pages when the next job arrived (the engine's own page table: exllamav2's on the GPU). With a
-    second model timed, line styles tell the models apart; the page map is the first model's."""
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2), gridspec_kw={"width_ratios": [1, 1, 1, 0.8]})
+    second model timed, line styles tell the models apart; the page map is the first model's. None where no
+    model was timed: the findings say why."""
     requests, timeline = result.tables["requests"], result.tables["timeline"]
-    if requests.empty:  # no model was timed: say why where the panels would be
-        for ax in axes:
-            ax.set_axis_off()
-        axes[0].text(0, 0.5, "\n\n".join(result.values["not_timed"]), va="center", wrap=True, transform=axes[0].transAxes)
-        return fig
+    if requests.empty:
+        return None
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2), gridspec_kw={"width_ratios": [1, 1, 1, 0.8]})
     style = "model" if requests.model.nunique() > 1 else None
     sns.lineplot(data=requests, x="request", y="latency_s", hue="condition", style=style, marker="o", ax=axes[0])
     axes[0].set(yscale="log", xlabel="request index", ylabel="latency to the tokens wanted (s)",

@@ -12,8 +12,9 @@ import inspect
 from collections.abc import Iterable
 
 from exlnb.engines.options import DEFAULT_CACHE_TOKENS
+from exlnb.session import Session
 
-NOTEBOOKS = ("latency", "repetition", "prompt_format", "concurrency", "streaming", "context", "quantization")
+NOTEBOOKS = ("latency", "repetition", "prompt_format", "concurrency", "streaming", "context", "quantization", "disconnect")
 # latency's cache is small on purpose: 4 pages of 256 tokens, one per request, so abandoned jobs fill it soon
 CACHE_TOKENS = {"latency": 1024}
 
@@ -31,9 +32,10 @@ def run_parameters(name: str) -> dict[str, object]:
 
 
 def notebook_parameters(name: str) -> dict[str, object]:
-    """Every parameter of the notebook with its default: the engine and cache it loads, where it saves, then
-    its experiment's."""
-    session = {"engine": "auto", "cache_tokens": CACHE_TOKENS.get(name, DEFAULT_CACHE_TOKENS), "output_dir": "results"}
+    """Every parameter of the notebook with its default: the engine and cache it loads (`Session.load`'s
+    keywords, with its default engine), where it saves, then its experiment's."""
+    engine = inspect.signature(Session.load).parameters["engine"].default
+    session = {"engine": engine, "cache_tokens": CACHE_TOKENS.get(name, DEFAULT_CACHE_TOKENS), "output_dir": "results"}
     return session | run_parameters(name)
 
 

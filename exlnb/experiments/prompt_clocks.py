@@ -12,7 +12,6 @@ lends both passes (`Engine.lend_prompt_pass`); only the ExLlamaV2 engine on CUDA
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Sequence
 
 import numpy as np
@@ -167,14 +166,9 @@ def _not_early(name: str) -> str:
             "faster than the GPU ran them, or the call waited for it), so the early clock had nothing left to miss.")
 
 
-def draw_clocks(ax, table: pd.DataFrame, not_timed: list[str]) -> None:
+def draw_clocks(ax, table: pd.DataFrame) -> None:
     """Prompt speed against prompt length, early and late clock, one line per model and pass."""
     ax.set(title="Field report 5: prompt speed by clock", xlabel="prompt tokens", ylabel="prompt tokens/s (median)")
-    if table.empty:
-        text = "\n\n".join(textwrap.fill(line, 50) for line in not_timed or ["nothing timed"])
-        ax.text(0.5, 0.5, text, ha="center", va="center", fontsize=9, transform=ax.transAxes)
-        ax.set_axis_off()
-        return
     long = table.melt(id_vars=["model", "prompt_pass", "prompt_tokens"], value_vars=RATE_COLUMNS[:2],
                       var_name="clock", value_name="tokens_per_s")
     long["clock"] = long.clock.map({"early_tokens_per_s": "early (when the call returns)",

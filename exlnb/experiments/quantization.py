@@ -1,7 +1,9 @@
 """What quantizing costs and buys: the bundled model at several bit widths in EXL2 and EXL3 against fp16.
 
 Per condition: greedy agreement with fp16 (the share of fp16's greedy tokens reproduced before the first
-difference), accuracy on the short-answer question set, perplexity on a fixed text, decode speed and memory.
+difference), accuracy on the short-answer question set, perplexity on a fixed text and, on the same text, the
+KL divergence from fp16's distributions per position and top-1 agreement (`exlnb.divergence`, qbench's
+measures; no noise floor: the GPU engines inject no noise), decode speed and memory.
 fp16 is the session the notebook loaded; each quantized model is made with `exlnb.quantize.quantize` (cached
 after the first run) and loaded by `engine="auto"` into a session of its own, one at a time. Quantizing and
 both quantized formats need CUDA: on a CPU machine the run says so and measures nothing.
@@ -9,26 +11,27 @@ both quantized formats need CUDA: on a CPU machine the run says so and measures 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
-import torch
 
 from exlnb.analysis import mean_interval, median_interval, rate_interval, ratio_of_medians
 from exlnb.engines.base import SamplerSettings
 from exlnb.engines.options import cuda_available
 from exlnb.datasets import filler_ids, load_questions
+from exlnb.divergence import compare
 from exlnb.experiments.prompt_format import is_correct
 from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.models import BUNDLED_MODEL, resolve_model
 from exlnb.quantize import quantize
+from exlnb.scoring import score
 from exlnb.session import Session, one_line
 
-CONDITION_COLUMNS = ["condition", "format", "bits", "engine", "perplexity", "weights_gib", "device_memory_gib"]
+CONDITION_COLUMNS = ["condition", "format", "bits", "engine", "perplexity", "kl_mean", "kl_median", "kl_p90",
+                     "top1_agreement", "weights_gib", "device_memory_gib"]
 FAILED_COLUMNS = ["condition", "format", "bits", "error"]
 NEEDS_CUDA = "Quantizing and both quantized formats need CUDA: on this machine the notebook measured nothing."
 
@@ -116,31 +119,24 @@ def _measure(session: Session, condition: Condition, folder: Path, *, reference:
         ],
     })
     status = session.status()
+    ids = filler_ids(session.tokenizer, perplexity_tokens, label="perplexity")
+    logits = score(session, ids)
+    fp16_logits = logits if reference is None else reference["logits"]
+    against = compare(fp16_logits, logits, ids)
     conditions = pd.DataFrame([{
         "condition": condition.label, "format": condition.format, "bits": condition.bits, "engine": status.engine,
-        "perplexity": perplexity(session, filler_ids(session.tokenizer, perplexity_tokens, label="perplexity")),
+        "perplexity": against.perplexity, "kl_mean": against.kl_mean, "kl_median": against.kl_median,
+        "kl_p90": against.kl_p90, "top1_agreement": against.top1_agreement,
         "weights_gib": sum(p.stat().st_size for p in folder.glob("*.safetensors")) / 2**30,
         "device_memory_gib": (status.device_memory_bytes or 0) / 2**30,
     }])
-    return {"conditions": conditions, "answers": answers, "decode": decode, "token_ids": fp16_ids}
+    return {"conditions": conditions, "answers": answers, "decode": decode, "token_ids": fp16_ids, "logits": fp16_logits}
 
 
 def agreement(tokens: tuple[int, ...], reference: tuple[int, ...]) -> float:
     """The share of the reference's tokens reproduced before the first difference (1.0 for the same output)."""
     same = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
     return same / max(len(reference), 1)
-
-
-def perplexity(session: Session, ids: list[int]) -> float:
-    """exp(mean negative log-likelihood) of `ids`, from one forward pass without a cache: exllamav2 0.3.2's and
-    exllamav3 1.6.5's `model.forward(input_ids)` both return the logits of every position."""
-
-    def nll(engine) -> float:
-        with torch.inference_mode():
-            logits = engine.model.forward(torch.tensor([ids])).float().cpu()[0, :-1]
-        return float(torch.nn.functional.cross_entropy(logits[:, : engine.tokenizer.vocab_size], torch.tensor(ids[1:])))
-
-    return math.exp(session.run_on_engine(nll))
 
 
 def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict) -> ExperimentResult:
@@ -174,7 +170,8 @@ def _findings(summary: pd.DataFrame, failed: pd.DataFrame) -> list[str]:
     for fmt, rows in summary[summary.format != "fp16"].groupby("format"):
         points = "; ".join(
             f"{row.bits:g} bpw: agreement {row.agreement:.0%}, accuracy {row.accuracy:.0%}, perplexity "
-            f"{row.perplexity:.2f}, {row.decode_tokens_per_s:.0f} tokens/s, {row.weights_gib:.3f} GiB"
+            f"{row.perplexity:.2f}, KL from fp16 {row.kl_mean:.4g} (median {row.kl_median:.4g}), top-1 agreement "
+            f"{row.top1_agreement:.0%}, {row.decode_tokens_per_s:.0f} tokens/s, {row.weights_gib:.3f} GiB"
             for row in rows.sort_values("bits").itertuples()
         )
         lines.append(f"{fmt.upper()} ({rows.engine.iloc[0]} engine): {points}.")
@@ -183,12 +180,9 @@ def _findings(summary: pd.DataFrame, failed: pd.DataFrame) -> list[str]:
 
 
 def plot(result: ExperimentResult):
-    conditions = result.tables["conditions"]
-    if conditions.empty:
-        fig, ax = plt.subplots(figsize=(6, 1.2))
-        ax.axis("off")
-        ax.text(0.5, 0.5, NEEDS_CUDA, ha="center", va="center", wrap=True)
-        return fig
+    """The four measures against bits per weight; None where nothing was measured (the findings say why)."""
+    if result.tables["conditions"].empty:
+        return None
     summary = pd.DataFrame(result.values["by_condition"])
     quantized, fp16 = summary[summary.format != "fp16"], summary[summary.format == "fp16"].iloc[0]
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))

@@ -7,6 +7,7 @@ intervals, parameters, engine, model, device, versions, notes) and `<name>.png` 
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import os
 import platform
@@ -99,22 +100,51 @@ class ExperimentResult:
         return "\n".join(lines)
 
     def save(self, out_dir: str | Path, figure=None) -> list[Path]:
-        """Write the CSVs, the JSON summary and (given one) the figure; returns the paths written."""
+        """Write the CSVs, the JSON summary and (given one) the figure; returns the paths written. Each file is
+        written whole or not at all, and the summary last: a summary on disk means its tables are there too."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         written = []
         for table_name, table in self.tables.items():
             path = out / f"{self.name}-{table_name}.csv"
-            table.to_csv(path, index=False)
+            write_atomically(path, table.to_csv(index=False))
             written.append(path)
-        path = out / f"{self.name}.json"
-        path.write_text(json.dumps(self.summary(), indent=2, default=_jsonable) + "\n")
-        written.append(path)
         if figure is not None:
             path = out / f"{self.name}.png"
-            figure.savefig(path, dpi=110, bbox_inches="tight")
+            buffer = io.BytesIO()
+            figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+            write_atomically(path, buffer.getvalue())
             written.append(path)
+        path = out / f"{self.name}.json"
+        summary = self.summary() | {"figure": f"{self.name}.png" if figure is not None else None}
+        write_atomically(path, json.dumps(summary, indent=2, default=_jsonable) + "\n")
+        written.append(path)
         return written
+
+
+def write_atomically(path: Path, content: str | bytes) -> None:
+    """Write to a temporary file beside `path`, then rename it over `path`: a reader (or a later run) sees the
+    old file or the new one, never one cut short by a crash or a kill mid-write."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        if isinstance(content, bytes):
+            temporary.write_bytes(content)
+        else:
+            temporary.write_text(content)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def read_summary(path: Path) -> tuple[dict | None, str | None]:
+    """A notebook's JSON summary, or why there is none: missing, or cut short (a run killed while writing it)."""
+    if not path.exists():
+        return None, f"the notebook ran but wrote no {path.name}"
+    try:
+        return json.loads(path.read_text()), None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        return None, f"{path} is not valid JSON ({error})"
 
 
 def environment(session: Session) -> dict:

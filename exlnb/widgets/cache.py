@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import html
 
-from exlnb.engines.base import CacheView, PageInfo, wall_clock
+from exlnb.engines.base import CacheView, PageInfo, memory_per_gpu_text, wall_clock
 from exlnb.engines.options import check_display
 from exlnb.session import JobRow, Session, get_session
 from exlnb.widgets.frontend import widget_frontend
@@ -49,6 +49,8 @@ def page_square(style: str, title: str, kind: str) -> str:
 
 
 def cache_summary(view: CacheView) -> str:
+    if not view.pages:  # an engine without a page map (a server's cache is the server's): nothing to count
+        return f"this engine shows no cache pages · {view.max_tokens} tokens of context"
     used = view.total_pages - view.free_pages
     cached = sum(1 for p in view.pages if p.cached and p.ref_count == 0)
     defrags = f" · {view.defrag_count} defrags" if view.defrag_count is not None else ""
@@ -56,7 +58,14 @@ def cache_summary(view: CacheView) -> str:
     return (
         f"{used} of {view.total_pages} pages in use ({view.shared_pages} shared), {view.free_pages} free "
         f"({cached} keep a reusable prefix) · {view.used_tokens} of {view.max_tokens} tokens · {mode}{defrags}"
+        f"{gpu_memory_note(view)}"
     )
+
+
+def gpu_memory_note(view: CacheView) -> str:
+    """' · cuda:0 8.38 GiB + cuda:1 8.19 GiB' where the model spans several GPUs, else nothing."""
+    per_gpu = view.device_memory_per_gpu
+    return f" · {memory_per_gpu_text(per_gpu)}" if sum(1 for b in per_gpu if b) > 1 else ""
 
 
 def job_label(row: JobRow) -> str:
@@ -64,7 +73,7 @@ def job_label(row: JobRow) -> str:
     return f"job {row.info.job_id}{name}"
 
 
-def inspector_html(view: CacheView, rows: list[JobRow], note: str = "") -> str:
+def inspector_html(view: CacheView, rows: list[JobRow]) -> str:
     """The inspector's markup: summary, one square per page, and a legend naming each job's colour."""
     grid = "".join(page_square(*page_cell(p, view.page_size)) for p in view.pages)
     swatches = [(f"--exlnb-owner:{job_color(r.info.job_id)};background:{job_color(r.info.job_id)}", "used",
@@ -74,7 +83,7 @@ def inspector_html(view: CacheView, rows: list[JobRow], note: str = "") -> str:
     legend = "".join(f"<span>{page_square(s, t, k)}{html.escape(t)}</span>" for s, k, t in swatches)
     legend += f'<span>{page_square("--exlnb-owner:transparent", "shared", "shared")}shared by several jobs</span>'
     return (
-        f'<div class="exlnb-cache"><div class="exlnb-summary">{html.escape(cache_summary(view) + note)}</div>'
+        f'<div class="exlnb-cache"><div class="exlnb-summary">{html.escape(cache_summary(view))}</div>'
         f'<div class="exlnb-grid">{grid}</div><div class="exlnb-legend">{legend}</div></div>'
     )
 
@@ -94,7 +103,7 @@ class CacheInspector(LiveView):
 
     def draw(self, rows: list[JobRow]) -> tuple[str, str]:
         view = self.session.cache_view()
-        return inspector_html(view, rows, " · live" if rows else " · idle"), cache_text(view, rows)
+        return inspector_html(view, rows), cache_text(view, rows)
 
 
 JOB_COLUMNS = ("job", "stage", "age", "prompt tokens", "new / max", "pages", "stream read")
@@ -109,12 +118,13 @@ def job_cells(row: JobRow, now: float) -> list[str]:
     ]
 
 
-def jobs_summary(rows: list[JobRow]) -> str:
+def jobs_summary(rows: list[JobRow], view: CacheView | None = None) -> str:
     unread = sum(not r.consumed for r in rows)
-    return f"{len(rows)} jobs, {unread} with nobody reading" if rows else "no pending or active jobs"
+    memory = gpu_memory_note(view) if view is not None else ""
+    return (f"{len(rows)} jobs, {unread} with nobody reading" if rows else "no pending or active jobs") + memory
 
 
-def jobs_html(rows: list[JobRow], now: float) -> str:
+def jobs_html(rows: list[JobRow], now: float, view: CacheView | None = None) -> str:
     """The job table's markup: a row per job with its colour and a Cancel button, and Cancel all."""
     body = "".join(
         f'<tr><td>{page_square(f"--exlnb-owner:{job_color(r.info.job_id)};background:{job_color(r.info.job_id)}", "", "used")}'
@@ -125,23 +135,27 @@ def jobs_html(rows: list[JobRow], now: float) -> str:
     header = "".join(f"<th>{c}</th>" for c in JOB_COLUMNS)
     table = f"<table><thead><tr>{header}<th></th></tr></thead><tbody>{body}</tbody></table>" if rows else ""
     cancel_all = '<button class="exlnb-cancel-all" data-action="cancel_all">Cancel all</button>' if rows else ""
-    return f'<div class="exlnb-jobs"><div class="exlnb-summary">{jobs_summary(rows)}</div>{table}{cancel_all}</div>'
+    summary = html.escape(jobs_summary(rows, view))
+    return f'<div class="exlnb-jobs"><div class="exlnb-summary">{summary}</div>{table}{cancel_all}</div>'
 
 
-def jobs_text(rows: list[JobRow]) -> str:
+def jobs_text(rows: list[JobRow], view: CacheView | None = None) -> str:
     if not rows:
-        return jobs_summary(rows)
+        return jobs_summary(rows, view)
     now = wall_clock()
     table = [list(JOB_COLUMNS)] + [job_cells(r, now) for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(JOB_COLUMNS))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in table)
+    memory = gpu_memory_note(view).removeprefix(" · ") if view is not None else ""
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in table]
+    return "\n".join(lines + ([memory] if memory else []))
 
 
 class JobTable(LiveView):
     """Pending and active jobs: age, tokens, whether anyone reads the stream; Cancel each, Cancel all."""
 
     def draw(self, rows: list[JobRow]) -> tuple[str, str]:
-        return jobs_html(rows, wall_clock()), jobs_text(rows)
+        view = self.session.cache_view()
+        return jobs_html(rows, wall_clock(), view), jobs_text(rows, view)
 
     def act(self, message: dict) -> None:
         if message.get("type") == "cancel":
@@ -160,7 +174,7 @@ def show_cache(session: Session | None = None, *, display: str = "auto") -> None
 
 def show_jobs(session: Session | None = None, *, display: str = "auto") -> None:
     """Display the job table where widgets render, plain text otherwise."""
-    _show(JobTable, lambda s: jobs_text(s.jobs()), session, display)
+    _show(JobTable, lambda s: jobs_text(s.jobs(), s.cache_view()), session, display)
 
 
 def _show(widget: type[LiveView], as_text, session: Session | None, display: str) -> None:

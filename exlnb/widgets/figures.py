@@ -9,11 +9,14 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 
-from exlnb.engines.base import EosReason, StreamEvent, Tokenizer
+from exlnb.engines.base import EosReason, SamplerSettings, StreamEvent, Tokenizer
+from exlnb.engines.declaration import declared
 from exlnb.generation import Generation, Sample
 from exlnb.widgets.tokens import sample_token_records, tokens_html, tokens_text
 
 FINDINGS_SHOWN = 3  # template findings listed in the warning; the rest are counted
+SAMPLING_SHAPE = ("temperature", "top_k", "top_p")  # what "greedy" says in one word
+MAIN_SETTINGS = (*SAMPLING_SHAPE, "token_repetition_penalty")  # shown even at their defaults: they shape every answer
 
 
 # -- figures, in words -------------------------------------------------------------------------------------
@@ -41,28 +44,45 @@ def cached_words(event: StreamEvent) -> str | None:
 
 
 def end_words(sample: Sample) -> str:
-    """Why a sample ended: the engine's reason, and who stopped it when it was cancelled."""
-    reason = sample.eos_reason.value if sample.eos_reason else "ended"
-    return f"eos: {reason}" + (f" ({sample.stopped_by})" if sample.stopped_by else "")
+    """Why a sample ended, in plain words (`EosReason.words`), and who stopped it when it was cancelled."""
+    reason = sample.eos_reason.words if sample.eos_reason else "ended"
+    return f"ended: {reason}" + (f" ({sample.stopped_by})" if sample.stopped_by else "")
 
 
-def status_line(sample: Sample) -> str:
-    """stage, tokens, TTFT, prefill and decode speed, elapsed time, and why it ended (the plain-text status)."""
+def sample_state(sample: Sample, generation: Generation) -> str:
+    """running, done, stopped (Stop, an interrupt, the job table, the loop guard) or error (the engine failed)."""
+    if sample.done:
+        return {EosReason.CANCELLED: "stopped", EosReason.FAILED: "error"}.get(sample.eos_reason, "done")
+    return "error" if generation.done else "running"
+
+
+def status_line(sample: Sample, generation: Generation) -> str:
+    """state, tokens, TTFT, prefill and decode speed, elapsed time, and why it ended (the plain-text status)."""
     event = sample.last
     if event is None:
         return "pending"
-    parts = [event.stage.value, f"{event.new_tokens} tokens"]
+    state = sample_state(sample, generation)
+    parts = [state if state != "running" else event.stage.value, f"{event.new_tokens} tokens"]
     if event.time_to_first_token_s is not None:
         parts.append(f"TTFT {event.time_to_first_token_s * 1000:.0f} ms")
     parts += [w for w in (cached_words(event), prefill_words(event)) if w]
     if event.decode_tokens_per_s:
         parts.append(f"decode {event.decode_tokens_per_s:.1f} tok/s")
     parts.append(f"{sample.elapsed_s():.1f} s")
+    parts += [w for w in (taken_back_words(event),) if w]
     if event.eos:
         parts.append(end_words(sample))
         if sample.loop is not None:
             parts.append(loop_words(sample))
     return " · ".join(parts)
+
+
+def taken_back_words(event: StreamEvent) -> str | None:
+    """When a ban took text back: the engine spelled a banned string and rewound it (the text shown never held it)."""
+    if not event.taken_back:
+        return None
+    times = "once" if event.taken_back == 1 else f"{event.taken_back} times"
+    return f"a banned string was taken back {times}"
 
 
 def loop_words(sample: Sample) -> str:
@@ -83,7 +103,7 @@ def template_warning(generation: Generation) -> str | None:
 def sample_text(sample: Sample, generation: Generation) -> str:
     """One sample's text, its tokens when asked for, and its status, as plain output prints it when it ends."""
     head = f"--- sample {sample.index} ---\n" if len(generation.samples) > 1 else ""
-    return f"{head}{sample.text}\n{token_line(sample, generation)}[{status_line(sample)}]"
+    return f"{head}{sample.text}\n{token_line(sample, generation)}[{status_line(sample, generation)}]"
 
 
 def token_line(sample: Sample, generation: Generation) -> str:
@@ -100,18 +120,11 @@ def special_ids(generation: Generation) -> set[int]:
 
 def generation_text(generation: Generation) -> str:
     warning = template_warning(generation)
-    blocks = [sample_text(s, generation) for s in generation.samples]
+    blocks = [settings_words(generation)] + [sample_text(s, generation) for s in generation.samples]
     return "\n".join(([f"warning: {warning}"] if warning else []) + blocks)
 
 
 # -- as HTML -----------------------------------------------------------------------------------------------
-
-
-def sample_state(sample: Sample, generation: Generation) -> str:
-    """running, done, stopped (Stop, an interrupt, the job table, the loop guard) or error (the engine failed)."""
-    if sample.done:
-        return "stopped" if sample.eos_reason is EosReason.CANCELLED else "done"
-    return "error" if generation.done else "running"
 
 
 def figure(name: str, value: str) -> str:
@@ -123,17 +136,20 @@ def one_or_each(values: Sequence[str]) -> str:
     return values[0] if len(set(values)) == 1 else " / ".join(values)
 
 
-def header_html(generation: Generation) -> str:
-    """The figures the samples share, once: TTFT, the prompt and what of it was cached or computed, and the
-    decode rate of all samples together."""
-    events = [s.last for s in generation.samples if s.last is not None]
-    if not events:
-        return '<div class="exlnb-head exlnb-muted">waiting for the engine</div>'
+def same_prefill(events: Sequence[StreamEvent]) -> bool:
+    """Whether the samples did the same prompt work. Samples started together share the prompt's pages, but
+    one may compute the prompt while the others find it cached: then each sample's TTFT goes with its own
+    prefill, and one TTFT for all would credit the others with work they did not do."""
+    return len({(e.cached_tokens, e.computed_prompt_tokens) for e in events}) == 1
+
+
+def prompt_work_figures(events: Sequence[StreamEvent]) -> list[str]:
+    """TTFT, what of the prompt was cached and what the prefill computed: once for samples that did the same
+    work, each sample's in order otherwise."""
     figures = []
     ttfts = [e.time_to_first_token_s for e in events if e.time_to_first_token_s is not None]
     if ttfts:
         figures.append(figure("TTFT", one_or_each([f"{t * 1000:.0f} ms" for t in ttfts])))
-    figures.append(figure("prompt", f"{events[0].prompt_tokens} tokens"))
     if any(e.cached_tokens for e in events):
         figures.append(figure("cached", one_or_each([str(e.cached_tokens) for e in events])))
     prefills = [e for e in events if prefill_ms(e) is not None]
@@ -141,12 +157,55 @@ def header_html(generation: Generation) -> str:
         computed = one_or_each([str(e.computed_prompt_tokens) for e in prefills])
         times = one_or_each([f"{prefill_ms(e):.0f} ms" for e in prefills])
         figures.append(figure("prefill", f"{computed} tokens in {times}"))
+    return figures
+
+
+def header_html(generation: Generation) -> str:
+    """The figures the samples share, once: the prompt, what of it was cached or computed and the TTFT (where
+    every sample did the same prompt work), the decode rate of all samples together, and the sampler settings."""
+    events = [s.last for s in generation.samples if s.last is not None]
+    if not events:
+        return '<div class="exlnb-head exlnb-muted">waiting for the engine</div>'
+    figures = [figure("prompt", f"{events[0].prompt_tokens} tokens")]
+    if same_prefill(events):
+        figures += prompt_work_figures(events)
     decode = sum(e.decode_tokens_per_s or 0 for e in events)
     if decode:
         together = f" ({len(events)} samples together)" if len(generation.samples) > 1 else ""
         figures.append(figure("decode", f"{decode:.1f} tok/s{together}"))
     figures.append(figure("elapsed", f"{max(s.elapsed_s() for s in generation.samples):.1f} s"))
-    return f'<div class="exlnb-head">{"".join(figures)}</div>'
+    settings = html.escape(settings_words(generation))
+    return f'<div class="exlnb-head">{"".join(figures)}</div><div class="exlnb-settings exlnb-muted">{settings}</div>'
+
+
+def settings_words(generation: Generation) -> str:
+    """The sampler settings in effect and what else bounds the answer: the main knobs always (exllamav2's
+    defaults are in effect too), every other setting that differs from its default (DRY, XTC, penalties, ...),
+    banned strings, stop strings and the constraint."""
+    request, sampler = generation.request, generation.request.sampler
+    changed = sampler.changed()
+    options = declared(SamplerSettings)
+    main = [o for o in options if o.name in MAIN_SETTINGS and not (sampler.is_greedy and o.name in SAMPLING_SHAPE)]
+    shown = [o for o in options if o in main or (o.name in changed and o.name not in SAMPLING_SHAPE)]
+    settings = ["greedy"] * sampler.is_greedy + [f"{o.keyword} {_setting(getattr(sampler, o.name))}" for o in shown]
+    words = ["sampler: " + ", ".join(settings)]
+    if request.banned_strings:
+        words.append("banned: " + ", ".join(repr(b) for b in request.banned_strings))
+    stops = [s for s in request.stop if isinstance(s, str)]
+    if stops:
+        words.append("stop: " + ", ".join(repr(s) for s in stops))
+    constraint = generation.samples[0].stream.constraint
+    if constraint is not None:
+        words.append(f"answer constrained by a {constraint.describe()}")
+    return " · ".join(words)
+
+
+def _setting(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (frozenset, tuple)):
+        return "{" + ", ".join(sorted(repr(v) for v in value)) + "}"
+    return str(value)
 
 
 def sample_html(sample: Sample, generation: Generation, max_new_tokens: int) -> str:
@@ -158,6 +217,10 @@ def sample_html(sample: Sample, generation: Generation, max_new_tokens: int) -> 
     parts = [f'<span class="exlnb-state">{state}</span>', f"<span>{tokens}/{max_new_tokens} tokens</span>"]
     if event is not None and event.decode_tokens_per_s:
         parts.append(f"<span>{event.decode_tokens_per_s:.1f} tok/s</span>")
+    if event is not None and not same_prefill([s.last for s in generation.samples if s.last is not None]):
+        parts += [f"<span>{f}</span>" for f in prompt_work_figures([event])]
+    if event is not None and taken_back_words(event):
+        parts.append(f"<span>{html.escape(taken_back_words(event))}</span>")
     if sample.done:
         parts.append(f"<span>{html.escape(end_words(sample))}</span>")
     elif state == "error":

@@ -17,6 +17,16 @@ from exlnb.session import JobRow, NoModelLoaded, Session
 from exlnb.widgets.record import RecordedView
 
 
+LIVE = "live: redrawn while jobs run and this view can be seen"
+IDLE = "idle: no job is running"
+
+
+def liveness_html(words: str) -> str:
+    """Whether the view is live, idle, or a record whose jobs had ended: said once, under what it shows, and
+    hidden by the front end once the kernel has gone (view.js)."""
+    return f'<div class="exlnb-liveness exlnb-muted">{html.escape(words)}</div>'
+
+
 class LiveView(RecordedView):
     def __init__(self, session: Session, *, interval: float = 0.5, idle_check: float = 1.0,
                  retire_after: float = 5.0) -> None:
@@ -51,12 +61,13 @@ class LiveView(RecordedView):
             # recorded as running would then show no job (the table's record after a Cancel all did)
             rows = self.session.jobs()
             running = bool(rows)
-            self.html, self._text = self.draw(rows)
+            drawn, self._text = self.draw(rows)
         except NoModelLoaded as error:
             running = False
-            self.html, self._text = f'<div class="exlnb-summary">{html.escape(str(error))}</div>', str(error)
+            drawn, self._text = f'<div class="exlnb-summary">{html.escape(str(error))}</div>', str(error)
         if running and record:
-            self._busy = (self.html, self._text)
+            self._busy = (drawn, self._text)
+        self.html = drawn + liveness_html(LIVE if running else IDLE)
         self.refresh_count += 1
         return running
 
@@ -86,7 +97,7 @@ class LiveView(RecordedView):
         if self._busy is not None:
             busy_html, busy_text = self._busy
             ended = f"all these jobs had ended by {time.strftime('%H:%M:%S')}"
-            self.html = busy_html + f'<div class="exlnb-muted">{ended}</div>'
+            self.html = busy_html + liveness_html(ended)
             self._text = f"{busy_text}\n{ended}"
         self.settle()
 

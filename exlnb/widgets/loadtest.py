@@ -1,10 +1,12 @@
 """A load test in a notebook cell, live: `await abench(...)`, which `%exl_bench` runs in a kernel.
 
 A line per rate, redrawn as requests are sent and end: a progress bar, the counts (finished, cancelled, in
-flight, still to send) and the running TTFT and TPOT; a Stop button under them. When the test has ended the
-output settles into a static record of the same lines (`exlnb.widgets.record`), which says where a stop cut
-it short. ipykernel (7.4) hands widget messages to their widgets only while a cell awaits, not while it
-blocks: the test runs on a worker thread and the cell awaits it, so the button is heard.
+flight, still to send), the running TTFT and TPOT and the share of requests that met the objectives (in the
+error colour once one missed them); a Stop button under them. When the test has ended the output settles into a
+static record of the same lines (`exlnb.widgets.record`), which says where a stop cut it short, over one compact
+table, a row per rate, with vLLM's 40-line printout folded under it. ipykernel (7.4) hands widget messages to
+their widgets only while a cell awaits, not while it blocks: the test runs on a worker thread and the cell
+awaits it, so the button is heard.
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ import asyncio
 import concurrent.futures
 import html
 import math
+import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from exlnb.bench_result import BenchResult, RateRun
+from exlnb.bench_result import BenchResult, RateRun, slo_words
 from exlnb.engines.base import wall_clock
 from exlnb.engines.options import check_display
 from exlnb.loadtest import Progress, bench
-from exlnb.metrics import Distribution, RequestRecord
+from exlnb.metrics import Distribution, RequestRecord, meets_slos
 from exlnb.widgets.frontend import widget_frontend
 from exlnb.widgets.record import RecordedView
 from exlnb.widgets.stream import FRAME_S, Interrupted
@@ -79,6 +83,14 @@ class RateProgress:
             parts.append(f"TPOT median {tpot.median:.1f} ms")
         return parts
 
+    def slo(self, slos: Mapping[str, float] | None) -> tuple[int, int] | None:
+        """Requests that ran to their end and met every objective, and how many ran to their end; None
+        where no objective was given."""
+        if not slos:
+            return None
+        ok = [r for r in self.records if r.succeeded]
+        return sum(meets_slos(r, slos) for r in ok), len(ok)
+
     def share(self, duration_s: float | None) -> float:
         """How far along: requests ended of those to send, or time of the duration."""
         if self.requests:
@@ -98,6 +110,7 @@ class BenchView(RecordedView, Progress):
         self.ended = False  # the test is over: rates never started were cut off by a stop
         self.workload: Workload | None = None
         self.rates: list[RateProgress] = []
+        self.result: BenchResult | None = None  # once the test has ended with one
         self._lock = threading.Lock()  # the test's thread reports, the cell's loop redraws
         self._rendered_at = 0.0
         self.controls = [["stop", "Stop", "cancel the requests in flight and keep the results so far"]]
@@ -155,7 +168,26 @@ class BenchView(RecordedView, Progress):
             return f'<div class="exlnb-head exlnb-muted">{self._unstarted_words()}</div>'
         lines = "".join(self._rate_html(rate) for rate in self.rates)
         head = f'<div class="exlnb-head">{html.escape(self._head_words())}</div>'
-        return f'<div class="exlnb-bench">{head}<div class="exlnb-samples">{lines}</div></div>'
+        return f'<div class="exlnb-bench">{head}<div class="exlnb-samples">{lines}</div>{self._table_html()}</div>'
+
+    def _table_html(self) -> str:
+        """Once it has ended: a row per rate, and vLLM's full printout folded under it."""
+        if self.result is None or not self.result.runs:
+            return ""
+        rows = [run.compact_row() for run in self.result.runs]
+        head = "".join(f"<th>{html.escape(name)}</th>" for name in rows[0])
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row.values()) + "</tr>" for row in rows)
+        return (f'<table class="exlnb-bench-table"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+                f"<details><summary>vLLM's full printout</summary><pre>{html.escape(self.result.table())}</pre>"
+                "</details>")
+
+    def _table_text(self) -> list[str]:
+        if self.result is None or not self.result.runs:
+            return []
+        rows = [run.compact_row() for run in self.result.runs]
+        table = [list(rows[0]), *[list(row.values()) for row in rows]]
+        widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+        return ["", *("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in table)]
 
     def _unstarted_words(self) -> str:
         return "the load test did not start: the cell's error says why" if self.ended else "planning the requests"
@@ -171,20 +203,34 @@ class BenchView(RecordedView, Progress):
         return f"{head} · stopping ({self.stopped_by}): cancelling the requests in flight"
 
     def _state(self, rate: RateProgress) -> tuple[str, str]:
-        """The rate's state for the stylesheet, and in words."""
+        """The rate's state for the stylesheet, and in words: a rate that has ended with a request that missed
+        the objectives is drawn in the error colour, whatever share met them."""
         if rate.started_at is None and self.ended:
             return "stopped", "not run"
+        if rate.state != "running" and self._slo_missed(rate):
+            return "error", f"{rate.state}, SLO missed"
         return rate.state, rate.state
+
+    def _slo_missed(self, rate: RateProgress) -> bool:
+        slo = rate.slo(self.workload.slos)
+        return slo is not None and slo[0] < slo[1]
 
     def _figures(self, rate: RateProgress) -> list[str]:
         if rate.started_at is None:
             return []
         return [*rate.counts(), *rate.latencies(), f"{rate.elapsed_s():.1f} s"]
 
+    def _slo_figure(self, rate: RateProgress) -> str | None:
+        slo = rate.slo(self.workload.slos) if rate.started_at is not None else None
+        return None if slo is None else f"SLO met by {slo_words(*slo)}"
+
     def _rate_html(self, rate: RateProgress) -> str:
         state, label = self._state(rate)
         parts = [f'<span class="exlnb-state">{label}</span>']
         parts += [f"<span>{html.escape(words)}</span>" for words in self._figures(rate)]
+        if (slo := self._slo_figure(rate)) is not None:
+            missed = " exlnb-slo-missed" if self._slo_missed(rate) else ""
+            parts.append(f'<span class="exlnb-slo{missed}">{html.escape(slo)}</span>')
         share = rate.share(self.workload.duration_s)
         return (f'<div class="exlnb-sample exlnb-{state}"><div class="exlnb-label">{rate_label(rate.request_rate)}'
                 f' req/s</div><div class="exlnb-bar"><span style="width:{share:.1%}"></span></div>'
@@ -194,9 +240,9 @@ class BenchView(RecordedView, Progress):
         with self._lock:
             if self.workload is None:
                 return self._unstarted_words()
-            lines = [f"{rate_label(r.request_rate)} req/s · " + " · ".join([self._state(r)[1], *self._figures(r)])
-                     for r in self.rates]
-            return "\n".join([self._head_words(), *lines])
+            lines = [f"{rate_label(r.request_rate)} req/s · " + " · ".join(
+                [self._state(r)[1], *self._figures(r), *filter(None, [self._slo_figure(r)])]) for r in self.rates]
+            return "\n".join([self._head_words(), *lines, *self._table_text()])
 
     # -- the button, and the end ---------------------------------------------------------------------------
 
@@ -212,9 +258,11 @@ class BenchView(RecordedView, Progress):
         self.controls = []
         self.render()
 
-    def finish(self) -> None:
-        """Draw the last state, without the button, and leave it as the output's record."""
+    def finish(self, result: BenchResult | None) -> None:
+        """Draw the last state, without the button, and its table where the test ended with a result, and leave
+        it as the output's record."""
         self.ended = True
+        self.result = result
         self.controls = []
         self.render()
         self.settle()
@@ -233,31 +281,78 @@ async def abench(
     nothing while it runs. `options` are `bench`'s.
 
     Stop ends the run with the results so far: requests in flight are cancelled (counted as failed), later
-    ones and later rates are not sent, and the result says so. A kernel interrupt (the cell's task cancelled)
-    does the same, waits until every job of the run has ended, and raises `Interrupted`, one line.
+    ones and later rates are not sent, and the result says so. A kernel interrupt (the cell's task cancelled),
+    or Ctrl-C in terminal IPython, does the same, waits until every job of the run has ended, and raises
+    `Interrupted`, one line.
     """
     check_display(display)
     stop = stop or threading.Event()
     view = None
-    if progress and (display == "widget" or (display == "auto" and widget_frontend())):
+    if shows_widget(display, progress):
         view = BenchView(stop)
         view.show()
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="exlnb-bench") as pool:
-        shown = view if view is not None else progress
-        running = pool.submit(bench, request_rate, stop=stop, progress=shown, **options)
+    running = _in_background(bench, request_rate, stop=stop, progress=view if view is not None else progress,
+                             **options)
+    result = None
+    try:
+        with _ctrl_c_cancels(asyncio.current_task()):
+            result = await _await_redrawing(running, view)
+        return result
+    except asyncio.CancelledError as cancelled:
+        result = _stop_and_wait(running, stop, view)
+        words = result.stop_words() if result is not None else None
+        raise Interrupted(f"interrupted: {words or 'the load test had ended'}") from cancelled
+    except BaseException:
+        if not running.done():  # an interrupt on the loop's own thread: stop the test first
+            _stop_and_wait(running, stop, view)
+        raise
+    finally:
+        if view is not None:
+            view.finish(result)
+
+
+def _in_background(fn, *args, **kwargs) -> concurrent.futures.Future:
+    """`fn(*args, **kwargs)` on a daemon thread, its outcome on the returned future. A daemon, unlike a
+    ThreadPoolExecutor's worker, which the interpreter joins at exit: a test left running under a stopped
+    loop held terminal IPython at exit until it had sent every request."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
         try:
-            return await _await_redrawing(running, view)
-        except asyncio.CancelledError as cancelled:
-            result = _stop_and_wait(running, stop, view)
-            words = result.stop_words() if result is not None else None
-            raise Interrupted(f"interrupted: {words or 'the load test had ended'}") from cancelled
-        except BaseException:
-            if not running.done():  # an interrupt on the loop's own thread: stop the test first
-                _stop_and_wait(running, stop, view)
-            raise
-        finally:
-            if view is not None:
-                view.finish()
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as error:  # noqa: BLE001 - handed to the awaiting cell
+            future.set_exception(error)
+
+    threading.Thread(target=run, name="exlnb-bench", daemon=True).start()
+    return future
+
+
+@contextmanager
+def _ctrl_c_cancels(task: asyncio.Task | None) -> Iterator[None]:
+    """Where Ctrl-C raises KeyboardInterrupt (terminal IPython, a script), make it cancel `task` instead.
+
+    Terminal IPython runs `await` with `loop.run_until_complete`: the KeyboardInterrupt rose in the loop's
+    select, outside the coroutine, which never heard of it, and the test ran on with its jobs. ipykernel
+    installs its own handler while a cell awaits (it cancels the cell's task), and that one is left alone.
+    """
+    if (task is None or threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    signal.signal(signal.SIGINT, lambda signum, frame: loop.call_soon_threadsafe(task.cancel))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def shows_widget(display: str, progress: bool) -> bool:
+    """Whether `abench` shows the live view, whose record then holds the results' table: `%exl_bench` prints
+    vLLM's printout only where it does not (45 lines a rate under the widget were too many)."""
+    return progress and (display == "widget" or (display == "auto" and widget_frontend()))
 
 
 async def _await_redrawing(running: concurrent.futures.Future, view: BenchView | None) -> BenchResult:

@@ -11,6 +11,7 @@ the statistics.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
@@ -18,18 +19,22 @@ from contextlib import contextmanager
 from exlnb.engines.base import DEFAULT_MAX_NEW_TOKENS, StreamEvent, wall_clock
 from exlnb.engines.checks import check_option_names
 from exlnb.engines.options import check_display
-from exlnb.generation import Generation, Sample, as_request, astart, start
+from exlnb.generation import (
+    Generation, Sample, as_request, astart, astart_branch, branch_result, start, start_branch,
+)
 from exlnb.request import GenerationRequest
 from exlnb.session import Session
+from exlnb.streaming import GenerationResult
 from exlnb.widgets.figures import (
-    generation_html, generation_text, prompt_html, prompt_pieces, prompt_text, sample_text, status_line, token_line,
-    template_warning,
+    generation_html, generation_text, prompt_html, prompt_pieces, prompt_text, sample_text, settings_words, status_line,
+    template_warning, token_line,
 )
 from exlnb.widgets.frontend import widget_frontend
 from exlnb.widgets.record import RecordedView
 
 FRAME_S = 1 / 30  # redraws per second at most: smooth to the eye, cheap on the comm channel
 POLL_S = 0.02  # how often an awaiting cell looks whether its samples have ended
+CANCEL_SETTLE_S = 5.0  # how long an interrupted cell waits for its cancelled samples' last events
 
 
 class StreamView(RecordedView):
@@ -83,18 +88,25 @@ class StreamView(RecordedView):
 
 
 class PlainPrinter:
-    """Prints one sample's text as it arrives, or each of several samples when it ends, then the stats."""
+    """Prints one sample's text as it arrives, or each of several samples when it ends, then the stats.
+
+    It reads the samples' state, not their events, so it may be called as often or as seldom as the caller
+    likes: from a loop over `Generation.follow()`, or between the awaits of a kernel's cell.
+    """
 
     def __init__(self, generation: Generation) -> None:
         self.generation = generation
         self._printed = [0] * len(generation.samples)
         self._closed: set[int] = set()
 
-    def on_event(self, sample: Sample, event: StreamEvent) -> None:
-        if len(self.generation.samples) == 1:
-            self._print_new_text(sample)
-        if sample.done:
-            self._close(sample)
+    def update(self) -> None:
+        """Print what has arrived since the last call: the one sample's new text, and every sample that has ended."""
+        for sample in self.generation.samples:
+            done = sample.done  # read before the text: a sample's text is complete once it is done
+            if len(self.generation.samples) == 1:
+                self._print_new_text(sample)
+            if done:
+                self._close(sample)
 
     def _print_new_text(self, sample: Sample) -> None:
         text = sample.text
@@ -107,14 +119,9 @@ class PlainPrinter:
         self._closed.add(sample.index)
         if len(self.generation.samples) == 1:
             self._print_new_text(sample)
-            print(f"\n{token_line(sample, self.generation)}[{status_line(sample)}]", flush=True)
+            print(f"\n{token_line(sample, self.generation)}[{status_line(sample, self.generation)}]", flush=True)
         else:
             print(sample_text(sample, self.generation), flush=True)
-
-    def finish(self) -> None:
-        for sample in self.generation.samples:
-            if sample.done:
-                self._close(sample)
 
 
 # -- the calls behind %%exl_generate -----------------------------------------------------------------------
@@ -186,13 +193,48 @@ async def agenerate_live(
     request, use_widget = _entrance(request, options), _wants_widget(display)
     shown = _show(await astart(request, owner=owner, session=session), background, show_prompt, use_widget)
     if not background:
-        try:
-            with _cancel_on_exit(shown.generation, wait=False):
-                await shown.wait_async()
-        except asyncio.CancelledError as cancelled:
-            raise Interrupted(interrupted_words(shown.generation)) from cancelled
-        _raise_failure(shown.generation)
+        await _await_shown(shown)
     return shown.generation
+
+
+async def _await_shown(shown: _Shown) -> None:
+    """Await every sample; an interrupt cancels them and ends the cell in one line; a sample's failure is raised."""
+    try:
+        with _cancel_on_exit(shown.generation, wait=False):
+            await shown.wait_async()
+    except asyncio.CancelledError as cancelled:
+        await _settle_cancelled(shown)
+        raise Interrupted(interrupted_words(shown.generation)) from cancelled
+    _raise_failure(shown.generation)
+
+
+def branch_live(result: GenerationResult, *, at: int, token: int | str | None = None, display: str = "auto",
+                owner: Hashable | None = None) -> GenerationResult:
+    """`result.branch(at, token)` shown as it runs, as `generate_live` shows a generation; the branch's result."""
+    use_widget = _wants_widget(display)
+    shown = _show(start_branch(result, at=at, token=token, owner=owner), False, False, use_widget)
+    with _cancel_on_exit(shown.generation, wait=True):
+        shown.wait()
+    _raise_failure(shown.generation)
+    return branch_result(shown.generation)
+
+
+async def abranch_live(result: GenerationResult, *, at: int, token: int | str | None = None, display: str = "auto",
+                       owner: Hashable | None = None) -> GenerationResult:
+    """`branch_live` for a notebook cell: awaits the branch, so the Stop button and an interrupt are heard."""
+    use_widget = _wants_widget(display)
+    shown = _show(await astart_branch(result, at=at, token=token, owner=owner), False, False, use_widget)
+    await _await_shown(shown)
+    return branch_result(shown.generation)
+
+
+async def _settle_cancelled(shown: _Shown) -> None:
+    """Let the cancelled samples send their last events (the engine's next step), so that the interrupt line
+    and the status above it give the same token counts; a second interrupt stops waiting for them."""
+    try:
+        await shown.wait_async(CANCEL_SETTLE_S)
+    except asyncio.CancelledError:
+        pass
 
 
 class _Shown:
@@ -206,22 +248,30 @@ class _Shown:
     def wait(self) -> None:
         if self.printer is None:
             self.generation.wait()
-            self.view.finish()
-            return
-        self._print_until_done()
+        else:
+            for _ in self.generation.follow():
+                self.printer.update()
+        self._finish()
 
-    async def wait_async(self) -> None:
-        if self.printer is not None:  # plain output has no buttons to listen to: print as it comes
-            self._print_until_done()
-            return
-        while not self.generation.done:  # the kernel's loop runs meanwhile: the Stop button is heard
+    async def wait_async(self, timeout_s: float = math.inf) -> None:
+        """Await the samples (at most `timeout_s`), printing or redrawing as they come. The kernel's event loop
+        runs between the awaits, so the Stop button and an interrupt are heard at once: ipykernel's interrupt
+        handler is a callback on that loop, and a print loop that blocked it ran 400 tokens on for 13 s."""
+        deadline = wall_clock() + timeout_s
+        while not self.generation.done and wall_clock() < deadline:
+            if self.printer is not None:
+                self.printer.update()
             await asyncio.sleep(POLL_S)
-        self.view.finish()  # also where a sample failed, and so never sent its last event
+        if self.generation.done:
+            self._finish()
 
-    def _print_until_done(self) -> None:
-        for sample, event in self.generation.follow():
-            self.printer.on_event(sample, event)
-        self.printer.finish()
+    def _finish(self) -> None:
+        """The last state: the widget's record (also where a sample failed, and so never sent its last event),
+        or the rest of the text and every sample's status."""
+        if self.printer is None:
+            self.view.finish()
+        else:
+            self.printer.update()
 
 
 @contextmanager
@@ -267,6 +317,7 @@ def _show(generation: Generation, background: bool, show_prompt: bool, use_widge
             print("\n".join(str(f) for f in generation.prompt_findings))
         if pieces:
             print(prompt_text(pieces))
+        print(settings_words(generation))
         if background:
             jobs = ", ".join(str(s.stream.job_id) for s in generation.samples)
             print(f"{len(generation.samples)} sample(s) running in the background (jobs {jobs}); wait() for the results")

@@ -1,5 +1,10 @@
-"""The token view: an answer as its tokens, each shaded by how probable it was (or how long it took), its
-alternatives on hover.
+"""The token view: an answer as its tokens, each shaded by how probable the model found it (or how long it
+took), with a popover of its figures and the model's likeliest alternatives.
+
+Two probabilities per token (token_info.py): the model's own, which the shade shows, and the one the sampler
+drew it with, which under top-k or top-p is often 1.000 while the model hesitated. The popover is part of the
+markup, not a `title`: it opens on hover and on keyboard focus (each token is a tab stop), its text can be
+selected and copied, and it works in the static record a saved notebook keeps, where no script runs.
 
 One shade scale for both JupyterLab themes: a red laid translucently over the theme's background, more opaque
 the more a token deserves a look, under the theme's text colour, so the text keeps its contrast in light and
@@ -12,6 +17,7 @@ import html
 import statistics
 from collections.abc import Collection, Sequence
 
+from exlnb.engines.token_info import TokenInfo
 from exlnb.generation import Sample
 from exlnb.token_records import TokenRecord, token_records
 
@@ -47,36 +53,63 @@ def visible(text: str, special: bool, whitespace: bool) -> str:
     return ("".join(VISIBLE.get(ch, ch) for ch in text) if whitespace else text) or "∅"
 
 
-def hover_text(record: TokenRecord) -> str:
+def sampled_words(info: TokenInfo) -> str:
+    return "not reported by this engine" if info.sampled_probability is None else f"{info.sampled_probability:.3f}"
+
+
+def popover_html(record: TokenRecord) -> str:
+    """A token's figures, each named, and the model's k likeliest tokens with the drawn one marked."""
     info = record.info
-    lines = [f"token {info.token_id} {info.text!r}: p={info.probability:.3f}, after {record.latency_s * 1000:.0f} ms",
-             "alternatives:"]
-    lines += [f"{p:7.3f}  {text!r}" + ("  ←" if i == info.token_id else "") for i, text, p in info.alternatives]
-    return "\n".join(lines)
+    rows = "".join(
+        f'<tr><td>{p:.3f}</td><td>{html.escape(repr(text))}</td>'
+        f'<td>{"← drawn" if i == info.token_id else ""}</td></tr>'
+        for i, text, p in info.alternatives
+    )
+    return (
+        f'<span class="exlnb-popover" role="tooltip">'
+        f"<b>token {info.token_id} {html.escape(repr(info.text))}</b><br>"
+        f"model's probability {info.probability:.3f} (its softmax at temperature 1, before sampling)<br>"
+        f"sampled with {sampled_words(info)} (after penalties, temperature and truncation)<br>"
+        f"arrived {record.latency_s * 1000:.0f} ms after the previous token<br>"
+        f"the model's {len(info.alternatives)} likeliest tokens:"
+        f"<table>{rows}</table></span>"
+    )
 
 
 def tokens_html(records: Sequence[TokenRecord], specials: Collection[int], whitespace: bool, colour: str) -> str:
-    """The answer as token chips shaded by `colour` ("probability" or "latency"), with a legend of the bands."""
+    """The answer as token chips shaded by `colour` ("probability": the model's, or "latency"), each with its
+    popover, and a legend of the bands."""
     if colour == "latency":
         bands = latency_bands(records)
         labels = [f"≥{m}× median" for m in LATENCY_BANDS] + ["faster"]
+        shade = "time since the previous token"
     else:
         bands = [band(r.info.probability) for r in records]
         labels = [f"&lt;{limit}" for limit in BANDS] + [f"≥{BANDS[-1]}"]
+        shade = "the model's probability"
     chips = "".join(
-        f'<span class="exlnb-chip exlnb-p{b}{" exlnb-special" if r.info.token_id in specials else ""}"'
-        f' title="{html.escape(hover_text(r))}">{html.escape(visible(r.info.text, r.info.token_id in specials, whitespace))}</span>'
+        f'<span class="exlnb-chip exlnb-p{b}{" exlnb-special" if r.info.token_id in specials else ""}" tabindex="0">'
+        f'{html.escape(visible(r.info.text, r.info.token_id in specials, whitespace))}{popover_html(r)}</span>'
         for r, b in zip(records, bands)
     )
     legend = "".join(f'<span class="exlnb-chip exlnb-p{i}">{label}</span>' for i, label in enumerate(labels))
     return (f'<div class="exlnb-tokens exlnb-token-view">{chips}</div>'
-            f'<div class="exlnb-legend exlnb-muted">{colour} {legend} · hover a token for its alternatives</div>')
+            f'<div class="exlnb-legend exlnb-muted">shade: {shade} {legend} · hover or Tab to a token for its '
+            "probabilities and alternatives</div>")
+
+
+def text_figure(record: TokenRecord, colour: str) -> str:
+    """A token's figure in the plain view: its latency, or the model's probability and the sampler's ("?" where
+    the engine does not report it)."""
+    if colour == "latency":
+        return f"{record.latency_s * 1000:.0f}ms"
+    sampled = record.info.sampled_probability
+    return f"{record.info.probability:.2f}/" + ("?" if sampled is None else f"{sampled:.2f}")
 
 
 def tokens_text(records: Sequence[TokenRecord], specials: Collection[int], whitespace: bool, colour: str) -> str:
-    """The plain-text token view: each token with its probability, or its latency in milliseconds."""
-    def figure(r: TokenRecord) -> str:
-        return f"{r.latency_s * 1000:.0f}ms" if colour == "latency" else f"{r.info.probability:.2f}"
-
-    return "tokens: " + " ".join(f"[{visible(r.info.text, r.info.token_id in specials, whitespace)} {figure(r)}]"
-                                 for r in records)
+    """The plain-text token view, with a head saying what its figures are."""
+    head = "ms since the previous token" if colour == "latency" else "the model's probability/sampled with"
+    tokens = " ".join(f"[{visible(r.info.text, r.info.token_id in specials, whitespace)} {text_figure(r, colour)}]"
+                      for r in records)
+    return f"tokens [text {head}]: {tokens}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +51,21 @@ class _Outcome:
     token_ids: tuple[int, ...] = ()
 
 
+def _multiplicative_noise(eps: float, generator: torch.Generator):
+    """A forward hook multiplying a decoder layer's hidden state by 1 + eps * N(0, 1): ExLlamaV3's
+    eval/qbench/engines.py `apply_mult_noise`, drawn from one generator seeded 1 per pass, as there."""
+
+    def hook(module, inputs, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        noisy = hidden * (1.0 + eps * torch.randn(hidden.shape, generator=generator, dtype=hidden.dtype))
+        return (noisy, *output[1:]) if isinstance(output, tuple) else noisy
+
+    return hook
+
+
 class CpuEngine(Engine):
     name = "cpu"
+    scores_with_noise = True
     separate_generators_note = (
         "The CPU engine has no ExLlamaV2DynamicGenerator to create twice, so it cannot express the reporter's code "
         "as such. It approximates it with copies of the engine that share the model and its KV storage but keep their "
@@ -173,7 +187,8 @@ class CpuEngine(Engine):
                            eos_reason=outcome.eos_reason)
 
     def _token_info(self, draw: Draw) -> TokenInfo:
-        return token_info(self.tokenizer, draw.token, draw.probability, draw.top_ids, draw.top_probs)
+        return token_info(self.tokenizer, draw.token, draw.probability, draw.top_ids, draw.top_probs,
+                          draw.sampled_probability)
 
     @staticmethod
     def _release_info(job: CpuJob, count: int) -> tuple[TokenInfo, ...]:
@@ -235,6 +250,7 @@ class CpuEngine(Engine):
         del job.sequence[to.length :]
         job.decoder.restore(to.decoder_state)
         job.computed = to.length - 1
+        job.taken_back += 1
 
     def _event(
         self, job: CpuJob, stage: Stage, *, text: str = "", token_ids: tuple[int, ...] = (),
@@ -243,7 +259,7 @@ class CpuEngine(Engine):
         return job_event(
             job.job_id, stage, job.clock, wall_clock(),
             prompt_tokens=job.prompt_tokens, cached_tokens=job.cached_tokens, new_tokens=job.new_tokens,
-            text=text, token_ids=token_ids, token_info=token_info, eos_reason=eos_reason,
+            text=text, token_ids=token_ids, token_info=token_info, eos_reason=eos_reason, taken_back=job.taken_back,
         )
 
     # -- field report 2's mistake, on purpose --------------------------------------------------------------
@@ -261,6 +277,20 @@ class CpuEngine(Engine):
         self._pool.forget_contents()
 
     # -- views ---------------------------------------------------------------------------------------------
+
+    def score(self, token_ids: Sequence[int], *, noise_eps: float = 0.0) -> torch.Tensor:
+        # the transformers model's own forward over the whole sequence: the paged cache, and the jobs whose
+        # keys and values it holds, are left as they are
+        model, generator = self._runner.model, torch.Generator().manual_seed(1)
+        hooks = [layer.register_forward_hook(_multiplicative_noise(noise_eps, generator))
+                 for layer in model.model.layers] if noise_eps else []
+        try:
+            with torch.inference_mode():
+                logits = model(torch.tensor([list(token_ids)])).logits[0].float()
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return logits[:, : self.tokenizer.vocab_size]
 
     def jobs(self) -> list[JobInfo]:
         return [

@@ -114,12 +114,14 @@ def truncate(c: steps.Candidates, s: SamplerSettings, state: SamplerState) -> st
 
 @dataclass(frozen=True)
 class Draw:
-    """A sampled token and, when asked for, its probability and the likeliest candidates (token_info.py)."""
+    """A sampled token and, when asked for, the probabilities token_info.py defines: the model's own (of the token
+    and of its k likeliest tokens) and the sampler's."""
 
     token: int
-    probability: float | None = None
+    probability: float | None = None  # the model's own, softmax of the raw logits at temperature 1
     top_ids: tuple[int, ...] = ()
     top_probs: tuple[float, ...] = ()
+    sampled_probability: float | None = None
 
 
 def draw_token(
@@ -135,16 +137,13 @@ def draw_token(
     allowed: torch.Tensor | None = None,
 ) -> Draw:
     """Pick the next token from one position's logits (1-D, float32); `blocked` tokens cannot be picked, nor
-    tokens outside `allowed` (a bool per token, from a constraint). With `top_tokens` k, also the probability it
-    was drawn with and the k likeliest candidates, from the distribution token_info.py defines (nothing extra is
-    computed when k is 0)."""
+    tokens outside `allowed` (a bool per token, from a constraint). With `top_tokens` k, also the model's and
+    the sampler's probability of it and the model's k likeliest tokens (nothing extra is computed when k is 0)."""
+    model_logits = logits
     logits = adjust_logits(logits, sequence, s, blocked, classes, allowed)
     if s.is_greedy:  # exllamav2: temperature < 0.01 means top_k = 1
         token = int(torch.argmax(logits))
-        if not top_tokens:
-            return Draw(token)
-        probs = torch.softmax(logits.float(), dim=-1)
-        return _described(token, float(probs[token]), probs, torch.arange(probs.numel()), top_tokens)
+        return _described(token, 1.0, model_logits, top_tokens)
     state = state or SamplerState()
     if s.mirostat and state.mirostat_mu is None:
         state.mirostat_mu = 2.0 * s.mirostat_tau
@@ -157,12 +156,13 @@ def draw_token(
     index = steps.draw(c, float(torch.rand((), generator=generator)), s.skew)
     if s.mirostat:
         state.mirostat_mu = steps.mirostat_update(state.mirostat_mu, s.mirostat_tau, s.mirostat_eta, float(c.probs[index]))
-    token = int(c.tokens[index])
-    if not top_tokens:
+    return _described(int(c.tokens[index]), float(c.probs[index]), model_logits, top_tokens)
+
+
+def _described(token: int, sampled: float, model_logits: torch.Tensor, k: int) -> Draw:
+    """The draw, with the model's own distribution described when `k` alternatives are asked for."""
+    if not k:
         return Draw(token)
-    return _described(token, float(c.probs[index]), c.probs, c.tokens, top_tokens)
-
-
-def _described(token: int, probability: float, probs: torch.Tensor, tokens: torch.Tensor, k: int) -> Draw:
+    probs = torch.softmax(model_logits.float(), dim=-1)
     top = torch.topk(probs, min(k, probs.numel()))
-    return Draw(token, probability, tuple(tokens[top.indices].tolist()), tuple(top.values.tolist()))
+    return Draw(token, float(probs[token]), tuple(top.indices.tolist()), tuple(top.values.tolist()), sampled)

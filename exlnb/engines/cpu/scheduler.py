@@ -40,6 +40,7 @@ class CpuJob:
     cached_tokens: int = 0  # prompt tokens another job computed (shared pages this job skipped)
     stage: Stage = Stage.PENDING
     held_info: list[TokenInfo] = field(default_factory=list)  # records of sampled tokens not yet released
+    taken_back: int = 0  # banned strings spelled and taken back so far (StreamEvent.taken_back)
 
     @property
     def prompt_tokens(self) -> int:

@@ -1,0 +1,188 @@
+"""What the speed suite times: each setup loaded and driven (exlnb's engines through the session, the libraries'
+own generators, transformers `generate` with a static cache), the measurements taken of it, a model's floor, and
+one decode token's kernels by kind. `benchmarks.speed` runs them as parts and keeps the record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import statistics
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks import decode
+from benchmarks.harness import clock, summarise
+from exlnb.session import Session
+
+CACHE_TOKENS = 4608  # 18 pages of 256: a 4,096-token context, or 8 jobs of 256 + 128, in every setup alike
+BATCH = 8
+BATCHED = f"batch{BATCH}_tokens_per_s"
+
+
+# -- a model's floor --------------------------------------------------------------------------------------------
+
+def weight_bytes_read_per_token(folder: Path) -> int:
+    """Every tensor of the folder's safetensors files, read from their headers, except the embedding where an
+    output head of its own exists (decode reads one embedding row, and a tied embedding is the head)."""
+    sizes = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with file.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        header.pop("__metadata__", None)
+        sizes |= {name: tensor["data_offsets"][1] - tensor["data_offsets"][0] for name, tensor in header.items()}
+    untied = any(name.startswith("lm_head.") for name in sizes)
+    return sum(size for name, size in sizes.items() if not (untied and name.startswith("model.embed_tokens.")))
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a large copy on the device, read and written counted (docs/gpu.md's convention)."""
+    if torch.cuda.is_available():
+        from benchmarks.hardware import copy_bandwidth as device_copy
+
+        return device_copy()
+    src = torch.empty(2**28, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start = clock()
+    for _ in range(5):
+        dst.copy_(src)
+    return 2 * src.numel() * 5 / (clock() - start)
+
+
+# -- the setups -------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Timed:
+    """One loaded setup: a batch-1 generation as its consumer sees it, and the aggregate of several together."""
+
+    generate: Callable[[list[int], int], decode.Run]  # a prompt and its new tokens -> the run
+    together: Callable[[list[list[int]], int], float]  # prompts submitted together -> aggregate new tokens/s
+    status: str = ""
+
+
+def free_memory() -> None:
+    """What a setup held, given back before the next one loads into the same process."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def setup(runner: str, folder: Path) -> Iterator[Timed]:
+    if runner.startswith("kit-"):
+        session = Session()
+        engine = runner.removeprefix("kit-")
+        status = session.load(str(folder), engine=engine, cache_tokens=CACHE_TOKENS, progress=False)
+        try:
+            yield Timed(lambda p, n: decode.session_decode(session, p, n),
+                        lambda ps, n: decode.session_aggregate(session, ps, n), status.line())
+        finally:
+            session.unload()
+    elif runner.startswith("raw-"):
+        library = runner.removeprefix("raw-")
+        load = decode.load_exllamav2_peer if library == "exllamav2" else decode.load_exllamav3_peer
+        generator = load(folder, CACHE_TOKENS)
+        try:
+            yield Timed(lambda p, n: decode.library_by_hand(generator, decode.library_job(library, p, n), len(p)),
+                        lambda ps, n: decode.library_aggregate(generator, library, ps, n))
+        finally:
+            if library == "exllamav3":
+                generator.close()
+            generator.model.unload()
+            del generator
+    else:
+        model = decode.load_hf_peer(folder)
+        try:
+            yield Timed(lambda p, n: hf_static_generate(model, [p], n)[0],
+                        lambda ps, n: hf_static_generate(model, ps, n)[1])
+        finally:
+            del model
+
+
+@torch.inference_mode()
+def hf_static_generate(model, prompts: list[list[int]], new_tokens: int) -> tuple[decode.Run, float]:
+    """transformers `generate` with a static cache (compiled by `generate`), greedy: the first sequence's run as
+    its consumer sees it, and the aggregate new tokens/s of all, from the call to its return."""
+    from benchmarks.graphs import _TokenTimes
+
+    times = _TokenTimes()
+    start = clock()
+    model.generate(torch.tensor(prompts, device=model.device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                   do_sample=False, pad_token_id=0, streamer=times, cache_implementation="static")
+    seconds = clock() - start
+    steps = times.times[1:]  # times[0]: the prompt, handed over before the first step
+    rate = (len(steps) - 1) / (steps[-1] - steps[0]) if len(steps) > 1 else float("nan")
+    return decode.Run(len(prompts[0]), steps[0] - start, rate), len(prompts) * new_tokens / seconds
+
+
+def measure(timed: Timed, p: dict, contexts: list[int]) -> dict:
+    """Warm-ups then repeats of each measurement, each on fresh random prompts (nothing served from cache).
+    A context of C tokens decodes from C - new_tokens to C; the 8 jobs decode at the shortest context."""
+    seeds = iter(range(1, 10**6))
+    n = p["new_tokens"]
+
+    def repeated(sample: Callable[[int], float]) -> list[float]:
+        return [sample(next(seeds)) for _ in range(p["warmup"] + p["repeats"])][p["warmup"]:]
+
+    def ms_per_token(context: int) -> Callable[[int], float]:
+        return lambda seed: 1000 / timed.generate(decode.random_prompt(context - n, seed), n).decode_tokens_per_s
+
+    def batched(seed: int) -> float:
+        return timed.together([decode.random_prompt(contexts[0] - n, 1000 * seed + i) for i in range(BATCH)], n)
+
+    def ttft_ms(seed: int) -> float:
+        return 1000 * timed.generate(decode.random_prompt(p["ttft_prompt"], seed), 1).ttft_s
+
+    samples = {f"ms_per_token_{c}": repeated(ms_per_token(c)) for c in contexts}
+    samples |= {BATCHED: repeated(batched), f"ttft_{p['ttft_prompt']}_ms": repeated(ttft_ms)}
+    metrics = {name: statistics.median(values) for name, values in samples.items()}
+    metrics |= {f"tokens_per_s_{c}": 1000 / metrics[f"ms_per_token_{c}"] for c in contexts}
+    return {"metrics": metrics, "samples": {name: summarise(values) for name, values in samples.items()},
+            "status": timed.status}
+
+
+# -- the kernels of one token (--profile) ---------------------------------------------------------------------
+
+KERNEL_KINDS = (  # the first kind whose words a kernel's name holds; checked in this order
+    ("attention", ("attn", "attention", "flash", "fmha", "sdpa", "softmax")),
+    ("norms and RoPE", ("norm", "rope", "rotary")),
+    ("sampling", ("argmax", "sampl", "topk", "sort", "multinomial", "cumsum")),
+    ("GEMV/GEMM", ("gemm", "gemv", "matmul", "cutlass", "cublas", "xmma", "nvjet", "trellis", "q4", "splitk")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, words in KERNEL_KINDS if any(w in lowered for w in words)), "other")
+
+
+def kernels_by_kind(prof, wall_s: float, steps: int) -> dict:
+    """Kernel time per step by kind, and the host gaps: the step's wall time in which no kernel ran."""
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    by_kind: dict[str, float] = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    for event in kernels:
+        by_kind[kernel_kind(event.name)] += event.device_time / 1000 / steps
+    busy_us, reach = 0.0, float("-inf")
+    for begin, end in sorted((e.time_range.start, e.time_range.end) for e in kernels):
+        busy_us += max(0.0, end - max(begin, reach))
+        reach = max(reach, end)
+    busy_ms = busy_us / 1000 / steps
+    return {"kernel_ms_per_step_by_kind": by_kind, "gpu_busy_ms_per_step": busy_ms,
+            "host_gap_ms_per_step": 1000 * wall_s / steps - busy_ms}
+
+
+def profile(runner: str, folder: Path) -> dict:
+    from benchmarks.profile_decode import profile_steps
+
+    session = Session()
+    session.load(str(folder), engine=runner.removeprefix("profile-"), cache_tokens=CACHE_TOKENS, progress=False)
+    try:
+        return {"metrics": profile_steps(session, tokens=8, extra=kernels_by_kind)}
+    finally:
+        session.unload()
+        free_memory()

@@ -1,0 +1,220 @@
+"""How far a model's next-token distributions stray from a reference's, position by position.
+
+The measures ExLlamaV3's `eval/qbench.py` reports for a quantized model against its unquantized reference, over
+one fixed token sequence: the KL divergence KL(reference || model) at every position (mean, median, p90, and
+split by how confident the reference was), top-1 agreement, the perplexity of both, and a noise floor: the
+reference run again with bf16-rounding-scale noise after every decoder layer (qbench's `BF16_ROUNDING_EPS`),
+the KL any lossy scheme shows even if it adds no more error than another kernel would. Reference logits (and
+the floor's per-position KL) are computed once and kept on disk, keyed by the model folder's weights, the token
+ids and the dtype they are kept in. No session here: `exlnb.scoring` gets the logits from a loaded model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from exlnb.models import cache_root
+
+# bins of the reference's top-1 probability, qbench's CONF_BUCKETS: the mean KL is dominated by positions where
+# the reference is undecided; the confident bins isolate the damage from the floor (eval/qbench.py's docstring)
+CONFIDENCE_BINS = (0.0, 0.25, 0.5, 0.75, 0.95, 1.0)
+# one bf16 unit roundoff of multiplicative noise per element per layer (exllamav3's eval/qbench/measure.py)
+BF16_ROUNDING_EPS = 2**-9
+REFERENCE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+@dataclass(frozen=True)
+class ConfidenceBin:
+    """The positions where the reference's top-1 probability lay in [low, high)."""
+
+    low: float
+    high: float
+    positions: int
+    kl_mean: float
+    top1_agreement: float
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """One model against one reference over one token sequence."""
+
+    positions: int
+    kl_mean: float
+    kl_median: float
+    kl_p90: float
+    top1_agreement: float
+    perplexity: float
+    reference_perplexity: float
+    by_confidence: tuple[ConfidenceBin, ...]
+    noise_floor: float | None = None
+
+    def table(self) -> str:
+        """A compact text table: the summary, then a row per confidence bin that holds positions."""
+        floor = "n/a" if self.noise_floor is None else f"{self.noise_floor:.4g}"
+        lines = [
+            f"positions            {self.positions}",
+            f"KL mean / median / p90  {self.kl_mean:.4g} / {self.kl_median:.4g} / {self.kl_p90:.4g}",
+            f"noise floor (bf16)   {floor} (mean KL of the reference with noise after every layer)",
+            f"top-1 agreement      {self.top1_agreement:.2%}",
+            f"perplexity           {self.perplexity:.4g} (reference {self.reference_perplexity:.4g})",
+            "reference top-1 p    positions  KL mean   top-1 agreement",
+        ]
+        lines += [f"{b.low:.2f}-{b.high:.2f}{'':10}{b.positions:>9}  {b.kl_mean:<10.4g}{b.top1_agreement:.2%}"
+                  for b in self.by_confidence if b.positions]
+        return "\n".join(lines)
+
+
+def check_vocabularies(reference_logits: torch.Tensor, logits: torch.Tensor) -> None:
+    if reference_logits.shape[-1] != logits.shape[-1]:
+        raise ValueError(
+            f"the model's vocabulary has {logits.shape[-1]} tokens and the reference's {reference_logits.shape[-1]}: "
+            "KL divergence compares distributions over one vocabulary; score a model with the reference's tokenizer"
+        )
+    if reference_logits.shape[0] != logits.shape[0]:
+        raise ValueError(f"the model gave {logits.shape[0]} positions and the reference {reference_logits.shape[0]}: "
+                         "score both on the same token ids")
+
+
+def kl_per_position(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(reference || model) in nats at each position: [positions] from two [positions, vocab] logit tensors."""
+    check_vocabularies(reference_logits, logits)
+    log_p = F.log_softmax(reference_logits.float(), dim=-1)
+    log_q = F.log_softmax(logits.float(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+
+
+def top1_agreement(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """The share of positions where the model's most likely token is the reference's."""
+    check_vocabularies(reference_logits, logits)
+    return float((reference_logits.argmax(-1) == logits.argmax(-1)).float().mean())
+
+
+def perplexity(logits: torch.Tensor, token_ids: Sequence[int]) -> float:
+    """exp(mean negative log-likelihood) of token_ids[1:], each predicted by the row before it."""
+    check_sequence(token_ids)
+    targets = torch.tensor(list(token_ids[1:]))
+    if int(targets.max()) >= logits.shape[-1]:
+        raise ValueError(f"token id {int(targets.max())} is outside the vocabulary of {logits.shape[-1]} tokens: "
+                         "score token ids of the model's own tokenizer")
+    return math.exp(float(F.cross_entropy(logits[: len(targets)].float(), targets)))
+
+
+def compare(reference_logits: torch.Tensor, logits: torch.Tensor, token_ids: Sequence[int], *,
+            bins: Sequence[float] = CONFIDENCE_BINS, noise_kl: torch.Tensor | None = None) -> Divergence:
+    """Every measure of `logits` against `reference_logits`, both scored on `token_ids`; `noise_kl`, the
+    reference's noisy rerun's KL per position, gives the noise floor."""
+    kl = kl_per_position(reference_logits, logits)
+    agree = reference_logits.argmax(-1) == logits.argmax(-1)
+    confidence = F.softmax(reference_logits.float(), dim=-1).max(dim=-1).values
+    by_confidence = []
+    for low, high in zip(bins, bins[1:]):
+        inside = (confidence >= low) & ((confidence < high) if high < bins[-1] else (confidence <= high))
+        count = int(inside.sum())
+        by_confidence.append(ConfidenceBin(low, high, count, float(kl[inside].mean()) if count else math.nan,
+                                           float(agree[inside].float().mean()) if count else math.nan))
+    return Divergence(
+        positions=len(kl),
+        kl_mean=float(kl.mean()),
+        kl_median=float(kl.median()),
+        kl_p90=float(torch.quantile(kl, 0.9)),
+        top1_agreement=float(agree.float().mean()),
+        perplexity=perplexity(logits, token_ids),
+        reference_perplexity=perplexity(reference_logits, token_ids),
+        by_confidence=tuple(by_confidence),
+        noise_floor=None if noise_kl is None else float(noise_kl.mean()),
+    )
+
+
+def check_sequence(token_ids: Sequence[int], max_len: int | None = None) -> None:
+    if len(token_ids) < 2:
+        raise ValueError(f"a sequence of {len(token_ids)} token(s) is too short to score: give at least 2")
+    if max_len is not None and len(token_ids) > max_len:
+        raise ValueError(f"a sequence of {len(token_ids)} tokens is longer than the model's cache ({max_len} tokens): "
+                         "give fewer tokens, or load the model with a larger cache_tokens")
+
+
+# -- the reference, kept on disk ---------------------------------------------------------------------------------
+
+def _digest(parts: Sequence[object]) -> str:
+    return hashlib.sha256("\x00".join(map(str, parts)).encode()).hexdigest()[:16]
+
+
+def model_identity(folder: Path) -> str:
+    """Its config.json and its weight files' names, sizes and modification times: new weights, a new identity."""
+    weights = sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    return _digest([(folder / "config.json").read_text(), *((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                                                            for p in weights)])
+
+
+def tokenizer_identity(folder: Path) -> str:
+    """The tokenizer files' contents: two folders with one identity encode every text the same."""
+    return _digest([hashlib.sha256((folder / name).read_bytes()).hexdigest() if (folder / name).is_file() else ""
+                    for name in TOKENIZER_FILES])
+
+
+@dataclass(frozen=True, eq=False)
+class Reference:
+    """A reference model's logits over one token sequence, and what they were computed from."""
+
+    model: str  # the folder
+    model_id: str
+    tokenizer_id: str
+    token_ids: tuple[int, ...]
+    dtype: str
+    logits: torch.Tensor
+    noise_kl: torch.Tensor | None  # KL per position of the reference's noisy rerun; None where not computed
+
+    @property
+    def vocab_size(self) -> int:
+        return self.logits.shape[-1]
+
+    def check_tokenizer(self, tokenizer_id: str, vocab_size: int) -> None:
+        """A reference scored with another tokenizer compares different tokens: refused in one line."""
+        if tokenizer_id != self.tokenizer_id or vocab_size != self.vocab_size:
+            raise ValueError(
+                f"the reference ({self.model}, {self.vocab_size} tokens) was computed with another tokenizer than the "
+                f"loaded model's ({vocab_size} tokens): compare models that share the reference's tokenizer")
+
+
+def reference_path(folder: Path, token_ids: Sequence[int], dtype: str, cache_dir: Path | None = None) -> Path:
+    """Where the reference logits of `folder` over `token_ids`, kept as `dtype`, live in the cache."""
+    if dtype not in REFERENCE_DTYPES:
+        raise ValueError(f"dtype={dtype!r}: choose one of {', '.join(REFERENCE_DTYPES)}")
+    key = _digest([model_identity(folder), _digest(token_ids), dtype])
+    return (cache_dir or cache_root() / "references") / f"{folder.name}-{key}.pt"
+
+
+def cached_reference(folder: Path, token_ids: Sequence[int],
+                     compute: Callable[[], tuple[torch.Tensor, torch.Tensor | None]], *,
+                     dtype: str = "float32", cache_dir: Path | None = None) -> Reference:
+    """The reference from the cache, else `compute()`d and kept there: its logits [positions, vocab] and those of
+    its run with noise (for the floor), or None where the engine cannot inject noise."""
+    path = reference_path(folder, token_ids, dtype, cache_dir)
+    if path.is_file():
+        return load_reference(path)
+    check_sequence(token_ids)
+    logits, noisy = compute()
+    noise_kl = None if noisy is None else kl_per_position(logits, noisy)
+    reference = Reference(str(folder), model_identity(folder), tokenizer_identity(folder), tuple(token_ids), dtype,
+                          logits.to(REFERENCE_DTYPES[dtype]), noise_kl)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    torch.save({**reference.__dict__}, partial)
+    partial.replace(path)  # a run cut off mid-write leaves no reference that loads
+    return reference
+
+
+def load_reference(path: Path) -> Reference:
+    """A reference kept by `cached_reference`, from its file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no reference at {path}: give a file that exlnb.divergence kept, or a model folder")
+    return Reference(**torch.load(path, weights_only=True))

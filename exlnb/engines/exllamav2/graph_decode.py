@@ -1,0 +1,286 @@
+"""Decode steps of an ExLlamaV2 model replayed from CUDA graphs, where exllamav2 0.3.2 launches every kernel
+from Python.
+
+A 7B decode step is about 858 kernel launches; on a host whose launch path is slow, the launches and not the
+GPU set the speed (benchmarks/README.md: the GPU's own time is 1.6x the weights-over-bandwidth floor, the step
+3.3x). A CUDA graph replays the whole step with one call. A probe (benchmarks/README.md) found what can be captured:
+the GPU modules (decoder layers, final norm, head) chained by hand as `forward_chunk` runs them; not
+`model.forward`/`forward_chunk` itself, which copies pageable memory and synchronises inside.
+
+How the dynamic generator's decode steps become replays: `install()` puts `GraphDecoder.forward_chunk` in
+front of the model's own. A step qualifies when it is paged (exlnb's paged attention), one token per
+sequence, an fp16 cache, no LoRA, no indexed embeddings, no per-job RoPE offsets, all GPU modules on one
+device; anything else (prefill, the streaming generator's unpaged passes, a q4 cache) runs the model's own
+method unchanged. The step's inputs are copied into static buffers (hidden states after the CPU-side
+embedding, cache lengths, block table); a graph is captured on first use per batch size and per block-table
+width bucket (1, 2, 4, ... pages; a column past a sequence's length is masked out, so padding the width
+changes no value). The batch is not padded: on the GPU a GEMM of 8 rows rounds differently from one of 5, and
+padded batches flipped greedy tokens against eager decode on a 7B-shaped model (near-ties are common with
+random weights), where a graph per exact batch size gives the same tokens as eager.
+
+Measured on an H100 (benchmarks/README.md): the bundled model decodes 4.2x to 7.8x as fast at batch 1; the
+7B-shaped model's replayed step takes 7.3 ms of GPU time, 1.66x the floor, so there the kernels now set the speed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from exlnb.engines.exllamav2 import paged_attention
+from exlnb.engines.base import one_line
+
+WARMUP_RUNS = 2  # eager runs on a side stream before a capture, as torch.cuda.graph's docs ask
+CHECK_TOLERANCE = 2e-2  # max |replay - eager| over max |eager| logit at which the load check still passes
+CHECK_PROMPT_TOKENS = 24
+
+
+def buckets(limit: int) -> tuple[int, ...]:
+    """Powers of two below `limit`, then `limit` itself: every size up to `limit` pads to at most twice itself."""
+    sizes = [1 << k for k in range(max(limit, 1).bit_length()) if 1 << k < limit]
+    return (*sizes, limit)
+
+
+def bucket_for(size: int, sizes: tuple[int, ...]) -> int | None:
+    return next((b for b in sizes if b >= size), None)
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # the graph's output buffer: (batch, 1, vocabulary)
+
+
+class GraphDecoder:
+    """Replays the decode steps of one ExLlamaV2 model and cache from CUDA graphs (see the module docstring)."""
+
+    def __init__(self, model, cache, *, page_size: int, max_batch_size: int, max_pages: int) -> None:
+        self.model, self.cache, self.page_size = model, cache, page_size
+        self._eager = model.forward_chunk  # the model's own bound method
+        first_gpu = next(i for i, m in enumerate(model.modules) if _on_gpu(m))
+        self._host_modules, self._device_modules = model.modules[:first_gpu], model.modules[first_gpu:]
+        self.device = torch.device("cuda", self._device_modules[0].device_idx)
+        self.max_batch_size, self.page_buckets = max_batch_size, buckets(max_pages)
+        rows, width = max_batch_size, self.page_buckets[-1]
+        self._hidden: torch.Tensor | None = None  # (rows, 1, hidden) in the embedding's dtype, made at first use
+        self._seqlens = torch.zeros((rows,), dtype=torch.int32, device=self.device)
+        self._block_table = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
+        self._graphs: dict[tuple[int, int], _Captured] = {}
+        self._pool = torch.cuda.graph_pool_handle()  # one pool: the graphs never replay at the same time
+        self.graph_bytes = 0  # device memory the captures reserved
+        self.replays = 0
+        self.installed = False
+        self.gave_up = ""  # why decode went back to eager after a capture failed mid-generation, if it did
+
+    # -- in front of the model's own forward_chunk ---------------------------------------------------------
+
+    def install(self) -> None:
+        self.model.forward_chunk = self.forward_chunk  # an instance attribute: model.forward finds it too
+        self.installed = True
+
+    def uninstall(self) -> None:
+        if self.installed:
+            del self.model.forward_chunk
+            self.installed = False
+        self._graphs.clear()
+
+    def forward_chunk(self, input_ids: torch.Tensor, cache=None, *args, attn_params=None, **kwargs):
+        """The model's `forward_chunk`: a replay where the step qualifies, the model's own method otherwise."""
+        key = None if args or self.gave_up else self._key(input_ids, cache, attn_params, kwargs)
+        if key is not None:
+            try:
+                return {"logits": self._replay(key, input_ids, attn_params, kwargs)}
+            except _CaptureFailed as failure:  # this step and every later one run eagerly; the status says why
+                self.gave_up = str(failure)
+        return self._eager(input_ids, cache, *args, attn_params=attn_params, **kwargs)
+
+    def _key(self, input_ids: torch.Tensor, cache, attn_params, kwargs: dict) -> tuple[int, int] | None:
+        """The (batch size, pages bucket) of a step that qualifies for a graph; None for one that does not."""
+        from exllamav2.attn import ExLlamaV2Attention
+
+        if cache is not self.cache or not isinstance(attn_params, ExLlamaV2Attention.PagedParams):
+            return None
+        if input_ids.dim() != 2 or input_ids.shape[1] != 1 or any(kwargs.get(k) for k in _EAGER_ONLY_ARGUMENTS):
+            return None
+        if set(kwargs) - _ALLOWED_ARGUMENTS or attn_params.alt_rope_embed or attn_params.rope_offsets is not None:
+            return None
+        batch = input_ids.shape[0]
+        pages = bucket_for(attn_params.block_index.shape[1], self.page_buckets)
+        return None if batch > self.max_batch_size or pages is None else (batch, pages)
+
+    def _replay(self, key: tuple[int, int], input_ids: torch.Tensor, attn_params, kwargs: dict) -> torch.Tensor:
+        from exllamav2.device import set_device_streams
+
+        x = input_ids
+        for module in self._host_modules:  # the embedding, on the CPU in exllamav2 by default
+            x = module.forward(x, cache=self.cache, attn_params=attn_params, past_len=0, loras=kwargs.get("loras"),
+                               indexed_embeddings=kwargs.get("indexed_embeddings"))
+        set_device_streams()  # as forward_chunk does: the generator reads the logits on exllamav2's stream
+        self._stage(key, x, attn_params.cache_seqlens, attn_params.block_index)
+        captured = self._graphs.get(key)
+        if captured is None:
+            try:
+                captured = self._capture(key)
+            except Exception as error:  # nothing ran yet that eager decode would not run again
+                raise _CaptureFailed(f"capturing batch {key[0]} over {key[1]} pages failed: {one_line(error)}") from error
+        captured.graph.replay()
+        self.cache.current_seq_len += 1
+        self.replays += 1
+        return captured.logits[: input_ids.shape[0]]
+
+    def _stage(self, key: tuple[int, int], hidden: torch.Tensor, seqlens: torch.Tensor, block_index: torch.Tensor) -> None:
+        """Copy one step's inputs into the static buffers, the block table padded to the width bucket with
+        each row's first page (a column past a sequence's length is masked out by the attention)."""
+        n, width = key
+        w = block_index.shape[1]
+        if self._hidden is None:
+            shape = (self.max_batch_size, 1, hidden.shape[-1])
+            self._hidden = torch.zeros(shape, dtype=hidden.dtype, device=self.device)
+        self._hidden[:n].copy_(hidden, non_blocking=True)
+        self._seqlens[:n].copy_(seqlens, non_blocking=True)
+        self._block_table[:n, :w].copy_(block_index, non_blocking=True)
+        if w < width:
+            self._block_table[:n, w:width].copy_(self._block_table[:n, :1].expand(n, width - w))
+
+    # -- capture -------------------------------------------------------------------------------------------
+
+    def _capture(self, key: tuple[int, int]) -> _Captured:
+        """Capture the GPU modules at one bucket, from the inputs staged for the step being run: the warm-up
+        runs compute that very step (writing the keys and values it writes anyway), so a capture in the middle
+        of a generation disturbs no sequence."""
+        rows, width = key
+        params = self._static_params(rows, width)
+        reserved = torch.cuda.memory_reserved(self.device)
+        side = _capture_stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                self._run_device_modules(rows, params)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        paged_attention.forget_layout()  # the graph must record the layout's kernels, not reuse the warm-up's
+        with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+            logits = self._run_device_modules(rows, params)
+        paged_attention.forget_layout()
+        self.graph_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
+        self._graphs[key] = _Captured(graph, logits)
+        return self._graphs[key]
+
+    def _static_params(self, rows: int, width: int):
+        """Paged parameters over the static buffers. exllamav2 builds them on the CPU and copies them per
+        layer call; here they already live on the device, so nothing is copied inside the graph."""
+        from exllamav2.attn import ExLlamaV2Attention
+
+        params = ExLlamaV2Attention.PagedParams(
+            batch_size=rows,
+            block_index=torch.zeros((rows, width), dtype=torch.int32),
+            cache_seqlens=torch.zeros((rows,), dtype=torch.int32),
+            max_cache_seqlen=0,
+            page_size=self.page_size,
+            q_len=1,
+        )
+        # batch 1 would write through a host-side offset (`first_index`) baked in at capture; the general path
+        # reads the positions from the device
+        params.is_sequential = False
+        params.block_index = self._block_table[:rows, :width]
+        params.cache_seqlens = self._seqlens[:rows]
+        return params
+
+    def _run_device_modules(self, rows: int, params) -> torch.Tensor:
+        """The GPU half of `forward_chunk` at q_len 1: the modules, then its logit softcap and head padding."""
+        x = self._hidden[:rows]
+        for module in self._device_modules:
+            x = module.forward(x, cache=self.cache, attn_params=params, past_len=0)
+        config = self.model.config
+        if config.final_logit_softcapping:
+            from exllamav2.ext import exllamav2_ext as ext_c
+
+            ext_c.softcap_(x, config.final_logit_softcapping)
+        padding = self._device_modules[-1].padding
+        if padding > 0:
+            x[:, :, -padding:] = -65504.0
+        return x
+
+    # -- the check a load runs before graphs are used --------------------------------------------------------
+
+    def self_check(self, token_ids: list[int]) -> str | None:
+        """Decode one step eagerly and by replay, at batch 1 and at batch 3, over the cache's first
+        pages (the generator holds nothing yet); None where they agree, else why not, in a line."""
+        from exllamav2.attn import ExLlamaV2Attention
+
+        pages = self.cache.max_seq_len // self.page_size
+        sequences = min(3, pages, self.max_batch_size)
+        prompt = (token_ids * CHECK_PROMPT_TOKENS)[:CHECK_PROMPT_TOKENS]
+        for row in range(sequences):  # a different prompt per page: row r drops its first r tokens
+            ids = torch.tensor([prompt[row:]], dtype=torch.long)
+            params = ExLlamaV2Attention.PagedParams(1, torch.tensor([[row]], dtype=torch.int32),
+                                                    torch.zeros((1,), dtype=torch.int32), 0, self.page_size, q_len=ids.shape[1])
+            self._eager(ids, self.cache, attn_params=params, preprocess_only=True)
+        for batch in sorted({1, sequences}):
+            lengths = [CHECK_PROMPT_TOKENS - row for row in range(batch)]
+            next_ids = torch.tensor([[prompt[-1]] for _ in range(batch)], dtype=torch.long)
+            block_index = torch.arange(batch, dtype=torch.int32)[:, None]
+
+            def step(run):
+                params = ExLlamaV2Attention.PagedParams(batch, block_index.clone(), torch.tensor(lengths, dtype=torch.int32),
+                                                        max(lengths), self.page_size, q_len=1)
+                return run(next_ids, self.cache, attn_params=params, loras=None, indexed_embeddings=[])["logits"].float().cpu()
+
+            eager = step(self._eager)
+            replayed = step(self.forward_chunk)
+            if self.gave_up:
+                return self.gave_up
+            if replayed.shape != eager.shape:
+                return f"a batch-{batch} replay gave logits of shape {tuple(replayed.shape)}, eager {tuple(eager.shape)}"
+            error = float((replayed - eager).abs().max() / eager.abs().max().clamp_min(1e-6))
+            if not math.isfinite(error) or error > CHECK_TOLERANCE:
+                return f"a batch-{batch} replay's logits differ from eager by {error:.3g} of their largest"
+            if not torch.equal(replayed.argmax(-1), eager.argmax(-1)):
+                return f"a batch-{batch} replay picks a different greedy token than eager"
+        return None
+
+    def describe(self) -> str:
+        if self.gave_up:
+            return f"eager since {self.gave_up}"
+        return f"CUDA graphs, {len(self._graphs)} captured, {self.graph_bytes / 2**20:.0f} MiB"
+
+
+class _CaptureFailed(RuntimeError):
+    """A graph could not be captured for a step; the step runs eagerly instead."""
+
+
+# forward_chunk's arguments a replay can take (the dynamic generator passes these), and those that need eager
+_ALLOWED_ARGUMENTS = {"loras", "indexed_embeddings", "abort_event"}
+_EAGER_ONLY_ARGUMENTS = ("loras", "indexed_embeddings")
+
+
+_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One stream per device for every warm-up and capture, of every model loaded in the process. cuBLAS keeps
+    a workspace (32 MiB on an H100) for each stream it has run on and never frees it: a new stream per capture
+    made each reload hold 32 MiB more until the process ended (the twenty-reloads test)."""
+    if device not in _capture_streams:
+        _capture_streams[device] = torch.cuda.Stream(device)
+    return _capture_streams[device]
+
+
+def _on_gpu(module) -> bool:
+    return module.device_idx is not None and module.device_idx >= 0
+
+
+def cannot_graph(engine) -> str | None:
+    """Why an ExLlamaV2 engine's decode cannot run from graphs, in a line; None where it can try."""
+    if not engine.paged:
+        return "unpaged: the dynamic generator's unpaged passes stay eager"
+    if not paged_attention.installed():
+        return f"attention is {engine.attention}: graphs are verified over exlnb's paged attention only"
+    if engine.options.cache_dtype != "fp16":
+        return f"a {engine.options.cache_dtype} cache is dequantised per step to a length read on the host"
+    devices = {m.device_idx for m in engine.model.modules if _on_gpu(m)}
+    if len(devices) != 1 or engine.model.tp_context is not None:
+        return "the model spans several GPUs"
+    return None

@@ -1,0 +1,63 @@
+"""The server view: what `%exl_cache` shows in place of the page map when the model is behind a server.
+
+A server keeps its KV cache to itself, so there are no pages to draw. What can be seen is this kernel's jobs in
+flight (the job table, with Cancel buttons: a cancel closes the job's connection) and the server's own count of
+requests running and waiting and its KV-cache use, read from its Prometheus `/metrics` where it has one (vLLM,
+SGLang, llama.cpp's server); where it has none the view says so rather than showing zeros.
+"""
+
+from __future__ import annotations
+
+import html
+
+from exlnb.engines.base import wall_clock
+from exlnb.engines.options import check_display
+from exlnb.engines.registry import engine_spec
+from exlnb.session import JobRow, Session, get_session
+from exlnb.widgets.cache import JobTable, jobs_html, jobs_text, show_cache
+from exlnb.widgets.frontend import widget_frontend
+
+NO_METRICS = "server: no /metrics page, so its queue, running requests and KV-cache use are not known here"
+
+
+def server_line(session: Session) -> str:
+    """The server's own gauges as a line, or why there are none. `server_metrics` reads only the server's
+    address, so it is called here, off the engine thread, and a slow server never holds up a step."""
+    metrics = session.engine.server_metrics()
+    return NO_METRICS if metrics is None else metrics.line()
+
+
+def server_text(session: Session, rows: list[JobRow]) -> str:
+    status = session.status()
+    return f"{status.model} at {status.device}\n{server_line(session)}\n{jobs_text(rows)}"
+
+
+class ServerView(JobTable):
+    """The server's gauges over this kernel's in-flight jobs, refreshed while visible; Cancel buttons as in %exl_jobs."""
+
+    def draw(self, rows: list[JobRow]) -> tuple[str, str]:
+        status = self.session.status()
+        head = f"{status.model} at {status.device} · {server_line(self.session)}"
+        body = f'<div class="exlnb-summary">{html.escape(head)}</div>{jobs_html(rows, wall_clock())}'
+        return f'<div class="exlnb-server">{body}</div>', server_text(self.session, rows)
+
+
+def serves_metrics(session: Session) -> bool:
+    options = session.options
+    return options is not None and engine_spec(options.engine).can("server_metrics")
+
+
+def show_server(session: Session | None = None, *, display: str = "auto") -> None:
+    """Display the server view where widgets render, plain text otherwise."""
+    session = session or get_session()
+    check_display(display)
+    if display == "widget" or (display == "auto" and widget_frontend()):
+        ServerView(session).show()
+    else:
+        print(server_text(session, session.jobs()))
+
+
+def show_cache_or_server(session: Session | None = None, *, display: str = "auto") -> None:
+    """`%exl_cache`: the page map of an engine in this kernel, the server view of a model behind a server."""
+    session = session or get_session()
+    (show_server if serves_metrics(session) else show_cache)(session, display=display)

@@ -1,0 +1,119 @@
+"""The speed suite: on the CPU it times the bundled model in quick mode and writes a record in which every goal is
+either measured or says why not; it resumes today's record; a GPU-only part refuses in one line without CUDA;
+the goals table is the one place a goal's name, its computation and its threshold are said."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from benchmarks import speed, speed_setups
+
+ISSUE_GOALS = {  # issue 33's names, which the table must keep
+    "v2_fp16_7b_batch1_over_floor_at_most_1.3", "v3_exl3_7b_batch1_over_floor_at_most_1.5",
+    "v3_fp16_7b_batch1_over_floor_at_most_1.5", "kit_over_raw_exllamav2_batch1_at_least_0.97",
+    "kit_over_raw_exllamav3_batch1_at_least_0.97", "context_4096_over_256_per_token_at_most_1.15",
+    "batch8_aggregate_over_batch1_at_least_5", "over_transformers_compiled_7b_batch1_at_least_1.2",
+    "over_transformers_compiled_7b_batch8_at_least_1.2",
+}
+
+
+def _strict(name: str):
+    raise ValueError(f"{name} in the record: strict JSON readers refuse it")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU run: on CUDA the GPU parts run instead")
+def test_quick_cpu_run_measures_the_bundled_model_resumes_and_accounts_for_every_goal(tmp_path):
+    stopped = speed.main(["--quick", "--budget-s", "0", "--out", str(tmp_path)])  # one part, then stop
+    first = json.loads(stopped.read_text())
+    assert first["complete"] is False and first["calls"][0]["parts"] == ["bandwidth"]
+    assert first["remaining"] == ["floor@bundled", "kit-cpu@bundled"]
+
+    path = speed.main(["--quick", "--out", str(tmp_path)])
+    assert path == stopped, "a second run of the same day and plan resumes the first's record"
+    record = json.loads(path.read_text(), parse_constant=_strict)
+    assert record["complete"] is True and record["remaining"] == []
+    assert record["calls"][1]["parts"] == ["floor@bundled", "kit-cpu@bundled"]
+    kit = record["parts"]["kit-cpu@bundled"]["metrics"]
+    for name in ("ms_per_token_64", "batch8_tokens_per_s", "ttft_64_ms", "tokens_per_s_64"):
+        assert math.isfinite(kit[name]) and kit[name] > 0, name
+    assert len(record["parts"]["kit-cpu@bundled"]["samples"]["ms_per_token_64"]["samples"]) == record["plan"]["repeats"]
+    floor = record["parts"]["floor@bundled"]["metrics"]
+    assert floor["ms_per_token"] == pytest.approx(1000 * floor["weight_bytes_read_per_token"] / floor["copy_bandwidth_bytes_per_s"])
+    assert record["parts"]["kit-exllamav2@7b-fp16"]["why"] == "no CUDA here"
+
+    assert set(record["goals"]) == ISSUE_GOALS == set(record["goal_definitions"])
+    for name, goal in record["goals"].items():
+        assert isinstance(goal["met"], bool), name
+        assert goal["ratio"] is not None or "no CUDA here" in goal["why"], name
+    assert path.with_suffix(".png").stat().st_size > 1000
+
+    again = speed.main(["--quick", "--out", str(tmp_path)])
+    resumed = json.loads(again.read_text())
+    assert again == path and resumed["calls"][2]["parts"] == [], "a part already measured is not measured again"
+    assert resumed["parts"]["kit-cpu@bundled"] == record["parts"]["kit-cpu@bundled"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_a_gpu_only_part_refuses_in_one_line_without_cuda(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        speed.main(["--only", "kit-exllamav2@7b-fp16", "--out", str(tmp_path)])
+    assert exit.value.code == 2
+    message = capsys.readouterr().err
+    assert message.count("\n") == 1 and "kit-exllamav2@7b-fp16: no CUDA here" in message
+    assert not list(tmp_path.iterdir()), "nothing written by a run that refused"
+
+
+def test_goals_table_names_each_goal_once_and_its_threshold_is_its_name():
+    assert {goal.name for goal in speed.GOALS} == ISSUE_GOALS and len(speed.GOALS) == len(ISSUE_GOALS)
+
+    for goal in speed.GOALS:  # each goal on parts whose ratio sits on its threshold, just above and just below
+        (top, x), (bottom, y) = goal.numerator, goal.denominator
+        for factor, met in ((1.0, True), (1.01, not goal.at_most), (0.99, goal.at_most)):
+            parts = {bottom: {"metrics": {y: 10.0}, "call": 0}}
+            parts.setdefault(top, {"metrics": {}, "call": 0})["metrics"][x] = 10.0 * goal.threshold * factor
+            result = speed.goals(parts)[goal.name]
+            assert result["ratio"] == pytest.approx(goal.threshold * factor) and result["met"] is met, (goal.name, factor)
+
+    missing = speed.goals({"floor@7b-fp16": {"why": "no CUDA here"}})["v2_fp16_7b_batch1_over_floor_at_most_1.3"]
+    assert missing == {"ratio": None, "met": False,
+                       "why": "kit-exllamav2@7b-fp16: not run yet; floor@7b-fp16: no CUDA here"}
+
+
+def test_kernels_are_grouped_by_kind_by_their_names():
+    kinds = {
+        "void gemv_half_kernel<128>(half const*, half*)": "GEMV/GEMM",
+        "sm90_xmma_gemm_f16f16_f16f32_f32_tn_n_tilesize64x64x64": "GEMV/GEMM",
+        "fmha_cutlassF_f16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel)": "attention",
+        "void rms_norm_kernel<256>(half const*, half*)": "norms and RoPE",
+        "void rope_cuda_kernel(half*, float const*)": "norms and RoPE",
+        "void at::native::reduce_kernel<argmax_ops>(...)": "sampling",
+        "void at::native::vectorized_elementwise_kernel<4, silu>(...)": "other",
+    }
+    assert {name: speed_setups.kernel_kind(name) for name in kinds} == kinds
+
+
+def test_the_floor_reads_each_weight_once_and_no_embedding_beside_an_output_head(tmp_path):
+    tied, untied = tmp_path / "tied", tmp_path / "untied"
+    for folder in (tied, untied):
+        folder.mkdir()
+        save_file({"model.embed_tokens.weight": torch.zeros(100, 8, dtype=torch.float16),
+                   "model.norm.weight": torch.zeros(8, dtype=torch.float16)}, folder / "model-head.safetensors")
+        save_file({"model.layers.0.mlp.up_proj.weight": torch.zeros(16, 8, dtype=torch.float16)},
+                  folder / "model-layer000.safetensors")
+    save_file({"lm_head.weight": torch.zeros(100, 8, dtype=torch.float16)}, untied / "model-lm-head.safetensors")
+
+    assert speed_setups.weight_bytes_read_per_token(tied) == 2 * (800 + 8 + 128)  # the tied embedding is the head
+    assert speed_setups.weight_bytes_read_per_token(untied) == 2 * (8 + 128 + 800)  # the head, not the embedding
+
+
+def test_only_accepts_parts_runners_and_models_and_names_the_choices_when_wrong():
+    assert speed.select("7b-exl3", profile=False) == [
+        "bandwidth", "quantize@7b-exl3", "floor@7b-exl3", "kit-exllamav3@7b-exl3", "raw-exllamav3@7b-exl3"]
+    assert speed.select("7b-exl3", profile=True)[-1] == "profile-exllamav3@7b-exl3"
+    assert speed.select("profile-exllamav3", profile=False) == ["profile-exllamav3@7b-fp16", "profile-exllamav3@7b-exl3"]
+    assert speed.select("transformers", profile=False) == ["transformers@7b-fp16", "transformers@bundled"]
+    with pytest.raises(ValueError, match="--only 7b-gguf: not a part, runner or model; parts: bandwidth, "):
+        speed.select("7b-gguf", profile=False)

@@ -1,0 +1,176 @@
+"""The openai engine against real servers started by the tests: `transformers serve` (no logprobs) and
+llama-cpp-python's server (logprobs with top_logprobs), both on the bundled model (issue 34's acceptance)."""
+
+from __future__ import annotations
+
+import _thread
+import threading
+import time
+
+import pytest
+
+from exlnb import generation
+from exlnb.engines.base import EosReason
+from exlnb.loadtest import bench
+from exlnb.models import BUNDLED_MODEL
+from exlnb.session import Session, get_session
+
+pytest_plugins = ["tests.servers"]
+pytestmark = pytest.mark.slow  # starts real servers
+
+WAIT_S = 120  # two busy cores: a server's answer of a few tokens can take a while
+
+
+@pytest.fixture(scope="module")
+def transformers_session(transformers_server) -> Session:
+    session = Session()
+    session.load(url=transformers_server, progress=False)
+    yield session
+    session.unload()
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_session(llama_cpp_server) -> Session:
+    session = Session()
+    session.load(url=llama_cpp_server, api="completions", progress=False)
+    yield session
+    session.unload()
+
+
+def finished(gen: generation.Generation) -> generation.Generation:
+    assert gen.wait_done(WAIT_S), f"not done within {WAIT_S} s"
+    return gen
+
+
+def test_a_chat_answer_streams_from_transformers_serve(transformers_session):
+    status = transformers_session.status()
+    assert status.library == "transformers" and "/v1/chat/completions" in status.decode
+    gen = finished(generation.start("Name three colours.", session=transformers_session, max_new_tokens=12,
+                                    temperature=0))
+    [sample] = gen.samples
+    assert gen.errors == [] and sample.text.strip()
+    assert sum(bool(e.text) for e in sample.events) > 1  # in pieces as they came
+    assert sample.eos_reason in (EosReason.STOP_TOKEN, EosReason.MAX_NEW_TOKENS)
+    assert sample.last.time_to_first_token_s > 0
+
+
+def test_stop_closes_the_stream_at_once(transformers_session):
+    gen = generation.start("Write a long story about a lighthouse.", session=transformers_session,
+                           max_new_tokens=400, temperature=0)
+    deadline = time.monotonic() + WAIT_S
+    while not gen.samples[0].token_ids and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gen.samples[0].token_ids, "no token arrived"
+    gen.cancel("stop button")
+    finished(gen)
+    assert gen.samples[0].eos_reason is EosReason.CANCELLED and gen.samples[0].stopped_by == "stop button"
+    assert transformers_session.jobs() == []
+
+
+def test_the_token_view_says_plainly_a_server_returns_no_logprobs(transformers_session):
+    with pytest.raises(ValueError, match=r"tokens=3 \(a transformers server returns no logprobs, so there is no token view"):
+        generation.start("Hi", session=transformers_session, tokens=3)
+
+
+def test_chat_history_goes_to_the_server_as_messages(transformers_session):
+    first = finished(generation.start("My name is Ada.", chat="remote", amnesia=True, session=transformers_session,
+                                      max_new_tokens=8, temperature=0))
+    second = finished(generation.start("What is my name?", chat="remote", session=transformers_session,
+                                       max_new_tokens=8, temperature=0))
+    assert first.errors == second.errors == []
+    sent = transformers_session.tokenizer.messages_for(tuple(second.prompt_ids))
+    assert [m["role"] for m in sent][-3:] == ["user", "assistant", "user"]
+    assert sent[-3]["content"] == "My name is Ada." and sent[-2]["content"] == first.texts[0]
+
+
+def test_a_prompt_in_exlnbs_template_is_refused_by_a_chat_server(transformers_session):
+    with pytest.raises(ValueError, match=r"already rendered with a template .* use template='auto', or load with "
+                                         r"api='completions'"):
+        generation.start("Hi", template="chatml", session=transformers_session)
+
+
+def test_completions_send_exlnbs_own_template(llama_cpp_session):
+    assert "/v1/completions, exlnb's templates" in llama_cpp_session.status().decode
+    gen = finished(generation.start("Name a fruit.", template="chatml", session=llama_cpp_session,
+                                    max_new_tokens=8, temperature=0))
+    assert gen.errors == [] and gen.texts[0].strip()
+
+
+def test_the_token_view_reads_the_servers_logprobs(llama_cpp_session):
+    gen = finished(generation.start("Name a fruit.", session=llama_cpp_session, max_new_tokens=6, temperature=0,
+                                    tokens=3))
+    records = gen.results[0].tokens()
+    assert len(records) >= 1 and gen.errors == []
+    for _, row in records.iterrows():
+        assert 0 < row.probability <= 1 and 1 <= len(row.alternatives) <= 3
+        # greedy: the token drawn is the likeliest the server listed
+        assert row.probability == pytest.approx(max(p for _, _, p in row.alternatives), rel=1e-6)
+    assert "".join(records.text) == gen.texts[0]
+
+
+def test_n_samples_each_stream_their_own_answer(llama_cpp_session):
+    gen = finished(generation.start("Say a number.", n=2, seed=3, session=llama_cpp_session, max_new_tokens=6))
+    assert gen.errors == [] and len(gen.texts) == 2 and all(t.strip() for t in gen.texts)
+
+
+def test_bench_measures_a_server_with_vllms_metrics(llama_cpp_session):
+    result = bench(request_rate=[4.0], num_requests=3, prompt_len=16, output_len=4, seed=1, progress=False,
+                   session=llama_cpp_session)
+    [run] = result.runs
+    assert len(run.records) == 3 and all(r.succeeded for r in run.records)
+    assert [r.output_tokens for r in run.records] == [4, 4, 4]  # exact lengths: the server was told min_tokens
+    assert run.metrics.successful_requests == 3 and run.metrics.ttft_ms.mean > 0
+
+
+@pytest.fixture
+def llama_cpp_in_the_kernel(llama_cpp_server):
+    """The kernel's own session on the llama.cpp server, for the magics; the CPU engine again afterwards."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    import exlnb
+
+    shell = InteractiveShell.instance()
+    exlnb.load_ipython_extension(shell)
+    yield shell
+    get_session().load(BUNDLED_MODEL, engine="cpu", progress=False)
+
+
+def test_the_magics_drive_a_server(llama_cpp_in_the_kernel, llama_cpp_server, capsys):
+    shell = llama_cpp_in_the_kernel
+    shell.run_line_magic("exl_load", f"--engine openai --url {llama_cpp_server} --served-model {BUNDLED_MODEL} "
+                                     "--api completions")
+    assert "openai engine (llama.cpp)" in capsys.readouterr().out
+    shell.run_cell_magic("exl_generate", "--max-new-tokens 200 --background --out gen --display text",
+                         "Write a long story about a lighthouse keeper.")
+    gen = shell.user_ns["gen"]
+    shell.run_line_magic("exl_cache", "--display text")
+    view = capsys.readouterr().out
+    assert f"{BUNDLED_MODEL} at {llama_cpp_server}" in view
+    assert "no /metrics page" in view
+    shell.run_line_magic("exl_jobs", "--display text")
+    shell.run_line_magic("exl_cancel", "--all")
+    finished(gen)
+    assert get_session().jobs() == []
+
+
+def test_a_kernel_interrupt_closes_the_stream(llama_cpp_in_the_kernel, llama_cpp_server, ctrl_c):
+    session = get_session()
+    session.load(url=llama_cpp_server, api="completions", progress=False)
+    started = threading.Event()
+
+    def interrupt_once_tokens_flow():
+        deadline = time.monotonic() + WAIT_S
+        while not any(r.info.new_tokens for r in session.jobs()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        started.set()
+        _thread.interrupt_main()  # Ctrl-C while the cell waits for its answer
+
+    threading.Thread(target=interrupt_once_tokens_flow, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        llama_cpp_in_the_kernel.run_cell_magic("exl_generate", "--max-new-tokens 400 --display text",
+                                               "Write a long story about a lighthouse keeper.")
+    assert started.is_set()
+    deadline = time.monotonic() + 10
+    while session.jobs() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert session.jobs() == []
