@@ -291,7 +291,7 @@ async def abench(
     if shows_widget(display, progress):
         view = BenchView(stop)
         view.show()
-    running = _in_background(bench, request_rate, stop=stop, progress=view if view is not None else progress,
+    running, thread = _in_background(bench, request_rate, stop=stop, progress=view if view is not None else progress,
                              **options)
     result = None
     try:
@@ -299,22 +299,22 @@ async def abench(
             result = await _await_redrawing(running, view)
         return result
     except asyncio.CancelledError as cancelled:
-        result = _stop_and_wait(running, stop, view)
+        result = _stop_and_wait(running, thread, stop, view)
         words = result.stop_words() if result is not None else None
         raise Interrupted(f"interrupted: {words or 'the load test had ended'}") from cancelled
     except BaseException:
         if not running.done():  # an interrupt on the loop's own thread: stop the test first
-            _stop_and_wait(running, stop, view)
+            _stop_and_wait(running, thread, stop, view)
         raise
     finally:
         if view is not None:
             view.finish(result)
 
 
-def _in_background(fn, *args, **kwargs) -> concurrent.futures.Future:
-    """`fn(*args, **kwargs)` on a daemon thread, its outcome on the returned future. A daemon, unlike a
-    ThreadPoolExecutor's worker, which the interpreter joins at exit: a test left running under a stopped
-    loop held terminal IPython at exit until it had sent every request."""
+def _in_background(fn, *args, **kwargs) -> tuple[concurrent.futures.Future, threading.Thread]:
+    """`fn(*args, **kwargs)` on a daemon thread: its outcome on the returned future, and the thread. A daemon,
+    unlike a ThreadPoolExecutor's worker, which the interpreter joins at exit: a test left running under a
+    stopped loop held terminal IPython at exit until it had sent every request."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def run() -> None:
@@ -325,8 +325,9 @@ def _in_background(fn, *args, **kwargs) -> concurrent.futures.Future:
         except BaseException as error:  # noqa: BLE001 - handed to the awaiting cell
             future.set_exception(error)
 
-    threading.Thread(target=run, name="exlnb-bench", daemon=True).start()
-    return future
+    thread = threading.Thread(target=run, name="exlnb-bench", daemon=True)
+    thread.start()
+    return future, thread
 
 
 @contextmanager
@@ -369,13 +370,15 @@ async def _await_redrawing(running: concurrent.futures.Future, view: BenchView |
     return waiting.result()
 
 
-def _stop_and_wait(running: concurrent.futures.Future, stop: threading.Event,
+def _stop_and_wait(running: concurrent.futures.Future, thread: threading.Thread, stop: threading.Event,
                    view: BenchView | None) -> BenchResult | None:
-    """Stop the test after an interrupt and wait: its jobs have ended when this returns. Its result, if any."""
+    """Stop the test after an interrupt and wait: its jobs and its thread have ended when this returns. Its
+    result, if any."""
     if view is not None:
         view.ask_to_stop("interrupt")
     stop.set()
     concurrent.futures.wait([running])
+    thread.join()  # it has set the future: what is left of it is its return
     if running.cancelled() or running.exception() is not None:
         return None
     return running.result()
