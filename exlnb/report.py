@@ -27,7 +27,7 @@ from pathlib import Path
 from exlnb.engines.formats import engine_for, model_format
 from exlnb.engines.options import ENGINE_NAMES
 from exlnb.experiments.notebooks import NOTEBOOKS, check_parameters
-from exlnb.experiments.record import read_summary, write_atomically
+from exlnb.experiments.record import FIELD_REPORTS, read_summary, write_atomically
 from exlnb.models import BUNDLED_MODEL, prepare_bundled
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -263,8 +263,9 @@ def summary_markdown(runs: list[NotebookRun]) -> str:
         if run.error:
             lines.append(f"- FAILED: {run.error}")
             continue
-        if reports := ", ".join(str(n) for n in run.summary["field_reports"]):  # quantization answers none
-            lines += [f"Field report{'s' if ',' in reports else ''} {reports}.", ""]
+        # quantization answers none
+        lines += [f"Field report {n} (docs/field-reports.md): {FIELD_REPORTS[n]}." for n in run.summary["field_reports"]]
+        lines += [""] if run.summary["field_reports"] else []
         lines += [f"- {effect['line']}" for effect in run.summary["effects"]]
         lines += ["", *[f"- {finding}" for finding in run.summary["findings"]]]
         if "figure" in run.summary and run.summary["figure"] is None:

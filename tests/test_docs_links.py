@@ -70,3 +70,10 @@ def test_a_broken_link_or_anchor_is_caught(tmp_path):
 
 def test_the_readme_stays_a_front_page():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 320
+
+
+def test_the_field_reports_named_in_the_summary_are_the_pages_headings():
+    from exlnb.experiments.record import FIELD_REPORTS
+
+    headings = re.findall(r"^## (\d)\. (.+?)(?: \(.*\))?$", (ROOT / "docs" / "field-reports.md").read_text(), re.M)
+    assert {int(n): subject for n, subject in headings} == FIELD_REPORTS

@@ -22,6 +22,14 @@ from exlnb.analysis import Estimate
 from exlnb.session import Session
 
 VERSIONED_PACKAGES = ("exlnb", "torch", "transformers", "exllamav2", "exllamav3", "numpy", "pandas")
+# what each field report (docs/field-reports.md, whose headings these are) is about, for a reader who has not read it
+FIELD_REPORTS = {
+    1: "Latency that grows from seconds to minutes",
+    2: "Concurrent requests mixing each other's context",
+    3: "Streaming that stalls, then bursts",
+    4: "Speed falling over many prompts, and prompt-format mistakes",
+    5: "Long prompts: speed drop and an impossible measurement",
+}
 
 
 @dataclass(frozen=True)
