@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from exlnb.engines.declaration import GROUPS, Option
-from exlnb.magics import GENERATE_OPTIONS, ExlnbMagics
+from exlnb.magic_arguments import GENERATE_OPTIONS
+from exlnb.magics import ExlnbMagics
 
 PAGE = Path(__file__).with_name("options.md")
 

@@ -32,7 +32,7 @@ LAYERS = (
     ("generation", ("exlnb.chat", "exlnb.request", "exlnb.generation", "exlnb.workload", "exlnb.loadtest",
                     "exlnb.bench_result", "exlnb.scoring",
                     "exlnb.branching")),
-    ("widgets and magics", ("exlnb.widgets.*", "exlnb.magics")),
+    ("widgets and magics", ("exlnb.widgets.*", "exlnb.magic_arguments", "exlnb.magics")),
     ("experiments and notebooks", ("exlnb.experiments.*", "exlnb.report", "exlnb.spread")),
     ("the package's front door", ("exlnb",)),
 )

@@ -9,7 +9,7 @@ from IPython.core.error import UsageError
 
 from exlnb.engines.base import EngineStatus
 from exlnb.engines.options import check_gpu_split
-from exlnb.magics import gpu_split
+from exlnb.magic_arguments import gpu_split
 from exlnb.session import Session
 
 H100 = 80 * 2**30

@@ -14,7 +14,8 @@ import exlnb.magics
 from exlnb.engines.declaration import GROUPS
 from exlnb.engines.sampling import SamplerSettings
 from exlnb.generation import start
-from exlnb.magics import GENERATE_OPTIONS, SHOW_OPTIONS, ExlnbMagics
+from exlnb.magic_arguments import GENERATE_OPTIONS, SHOW_OPTIONS
+from exlnb.magics import ExlnbMagics
 from exlnb.request import GenerationRequest
 from exlnb.session import LoadFailed, Session
 

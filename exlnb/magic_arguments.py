@@ -1,0 +1,224 @@
+"""What the magics parse: the options they declare, their help (grouped, with examples, a misspelt option's
+suggestion), the values their flags take, and the one-line errors a user's mistake gets.
+
+`%%exl_generate`'s options are the ones `GenerationRequest`, `SamplerSettings` and `CellOptions` declare
+(`exlnb.engines.declaration`); `exlnb.magics` holds the magics themselves, each one call into the Python API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import keyword
+import re
+import shlex
+import string
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from IPython.core.error import UsageError
+from IPython.core.magic_arguments import MagicHelpFormatter, argument, argument_group, kwds, magic_arguments, real_name
+
+from exlnb.engines.base import SamplerSettings
+from exlnb.engines.declaration import GROUPS, Option, declared, option
+from exlnb.engines.options import AUTO_SPLIT, DISPLAY_HELP, DISPLAY_MODES
+from exlnb.request import GenerationRequest
+from exlnb.session import LoadFailed, NoModelLoaded
+from exlnb.streaming import JobError
+
+
+@dataclass(frozen=True)
+class CellOptions:
+    """What `%%exl_generate` adds to a `GenerationRequest`: how the answer is shown and where it is kept."""
+
+    display: str = option("auto", group="display", choices=DISPLAY_MODES, help=DISPLAY_HELP)
+    background: bool = option(False, group="display", help="return at once; the widget keeps streaming")
+    show_prompt: bool = option(False, group="display", help="show the exact tokens, special tokens highlighted")
+    out: str | None = option(None, group="output", metavar="VAR",
+                             help="store the result in this variable (a list for --n > 1; the running Generation "
+                                  "with --background)")
+
+    def __post_init__(self) -> None:
+        if self.out is not None and (not self.out.isidentifier() or keyword.iskeyword(self.out)):
+            raise ValueError(f"--out {self.out}: name a Python variable (letters, digits and _, not starting "
+                             "with a digit, not a keyword)")
+
+
+# every %%exl_generate option, as its declarations say
+GENERATE_OPTIONS = (*declared(GenerationRequest), *declared(SamplerSettings), *declared(CellOptions))
+SHOW_OPTIONS = tuple(o.keyword for o in declared(CellOptions))
+GENERATE_USAGE = "%%exl_generate [options]\n  the prompt, on the lines below"
+GENERATE_EXAMPLES = """Generate from the cell body as the user's turn; {name} is filled from the notebook's variables.
+
+Examples:
+  %%exl_generate --temperature 0 --max-new-tokens 64
+  What is the capital of France?
+
+  %%exl_generate --n 4 --seed 1 --out answers
+  Write a haiku about {topic}.
+
+  %%exl_generate --json-schema Person --tokens 5
+  Describe a fictional person as JSON."""
+
+
+class _HelpShown(Exception):
+    """`--help` printed the help: the magic has nothing more to do."""
+
+
+class ShowHelp(argparse.Action):
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show this help and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(parser.format_help())
+        raise _HelpShown
+
+
+class _Help(MagicHelpFormatter):
+    """IPython's magic help without the reStructuredText `::` before the usage line."""
+
+    def add_usage(self, usage, actions, groups, prefix="%"):
+        super().add_usage(usage, actions, groups, prefix)
+
+
+def gpu_split(text: str) -> list[float] | str:
+    """'20,24' -> [20.0, 24.0] (GiB per GPU); 'auto' -> 'auto' (the library fills the GPUs in turn)."""
+    if text == AUTO_SPLIT:
+        return AUTO_SPLIT
+    try:
+        return [float(part) for part in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--gpu-split {text!r}: give {AUTO_SPLIT}, or GiB per GPU separated by commas, "
+                         "e.g. 20,24") from None
+
+
+def escaped(text: str) -> str:
+    """Let `--stop "\\n\\n"` mean two newlines."""
+    return text.replace("\\n", "\n").replace("\\t", "\t")
+
+
+def python_value(text: str):
+    """A setting written as a Python literal: `--token-bias "{42: -5.0}"`."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise UsageError(f"{text!r} is not a Python literal (e.g. 1.5, (1, 2), {{'a': 1}})") from None
+
+
+def parse_options(magic, line: str) -> argparse.Namespace | None:
+    """The magic's options, split like a shell line: IPython's own `parse_argstring` keeps the quotes, so
+    `--system "Be brief."` would reach the model with its quote marks. An unknown option names the valid ones.
+    None when `--help` printed the help."""
+    try:
+        argv = shlex.split(line)
+    except ValueError as error:
+        raise UsageError(f"the options do not parse ({error}): {line}") from None
+    parser = magic.parser
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except _HelpShown:
+        return None
+    if unknown:
+        raise UsageError(_unknown_options(unknown, parser, _called_as(magic)))
+    return args
+
+
+def _called_as(magic) -> str:
+    name = real_name(magic)
+    return f"%%{name}" if name == "exl_generate" else f"%{name}"
+
+
+def _unknown_options(unknown: list[str], parser: argparse.ArgumentParser, name: str) -> str:
+    known = sorted(s for action in parser._actions for s in action.option_strings if s.startswith("--"))
+    wrong = next((u for u in unknown if u.startswith("-")), unknown[0])
+    close = difflib.get_close_matches(wrong, known, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"{name}: unknown option {wrong}{hint}; {name} --help lists the options"
+
+
+def schema_from_notebook(name_or_file: str, namespace: dict):
+    """`--json-schema NAME_OR_FILE`: the notebook variable of that name (a dict or a pydantic model), else a file."""
+    if name_or_file in namespace:
+        return namespace[name_or_file]
+    if Path(name_or_file).is_file():
+        return Path(name_or_file)
+    raise UsageError(
+        f"--json-schema {name_or_file}: no variable {name_or_file!r} in the notebook and no such file; name a variable "
+        "holding a dict or a pydantic model, or a .json file"
+    )
+
+
+def fill_prompt(body: str, namespace: dict) -> str:
+    """`{name}` in the cell body becomes the value of `name` in the notebook (`{{` for a literal brace)."""
+    formatter = string.Formatter()
+    try:
+        parsed = [field for _, field, _, _ in formatter.parse(body) if field is not None]
+    except ValueError as error:
+        raise UsageError(f"the prompt's braces do not parse ({error}): write {{{{ and }}}} for literal braces") from None
+    for field in parsed:
+        variable = re.split(r"[.\[]", field, maxsplit=1)[0]
+        if not variable or variable.isdigit():
+            raise UsageError(f"the prompt has {{{field}}}: name a notebook variable inside braces, or write {{{{ and }}}}")
+        if variable not in namespace:
+            raise UsageError(
+                f"the prompt names {{{field}}} but no variable {variable!r} exists: define it, or write "
+                "{{ and }} for literal braces"
+            )
+        try:
+            formatter.get_field(field, (), namespace)
+        except (KeyError, IndexError, AttributeError, TypeError) as error:
+            raise UsageError(
+                f"the prompt's {{{field}}} could not be filled: {variable!r} has no {error} "
+                f"({type(error).__name__}); write {{{{ and }}}} for literal braces"
+            ) from None
+    try:
+        return formatter.vformat(body, (), namespace)
+    except (ValueError, TypeError) as error:  # a bad format spec or conversion, e.g. {x:q}
+        raise UsageError(f"the prompt's braces could not be filled ({error})") from None
+
+
+@contextmanager
+def usage_errors():
+    """A bad value, no model loaded, a failed load or a failed job reads as a one-line UsageError."""
+    try:
+        yield
+    except (ValueError, TypeError, FileNotFoundError, NotADirectoryError, NoModelLoaded, LoadFailed, JobError) as error:
+        raise UsageError(str(error)) from None
+
+
+def generation_arguments(func):
+    """`%%exl_generate`'s options, grouped as declared, each with its help and default; examples first."""
+    decorators = [kwds(usage=GENERATE_USAGE, description=GENERATE_EXAMPLES), argument("-h", "--help", action=ShowHelp)]
+    for group, about in GROUPS.items():
+        members = [o for o in GENERATE_OPTIONS if o.group == group]
+        if members:
+            decorators += [argument_group(group, about), *map(option_argument, members)]
+    for decorate in reversed(decorators):
+        func = decorate(func)
+    return magic_arguments()(func)
+
+
+_METAVARS = {int: "N", float: "X", str: "TEXT"}
+
+
+def option_argument(o: Option):
+    """The magic's argument for a declared option: its flag, help and default, read as its type says."""
+    shown = "" if o.default is None or o.default == () or isinstance(o.default, bool) else f" (default: {o.default})"
+    help_text = o.help + shown
+    if o.choices:
+        return argument(o.flag, dest=o.keyword, choices=o.choices, help=help_text)
+    if o.scalar is bool:
+        return argument(o.flag, dest=o.keyword, action="store_const", const=not o.default, help=help_text)
+    if o.repeatable:  # one value per use
+        return argument(o.flag, dest=o.keyword, action="append", type=escaped, metavar=o.metavar, help=help_text)
+    kind = o.scalar or python_value  # anything richer is written as a Python literal
+    return argument(o.flag, dest=o.keyword, type=kind, metavar=o.metavar or _METAVARS.get(kind, "LITERAL"),
+                    help=help_text)
+
+
+def tidy_help(magic) -> None:
+    """Help without IPython's `::` and with every default, for `%magic?` and `--help` alike."""
+    magic.parser.formatter_class = _Help
+    magic.__doc__ = magic.parser.format_help()
