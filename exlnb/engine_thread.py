@@ -77,6 +77,7 @@ class EngineThread(threading.Thread):
         self._on_stop = on_stop
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._accepting = threading.Lock()  # orders "refuse from now on" against every put
+        self._queued = 0  # commands put and not yet run to their end (changed under `_accepting`)
         self._stopped = False
         self._stepping = False
         self._engine_lock = threading.RLock()  # held by this thread through each command and step
@@ -95,6 +96,7 @@ class EngineThread(threading.Thread):
                 future.set_exception(EngineStopped("the model was unloaded"))
             else:
                 self._commands.put((fn, future))
+                self._queued += 1
         return future
 
     def call(self, fn: Callable[[Engine], T]) -> T | None:
@@ -114,6 +116,7 @@ class EngineThread(threading.Thread):
         with self._accepting:
             if not self._stopped:
                 self._commands.put((fn, None))
+                self._queued += 1
 
     def views(self) -> EngineViews:
         """The jobs and the cache without waiting for the step in progress: read now where the engine is
@@ -123,13 +126,16 @@ class EngineThread(threading.Thread):
         if threading.current_thread() is self and self._stepping:
             return self._views  # a finaliser mid-step: the engine's state is half-way through the step
         if not self._engine_lock.acquire(timeout=VIEW_WAIT_S):
-            return self._views if self._commands.empty() else self.call(EngineViews.of)
+            return self.call(EngineViews.of) if self._queued else self._views
         try:
             if self._ended:
                 raise EngineStopped("the model was unloaded")
-            return self._publish()
+            if not self._queued:
+                return self._publish()
         finally:
             self._engine_lock.release()
+        # a command queued before this view, perhaps taken off the queue and not yet run: wait behind it
+        return self.call(EngineViews.of)
 
     def _publish(self) -> EngineViews:
         self._views = EngineViews.of(self.engine)
@@ -159,6 +165,8 @@ class EngineThread(threading.Thread):
                 if command is not None:
                     fn, future = command
                     _run(fn, self.engine, future, self._publish)
+                    with self._accepting:
+                        self._queued -= 1
                     continue  # drain every waiting command before the next step
                 self._step()
 
