@@ -24,6 +24,7 @@ import torch
 from benchmarks.decode import GREEDY, aggregate_throughput, random_prompt, session_decode
 from benchmarks.harness import device_slug, environment
 from exlnb import get_session
+from exlnb.engines.library_engine import used_per_gpu
 from exlnb.random_model import LLAMA_7B, random_llama, shape_larger_than, tokenizer_folder
 
 LARGER_THAN_CARD = 1.2  # the goal: a model at least this many times one card's memory
@@ -57,17 +58,13 @@ def say(text: str) -> None:
 
 def memory_per_gpu() -> list[float]:
     """GiB in use on each GPU, as the driver counts it (every process and library allocator included)."""
-    used = []
-    for index in range(torch.cuda.device_count()):
-        free, total = torch.cuda.mem_get_info(index)
-        used.append(round((total - free) / 2**30, 2))
-    return used
+    return [round(used / 2**30, 2) for used in used_per_gpu()]
 
 
 def measure_layout(folder: Path, engine: str, load_options: dict, repeats: int) -> dict:
     """Load one layout, take its greedy tokens and its decode speed at batch 1 and batch 8, unload."""
     session = get_session()
-    row: dict = {"load_options": {k: v for k, v in load_options.items()}}
+    row: dict = {"load_options": dict(load_options)}
     start = time.perf_counter()
     session.load(str(folder), engine=engine, cache_tokens=8192, max_batch_size=BATCH, progress=False,
                  **load_options)
