@@ -48,7 +48,7 @@ def environment() -> dict:
     """Where the numbers come from. The load average marks runs taken on a busy machine: on a 2-core CPU,
     one other busy process halves what two torch threads get."""
     versions = {}
-    for name in ("torch", "transformers", "exllamav2", "exlnb"):
+    for name in ("torch", "triton", "transformers", "exllamav2", "exllamav3", "exlnb"):
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

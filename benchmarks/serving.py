@@ -4,6 +4,7 @@ Each sweep runs through `exlnb.bench`, as vLLM's benchmark_serving runs one agai
 
     python -m benchmarks serving --engine exllamav2,exllamav3 --paged on,off --out DIR   # the GPU saturation sweep
     python -m benchmarks serving --engine cpu --quick --out DIR                          # a short run: does it work
+    python -m benchmarks serving --url http://127.0.0.1:5000/v1 --api-key-env KEY_VAR    # a server (the openai engine)
 
 Each setup (an engine, paged or not: exllamav2 runs in each mode asked for, an engine that always pages runs
 once) is loaded in turn and sent the same seeded requests (random-token prompts, exact output lengths) at
@@ -74,7 +75,16 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--slo", action="append", type=slo_argument, default=[], help="e.g. ttft_ms=500, repeatable")
     parser.add_argument("--cache-tokens", type=int, help="KV cache size in tokens (default: the engine's)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON and PNG")
+    server = parser.add_argument_group("a server (the openai engine; --url alone chooses it)")
+    server.add_argument("--url", help="the server's OpenAI API base, e.g. http://127.0.0.1:8000/v1")
+    server.add_argument("--served-model", help="the server's name for the model (default: the one it serves)")
+    server.add_argument("--api-key-env", help="environment variable holding the server's API key")
+    server.add_argument("--api", choices=("chat", "completions"), default="chat")
     args = parser.parse_args(argv)
+    if args.url and args.engine == ["auto"]:
+        args.engine = ["openai"]
+    if ("openai" in args.engine) != bool(args.url):
+        parser.error("--engine openai and --url go together: the openai engine measures the server at --url")
     for key, value in (QUICK if args.quick else SWEEP).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -126,9 +136,11 @@ def main(argv: list[str] | None = None) -> Path:
 def run_setup(engine: str, mode: str, args: argparse.Namespace, options: dict) -> dict:
     """Load one setup, warm it up, sweep the rates; its record for the JSON."""
     started = time.perf_counter()
-    status = get_session().load(BUNDLED_MODEL, engine=engine, cache_tokens=args.cache_tokens,
-                                paged=PAGED_MODES[mode], progress=False)
-    name = f"{status.engine} {'paged' if status.paged else 'unpaged'}"
+    remote = dict(url=args.url, served_model=args.served_model, api_key_env=args.api_key_env, api=args.api)
+    status = get_session().load(BUNDLED_MODEL, engine=engine, cache_tokens=args.cache_tokens, progress=False,
+                                **(remote if engine == "openai" else {"paged": PAGED_MODES[mode]}))
+    name = f"{status.engine} at {args.url}" if engine == "openai" else (
+        f"{status.engine} {'paged' if status.paged else 'unpaged'}")
     print(status.line(), flush=True)
     bench(num_requests=1, progress=False, **options)  # warm-up, as vLLM's initial test request
     result = bench(args.rates, num_requests=args.requests, **options)

@@ -4,6 +4,7 @@ llama-cpp-python's server (logprobs with top_logprobs), both on the bundled mode
 from __future__ import annotations
 
 import _thread
+import json
 import threading
 import time
 
@@ -174,3 +175,24 @@ def test_a_kernel_interrupt_closes_the_stream(llama_cpp_in_the_kernel, llama_cpp
     while session.jobs() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert session.jobs() == []
+
+
+def test_the_serving_suite_sweeps_a_server_given_its_url(llama_cpp_in_the_kernel, llama_cpp_server, tmp_path):
+    from benchmarks.serving import main
+
+    path = main(["--url", llama_cpp_server, "--api", "completions", "--quick", "--requests", "2",
+                 "--output-len", "3", "--out", str(tmp_path)])
+    [setup] = json.loads(path.read_text())["setups"]
+    assert setup["setup"] == f"openai at {llama_cpp_server}" and setup["stopped"] is None
+    assert path.name.startswith("serving-openai-")
+    for run in setup["runs"]:
+        assert run["metrics"]["successful_requests"] == 2 and run["metrics"]["total_output_tokens"] == 6
+
+
+@pytest.mark.parametrize("argv", [["--engine", "openai"], ["--engine", "cpu", "--url", "http://127.0.0.1:9/v1"]])
+def test_the_serving_suite_takes_the_openai_engine_and_a_url_together(argv, capsys):
+    from benchmarks.serving import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert "--engine openai and --url go together" in capsys.readouterr().err
