@@ -153,20 +153,32 @@ def make_random_llama(folder: Path, tokenizer_dir: Path, shape: dict = LLAMA_7B,
         "self_attn.o_proj.weight": (h, h), "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
         "mlp.down_proj.weight": (h, i), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
     }
-    generator = torch.Generator(device="cuda").manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CUDA draws 13 GB of weights in seconds
+    generator = torch.Generator(device=device).manual_seed(0)
 
     def tensor(dims) -> torch.Tensor:
         if len(dims) == 1:
             return torch.ones(dims, dtype=torch.float16)
-        return (torch.randn(dims, generator=generator, device="cuda", dtype=torch.float16) * 0.02).cpu()
+        return (torch.randn(dims, generator=generator, device=device, dtype=torch.float16) * 0.02).cpu()
 
-    save_file({"model.embed_tokens.weight": tensor((vocab, h)), "model.norm.weight": tensor((h,)),
-               "lm_head.weight": tensor((vocab, h))}, folder / "model-head.safetensors")
+    weight_map: dict[str, str] = {}
+
+    def save(shard: dict[str, torch.Tensor], name: str) -> None:
+        save_file(shard, folder / name)
+        weight_map.update(dict.fromkeys(shard, name))
+
+    save({"model.embed_tokens.weight": tensor((vocab, h)), "model.norm.weight": tensor((h,)),
+          "lm_head.weight": tensor((vocab, h))}, "model-head.safetensors")
     read_per_token = (vocab * h + h) * 2  # the head and final norm; one embedding row is negligible
+    total = 2 * vocab * h * 2 + h * 2
     shared = None if distinct_layers else {k: tensor(dims) for k, dims in layer_shapes.items()}
     for layer in range(shape["num_hidden_layers"]):
         weights = shared or {k: tensor(dims) for k, dims in layer_shapes.items()}
         shard = {f"model.layers.{layer}.{k}": t for k, t in weights.items()}
         read_per_token += sum(t.numel() * 2 for t in shard.values())
-        save_file(shard, folder / f"model-layer{layer:03d}.safetensors")
+        total += sum(t.numel() * 2 for t in shard.values())
+        save(shard, f"model-layer{layer:03d}.safetensors")
+    # the index a sharded checkpoint carries: without it transformers looks for model.safetensors and stops
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     return read_per_token

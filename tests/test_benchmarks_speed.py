@@ -117,3 +117,18 @@ def test_only_accepts_parts_runners_and_models_and_names_the_choices_when_wrong(
     assert speed.select("transformers", profile=False) == ["transformers@7b-fp16", "transformers@bundled"]
     with pytest.raises(ValueError, match="--only 7b-gguf: not a part, runner or model; parts: bandwidth, "):
         speed.select("7b-gguf", profile=False)
+
+
+def test_a_random_llama_loads_whole_in_transformers_and_its_floor_counts_what_decode_reads(tmp_path):
+    """The 7B-shaped model's recipe at a small width: transformers `generate` (the speed suite's third peer)
+    finds every weight through the shard index, and the floor's bytes are the recipe's own count."""
+    from transformers import AutoModelForCausalLM
+
+    from exlnb.random_model import LLAMA_7B, make_random_llama, tokenizer_folder
+
+    shape = dict(LLAMA_7B, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 num_hidden_layers=2)
+    read = make_random_llama(tmp_path / "model", tokenizer_folder(), shape)
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "model", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and model.config.num_hidden_layers == 2
+    assert read == speed_setups.weight_bytes_read_per_token(tmp_path / "model")

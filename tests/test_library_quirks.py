@@ -82,3 +82,44 @@ def test_a_library_without_a_version_attribute_is_read_from_its_package_metadata
 
     assert installed_version(types.ModuleType("pytest"), "pytest") == version("pytest")
     assert installed_version(types.SimpleNamespace(__version__="0.3.2"), "exllamav2") == "0.3.2"
+
+
+def test_run_starts_a_program_with_the_fixes_in_place_as_python_would_run_it(monkeypatch, tmp_path):
+    """`compat --run SCRIPT ARGS` (how TabbyAPI serves an EXL3 SmolLM2): the script runs as __main__, with its own
+    argv and its folder first on the path, after every fix is applied to the library it will build on."""
+    import sys
+
+    from exlnb.engines.exllamav3 import compat
+
+    class Attention:
+        def load_local(self):
+            pass
+
+    class MLP:
+        def __init__(self):
+            self.downs = [Linear(576)]
+
+    class StandInGatedMLP(MLP):
+        def load_local(self):
+            pass
+
+    mlp = types.ModuleType("exllamav3.modules.mlp")
+    mlp.MLP, mlp.GatedMLP = MLP, StandInGatedMLP
+    attn = types.ModuleType("exllamav3.modules.attn")
+    attn.Attention = Attention
+    for name, module in (("exllamav3", types.ModuleType("exllamav3")), ("exllamav3.modules",
+                         types.ModuleType("exllamav3.modules")), ("exllamav3.modules.mlp", mlp),
+                         ("exllamav3.modules.attn", attn)):
+        monkeypatch.setitem(sys.modules, name, module)
+    (tmp_path / "helper_of_the_server.py").write_text("NAME = 'found beside the script'\n")
+    script = tmp_path / "main.py"
+    script.write_text(
+        "import sys, json\nfrom helper_of_the_server import NAME\nfrom exllamav3.modules.mlp import GatedMLP\n"
+        "if __name__ == '__main__':\n"
+        "    sys.modules['exllamav3'].seen = (sys.argv, NAME, GatedMLP().downs[0].trim_padded_out)\n")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    compat.main(["--run", str(script), "--config", "config.yml"])
+    assert sys.modules["exllamav3"].seen == ([str(script), "--config", "config.yml"], "found beside the script", True)
+    assert StandInGatedMLP.load_local.skips_unpadded_fast_paths and Attention.load_local.skips_unpadded_fast_paths
+    sys.modules.pop("helper_of_the_server", None)

@@ -19,7 +19,12 @@ Without those fast paths exllamav3 runs the projections one by one through `Line
 trims the output, as it already does for any step over 32 rows: same weights, same kernels, more launches.
 A model whose sizes are multiples of 128 (every common 1B+ model) keeps every fast path.
 
-    python -m exlnb.engines.exllamav3.compat ARGS...   # exllamav3's converter (convert_model) with the fixes
+    python -m exlnb.engines.exllamav3.compat ARGS...              # exllamav3's converter (convert_model) with the fixes
+    python -m exlnb.engines.exllamav3.compat --run SCRIPT ARGS... # any program on exllamav3 with them, e.g.
+                                                                  # TabbyAPI's main.py serving such a model
+
+Stock exllamav3 1.6.5 (and so TabbyAPI) cannot load an EXL3 quant of SmolLM2-135M: its first residual add fails
+as above. `--run` serves it with the same fixes the engine uses.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import functools
 import runpy
 import sys
+from pathlib import Path
 
 # the narrowest output tile of exllamav3's EXL3 GEMM kernels (exl3_kernel_map.cuh, EXL3_GEMM_TILESIZE_N)
 EXL3_GEMM_TILE_COLUMNS = 128
@@ -116,6 +122,11 @@ def drop_unpadded_mlp_paths(mlp) -> list[str]:
 
 def main(argv: list[str]) -> None:
     fix_exllamav3()
+    if argv[:1] == ["--run"] and len(argv) > 1:
+        sys.argv = argv[1:]
+        sys.path.insert(0, str(Path(argv[1]).resolve().parent))  # as `python SCRIPT` puts the script's folder first
+        runpy.run_path(argv[1], run_name="__main__")
+        return
     sys.argv = ["convert_model", *argv]
     runpy.run_module("exllamav3.conversion.convert_model", run_name="__main__", alter_sys=True)
 
