@@ -40,6 +40,11 @@ def generate(options: str, body: str = QUESTION) -> str:
 
 
 GREEDY = "max_new_tokens=8, sampler=SamplerSettings.greedy()"
+ANSWER = generate("--max-new-tokens 8 --temperature 0 --tokens 3 --display text --out answer")  # one to branch
+# a reference kept, as exlnb keeps one, from a model whose tokenizer is not the loaded model's (Llama 3's vocabulary)
+OTHER_TOKENIZER = ("import torch\nfrom exlnb.divergence import Reference\n"
+                   "torch.save(vars(Reference('llama-3-8b', 'model', 'tokenizer', tuple(range(16)), 'float32', "
+                   "torch.zeros(16, 128256), None)), 'llama-3-8b.pt')")
 
 CASES = [
     Case("%exl_jobs  (before any %exl_load)", "%exl_jobs", loaded=False),
@@ -100,6 +105,11 @@ CASES = [
          f"print(repr(get_session().complete(Q, banned_strings='abc', {GREEDY}).text))"),
     Case("session.generate(a 50 MB prompt)", "get_session().generate('x' * 50_000_000)"),
     Case("generate_live(p, backgroud=True)", "generate_live(P, backgroud=True)"),
+    Case("%exl_branch answer --at 99  (past the answer's end)", "%exl_branch answer --at 99", setup=ANSWER),
+    Case("%exl_branch answer --at 2 --token-id 99999999", "%exl_branch answer --at 2 --token-id 99999999",
+         setup=ANSWER),
+    Case("%exl_divergence llama-3-8b.pt  (a reference kept from a model with another tokenizer)",
+         "%exl_divergence llama-3-8b.pt", setup=OTHER_TOKENIZER),
     Case("exlnb.bench(request_rate=1e-6)", "exlnb.bench(1e-6)"),
 ]
 
@@ -244,7 +254,7 @@ def markdown(results: list[tuple[str, str, str]]) -> str:
         "| input | what the user sees | session still usable |",
         "|---|---|---|",
     ]
-    cell_text = lambda text: text.replace("|", "\\|")  # noqa: E731
+    cell_text = lambda text: text.replace("|", "\\|")
     lines += [f"| `{cell_text(shown)}` | {cell_text(seen)} | {usable} |" for shown, seen, usable in results]
     return "\n".join(lines) + "\n"
 

@@ -4,6 +4,8 @@ prompt's cached pages, and the branches form a tree; bad input fails in one line
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from IPython.core.error import UsageError
 
@@ -86,6 +88,65 @@ def test_bad_branch_input_is_refused_in_one_line(greedy_answer, at, token, messa
     with pytest.raises(ValueError, match=message) as raised:
         greedy_answer.branch(at=at, token=token)
     assert "\n" not in str(raised.value)
+
+
+def drawings_until(drawn: list, done, timeout_s: float = 60) -> list:
+    """What was drawn, once `done(drawn)` holds (the chooser branches on a thread of its own)."""
+    deadline = time.monotonic() + timeout_s
+    while not done(drawn):
+        assert time.monotonic() < deadline, f"not drawn in {timeout_s} s: {drawn[-1:]}"
+        time.sleep(0.02)
+    return drawn
+
+
+def test_choosing_an_alternative_in_the_token_view_branches_there_and_draws_the_tree_under_it(cpu_session,
+                                                                                              monkeypatch):
+    import IPython.display
+
+    from exlnb.widgets.branches import BranchChoices, branch_key
+
+    drawn = []
+    monkeypatch.setattr(IPython.display, "update_display", lambda data, **kwargs: drawn.append((data, kwargs)))
+    generation = start(QUESTION, temperature=0, max_new_tokens=16, tokens=3)
+    choices = BranchChoices(generation)
+    [original] = generation.wait(60)
+    key = branch_key(generation.samples[0])
+    alternative = next(i for i, _t, _p in original.token_records[AT].info.alternatives if i != original.token_ids[AT])
+
+    choices.handle({"type": "branch", "answer": key, "at": AT, "token": alternative})  # what view.js sends
+    ended = lambda d: original.origin.family and d[-1][0]["text/plain"] == BranchTree.of(original).text()
+    drawings_until(drawn, ended)  # the last drawing is the tree that `result.branch()` keeps too
+    assert {kwargs["display_id"] for _data, kwargs in drawn} == {choices.display_id}
+    forced = cpu_session.tokenizer.decode([alternative])
+    first = drawn[0][0]["text/plain"]  # drawn once the branch has started, whether or not it has ended since
+    assert f"#1 job {original.origin.family[0].job_id} ← #0 at {AT}, forced {forced!r} ({alternative})" in first
+    tree = BranchTree.of(original)
+    assert len(tree.nodes) == 2 and "exlnb-branches" in drawn[-1][0]["text/html"]
+    same = original.branch(at=AT, token=alternative)  # the plain API: greedy, so the same branch
+    assert tree.nodes[1].text == same.text and tree.nodes[1].end == same.eos_reason.words
+
+
+@pytest.mark.parametrize("at, token, message", [
+    (99, None, "not branched: at=99 is not a position of job"),
+    (AT, 10**7, "not branched: token=10000000 is not in the vocabulary"),
+])
+def test_a_choice_that_cannot_branch_says_why_under_the_view_in_one_line(cpu_session, monkeypatch, at, token,
+                                                                       message):
+    import IPython.display
+
+    from exlnb.widgets.branches import BranchChoices, branch_key
+
+    drawn = []
+    monkeypatch.setattr(IPython.display, "update_display", lambda data, **kwargs: drawn.append(data))
+    generation = start(QUESTION, temperature=0, max_new_tokens=8, tokens=3)
+    choices = BranchChoices(generation)
+    [original] = generation.wait(60)
+    token = original.token_records[0].info.alternatives[1][0] if token is None else token
+
+    choices.handle({"type": "branch", "answer": branch_key(generation.samples[0]), "at": at, "token": token})
+    [refused] = drawings_until(drawn, bool)
+    assert message in refused["text/plain"] and "\n" not in refused["text/plain"]
+    assert "exlnb-warning" in refused["text/html"] and original.origin.family == []
 
 
 def test_a_result_without_its_request_cannot_branch(cpu_session):

@@ -8,7 +8,9 @@ browser is missing, except under EXLNB_REQUIRE_BROWSER=1 (.ci/run), where a miss
 
 from __future__ import annotations
 
+import ast
 import html
+import itertools
 import json
 import os
 import re
@@ -21,6 +23,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from exlnb import EosReason
 
 nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the notebook stack: pip install -e '.[test]'")
 
@@ -39,10 +43,11 @@ ARTIFACTS = WORKTREE / "test-artifacts"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 RECORDED = (2, 4, 5, 6, 8, 10, 11)  # the cells whose widgets leave a record: answers, samples, inspector, job table
 THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
-# text that must read on its background: WCAG's 4.5:1 for normal text
+# text that must read on its background: WCAG's 4.5:1 for normal text (the branch tree's, live and reopened)
+BRANCH_TREE = (".exlnb-branches th", ".exlnb-branches td", ".exlnb-branches code")
 READABLE = (".exlnb-token:not(.exlnb-special)", ".exlnb-special", ".exlnb-status", ".exlnb-head", ".exlnb-text",
             ".exlnb-warning", ".exlnb-summary", ".exlnb-jobs td", ".exlnb-label", ".exlnb-muted", ".exlnb-chip",
-            ".exlnb-popover")
+            ".exlnb-popover", *BRANCH_TREE)
 # WCAG 2 contrast of each selector's text against the colour behind it (its own and its ancestors' backgrounds
 # composed over white), the lowest over the page
 CONTRAST_JS = """selectors => {
@@ -119,14 +124,15 @@ def lab(tmp_path_factory):
     port, token = free_port(), secrets.token_hex(16)
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(root / ".jupyter"), JUPYTERLAB_WORKSPACES_DIR=str(root / ".ws"),
                JUPYTER_RUNTIME_DIR=str(root / ".runtime"))
-    server = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--LabApp.news_url=None",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--LabApp.extension_manager=readonly",
-         "--LabApp.expose_app_in_browser=True",
-         "--allow-root"],
-        env=env, stdout=subprocess.DEVNULL, stderr=open(root / "lab.log", "w"),
-    )
+    with open(root / "lab.log", "w") as log:  # the server writes to its own copy of the file
+        server = subprocess.Popen(
+            [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+             f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--LabApp.news_url=None",
+             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--LabApp.extension_manager=readonly",
+             "--LabApp.expose_app_in_browser=True",
+             "--allow-root"],
+            env=env, stdout=subprocess.DEVNULL, stderr=log,
+        )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -200,6 +206,30 @@ def first_line(text: str) -> str:
     return next(line for line in text.splitlines() if len(line) > 20)
 
 
+def use_theme(page, theme: str) -> None:
+    page.evaluate(f"window.jupyterapp.commands.execute('apputils:change-theme', {{theme: {THEMES[theme]!r}}})")
+    page.wait_for_function(f"document.body.dataset.jpThemeName === {THEMES[theme]!r}")
+    time.sleep(1)  # the theme's stylesheet applies
+
+
+def unreadable(page, selectors) -> dict[str, float | None]:
+    """The selectors whose text does not read on its background (below WCAG's 4.5:1), with their lowest ratio,
+    or None where there is no such text to measure."""
+    ratios = page.evaluate(CONTRAST_JS, list(selectors))
+    return {s: ratios[s] for s in selectors if ratios[s] is None or ratios[s] < 4.5}
+
+
+def table_rows(table) -> list[list[str]]:
+    """The text of each row's cells as the markup holds it (a branch's text starts with its forced token, its
+    space included), headings included."""
+    return table.evaluate("el => [...el.querySelectorAll('tr')].map((tr) => [...tr.children].map((c) => c.textContent))")
+
+
+# the branch tree as the live kernel drew it ("rows") and the choices made ("chosen": position, token id, its
+# text as the popover shows it), which the reopened notebook and its export must keep
+BRANCHED: dict[str, list] = {}
+
+
 def test_stream_widget_grows_stop_ends_the_job_and_leaves_a_record(page):
     ARTIFACTS.mkdir(exist_ok=True)
     run_cell(page, 0)
@@ -215,7 +245,7 @@ def test_stream_widget_grows_stop_ends_the_job_and_leaves_a_record(page):
     for _ in range(4):
         lengths.append(len(text.inner_text()))
         time.sleep(1.5)
-    assert all(b > a for a, b in zip(lengths, lengths[1:])), f"text did not grow steadily: {lengths}"
+    assert all(b > a for a, b in itertools.pairwise(lengths)), f"text did not grow steadily: {lengths}"
     status = cell.locator(".exlnb-status")
     assert re.search(r"running\s*\d+/400 tokens", status.inner_text())
     assert "tok/s" in status.inner_text()
@@ -329,18 +359,52 @@ def test_the_token_view_opens_a_popover_of_both_probabilities_by_keyboard_and_it
     page.evaluate("document.activeElement.blur()")
 
 
+def test_choosing_an_alternative_in_the_token_view_starts_a_branch_shown_in_the_tree_under_it(page):
+    output = page.locator(".jp-Notebook .jp-Cell").nth(11).locator(".jp-OutputArea")
+    chips = output.locator(".exlnb-token-view > .exlnb-chip")
+    chosen = []
+    for at, by_keyboard in [(2, False), (4, True)]:  # a click on one token's alternative, Enter on another's
+        chip = chips.nth(at)
+        if by_keyboard:
+            chip.focus()
+            page.keyboard.press("ArrowDown")  # into the token's alternatives, not to the next cell
+        else:
+            chip.hover()
+        popover = chip.locator(".exlnb-popover")
+        expect(popover.locator(".exlnb-branch-on")).to_be_visible()  # the kernel runs: choosing branches
+        expect(popover.locator(".exlnb-branch-off")).to_be_hidden()
+        choice = popover.locator(".exlnb-alt").first
+        chosen.append((str(at), choice.get_attribute("data-token"), choice.inner_text()))
+        if by_keyboard:
+            expect(choice).to_be_focused()
+            page.keyboard.press("Enter")
+        else:
+            choice.click()
+    page.evaluate("document.activeElement.blur()")
+
+    tree = output.locator(".exlnb-branches")
+    expect(tree.locator("tr")).to_have_count(4, timeout=30_000)  # headings, the answer, two branches
+    ends = tree.locator("td.exlnb-muted")  # each answer's end, "running" while it runs
+    expect(ends.filter(has_text=re.compile(r"^running$"))).to_have_count(0, timeout=60_000)
+    rows = table_rows(tree)
+    assert rows[0] == ["branch", "of", "at", "forced token", "text", "ended"]
+    branches = sorted(rows[2:], key=lambda row: int(row[2]))
+    for (_number, parent, at, forced, text, ended), (chosen_at, token, words) in zip(branches, chosen):
+        assert parent == "#0" and at == chosen_at and forced == f"{words} ({token})", rows
+        assert text.startswith(ast.literal_eval(words)) and ended in {reason.words for reason in EosReason}
+    assert {row[0] for row in rows[1:]} == {"#0", "#1", "#2"}
+    BRANCHED.update(rows=rows, chosen=chosen)
+
+
 @pytest.mark.parametrize("theme", ["light", "dark"])
 def test_records_read_well_in_light_and_dark_themes(page, theme):
-    page.evaluate(f"window.jupyterapp.commands.execute('apputils:change-theme', {{theme: {THEMES[theme]!r}}})")
-    page.wait_for_function(f"document.body.dataset.jpThemeName === {THEMES[theme]!r}")
-    time.sleep(1)  # the theme's stylesheet applies
+    use_theme(page, theme)
     for index, name in [(2, "stream"), (4, "stream-n4"), (5, "cache-inspector"), (6, "job-table"),
                         (8, "wrong-template"), (10, "show-prompt"), (11, "token-view")]:
         output = page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-OutputArea")
         output.scroll_into_view_if_needed()
         output.screenshot(path=str(ARTIFACTS / f"{name}-{theme}.png"))
-    ratios = page.evaluate(CONTRAST_JS, list(READABLE))
-    assert all(ratios[s] is not None and ratios[s] >= 4.5 for s in READABLE), ratios  # None: nothing to measure
+    assert not unreadable(page, READABLE)
 
 
 def test_every_live_view_says_at_once_that_the_kernel_has_gone(page):
@@ -355,6 +419,10 @@ def test_every_live_view_says_at_once_that_the_kernel_has_gone(page):
     views = [cells.nth(i).locator(".jp-OutputArea .exlnb").first for i in (12, 13, 14)]
     for view in views:
         expect(view.locator(".exlnb-gone-note")).to_be_hidden()
+    token_view = cells.nth(11).locator(".exlnb-token-view")
+    token_view.locator(".exlnb-chip").nth(2).focus()  # the answer's kernel runs: its alternatives branch
+    expect(token_view).to_have_class(re.compile("exlnb-branching"))
+    page.evaluate("document.activeElement.blur()")
 
     run_cell(page, 15)
     for view in views:  # no click needed: each view hears the kernel go
@@ -364,6 +432,10 @@ def test_every_live_view_says_at_once_that_the_kernel_has_gone(page):
     after = views[0].locator(".exlnb-state").evaluate("el => getComputedStyle(el, '::after').content")
     assert "when the kernel went" in after  # "running when the kernel went", not "running"
     expect(views[2].locator(".exlnb-liveness")).to_be_hidden()
+    # the token view's alternatives branch no more, and its popovers say so (a dialog covers the page by now)
+    expect(token_view).not_to_have_class(re.compile("exlnb-branching"), timeout=30_000)
+    hints = [token_view.locator(f".exlnb-branch-{state}").first for state in ("off", "on")]
+    assert [hint.evaluate("el => getComputedStyle(el).display") for hint in hints] == ["inline", "none"]
     page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=120_000)
 
 
@@ -380,6 +452,8 @@ def test_a_saved_notebook_keeps_answers_and_statistics_after_the_kernel_has_gone
     assert not [o for c in recorded for o in c.outputs if WIDGET_MIME in o.get("data", {})]
     stopped = saved.cells[2].outputs[-1]["data"]["text/plain"]  # the plain record of a run the Stop button ended
     assert "[stopped · " in stopped and "[done" not in stopped
+    [tree_text] = [o["data"]["text/plain"] for o in saved.cells[11].outputs if "← #0 at " in o["data"]["text/plain"]]
+    assert all(f"← #0 at {at}, forced {words} ({token})" in tree_text for at, token, words in BRANCHED["chosen"])
 
     page.reload()
     page.wait_for_selector(".jp-Notebook .jp-Cell")
@@ -391,7 +465,10 @@ def test_a_saved_notebook_keeps_answers_and_statistics_after_the_kernel_has_gone
             expect(cells.nth(index).locator(".exlnb-record")).to_contain_text(text, timeout=60_000)
     for index in RECORDED:
         cells.nth(index).scroll_into_view_if_needed()
-        expect(cells.nth(index).locator(".exlnb-record")).to_be_visible()
+        records = cells.nth(index).locator(".exlnb-record")
+        expect(records).to_have_count(2 if index == 11 else 1)  # the token view's cell: its branch tree's too
+        for record in records.all():
+            expect(record).to_be_visible()
         assert "model not found" not in cells.nth(index).inner_text()
     cells.nth(1).scroll_into_view_if_needed()
     assert "Error displaying widget" not in cells.nth(1).inner_text()  # %exl_load left text only
@@ -399,8 +476,28 @@ def test_a_saved_notebook_keeps_answers_and_statistics_after_the_kernel_has_gone
     chip.focus()  # the reopened record's token popover still opens from the keyboard, no kernel needed
     expect(chip.locator(".exlnb-popover")).to_be_visible()
     assert "model's probability" in chip.locator(".exlnb-popover").inner_text()
+    expect(chip.locator(".exlnb-branch-off")).to_be_visible()  # a record: branching needs the live kernel
+    expect(chip.locator(".exlnb-branch-on")).to_be_hidden()
+    tree = cells.nth(11).locator(".exlnb-branches")
+    expect(tree.locator("tr")).to_have_count(len(BRANCHED["rows"]))
+    assert table_rows(tree) == BRANCHED["rows"]  # parents, positions, forced tokens, texts and ends, as drawn live
 
     subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "html", str(root / "face.ipynb")],
                    check=True, capture_output=True)
     exported = (root / "face.html").read_text()
     assert html.escape(first_line(answer)) in exported and "VBox(" not in exported
+    # the export as a reader sees it: nbconvert writes the forced tokens' quotes as it likes
+    shown = html.unescape(re.sub(r"<[^>]+>", "", exported))
+    assert all(f"{words} ({token})" in shown for _at, token, words in BRANCHED["chosen"])
+    assert all(row[4] in shown for row in BRANCHED["rows"][1:])  # each answer's text, the branches' too
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_the_reopened_branch_tree_reads_well_in_light_and_dark_themes(page, theme):
+    page.evaluate("document.activeElement.blur()")  # no token's popover over the tree
+    use_theme(page, theme)
+    tree = page.locator(".jp-Notebook .jp-Cell").nth(11).locator(".exlnb-branches")
+    tree.scroll_into_view_if_needed()
+    tree.screenshot(path=str(ARTIFACTS / f"branch-tree-record-{theme}.png"))
+    assert table_rows(tree) == BRANCHED["rows"]
+    assert not unreadable(page, BRANCH_TREE)

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from exlnb.engines.cpu import engine as cpu_engine
-from exlnb.generation import start
+from exlnb.generation import branch_result, start, start_branch
 from exlnb.request import GenerationRequest
 from exlnb.token_records import TokenRecord
+from exlnb.widgets.branches import BranchChoices, branch_key
 from exlnb.widgets.figures import generation_html, generation_text
 from exlnb.widgets.tokens import LATENCY_BANDS, band, latency_bands
 
@@ -120,6 +121,54 @@ def test_the_view_shades_each_token_by_band_with_a_popover_of_its_figures(cpu_se
     assert "the model's probability/sampled with" in text
     for record in result.token_records:
         assert f"{record.info.probability:.2f}/{record.info.sampled_probability:.2f}]" in text
+
+
+def branch_choices(page: str) -> list[tuple[int, int]]:
+    """(position, token id) of each alternative that the page's token views make a choice of a branch."""
+    return [(int(at), int(token)) for at, token in re.findall(r'class="exlnb-alt" data-at="(\d+)" data-token="(\d+)"', page)]
+
+
+def test_a_view_held_by_a_chooser_makes_each_alternative_but_the_drawn_token_a_branch_there(cpu_session):
+    generation = start(GenerationRequest.build(PROMPT, max_new_tokens=3, temperature=0.7, top_k=3, seed=1, tokens=4))
+    choices = BranchChoices(generation)
+    [result] = generation.wait(60)
+    page = generation_html(generation, 3)
+
+    key = branch_key(generation.samples[0])
+    assert choices.answers == [key] and page.count(f'data-exlnb-answer="{key}"') == 1
+    assert branch_choices(page) == [(r.position, i) for r in result.token_records for i, _t, _p in r.info.alternatives
+                                    if i != r.info.token_id]
+    assert page.count("branching here needs the live kernel") == page.count("to branch here") == 3  # each popover
+    plain = start(GenerationRequest.build(PROMPT, max_new_tokens=3, temperature=0, tokens=4))
+    plain.wait(60)
+    assert branch_key(plain.samples[0]) is None and "exlnb-alt" not in generation_html(plain, 3)  # no chooser
+
+
+def test_a_branch_view_places_its_choices_after_its_forced_token(cpu_session):
+    [answer] = start(GenerationRequest.build(PROMPT, max_new_tokens=6, temperature=0, tokens=3)).wait(60)
+    branch = start_branch(answer, at=2)
+    BranchChoices(branch)
+    branch.wait(60)
+    positions = sorted({at for at, _token in branch_choices(generation_html(branch, 4))})
+    assert positions == [r.position for r in branch_result(branch).token_records] and positions[0] == 1
+
+
+def test_a_widget_token_view_has_an_output_under_it_for_its_branches(cpu_session, monkeypatch):
+    import IPython.display
+
+    from exlnb.widgets.stream import StreamView, generate_live
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj, **kwargs: shown.append((obj, kwargs)))
+    monkeypatch.setattr(IPython.display, "update_display", lambda obj, **kwargs: shown.append((obj, kwargs)))
+    generation = generate_live(PROMPT, max_new_tokens=3, temperature=0, tokens=2, display="widget")
+    [(view, _), (under, where), (record, _)] = shown  # the view, the output under it, the view's record
+    assert isinstance(view, StreamView) and under == {"text/html": "", "text/plain": ""} and where["raw"]
+    assert f'data-exlnb-answer="{branch_key(generation.samples[0])}"' in record["text/html"]
+    shown.clear()
+    generate_live(PROMPT, max_new_tokens=3, temperature=0, display="widget")  # no token view: nothing under it
+    [(view, _), (record, settled)] = shown  # the view and its record, nothing between
+    assert isinstance(view, StreamView) and settled["display_id"] == view.display_id
 
 
 def test_latency_colouring_shades_the_slow_tokens_and_prints_milliseconds(cpu_session):

@@ -1,17 +1,33 @@
-"""The branch tree of an answer: each branch's parent, the position and token forced there, its text and end.
+"""The branch tree of an answer: each branch's parent, the position and token forced there, its text and end; and
+the chooser that starts a branch where an alternative is chosen in a token view.
 
 Built from results (`GenerationResult.branch`), every branch of one answer recorded in its lineage's family, and
 shown as a static record (HTML with the stylesheet, and plain text) like the other views' records, so a saved or
 exported notebook keeps it in either theme.
+
+A token view is itself a static record once its answer has ended (`widgets/record.py`), so what hears a choice
+is a widget that is never displayed, `BranchChoices`: its front end (view.js, `initialize`) listens for a click,
+or Enter, on an alternative in the views of the answers it holds, and the kernel starts that branch and draws
+the tree, live, in an output it put under the view, which stays a static record too.
 """
 
 from __future__ import annotations
 
 import html
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
+from uuid import uuid4
 
+import anywidget
+import traitlets
+
+from exlnb.engines.base import wall_clock
+from exlnb.generation import Generation, Sample, branch_result, start_branch
 from exlnb.streaming import GenerationResult
-from exlnb.widgets.record import record_html
+from exlnb.widgets.record import ASSETS, record_html
+
+DRAW_S = 0.25  # how often a running branch's text is drawn in the tree at most: each drawing is a whole record
 
 
 @dataclass(frozen=True)
@@ -35,15 +51,16 @@ class BranchTree:
     nodes: tuple[BranchNode, ...]
 
     @classmethod
-    def of(cls, result: GenerationResult) -> BranchTree:
-        """The tree `result` belongs to, from its first answer."""
+    def of(cls, result: GenerationResult, running: Sequence[GenerationResult] = ()) -> BranchTree:
+        """The tree `result` belongs to, from its first answer; `running`: its branches still running, as far as
+        they have got (a sample's `result()`), after those that have ended."""
         if result.origin is None:
             raise ValueError(f"job {result.job_id}'s result does not keep its request, so it has no branches: "
                              "branch a result of a generation (exlnb.generate_live, %%exl_generate --out)")
         root = result
         while root.origin.parent is not None:
             root = root.origin.parent
-        members = [root, *root.origin.family]
+        members = [root, *root.origin.family, *running]
         return cls(tuple(_node(i, member, members) for i, member in enumerate(members)))
 
     def text(self) -> str:
@@ -88,5 +105,115 @@ def _node(index: int, member: GenerationResult, members: list[GenerationResult])
     return BranchNode(
         index=index, job_id=member.job_id, parent=parent, position=lineage.at,
         forced_token=lineage.lead[0] if lineage.lead else None, forced_text=lineage.lead_text if lineage.lead else None,
-        text=member.text, end=member.eos_reason.words if member.eos_reason else "ended",
+        text=member.text, end=member.eos_reason.words if member.eos_reason else "running",
     )
+
+
+# -- choosing an alternative in a token view ---------------------------------------------------------------
+
+_keys: dict[int, str] = {}  # id(sample) -> the key its token view carries, for each sample a chooser holds alive
+
+
+def branch_key(sample: Sample) -> str | None:
+    """The key an ended sample's token view carries (`data-exlnb-answer`) when a `BranchChoices` holds it, so
+    that choosing an alternative there branches it; None otherwise. Random, so that no record drawn by another
+    kernel names an answer held here."""
+    return _keys.get(id(sample)) if sample.done else None
+
+
+class BranchChoices(anywidget.AnyWidget):
+    """The answers of one generation shown with their token view, branched where an alternative is chosen, and
+    the output under the view where their branch trees are drawn."""
+
+    _esm = ASSETS / "view.js"
+    answers = traitlets.List().tag(sync=True)  # the keys of the token views whose alternatives branch here
+
+    def __init__(self, generation: Generation) -> None:
+        samples = {uuid4().hex: sample for sample in generation.samples}
+        super().__init__(answers=list(samples))  # in the state the front end's model starts from (`initialize`)
+        self.generation = generation
+        self.display_id = uuid4().hex
+        self._samples = samples
+        _keys.update({id(sample): key for key, sample in samples.items()})
+        self._running: list[tuple[Sample, Generation]] = []  # (the sample branched, its branch) until it ends
+        self._refused = ""  # the last choice that could not branch, in one line
+        self._drawn_at = 0.0
+        self._lock = threading.Lock()  # one drawing at a time, each of one state: none lands after a later one
+        self.on_msg(lambda _widget, content, _buffers: self.handle(content))
+
+    @classmethod
+    def offer(cls, generation: Generation) -> BranchChoices | None:
+        """A chooser for a generation shown with its token view (`tokens=N`), else None."""
+        return cls(generation) if generation.request.tokens else None
+
+    def show(self) -> None:
+        """Display the empty output the trees will be drawn in: under the view, now, from the cell (an output first
+        displayed from a comm message would land in no cell)."""
+        from IPython.display import display
+
+        display({"text/html": "", "text/plain": ""}, raw=True, display_id=self.display_id)
+
+    def handle(self, message: dict) -> None:
+        """An alternative chosen (view.js): its answer branched at its position with it forced, on a thread of its
+        own, since starting a job waits for the engine's current step, which the kernel's event loop, where
+        messages arrive, must never do."""
+        if message.get("type") == "branch" and message.get("answer") in self._samples:
+            at, token = int(message["at"]), int(message["token"])
+            threading.Thread(target=self._branch, args=(self._samples[message["answer"]], at, token),
+                             name="exlnb-branch", daemon=True).start()
+
+    def _branch(self, sample: Sample, at: int, token: int) -> None:
+        try:
+            branch = start_branch(sample.result(), at=at, token=token)
+        except (ValueError, RuntimeError) as error:
+            # a refused choice, or no model: said under the view in a line, since no cell runs to raise it in
+            with self._lock:
+                self._refused = f"not branched: {error}"
+                self._draw()
+            return
+        with self._lock:
+            self._refused = ""
+            self._running.append((sample, branch))
+            self._draw()
+        for _sample, _event in branch.follow():
+            if wall_clock() - self._drawn_at >= DRAW_S:
+                with self._lock:
+                    self._draw()
+        with self._lock:
+            branch_result(branch)  # recorded in its tree's family, as `result.branch()` records it
+            self._running.remove((sample, branch))
+            self._draw()
+
+    def trees(self) -> list[tuple[Sample, BranchTree]]:
+        """Each sample that has branches, and its tree (the running branches last)."""
+        trees = []
+        for sample in self.generation.samples:
+            running = [branch.samples[0].result() for parent, branch in self._running if parent is sample]
+            tree = BranchTree.of(sample.result(), running)
+            if len(tree.nodes) > 1:
+                trees.append((sample, tree))
+        return trees
+
+    def _draw(self) -> None:
+        """The trees, each named by its sample where there are several, and the last refusal, as the output's
+        record (under the lock)."""
+        from IPython.display import update_display
+
+        self._drawn_at = wall_clock()
+        several = len(self.generation.samples) > 1
+        html_parts, text_parts = [], []
+        for sample, tree in self.trees():
+            label_html, label_text = (f'<div class="exlnb-label">sample {sample.index}</div>',
+                                      f"sample {sample.index}:\n") if several else ("", "")
+            html_parts.append(label_html + tree.html())
+            text_parts.append(label_text + tree.text())
+        if self._refused:
+            html_parts.append(f'<div class="exlnb-warning">{html.escape(self._refused)}</div>')
+            text_parts.append(self._refused)
+        update_display({"text/html": record_html("".join(html_parts)), "text/plain": "\n".join(text_parts)},
+                       raw=True, display_id=self.display_id)
+
+    def close(self) -> None:
+        for sample in self._samples.values():
+            _keys.pop(id(sample), None)
+        super().close()

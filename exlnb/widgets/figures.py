@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from exlnb.engines.base import EosReason, SamplerSettings, StreamEvent, Tokenizer
 from exlnb.engines.declaration import declared
 from exlnb.generation import Generation, Sample
+from exlnb.widgets.branches import branch_key
 from exlnb.widgets.tokens import sample_token_records, tokens_html, tokens_text
 
 FINDINGS_SHOWN = 3  # template findings listed in the warning; the rest are counted
@@ -229,7 +230,8 @@ def sample_html(sample: Sample, generation: Generation, max_new_tokens: int) -> 
         parts.append(f"<span>{html.escape(loop_words(sample))}</span>")
     label = f'<div class="exlnb-label">sample {sample.index}</div>' if len(generation.samples) > 1 else ""
     records, request = sample_token_records(sample), generation.request
-    body = (tokens_html(records, special_ids(generation), request.show_whitespace, request.token_colour) if records
+    body = (tokens_html(records, special_ids(generation), request.show_whitespace, request.token_colour,
+                        branch_key(sample)) if records
             else f'<div class="exlnb-text">{html.escape(sample.text)}</div>')
     return (f'<div class="exlnb-sample exlnb-{state}">{label}{body}'
             f'<div class="exlnb-bar"><span style="width:{share:.1%}"></span></div>'

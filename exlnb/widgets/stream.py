@@ -25,6 +25,7 @@ from exlnb.generation import (
 from exlnb.request import GenerationRequest
 from exlnb.session import Session
 from exlnb.streaming import GenerationResult
+from exlnb.widgets.branches import BranchChoices
 from exlnb.widgets.figures import (
     generation_html, generation_text, prompt_html, prompt_pieces, prompt_text, sample_text, settings_words, status_line,
     template_warning, token_line,
@@ -308,8 +309,11 @@ def _show(generation: Generation, background: bool, show_prompt: bool, use_widge
     with _cancel_on_exit(generation, wait=False):
         pieces = prompt_pieces(generation.prompt_ids, generation.session.tokenizer) if show_prompt else None
         if use_widget:
+            choices = BranchChoices.offer(generation)  # before the view can draw its end, which then can branch
             view = StreamView(generation, max_new_tokens=generation.request.max_new_tokens, prompt=pieces)
             view.show()
+            if choices is not None:
+                choices.show()  # the output under the view where the branches' tree will be drawn
             return _Shown(generation, view, None)
         warning = template_warning(generation)
         if warning:

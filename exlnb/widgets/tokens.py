@@ -6,6 +6,10 @@ drew it with, which under top-k or top-p is often 1.000 while the model hesitate
 markup, not a `title`: it opens on hover and on keyboard focus (each token is a tab stop), its text can be
 selected and copied, and it works in the static record a saved notebook keeps, where no script runs.
 
+Once its answer has ended, a view whose answer a `BranchChoices` holds (widgets/branches.py) names it, and the
+alternatives other than the drawn token carry their position and id: choosing one there branches the answer,
+while the kernel that drew the view runs; the popover says whether it can (view.js marks the view).
+
 One shade scale for both JupyterLab themes: a red laid translucently over the theme's background, more opaque
 the more a token deserves a look, under the theme's text colour, so the text keeps its contrast in light and
 dark (the browser test measures it). Special tokens are always marked, whitespace on request.
@@ -19,7 +23,7 @@ from collections.abc import Collection, Sequence
 
 from exlnb.engines.token_info import TokenInfo
 from exlnb.generation import Sample
-from exlnb.token_records import TokenRecord, token_records
+from exlnb.token_records import TokenRecord
 
 # upper probability limit of each band, most doubtful first; their shades are .exlnb-p0 to -p3 in exlnb.css.
 # Five bands are told apart at a glance, a continuous ramp is not
@@ -30,7 +34,8 @@ VISIBLE = {"\n": "↵\n", "\t": "→", " ": "·"}
 
 
 def sample_token_records(sample: Sample) -> tuple[TokenRecord, ...]:
-    return token_records(sample.events)
+    """A sample's records, each at its place in the result's `token_ids` (a branch's forced token comes first)."""
+    return sample.result().token_records
 
 
 def band(probability: float) -> int:
@@ -57,11 +62,27 @@ def sampled_words(info: TokenInfo) -> str:
     return "not reported by this engine" if info.sampled_probability is None else f"{info.sampled_probability:.3f}"
 
 
-def popover_html(record: TokenRecord) -> str:
-    """A token's figures, each named, and the model's k likeliest tokens with the drawn one marked."""
+# what the popover of a view that can branch says, both ways: exlnb.css shows the first only while view.js marks
+# the view .exlnb-branching (its kernel runs), the second otherwise (a record, a kernel gone)
+BRANCH_HINT = ('<span class="exlnb-branch-on"> (click one, or ↓ to it and Enter, to branch here)</span>'
+               '<span class="exlnb-branch-off"> (branching here needs the live kernel that drew this view)</span>')
+
+
+def alternative_html(record: TokenRecord, token_id: int, text: str, branching: bool) -> str:
+    """An alternative's text; where the view can branch, a choice of the branch at the record's position (not for
+    the drawn token: that branch is the answer again)."""
+    words = html.escape(repr(text))
+    if not branching or token_id == record.info.token_id:
+        return words
+    return f'<span class="exlnb-alt" data-at="{record.position}" data-token="{token_id}" tabindex="-1">{words}</span>'
+
+
+def popover_html(record: TokenRecord, branching: bool = False) -> str:
+    """A token's figures, each named, and the model's k likeliest tokens with the drawn one marked; with
+    `branching`, each other one a choice of a branch."""
     info = record.info
     rows = "".join(
-        f'<tr><td>{p:.3f}</td><td>{html.escape(repr(text))}</td>'
+        f'<tr><td>{p:.3f}</td><td>{alternative_html(record, i, text, branching)}</td>'
         f'<td>{"← drawn" if i == info.token_id else ""}</td></tr>'
         for i, text, p in info.alternatives
     )
@@ -71,14 +92,15 @@ def popover_html(record: TokenRecord) -> str:
         f"model's probability {info.probability:.3f} (its softmax at temperature 1, before sampling)<br>"
         f"sampled with {sampled_words(info)} (after penalties, temperature and truncation)<br>"
         f"arrived {record.latency_s * 1000:.0f} ms after the previous token<br>"
-        f"the model's {len(info.alternatives)} likeliest tokens:"
+        f"the model's {len(info.alternatives)} likeliest tokens{BRANCH_HINT if branching else ''}:"
         f"<table>{rows}</table></span>"
     )
 
 
-def tokens_html(records: Sequence[TokenRecord], specials: Collection[int], whitespace: bool, colour: str) -> str:
+def tokens_html(records: Sequence[TokenRecord], specials: Collection[int], whitespace: bool, colour: str,
+                answer: str | None = None) -> str:
     """The answer as token chips shaded by `colour` ("probability": the model's, or "latency"), each with its
-    popover, and a legend of the bands."""
+    popover, and a legend of the bands; with `answer` (`branches.branch_key`), a view whose alternatives branch."""
     if colour == "latency":
         bands = latency_bands(records)
         labels = [f"≥{m}× median" for m in LATENCY_BANDS] + ["faster"]
@@ -89,11 +111,13 @@ def tokens_html(records: Sequence[TokenRecord], specials: Collection[int], white
         shade = "the model's probability"
     chips = "".join(
         f'<span class="exlnb-chip exlnb-p{b}{" exlnb-special" if r.info.token_id in specials else ""}" tabindex="0">'
-        f'{html.escape(visible(r.info.text, r.info.token_id in specials, whitespace))}{popover_html(r)}</span>'
+        f'{html.escape(visible(r.info.text, r.info.token_id in specials, whitespace))}'
+        f'{popover_html(r, answer is not None)}</span>'
         for r, b in zip(records, bands)
     )
     legend = "".join(f'<span class="exlnb-chip exlnb-p{i}">{label}</span>' for i, label in enumerate(labels))
-    return (f'<div class="exlnb-tokens exlnb-token-view">{chips}</div>'
+    named = f' data-exlnb-answer="{answer}"' if answer else ""
+    return (f'<div class="exlnb-tokens exlnb-token-view"{named}>{chips}</div>'
             f'<div class="exlnb-legend exlnb-muted">shade: {shade} {legend} · hover or Tab to a token for its '
             "probabilities and alternatives</div>")
 

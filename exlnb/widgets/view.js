@@ -8,6 +8,26 @@
 // output has become the static record.)
 const GONE_STATUSES = new Set(["restarting", "autorestarting", "dead"]);
 
+// Call `gone` once the kernel behind `model` has gone; returns what stops listening.
+function whenKernelGoes(model, gone) {
+  model.on("comm_live_update", gone); // the manager's only change after a model is made: the comm died
+  const kernel = model.widget_manager && model.widget_manager.kernel;
+  if (!kernel) return () => {};
+  const onStatus = (_kernel, status) => {
+    if (GONE_STATUSES.has(status)) gone();
+  };
+  const onConnection = (_kernel, status) => {
+    if (status === "disconnected") gone();
+  };
+  if (GONE_STATUSES.has(kernel.status)) gone();
+  kernel.statusChanged.connect(onStatus);
+  kernel.connectionStatusChanged.connect(onConnection);
+  return () => {
+    kernel.statusChanged.disconnect(onStatus);
+    kernel.connectionStatusChanged.disconnect(onConnection);
+  };
+}
+
 function render({ model, el }) {
   el.classList.add("exlnb");
   el.innerHTML =
@@ -46,22 +66,9 @@ function render({ model, el }) {
   });
   model.on("change:html", draw);
   model.on("change:controls", drawControls);
-  model.on("comm_live_update", markGone); // the manager's only change after a view is drawn: the comm died
   draw();
   drawControls();
-
-  const kernel = model.widget_manager && model.widget_manager.kernel;
-  const onStatus = (_kernel, status) => {
-    if (GONE_STATUSES.has(status)) markGone();
-  };
-  const onConnection = (_kernel, status) => {
-    if (status === "disconnected") markGone();
-  };
-  if (kernel) {
-    if (GONE_STATUSES.has(kernel.status)) markGone();
-    kernel.statusChanged.connect(onStatus);
-    kernel.connectionStatusChanged.connect(onConnection);
-  }
+  const stopWatching = whenKernelGoes(model, markGone);
 
   const view = Math.random().toString(36).slice(2);
   let reported = false;
@@ -82,12 +89,78 @@ function render({ model, el }) {
   return () => {
     observer.disconnect();
     document.removeEventListener("visibilitychange", report);
-    if (kernel) {
-      kernel.statusChanged.disconnect(onStatus);
-      kernel.connectionStatusChanged.disconnect(onConnection);
-    }
+    stopWatching();
     onScreen = false;
     report();
   };
 }
-export default { render };
+
+// Branching from a token view (widgets/branches.py): a `BranchChoices` model has no view; it holds answers by the
+// key their token views carry (data-exlnb-answer), views that are static records by then, which JupyterLab may
+// draw again at any time. So it listens on the document: while its kernel runs, choosing an alternative in one
+// of them (a click, or Enter; ↓ and ↑ from a token walk its alternatives, Escape goes back) messages the kernel,
+// and a view the pointer or focus comes to is marked .exlnb-branching, which its popover says; once the kernel
+// has gone, nothing is marked and nothing is sent. Keys are handled in the capture phase, before JupyterLab's
+// own shortcuts (on the document, bubbling): ↓ would otherwise select the next cell.
+function initialize({ model }) {
+  const answers = model.get("answers");
+  if (!answers || !answers.length) return undefined; // every other exlnb widget
+  const held = answers.map((key) => `[data-exlnb-answer="${key}"]`).join(", ");
+  let live = true;
+  const viewOf = (target) => (target instanceof Element ? target.closest(held) : null);
+  const goes = () => {
+    live = false;
+    document.querySelectorAll(held).forEach((view) => view.classList.remove("exlnb-branching"));
+  };
+  const mark = (event) => {
+    const view = viewOf(event.target);
+    if (view) view.classList.toggle("exlnb-branching", live);
+  };
+  const choose = (alternative) => {
+    const view = viewOf(alternative);
+    if (!live || !view) return;
+    try {
+      model.send({ type: "branch", answer: view.dataset.exlnbAnswer, at: Number(alternative.dataset.at),
+                   token: Number(alternative.dataset.token) });
+    } catch (error) {
+      goes();
+    }
+  };
+  const onClick = (event) => {
+    const alternative = event.target instanceof Element && event.target.closest(".exlnb-alt");
+    if (alternative) choose(alternative);
+  };
+  const onKey = (event) => {
+    const here = event.target;
+    if (!live || !viewOf(here)) return;
+    const chip = here.closest(".exlnb-chip");
+    const alternatives = chip ? [...chip.querySelectorAll(".exlnb-alt")] : [];
+    const step = { ArrowDown: 1, ArrowUp: -1 }[event.key];
+    if (event.key === "Enter" && here.matches(".exlnb-alt")) {
+      choose(here);
+    } else if (step && alternatives.length) {
+      const at = alternatives.indexOf(here); // -1 on the token itself
+      alternatives[Math.min(Math.max(at + step, 0), alternatives.length - 1)].focus();
+    } else if (event.key === "Escape" && here.matches(".exlnb-alt")) {
+      chip.focus();
+    } else {
+      return;
+    }
+    event.preventDefault();
+    event.stopPropagation();
+  };
+  const stopWatching = whenKernelGoes(model, goes);
+  document.addEventListener("mouseover", mark);
+  document.addEventListener("focusin", mark);
+  document.addEventListener("click", onClick);
+  document.addEventListener("keydown", onKey, true);
+  return () => {
+    goes();
+    stopWatching();
+    document.removeEventListener("mouseover", mark);
+    document.removeEventListener("focusin", mark);
+    document.removeEventListener("click", onClick);
+    document.removeEventListener("keydown", onKey, true);
+  };
+}
+export default { initialize, render };
