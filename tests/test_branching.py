@@ -217,3 +217,23 @@ def test_branch_magic_in_a_kernel_awaits_so_its_stop_button_is_heard(shell, gree
     assert isinstance(view, StreamView) and view.settled
     assert stopped.eos_reason is EosReason.CANCELLED and len(stopped.token_ids) < 24 - AT
     assert view.generation.samples[0].stopped_by == "stop button"
+
+
+def test_a_cell_run_again_closes_the_chooser_of_its_last_run_and_frees_its_answers(cpu_session):
+    """`%%exl_generate --tokens` keeps the answers a token view can branch alive: its comm and generation. The
+    same cell run again replaced that view, so its chooser goes, token view or not; another cell's stays."""
+    from exlnb.widgets.branches import BranchChoices, branch_key
+
+    first, other, again = (start(QUESTION, temperature=0, max_new_tokens=4, tokens=2) for _ in range(3))
+    choosers = [BranchChoices.offer(g, owner) for g, owner in ((first, "cell-a"), (other, "cell-b"), (again, "cell-a"))]
+    for generation in (first, other, again):
+        generation.wait(60)
+
+    assert choosers[0].comm is None and branch_key(first.samples[0]) is None  # closed: its view was replaced
+    assert choosers[1].comm is not None and branch_key(other.samples[0]) is not None
+    assert choosers[2].comm is not None and branch_key(again.samples[0]) is not None
+    plain = start(QUESTION, max_new_tokens=1)
+    assert BranchChoices.offer(plain, "cell-b") is None  # cell b again, without a token view: nothing to hold
+    plain.wait(60)
+    assert choosers[1].comm is None and branch_key(other.samples[0]) is None
+    choosers[2].close()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import html
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from uuid import uuid4
 
@@ -112,6 +112,8 @@ def _node(index: int, member: GenerationResult, members: list[GenerationResult])
 # -- choosing an alternative in a token view ---------------------------------------------------------------
 
 _keys: dict[int, str] = {}  # id(sample) -> the key its token view carries, for each sample a chooser holds alive
+_offered: dict[Hashable, BranchChoices] = {}  # each cell's chooser (by the cell's owner key), until it runs again
+_offered_lock = threading.Lock()
 
 
 def branch_key(sample: Sample) -> str | None:
@@ -142,9 +144,19 @@ class BranchChoices(anywidget.AnyWidget):
         self.on_msg(lambda _widget, content, _buffers: self.handle(content))
 
     @classmethod
-    def offer(cls, generation: Generation) -> BranchChoices | None:
-        """A chooser for a generation shown with its token view (`tokens=N`), else None."""
-        return cls(generation) if generation.request.tokens else None
+    def offer(cls, generation: Generation, owner: Hashable | None = None) -> BranchChoices | None:
+        """A chooser for a generation shown with its token view (`tokens=N`), else None. A cell run again
+        (the same `owner`) closes the chooser of its last run, whose view the new output replaced: it would
+        otherwise hold that generation, and a comm, for the kernel's life."""
+        chooser = cls(generation) if generation.request.tokens else None
+        if owner is not None:
+            with _offered_lock:
+                previous = _offered.pop(owner, None)
+                if chooser is not None:
+                    _offered[owner] = chooser
+            if previous is not None:
+                previous.close()
+        return chooser
 
     def show(self) -> None:
         """Display the empty output the trees will be drawn in: under the view, now, from the cell (an output first

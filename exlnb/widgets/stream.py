@@ -169,7 +169,7 @@ def generate_live(
     a cell awaits): in a notebook, `await agenerate_live(...)`, which is what `%%exl_generate` does.
     """
     request, use_widget = _entrance(request, options), _wants_widget(display)
-    shown = _show(start(request, owner=owner, session=session), background, show_prompt, use_widget)
+    shown = _show(start(request, owner=owner, session=session), background, show_prompt, use_widget, owner)
     if not background:
         with _cancel_on_exit(shown.generation, wait=True):
             shown.wait()
@@ -192,7 +192,8 @@ async def agenerate_live(
     with it the samples; the cell's error is one line, `Interrupted` ("interrupted: job 12 cancelled after
     18 tokens")."""
     request, use_widget = _entrance(request, options), _wants_widget(display)
-    shown = _show(await astart(request, owner=owner, session=session), background, show_prompt, use_widget)
+    shown = _show(await astart(request, owner=owner, session=session), background, show_prompt, use_widget,
+                  owner)
     if not background:
         await _await_shown(shown)
     return shown.generation
@@ -213,7 +214,7 @@ def branch_live(result: GenerationResult, *, at: int, token: int | str | None = 
                 owner: Hashable | None = None) -> GenerationResult:
     """`result.branch(at, token)` shown as it runs, as `generate_live` shows a generation; the branch's result."""
     use_widget = _wants_widget(display)
-    shown = _show(start_branch(result, at=at, token=token, owner=owner), False, False, use_widget)
+    shown = _show(start_branch(result, at=at, token=token, owner=owner), False, False, use_widget, owner)
     with _cancel_on_exit(shown.generation, wait=True):
         shown.wait()
     _raise_failure(shown.generation)
@@ -224,7 +225,8 @@ async def abranch_live(result: GenerationResult, *, at: int, token: int | str | 
                        owner: Hashable | None = None) -> GenerationResult:
     """`branch_live` for a notebook cell: awaits the branch, so the Stop button and an interrupt are heard."""
     use_widget = _wants_widget(display)
-    shown = _show(await astart_branch(result, at=at, token=token, owner=owner), False, False, use_widget)
+    shown = _show(await astart_branch(result, at=at, token=token, owner=owner), False, False, use_widget,
+                  owner)
     await _await_shown(shown)
     return branch_result(shown.generation)
 
@@ -305,11 +307,12 @@ def _wants_widget(display: str) -> bool:
     return display == "widget" or (display == "auto" and widget_frontend())
 
 
-def _show(generation: Generation, background: bool, show_prompt: bool, use_widget: bool) -> _Shown:
+def _show(generation: Generation, background: bool, show_prompt: bool, use_widget: bool,
+          owner: Hashable | None = None) -> _Shown:
     with _cancel_on_exit(generation, wait=False):
         pieces = prompt_pieces(generation.prompt_ids, generation.session.tokenizer) if show_prompt else None
         if use_widget:
-            choices = BranchChoices.offer(generation)  # before the view can draw its end, which then can branch
+            choices = BranchChoices.offer(generation, owner)  # before the view can draw its end, which then can branch
             view = StreamView(generation, max_new_tokens=generation.request.max_new_tokens, prompt=pieces)
             view.show()
             if choices is not None:
