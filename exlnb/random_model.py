@@ -36,9 +36,7 @@ LLAMA_70B_LAYER = dict(
     num_key_value_heads=8,
     max_position_embeddings=4096,
 )
-WEIGHTS_BYTES = 13_360_000_000  # fp16, with the bundled tokenizer's 49152-token vocabulary
-# the weights, a full 4096-token fp16 cache (0.5 MiB a token) and room for exllamav2's scratch buffers
-DEVICE_BYTES_NEEDED = WEIGHTS_BYTES + 4 * 2**30
+BUNDLED_VOCAB = 49_152  # the bundled model's vocabulary (its config.json), which the random models take over
 TOKENIZER_DIR_VARIABLE = "EXLNB_TOKENIZER_DIR"
 
 
@@ -52,6 +50,16 @@ def layer_bytes(shape: dict) -> int:
 def head_bytes(shape: dict, vocab: int) -> int:
     """fp16 bytes of the embedding, the final norm and the (untied) output head."""
     return 2 * (2 * vocab * shape["hidden_size"] + shape["hidden_size"])
+
+
+def weights_bytes(shape: dict, vocab: int) -> int:
+    """fp16 bytes of every weight of a Llama of `shape`: what its folder holds and a device must load."""
+    return head_bytes(shape, vocab) + shape["num_hidden_layers"] * layer_bytes(shape)
+
+
+WEIGHTS_BYTES = weights_bytes(LLAMA_7B, BUNDLED_VOCAB)  # the 7B-shaped model: 13.76 GB
+# the weights, a full 4096-token fp16 cache (0.5 MiB a token) and room for exllamav2's scratch buffers
+DEVICE_BYTES_NEEDED = WEIGHTS_BYTES + 4 * 2**30
 
 
 def shape_larger_than(device_bytes: int, ratio: float, vocab: int) -> dict:
@@ -81,7 +89,7 @@ def cannot_make_here() -> str | None:
     return None
 
 
-def scratch_folder(weights_bytes: int = WEIGHTS_BYTES) -> tempfile.TemporaryDirectory:
+def scratch_folder(size: int = WEIGHTS_BYTES) -> tempfile.TemporaryDirectory:
     """A folder for the random weights: in memory (/dev/shm) where it has room, else the temp directory.
 
     Suspected cause of the first H100 run's slow 7B samples (191 and 318 ms/token before settling at 15):
@@ -89,7 +97,7 @@ def scratch_folder(weights_bytes: int = WEIGHTS_BYTES) -> tempfile.TemporaryDire
     by the host issuing kernels, is timed. tmpfs has no writeback; on disk, `random_llama` waits for it.
     """
     shm = Path("/dev/shm")
-    if shm.is_dir() and shutil.disk_usage(shm).free > 1.2 * weights_bytes:
+    if shm.is_dir() and shutil.disk_usage(shm).free > 1.2 * size:
         return tempfile.TemporaryDirectory(prefix="exlnb-random-", dir=shm)
     return tempfile.TemporaryDirectory(prefix="exlnb-random-")
 
@@ -109,8 +117,7 @@ def random_llama(shape: dict, *, distinct_layers: bool = True) -> Iterator[tuple
     page-cache writeback competes with what is timed on the model."""
     source = tokenizer_folder()
     vocab = json.loads((source / "config.json").read_text())["vocab_size"]
-    size = head_bytes(shape, vocab) + shape["num_hidden_layers"] * layer_bytes(shape)
-    with scratch_folder(size) as tmp:
+    with scratch_folder(weights_bytes(shape, vocab)) as tmp:
         folder = Path(tmp)
         weight_bytes = make_random_llama(folder, source, shape, distinct_layers=distinct_layers)
         os.sync()
@@ -170,15 +177,13 @@ def make_random_llama(folder: Path, tokenizer_dir: Path, shape: dict = LLAMA_7B,
     save({"model.embed_tokens.weight": tensor((vocab, h)), "model.norm.weight": tensor((h,)),
           "lm_head.weight": tensor((vocab, h))}, "model-head.safetensors")
     read_per_token = (vocab * h + h) * 2  # the head and final norm; one embedding row is negligible
-    total = 2 * vocab * h * 2 + h * 2
     shared = None if distinct_layers else {k: tensor(dims) for k, dims in layer_shapes.items()}
     for layer in range(shape["num_hidden_layers"]):
         weights = shared or {k: tensor(dims) for k, dims in layer_shapes.items()}
         shard = {f"model.layers.{layer}.{k}": t for k, t in weights.items()}
         read_per_token += sum(t.numel() * 2 for t in shard.values())
-        total += sum(t.numel() * 2 for t in shard.values())
         save(shard, f"model-layer{layer:03d}.safetensors")
     # the index a sharded checkpoint carries: without it transformers looks for model.safetensors and stops
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    index = {"metadata": {"total_size": weights_bytes(shape, vocab)}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     return read_per_token

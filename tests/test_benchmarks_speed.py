@@ -124,7 +124,7 @@ def test_a_random_llama_loads_whole_in_transformers_and_its_floor_counts_what_de
     finds every weight through the shard index, and the floor's bytes are the recipe's own count."""
     from transformers import AutoModelForCausalLM
 
-    from exlnb.random_model import LLAMA_7B, make_random_llama, tokenizer_folder
+    from exlnb.random_model import BUNDLED_VOCAB, LLAMA_7B, make_random_llama, tokenizer_folder, weights_bytes
 
     shape = dict(LLAMA_7B, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                  num_hidden_layers=2)
@@ -132,3 +132,6 @@ def test_a_random_llama_loads_whole_in_transformers_and_its_floor_counts_what_de
     model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "model", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and model.config.num_hidden_layers == 2
     assert read == speed_setups.weight_bytes_read_per_token(tmp_path / "model")
+    # the size the scratch folder and the device are checked against is what the folder holds
+    assert model.config.vocab_size == BUNDLED_VOCAB
+    assert sum(p.numel() * 2 for p in model.parameters()) == weights_bytes(shape, BUNDLED_VOCAB)
