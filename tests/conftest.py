@@ -16,6 +16,7 @@ import importlib
 import os
 import signal
 import sys
+import time
 import types
 from collections import Counter
 from contextlib import contextmanager
@@ -78,6 +79,13 @@ def pytest_configure(config) -> None:
         share = max(1, cores // workers)
         torch.set_num_threads(share)
         os.environ.setdefault("OMP_NUM_THREADS", str(share))
+
+
+def wait_until_idle(session: Session, timeout: float = 10.0) -> None:
+    """Cancels requested from finalisers and interrupts are queued; give the engine thread a moment to run them."""
+    deadline = time.monotonic() + timeout
+    while session.jobs() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 BUNDLED_ON_CPU: EngineOptions | None = None  # what cpu_session loaded, once it has

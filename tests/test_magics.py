@@ -16,6 +16,7 @@ from exlnb import EosReason
 from exlnb.chat import forget_chat, get_chat
 from exlnb.generation import start
 from exlnb.widgets.stream import generate_live
+from tests.conftest import wait_until_idle
 
 nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the notebook stack: pip install -e '.[test]'")
 papermill = pytest.importorskip("papermill", reason="the notebook tests need the notebook stack: pip install -e '.[test]'")
@@ -241,9 +242,7 @@ def test_keyboard_interrupt_while_waiting_cancels_the_samples(shell, idle, ctrl_
     finally:
         exlnb.magics.generate_live = original
     assert started.is_set()
-    deadline = time.monotonic() + 10
-    while idle.jobs() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until_idle(idle)
     assert idle.jobs() == []
 
 

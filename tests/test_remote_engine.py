@@ -15,6 +15,7 @@ from exlnb.engines.base import EosReason
 from exlnb.loadtest import bench
 from exlnb.models import BUNDLED_MODEL
 from exlnb.session import Session, get_session
+from tests.conftest import wait_until_idle
 
 pytest_plugins = ["tests.servers"]
 pytestmark = pytest.mark.slow  # starts real servers
@@ -171,9 +172,7 @@ def test_a_kernel_interrupt_closes_the_stream(llama_cpp_in_the_kernel, llama_cpp
         llama_cpp_in_the_kernel.run_cell_magic("exl_generate", "--max-new-tokens 400 --display text",
                                                "Write a long story about a lighthouse keeper.")
     assert started.is_set()
-    deadline = time.monotonic() + 10
-    while session.jobs() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until_idle(session)
     assert session.jobs() == []
 
 

@@ -14,7 +14,7 @@ from exlnb import EosReason, SamplerSettings
 from exlnb.engines.base import JobSpec
 from exlnb.session import NoModelLoaded, Session
 from exlnb.streaming import ModelUnloaded
-from tests.conftest import chatml
+from tests.conftest import chatml, wait_until_idle
 
 PROMPTS = [
     "What is the capital of France?",
@@ -26,13 +26,6 @@ PROMPTS = [
     "What do bees make?",
     "Translate 'good morning' into Spanish.",
 ]
-
-
-def wait_until_idle(session: Session, timeout: float = 10.0) -> None:
-    """Cancels requested from finalisers are queued; give the engine thread a moment to run them."""
-    deadline = time.monotonic() + timeout
-    while session.jobs() and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 def max_overlap(streams) -> int:
