@@ -1,6 +1,7 @@
 """The core suite: every core benchmark this machine can run, a table, JSON (and the context curve as PNG).
 
-    python -m benchmarks core [--quick] [--only kit,peer,context,concurrency,hardware] [--out benchmarks/results]
+    python -m benchmarks core [--quick] [--only kit,peer,context,concurrency,hardware] [--engine E] [--model M]
+                              [--out benchmarks/results]
 
 The engine is chosen as in the kit (ExLlamaV2 with CUDA, else CPU; `--engine exllamav3` for ExLlamaV3);
 `hardware` needs the ExLlamaV2 engine; `peer` adds exllamav3's own generator where it is installed.
@@ -21,6 +22,7 @@ from benchmarks.harness import clock, device_slug, environment, new_result_path,
 from benchmarks.table import markdown
 from exlnb import get_session
 from exlnb.engines.options import ENGINE_NAMES
+from exlnb.models import BUNDLED_MODEL
 
 ALL = ("kit", "peer", "context", "concurrency", "hardware")
 
@@ -52,6 +54,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--only", default=",".join(ALL), help=f"comma-separated subset of {','.join(ALL)}")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--engine", default="auto", choices=ENGINE_NAMES)
+    parser.add_argument("--model", default=BUNDLED_MODEL,
+                        help="a model name or folder the engine loads (default: the bundled model), e.g. an EXL3 quant")
     args = parser.parse_args(argv)
     chosen = [name for name in args.only.split(",") if name]
     unknown = set(chosen) - set(ALL)
@@ -61,9 +65,9 @@ def main(argv: list[str] | None = None) -> Path:
 
     started = clock()
     session = get_session()
-    status = session.load("smollm2-135m-instruct", engine=args.engine, cache_tokens=8448, progress=False)
+    status = session.load(args.model, engine=args.engine, cache_tokens=8448, progress=False)
     env = environment()
-    results = {"environment": env, "engine": status.line(), "quick": args.quick, "plan": plan.__dict__,
+    results = {"environment": env, "engine": status.line(), "model": args.model, "quick": args.quick, "plan": plan.__dict__,
                "benchmarks": {}, "skipped": {}}
     for name in chosen:
         if name == "hardware" and status.engine != "exllamav2":

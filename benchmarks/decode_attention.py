@@ -1,22 +1,25 @@
-"""What exlnb's paged attention costs a decode step as the context grows, and what a matmul form would; JSON out.
+"""What exlnb's paged attention costs a decode step as the context grows, on each of its paths; JSON out.
 
     python -m benchmarks decode-attention [--out benchmarks/results]
 
 With CUDA graphs the host no longer sets the decode speed, and on the H100 the time per token then grew with
 the context (the bundled model 3.1 ms at 128 tokens, 17.6 ms at 4096). This times the attention alone, a
 whole token's worth of layers replayed from one CUDA graph (as decode runs), for the bundled model's and the
-7B-shaped model's heads, per context length and batch size:
-- `exlnb`: `paged_attention.flash_attn_with_kvcache` as exllamav2 calls it (a gather of the pages, then
-  PyTorch's memory-efficient attention kernel, which spreads one query's work over heads only);
-- `matmul`: the same gather, then scores, softmax and weighted sum as batched matrix products (what a
-  decode kernel split over the keys would be measured against).
-For each: ms per token, its difference from exlnb's output, and whether a sequence's output is the same,
-to the bit, alone and in a batch of 8 (a greedy answer that changes with its batch mates is field report 2).
+7B-shaped model's heads, per context length and batch size, `paged_attention.flash_attn_with_kvcache` called
+as exllamav2 calls it, three ways:
+- `pytorch`: its PyTorch path (`TRITON_DECODE` off): a gather of the pages, then PyTorch's memory-efficient
+  attention kernel, which spreads one query's work over heads only;
+- `matmul`: the same gather, then scores, softmax and weighted sum as batched matrix products;
+- `triton`: triton_decode's kernels, which read the pages in place, split over the keys (where triton is
+  installed; the path exlnb takes by default there).
+For each: ms per token, its difference from the PyTorch path's output, and whether a sequence's output is the
+same, to the bit, alone and in a batch of 8 (a greedy answer that changes with its batch mates is field report 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from pathlib import Path
 
@@ -32,8 +35,9 @@ SHAPES = {  # heads, key/value heads, head size, layers
     "7b-shaped": (LLAMA_7B["num_attention_heads"], LLAMA_7B["num_key_value_heads"],
                   LLAMA_7B["hidden_size"] // LLAMA_7B["num_attention_heads"], LLAMA_7B["num_hidden_layers"]),
 }
-CONTEXTS = (128, 1024, 2048, 4096)
+CONTEXTS = (128, 256, 1024, 2048, 4096)
 BATCHES = (1, 8)
+FORMS = ("pytorch", "matmul", "triton")
 
 
 def matmul_attention(q, keys, values, bias, scale, softcap):
@@ -89,14 +93,15 @@ def graph_ms(inputs: dict, layers: int, replays: int = 50) -> tuple[float, torch
 
 def measure(shape: str, context: int, batch: int, form: str) -> dict:
     heads, kv_heads, dim, layers = SHAPES[shape]
-    original = paged_attention._attend_block
+    original, switch = paged_attention._attend_block, paged_attention.TRITON_DECODE
+    paged_attention.TRITON_DECODE = form == "triton"
     if form == "matmul":
         paged_attention._attend_block = matmul_attention
     try:
         ms, out = graph_ms(decode_inputs(heads, kv_heads, dim, context, batch), layers)
         alone = graph_ms(decode_inputs(heads, kv_heads, dim, context, 1), layers)[1] if batch > 1 else out
     finally:
-        paged_attention._attend_block = original
+        paged_attention._attend_block, paged_attention.TRITON_DECODE = original, switch
     return {"model": shape, "context": context, "batch": batch, "form": form, "ms_per_token": ms,
             "sequence_0_same_alone_and_in_batch": bool(torch.equal(out[:1], alone)), "_out": out}
 
@@ -107,16 +112,18 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("python -m benchmarks decode-attention times CUDA kernels: this machine has no CUDA")
+    forms = FORMS if importlib.util.find_spec("triton") else FORMS[:-1]
+    if "triton" not in forms:
+        print("triton is not installed: no `triton` rows", flush=True)
     rows = []
     with torch.inference_mode():
         for shape in SHAPES:
             for context in CONTEXTS:
                 for batch in BATCHES:
-                    exlnb_row = measure(shape, context, batch, "exlnb")
-                    matmul_row = measure(shape, context, batch, "matmul")
-                    matmul_row["max_abs_difference_from_exlnb"] = float((matmul_row["_out"] - exlnb_row["_out"]).abs().max())
-                    for row in (exlnb_row, matmul_row):
-                        row.pop("_out")
+                    measured = [measure(shape, context, batch, form) for form in forms]
+                    pytorch_out = measured[0]["_out"]
+                    for row in measured:
+                        row["max_abs_difference_from_pytorch"] = float((row.pop("_out") - pytorch_out).abs().max())
                         rows.append(row)
                         print(json.dumps(row), flush=True)
     env = environment()

@@ -178,6 +178,8 @@ class ExLlamaV2Engine(LibraryEngine):
             "paged through exlnb's PyTorch paged attention (flash-attn >= 2.5.7 is not importable); "
             "install flash-attn for faster attention"
         )
+        if paged_attention.decodes_on_triton():
+            return True, "exlnb paged attention (Triton decode, PyTorch prefill)"
         return True, "exlnb paged attention (PyTorch)"
 
     def _start_graphs(self):

@@ -7,11 +7,21 @@ neither of which the paged generator uses here). This module implements the subs
 exllamav2 calls: a paged cache addressed through a block table, per-sequence cache lengths, new keys and
 values written into their pages, grouped-query attention, causal masking aligned bottom-right, softmax
 scale, sliding window and softcap. `install()` puts it into exllamav2; nothing happens on import.
+
+With `EXLNB_TRITON_DECODE=1` in the environment before import (or `TRITON_DECODE = True`), decode-sized calls
+on CUDA (up to 16 query positions per sequence, fp16) go to triton_decode's kernels, which read the pages in
+place instead of gathering them, where triton is installed. It is off by default: its kernels pass their own
+tests against this path on an H100 and took a 7B-shaped model from 18.5 to 8.1 ms/token at 4,096 tokens of
+context, but the ExLlamaV2 engine's GPU suite has not yet run through with it (benchmarks/results/
+speed-nvidia-h100-80gb-hbm3-2026-11-26/README.md says where it stopped).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
+import os
 import threading
 from dataclasses import dataclass
 
@@ -23,6 +33,8 @@ VERIFIED_EXLLAMAV2 = "0.3.2"  # the one exllamav2 release exlnb is verified agai
 # (2048 queries x 8192 keys x 32 heads would be 2 GiB) runs in slices of queries instead.
 SCORE_BUDGET = 2**26
 
+TRITON_DECODE = os.environ.get("EXLNB_TRITON_DECODE") == "1"  # True: decode steps on triton_decode (opt-in)
+
 
 @dataclass(frozen=True)
 class PagedLayout:
@@ -32,9 +44,10 @@ class PagedLayout:
     """
 
     write_slots: torch.Tensor | None  # (batch * q_len,) rows of the (slots, kv_heads, dim) cache for new keys
-    read_rows: torch.Tensor  # (batch * heads * keys,) rows of the (slots * kv_heads, dim) cache, in the order
-    #                          (sequence, query head, position): the gather also repeats key heads for GQA
-    bias: torch.Tensor  # (batch, 1, q_len, keys): 0 where the query may attend to the key, -inf elsewhere
+    # None where the layout serves triton_decode, which reads the pages itself:
+    read_rows: torch.Tensor | None  # (batch * heads * keys,) rows of the (slots * kv_heads, dim) cache, in the
+    #                                 order (sequence, query head, position): the gather also repeats key heads for GQA
+    bias: torch.Tensor | None  # (batch, 1, q_len, keys): 0 where the query may attend to the key, -inf elsewhere
 
 
 def paged_layout(
@@ -49,8 +62,10 @@ def paged_layout(
     heads: int,
     kv_heads: int,
     dtype: torch.dtype,
+    gathers: bool = True,
 ) -> PagedLayout:
-    """Slots and mask for queries that follow `cache_seqlens` tokens (plus the `q_len` new ones if `appends`)."""
+    """Slots and mask for queries that follow `cache_seqlens` tokens (plus the `q_len` new ones if `appends`);
+    the write slots alone where the pages are not gathered (triton_decode reads them in place)."""
     device = block_table.device
     block_table = block_table.long()
     cache_seqlens = cache_seqlens.long()
@@ -61,6 +76,8 @@ def paged_layout(
     if appends:
         pages = block_table.gather(1, new_positions // page_size)
         write_slots = (pages * page_size + new_positions % page_size).flatten()
+    if not gathers:
+        return PagedLayout(write_slots, None, None)
 
     # every page in the table: exllamav2 sizes a pass's table to its longest sequence, so little is padding
     offsets = torch.arange(page_size, device=device)
@@ -191,6 +208,7 @@ def flash_attn_with_kvcache(
     _, page_size, kv_heads, _ = k_cache.shape
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads evenly")
+    on_triton = _decodes_on_triton(q, k_cache, v_cache)
     layout = _memo.get(
         block_table,
         cache_seqlens,
@@ -202,15 +220,41 @@ def flash_attn_with_kvcache(
         heads=heads,
         kv_heads=kv_heads,
         dtype=q.dtype,
+        gathers=not on_triton,
     )
     if k is not None:  # views of the caller's cache: the new keys and values land in its pages
         k_cache.view(-1, kv_heads, dim).index_copy_(0, layout.write_slots, k.reshape(-1, kv_heads, dim))
         v_cache.view(-1, kv_heads, dim).index_copy_(0, layout.write_slots, v.reshape(-1, kv_heads, dim))
+    scale = softmax_scale if softmax_scale is not None else dim**-0.5
+    if on_triton:
+        from exlnb.engines.exllamav2 import triton_decode
+
+        return triton_decode.paged_decode_attention(
+            q, k_cache, v_cache, cache_seqlens, block_table, appended=q_len if k is not None else 0, scale=scale,
+            causal=causal, window_size=tuple(window_size), softcap=softcap)
     keys = k_cache.view(-1, dim).index_select(0, layout.read_rows).view(batch, heads, -1, dim)
     values = v_cache.view(-1, dim).index_select(0, layout.read_rows).view(batch, heads, -1, dim)
-    scale = softmax_scale if softmax_scale is not None else dim**-0.5
     out = attend(q.transpose(1, 2), keys, values, layout.bias, scale, softcap)
     return out.transpose(1, 2).contiguous()  # free at decode (q_len 1); exllamav2 views the result
+
+
+def decodes_on_triton() -> bool:
+    """Whether decode steps on CUDA go to triton_decode: asked for, and triton installed."""
+    return TRITON_DECODE and _triton_installed()
+
+
+def _decodes_on_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether a call goes to triton_decode: TRITON_DECODE on, CUDA tensors, triton installed, a call it takes."""
+    if not (q.is_cuda and decodes_on_triton()):
+        return False
+    from exlnb.engines.exllamav2 import triton_decode
+
+    return triton_decode.handles(q, k_cache, v_cache)
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 # -- exllamav2 -----------------------------------------------------------------------------------------------

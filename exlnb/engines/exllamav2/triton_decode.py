@@ -1,0 +1,201 @@
+"""Paged attention for decode steps in Triton: keys and values read in place, through the block table.
+
+The PyTorch path (paged_attention.py) gathers every page of every sequence per layer before it attends, so its
+cost grows with the context: on an H100 a 7B-shaped fp16 model decoded at 8.5 ms/token with 256 tokens of context
+and 19.1 at 4096, where reading the keys and values once costs about 0.7 ms a token. Here, flash-decoding:
+
+- `_split_kernel`: one program per (sequence, key/value head, block of query rows, split of SPLIT_KEYS keys). Its
+  rows are the (query position, query head) pairs that read that key/value head, so grouped heads share each
+  key tile. It walks its keys a tile at a time with an online softmax in float32, and leaves each row's
+  unnormalised sum of values, running maximum and denominator.
+- `_combine_kernel`: one program per (sequence, query position, head) brings the splits to one maximum, sums
+  them and writes the output in the query's dtype. With a single split the first kernel writes it directly.
+
+The split count follows from the block table's width alone, so the grid and the partial buffers are fixed by
+static shapes and the launch can be captured in a CUDA graph (nothing reads `cache_seqlens` on the host); a
+split past a sequence's end does nothing. A split's keys depend on neither the batch nor the table's width, so a
+sequence's output is the same to the bit alone or in a batch, and at any width the graph decoder pads to
+(field report 2: a greedy answer must not change with its batch mates).
+
+The structure follows exllamav3 1.6.5's MIT-licensed `paged_attn_triton_decode`
+(exllamav3/modules/attention_fn/triton_paged.py); exllamav3 sizes its splits to the GPU and the batch instead.
+This module imports triton at its top: paged_attention imports it on first use, only where triton is installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_QUERIES = 16  # query positions per sequence a call may have: decode has 1
+MAX_HEAD_DIM = 256  # a row block's float32 accumulator (rows x head dim) lives in registers
+SPLIT_KEYS = 256  # keys per split: 16 splits at 4096 tokens keep an H100's 132 SMs busy at batch 1
+BLOCK_KEYS = 64  # keys per tile within a split
+MIN_ROWS, MAX_ROWS = 16, 64  # query rows per program: tl.dot needs 16; more share a key tile but hold more registers
+COMBINE_SPLITS = 16  # splits the combine kernel reads at once
+
+
+def handles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether these kernels take a call of flash_attn_with_kvcache's shapes: decode-sized queries, fp16
+    throughout (exllamav2's only activation dtype), contiguous caches. The device is the caller's to check."""
+    return (
+        q.shape[1] <= MAX_QUERIES
+        and q.shape[-1] <= MAX_HEAD_DIM
+        and q.dtype == k_cache.dtype == v_cache.dtype == torch.float16
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    appended: int,
+    scale: float,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+) -> torch.Tensor:
+    """flash_attn_with_kvcache's attention once the new keys are in the cache. q: (batch, q_len, heads, dim);
+    caches: (pages, page_size, kv_heads, dim). Sequence b's keys are its first cache_seqlens[b] + appended
+    positions, on pages block_table[b]; its queries are the last q_len of them. Returns q's shape and dtype."""
+    batch, q_len, heads, dim = q.shape
+    _, page_size, kv_heads, _ = k_cache.shape
+    group_rows = q_len * (heads // kv_heads)  # query rows that read one key/value head
+    rows = min(MAX_ROWS, max(MIN_ROWS, triton.next_power_of_2(group_rows)))
+    splits = triton.cdiv(block_table.shape[1] * page_size, SPLIT_KEYS)
+    dim_pad = max(16, triton.next_power_of_2(dim))
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    partial_sums = torch.empty((batch, q_len, heads, splits, dim_pad), dtype=torch.float32, device=q.device)
+    partial_stats = torch.empty((batch, q_len, heads, splits, 2), dtype=torch.float32, device=q.device)
+    left, right = window_size
+    # Triton launches on the current device: a model split over GPUs calls with each layer's own
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _split_kernel[(batch * kv_heads * triton.cdiv(group_rows, rows), splits)](
+            q, k_cache, v_cache, cache_seqlens, block_table, out, partial_sums, partial_stats,
+            block_table.stride(0), block_table.stride(1), appended, scale, left, right,
+            Q_LEN=q_len, HEADS=heads, KV_HEADS=kv_heads, PAGE_SIZE=page_size, DIM=dim, DIM_PAD=dim_pad,
+            SOFTCAP=float(softcap), CAUSAL=causal, HAS_LEFT=left >= 0, HAS_RIGHT=not causal and right >= 0,
+            ONE_SPLIT=splits == 1, ROWS=rows, BLOCK_KEYS=BLOCK_KEYS, SPLIT_KEYS=SPLIT_KEYS,
+        )
+        if splits > 1:
+            _combine_kernel[(batch * q_len * heads,)](
+                partial_sums, partial_stats, out, splits, DIM=dim, DIM_PAD=dim_pad, CHUNK=COMBINE_SPLITS,
+            )
+    return out
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0  # tl has no tanh of its own; saturates cleanly at +-1
+
+
+@triton.jit
+def _split_kernel(
+    q, k_cache, v_cache, cache_seqlens, block_table, out, partial_sums, partial_stats,
+    table_row_stride, table_column_stride, appended, scale, window_left, window_right,
+    Q_LEN: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    DIM: tl.constexpr, DIM_PAD: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ONE_SPLIT: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_KEYS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+):
+    GROUP: tl.constexpr = HEADS // KV_HEADS
+    ROW_BLOCKS: tl.constexpr = (Q_LEN * GROUP + ROWS - 1) // ROWS
+    program = tl.program_id(0)
+    split = tl.program_id(1)
+    sequence = program // (KV_HEADS * ROW_BLOCKS)
+    kv_head = program // ROW_BLOCKS % KV_HEADS
+    row = program % ROW_BLOCKS * ROWS + tl.arange(0, ROWS)
+    real_row = row < Q_LEN * GROUP
+    position = row % Q_LEN  # of the query within this call
+    out_row = (sequence * Q_LEN + position) * HEADS + kv_head * GROUP + row // Q_LEN  # a row of q and out
+    dims = tl.arange(0, DIM_PAD)
+    real_dim = dims < DIM
+    queries = tl.load(q + out_row[:, None] * DIM + dims[None, :], mask=real_row[:, None] & real_dim[None, :], other=0.0)
+
+    length = tl.load(cache_seqlens + sequence) + appended
+    query_at = length - Q_LEN + position  # bottom-right alignment: the last query is the last key
+    start = split * SPLIT_KEYS
+    end = tl.minimum(start + SPLIT_KEYS, length)
+    if HAS_LEFT:  # keys left of every row's window: skipped, not just masked
+        start = tl.maximum(start, length - Q_LEN - window_left)
+
+    maximum = tl.full((ROWS,), -float("inf"), tl.float32)
+    denominator = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, DIM_PAD), tl.float32)
+    for first in range(start, end, BLOCK_KEYS):
+        key = first + tl.arange(0, BLOCK_KEYS)
+        in_split = key < end
+        page = tl.load(block_table + sequence * table_row_stride + key // PAGE_SIZE * table_column_stride,
+                       mask=in_split, other=0)
+        slot = (page.to(tl.int64) * PAGE_SIZE + key % PAGE_SIZE) * KV_HEADS + kv_head  # a row of (slots * kv_heads, dim)
+        keys = tl.load(k_cache + slot[None, :] * DIM + dims[:, None], mask=in_split[None, :] & real_dim[:, None], other=0.0)
+        scores = tl.dot(queries, keys) * scale
+        if SOFTCAP > 0:
+            scores = _tanh(scores / SOFTCAP) * SOFTCAP
+        visible = real_row[:, None] & in_split[None, :]
+        if CAUSAL:
+            visible = visible & (key[None, :] <= query_at[:, None])
+        if HAS_RIGHT:
+            visible = visible & (key[None, :] <= query_at[:, None] + window_right)
+        if HAS_LEFT:
+            visible = visible & (key[None, :] >= query_at[:, None] - window_left)
+        scores = tl.where(visible, scores, -float("inf"))
+
+        new_maximum = tl.maximum(maximum, tl.max(scores, 1))
+        shift = tl.where(new_maximum == -float("inf"), 0.0, new_maximum)  # a row that has seen no key yet
+        weights = tl.exp(scores - shift[:, None])
+        rescale = tl.exp(maximum - shift)
+        denominator = denominator * rescale + tl.sum(weights, 1)
+        values = tl.load(v_cache + slot[:, None] * DIM + dims[None, :], mask=in_split[:, None] & real_dim[None, :], other=0.0)
+        acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values)
+        maximum = new_maximum
+
+    if ONE_SPLIT:
+        result = acc / tl.where(denominator == 0.0, 1.0, denominator)[:, None]
+        tl.store(out + out_row[:, None] * DIM + dims[None, :], result.to(out.dtype.element_ty),
+                 mask=real_row[:, None] & real_dim[None, :])
+    else:
+        part = out_row * tl.num_programs(1) + split  # (batch, q_len, heads, splits)
+        tl.store(partial_sums + part[:, None] * DIM_PAD + dims[None, :], acc, mask=real_row[:, None])
+        tl.store(partial_stats + part * 2, maximum, mask=real_row)
+        tl.store(partial_stats + part * 2 + 1, denominator, mask=real_row)
+
+
+@triton.jit
+def _combine_kernel(partial_sums, partial_stats, out, splits, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                    CHUNK: tl.constexpr):
+    out_row = tl.program_id(0)
+    dims = tl.arange(0, DIM_PAD)
+    chunk = tl.arange(0, CHUNK)
+    first_part = out_row * splits
+
+    maxima = tl.full((CHUNK,), -float("inf"), tl.float32)
+    for first in range(0, splits, CHUNK):
+        split = first + chunk
+        maxima = tl.maximum(maxima, tl.load(partial_stats + (first_part + split) * 2, mask=split < splits,
+                                            other=-float("inf")))
+    maximum = tl.max(maxima, 0)
+    shift = tl.where(maximum == -float("inf"), 0.0, maximum)
+
+    # A split with no keys has weight 0 and adds exact zeros, so more splits change no bit of the result
+    denominators = tl.zeros((CHUNK,), tl.float32)
+    acc = tl.zeros((DIM_PAD,), tl.float32)
+    for first in range(0, splits, CHUNK):
+        split = first + chunk
+        part = first_part + split
+        weight = tl.exp(tl.load(partial_stats + part * 2, mask=split < splits, other=-float("inf")) - shift)
+        denominators += weight * tl.load(partial_stats + part * 2 + 1, mask=split < splits, other=0.0)
+        sums = tl.load(partial_sums + part[:, None] * DIM_PAD + dims[None, :], mask=(split < splits)[:, None], other=0.0)
+        acc += tl.sum(sums * weight[:, None], 0)
+    denominator = tl.sum(denominators, 0)
+    result = acc / tl.where(denominator == 0.0, 1.0, denominator)
+    tl.store(out + out_row * DIM + dims, result.to(out.dtype.element_ty), mask=dims < DIM)

@@ -1,0 +1,208 @@
+"""triton_decode's kernels against paged_attention's PyTorch path, on the calls exllamav2's decode steps make.
+
+On CUDA (`-m gpu`) the dispatch sends them to the compiled kernels, eagerly and inside a CUDA graph. Without CUDA
+the same comparisons run on CPU tensors in Triton's interpreter, which must be on before the kernels are defined:
+this module sets TRITON_INTERPRET at its top where there is no CUDA. Skipped where triton is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from exlnb.engines.exllamav2 import paged_attention
+from exlnb.engines.exllamav2.paged_attention import flash_attn_with_kvcache
+
+PAGE = 256  # exllamav2's page size
+LENGTHS = (1, 255, 256, 257, 4000)  # around a page's end, and a long context
+FP16 = {"atol": 2e-3, "rtol": 2e-3}
+
+
+@dataclass(frozen=True)
+class Call:
+    lengths: tuple[int, ...]  # tokens already in each sequence's cache
+    group: int = 1  # query heads per key/value head
+    dim: int = 128
+    kv_heads: int = 2
+    q_len: int = 1
+    appends: bool = True  # the new keys come with the call; else they are in the cache already
+    causal: bool = True
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    extra_columns: int = 0  # block-table columns past the longest sequence, as the graph decoder pads them
+
+
+def ragged(batch: int) -> tuple[int, ...]:
+    """`batch` lengths from LENGTHS, starting at a different one for each batch size."""
+    return tuple(LENGTHS[(batch + i) % len(LENGTHS)] for i in range(batch))
+
+
+def inputs(call: Call, device: str, seed: int = 0) -> dict:
+    """flash_attn_with_kvcache's arguments: each sequence on shuffled pages, page 0 in no sequence and full of NaN
+    (block tables are padded with 0, as exllamav2 pads them), so reading past a sequence shows."""
+    g = torch.Generator().manual_seed(seed)
+    totals = [n + call.q_len if call.appends else n for n in call.lengths]
+    needed = [math.ceil(t / PAGE) for t in totals]
+    order = (torch.randperm(sum(needed), generator=g) + 1).tolist()
+    table = torch.zeros(len(totals), max(needed) + call.extra_columns, dtype=torch.int32)
+    for b, pages in enumerate(needed):
+        table[b, :pages] = torch.tensor([order.pop() for _ in range(pages)], dtype=torch.int32)
+    heads = call.kv_heads * call.group
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(torch.float16).to(device)
+
+    k_cache, v_cache = rand(sum(needed) + 1, PAGE, call.kv_heads, call.dim), rand(sum(needed) + 1, PAGE, call.kv_heads, call.dim)
+    k_cache[0] = v_cache[0] = math.nan
+    new = (len(totals), call.q_len, call.kv_heads, call.dim)
+    return {
+        "q": rand(len(totals), call.q_len, heads, call.dim), "k_cache": k_cache, "v_cache": v_cache,
+        "k": rand(*new) if call.appends else None, "v": rand(*new) if call.appends else None,
+        "cache_seqlens": torch.tensor(call.lengths if call.appends else totals, dtype=torch.int32, device=device),
+        "block_table": table.to(device), "softmax_scale": call.dim**-0.5, "causal": call.causal,
+        "window_size": call.window, "softcap": call.softcap,
+    }
+
+
+def copy(args: dict) -> dict:
+    return {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in args.items()}
+
+
+def on_pytorch_path(args: dict) -> torch.Tensor:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(paged_attention, "TRITON_DECODE", False)
+        return flash_attn_with_kvcache(**args)
+
+
+def _triton_on_any_device(q, k_cache, v_cache) -> bool:
+    from exlnb.engines.exllamav2 import triton_decode
+
+    return paged_attention.TRITON_DECODE and triton_decode.handles(q, k_cache, v_cache)
+
+
+def _interpreter_refuses_numpy() -> bool:
+    """triton 3.6's interpreter takes a loop bound with int() of a one-element array, which numpy 2.4 refuses
+    (triton-lang/triton#9171, fixed after 3.6)."""
+    import numpy
+    import triton
+
+    def version(module) -> tuple[int, ...]:
+        return tuple(int(part) for part in module.__version__.split(".")[:2])
+
+    return version(numpy) >= (2, 4) and version(triton) < (3, 7)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request, monkeypatch) -> str:
+    """Where the Triton path runs: compiled on CUDA through the dispatch, or on CPU tensors in the interpreter
+    (the dispatch keeps CPU tensors on the PyTorch path, so the CPU tests step past its device check)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CUDA is here, so the kernels compiled for it: the interpreter runs where there is none")
+    if request.param == "cpu" and _interpreter_refuses_numpy():
+        pytest.skip("triton's interpreter needs numpy<2.4 before triton 3.7 (triton-lang/triton#9171)")
+    monkeypatch.setattr(paged_attention, "TRITON_DECODE", True)
+    if request.param == "cpu":
+        monkeypatch.setattr(paged_attention, "_decodes_on_triton", _triton_on_any_device)
+    return request.param
+
+
+def check_against_pytorch_path(call: Call, device: str) -> None:
+    args = inputs(call, device)
+    expected_args = copy(args)
+    expected = on_pytorch_path(expected_args)
+    assert paged_attention._decodes_on_triton(args["q"], args["k_cache"], args["v_cache"])
+
+    out = flash_attn_with_kvcache(**args)
+
+    assert out.shape == args["q"].shape and out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), expected.float(), **FP16)
+    for cache in ("k_cache", "v_cache"):  # the new keys and values landed where the PyTorch path puts them
+        torch.testing.assert_close(args[cache], expected_args[cache], atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4], ids=["mha", "gqa4"])
+@pytest.mark.parametrize("batch", range(1, 9))
+def test_decode_matches_the_pytorch_path_over_ragged_lengths(batch, group, dim, device):
+    check_against_pytorch_path(Call(ragged(batch), group=group, dim=dim), device)
+
+
+OTHER_CALLS = {
+    "several queries per sequence (speculative verification)": Call((255, 300), group=4, q_len=5),
+    "sixteen queries and eight heads a group: two row blocks": Call((40, 700), group=8, q_len=16, dim=64),
+    "keys already in the cache": Call((1, 257, 513), group=4, appends=False),
+    "sliding window across a split's edge": Call((600, 20), group=4, window=(300, 0)),
+    "softcap": Call((255, 4000), group=2, softcap=30.0),
+    "not causal, window to the right": Call((100, 260), q_len=4, causal=False, window=(-1, 2)),
+    "a head size that is not a power of two": Call((255, 256), group=2, dim=80),
+    "padded block table": Call((1, 255, 256), group=4, extra_columns=5),
+}
+
+
+@pytest.mark.parametrize("name", list(OTHER_CALLS))
+def test_other_calls_match_the_pytorch_path(name, device):
+    check_against_pytorch_path(OTHER_CALLS[name], device)
+
+
+def test_a_sequence_s_output_is_the_same_alone_in_a_batch_and_in_a_wider_table(device):
+    """Field report 2: a greedy answer must not change with its batch mates, nor with the graph decoder's width."""
+    args = inputs(Call((257, *LENGTHS), group=4, extra_columns=3), device)
+    in_batch = flash_attn_with_kvcache(**copy(args))
+
+    for sequence, pages in ((0, 2), (1, 1)):  # 257 + 1 keys on two pages (two splits), 1 + 1 on one (one split)
+        rows = slice(sequence, sequence + 1)
+        alone = {name: value[rows] if name in ("q", "k", "v", "cache_seqlens") else value for name, value in args.items()}
+        alone["block_table"] = args["block_table"][rows, :pages]
+        assert torch.equal(flash_attn_with_kvcache(**alone), in_batch[rows]), f"sequence {sequence}"
+
+
+@pytest.mark.gpu
+def test_a_decode_step_captured_in_a_cuda_graph_replays_new_inputs(device):
+    if device != "cuda":
+        pytest.skip("CUDA graphs need CUDA")
+    call = Call(ragged(6), group=4)
+    static = inputs(call, device)
+    flash_attn_with_kvcache(**copy(static))  # compiles the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    paged_attention.forget_layout()  # as the graph decoder does: the graph computes its own layout
+    with torch.cuda.graph(graph):
+        out = flash_attn_with_kvcache(**static)
+    paged_attention.forget_layout()
+    later = inputs(replace(call, lengths=tuple(reversed(call.lengths))), device, seed=1)
+    for name, value in later.items():
+        if isinstance(value, torch.Tensor):
+            static[name].copy_(value)
+
+    graph.replay()
+
+    torch.testing.assert_close(out.float(), on_pytorch_path(later).float(), **FP16)
+
+
+def test_paged_attention_imports_and_runs_where_triton_is_missing():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from exlnb.engines.exllamav2.paged_attention import flash_attn_with_kvcache\n"
+        "q = torch.randn(1, 1, 2, 8); cache = torch.randn(1, 16, 2, 8)\n"
+        "out = flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=torch.tensor([3], dtype=torch.int32),\n"
+        "                              block_table=torch.zeros(1, 1, dtype=torch.int32))\n"
+        "print(tuple(out.shape))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+
+    assert run.stdout.strip() == "(1, 1, 2, 8)"
