@@ -78,11 +78,16 @@ def transformers_server(tmp_path_factory) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def llama_cpp_server(tmp_path_factory) -> Iterator[str]:
     """llama-cpp-python's server on the bundled GGUF as published. It runs one generation at a time, and by
-    default a new request aborts the one running: `interrupt_requests False` queues it instead, as load tests need."""
+    default a new request aborts the one running: `interrupt_requests False` queues it instead, as load tests need.
+    It gets the worker's share of the cores, as torch has it (conftest.py): llama.cpp reads no OMP_NUM_THREADS, and
+    two threads beside a busy worker on two cores wait for each other at every step (test_remote_engine.py beside
+    another busy core took 44 s, 16 s of them the server's CPU, with two threads; 25 s and 4 s with one)."""
+    import torch
+
     port = free_port()
     argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(bundled_gguf()), "--model_alias", BUNDLED_MODEL,
-            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--n_threads", "2",
-            "--interrupt_requests", "False", "--verbose", "False"]
+            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--n_threads", str(torch.get_num_threads()),
+            "--n_threads_batch", str(torch.get_num_threads()), "--interrupt_requests", "False", "--verbose", "False"]
     with server_process(argv, port, tmp_path_factory.mktemp("llama_cpp") / "server.log") as url:
         yield url
 

@@ -12,11 +12,13 @@ from exlnb.experiments.latency import plot, run
 SMALL = dict(requests=4, tokens_read=2, max_new_tokens=12, next_job_tokens=4, trials=1, sample_interval_s=0.05)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def small_cache_session(cpu_session):
-    """The notebook's cache: 4 pages of 256 tokens, one per request."""
+    """The notebook's cache: 4 pages of 256 tokens, one per request, loaded once for this file's tests; the
+    bundled model's own cache is put back after them (each load packs the model's weights afresh, about a second)."""
     cpu_session.load("smollm2-135m-instruct", engine="cpu", cache_tokens=1024, progress=False)
-    return cpu_session
+    yield cpu_session
+    cpu_session.load("smollm2-135m-instruct", engine="cpu", progress=False)
 
 
 def test_the_session_model_is_timed_and_the_7b_shaped_one_said_not_timed_without_cuda(small_cache_session):

@@ -35,14 +35,22 @@ class Candidates:
         return Candidates(probs, self.tokens[order])
 
 
-def softmax(logits: torch.Tensor, temperature: float, smoothing_factor: float) -> Candidates:
-    """exllamav2's softmax_cpu: with a smoothing factor the exponent is -(l - max)^2 x factor / temperature."""
+def softmax(logits: torch.Tensor, temperature: float, smoothing_factor: float, top_k: int = 0) -> Candidates:
+    """exllamav2's softmax_cpu: with a smoothing factor the exponent is -(l - max)^2 x factor / temperature.
+
+    With `top_k` (where nothing comes between the softmax and the top-k step) the candidates are already what
+    that step leaves, the k likeliest renormalised: found by `torch.topk` instead of sorting the vocabulary
+    (0.09 against 3.4 ms for SmolLM2's 49152 tokens on one core, per job and token). The k are the sort's
+    first k, only tokens of exactly equal probability may come in another order, as exllamav2 leaves it open.
+    """
     shifted = logits - logits.max()
     if smoothing_factor > 0:
         shifted = -shifted * shifted
         temperature = temperature / smoothing_factor
-    probs, tokens = torch.sort(torch.softmax(shifted / temperature, dim=-1), descending=True)
-    return Candidates(probs, tokens)
+    probs = torch.softmax(shifted / temperature, dim=-1)
+    if 0 < top_k < probs.numel():
+        return Candidates(*torch.topk(probs, top_k)).keep(top_k)
+    return Candidates(*torch.sort(probs, descending=True))
 
 
 def top_k(c: Candidates, k: int) -> Candidates:

@@ -35,6 +35,7 @@ from exlnb.engines.cpu.pages import PagePool
 from exlnb.engines.cpu.runner import PagedRunner
 from exlnb.engines.cpu.sampler import Draw, TokenClasses, draw_token
 from exlnb.engines.cpu.scheduler import CpuJob, Scheduler
+from exlnb.engines.cpu.weights import keep_fp16_weights
 from exlnb.engines.grammar import GrammarMatcher
 from exlnb.engines.text import BannedStrings, IncrementalDecoder, Rewind, StopStringFilter
 from exlnb.engines.token_info import TokenInfo, token_info
@@ -83,6 +84,7 @@ class CpuEngine(Engine):
         self.tokenizer = HfTokenizer(options.model_dir)
         model = AutoModelForCausalLM.from_pretrained(options.model_dir, dtype=torch.float32)
         model.eval()
+        self._half_weight_projections = keep_fp16_weights(model)  # fp32 arithmetic either way (weights.py)
         num_pages = options.cache_tokens // PAGE_SIZE
         self.max_seq_len = num_pages * PAGE_SIZE
         self._vocab_size = model.config.vocab_size
@@ -337,6 +339,8 @@ class CpuEngine(Engine):
             cache_tokens=self.max_seq_len,
             cache_dtype="fp32",
             max_batch_size=self._scheduler.max_batch_size,
+            decode=f"fp16 weights ({self._half_weight_projections} projections), fp32 arithmetic"
+            if self._half_weight_projections else "",
         )
 
     def close(self) -> None:

@@ -147,8 +147,11 @@ def draw_token(
     state = state or SamplerState()
     if s.mirostat and state.mirostat_mu is None:
         state.mirostat_mu = 2.0 * s.mirostat_tau
-    c = steps.softmax(logits.float(), 1.0 if s.temperature_last else s.temperature, s.smoothing_factor)
-    if allowed is not None:  # only tokens the constraint allows are candidates, even for a draw rounded past the end
+    temperature = 1.0 if s.temperature_last else s.temperature
+    if allowed is None:
+        c = steps.softmax(logits.float(), temperature, s.smoothing_factor, top_k=s.top_k)
+    else:  # only tokens the constraint allows are candidates, even for a draw rounded past the end
+        c = steps.softmax(logits.float(), temperature, s.smoothing_factor)
         c = c.keep(allowed[c.tokens])
     c = truncate(c, s, state)
     if s.xtc_probability > 0:
