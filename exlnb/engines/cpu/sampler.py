@@ -148,11 +148,9 @@ def draw_token(
     if s.mirostat and state.mirostat_mu is None:
         state.mirostat_mu = 2.0 * s.mirostat_tau
     temperature = 1.0 if s.temperature_last else s.temperature
-    if allowed is None:
-        c = steps.softmax(logits.float(), temperature, s.smoothing_factor, top_k=s.top_k)
-    else:  # only tokens the constraint allows are candidates, even for a draw rounded past the end
-        c = steps.softmax(logits.float(), temperature, s.smoothing_factor)
-        c = c.keep(allowed[c.tokens])
+    # a constraint's mask comes before top-k: with one, top-k is the truncating step's to apply
+    c = steps.softmax(logits.float(), temperature, s.smoothing_factor, top_k=0 if allowed is not None else s.top_k,
+                      allowed=allowed)
     c = truncate(c, s, state)
     if s.xtc_probability > 0:
         c = steps.exclude_top_choices(c, s.xtc_probability, s.xtc_threshold, classes.xtc_excludable)
