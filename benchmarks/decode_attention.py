@@ -11,7 +11,7 @@ as exllamav2 calls it, three ways:
   attention kernel, which spreads one query's work over heads only;
 - `matmul`: the same gather, then scores, softmax and weighted sum as batched matrix products;
 - `triton`: triton_decode's kernels, which read the pages in place, split over the keys (where triton is
-  installed; the path exlnb takes by default there).
+  installed; the engine takes this path with `EXLNB_TRITON_DECODE=1`).
 For each: ms per token, its difference from the PyTorch path's output, and whether a sequence's output is the
 same, to the bit, alone and in a batch of 8 (a greedy answer that changes with its batch mates is field report 2).
 """
@@ -19,7 +19,6 @@ same, to the bit, alone and in a batch of 8 (a greedy answer that changes with i
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 
@@ -112,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("python -m benchmarks decode-attention times CUDA kernels: this machine has no CUDA")
-    forms = FORMS if importlib.util.find_spec("triton") else FORMS[:-1]
+    forms = FORMS if paged_attention.triton_installed() else FORMS[:-1]
     if "triton" not in forms:
         print("triton is not installed: no `triton` rows", flush=True)
     rows = []

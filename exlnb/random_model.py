@@ -181,7 +181,7 @@ def make_random_llama(folder: Path, tokenizer_dir: Path, shape: dict = LLAMA_7B,
         weights = shared or {k: tensor(dims) for k, dims in layer_shapes.items()}
         save({f"model.layers.{layer}.{k}": t for k, t in weights.items()}, f"model-layer{layer:03d}.safetensors")
     # the index a sharded checkpoint carries: without it transformers looks for model.safetensors and stops
-    index = {"metadata": {"total_size": weights_bytes(shape, vocab)}, "weight_map": weight_map}
+    total = weights_bytes(shape, vocab)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    # every weight but the embedding, of which decode reads one row per token
-    return weights_bytes(shape, vocab) - 2 * vocab * h
+    return total - 2 * vocab * h  # every weight but the embedding, of which decode reads one row per token

@@ -7,7 +7,6 @@ this module sets TRITON_INTERPRET at its top where there is no CUDA. Skipped whe
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import subprocess
@@ -106,7 +105,7 @@ def _interpreter_refuses_numpy() -> bool:
 def device(request, monkeypatch) -> str:
     """Where the Triton path runs: compiled on CUDA through the dispatch, or on CPU tensors in the interpreter
     (the dispatch keeps CPU tensors on the PyTorch path, so the CPU tests step past its device check)."""
-    if importlib.util.find_spec("triton") is None:
+    if not paged_attention.triton_installed():
         pytest.skip("triton is not installed")
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")

@@ -240,7 +240,7 @@ def flash_attn_with_kvcache(
 
 def decodes_on_triton() -> bool:
     """Whether decode steps on CUDA go to triton_decode: asked for, and triton installed."""
-    return TRITON_DECODE and _triton_installed()
+    return TRITON_DECODE and triton_installed()
 
 
 def _decodes_on_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -253,7 +253,8 @@ def _decodes_on_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 
 @functools.cache
-def _triton_installed() -> bool:
+def triton_installed() -> bool:
+    """Whether triton imports here: the Triton decode path, its tests and its benchmark rows need it."""
     return importlib.util.find_spec("triton") is not None
 
 
