@@ -63,6 +63,21 @@ def test_the_engine_forgets_overwritten_cache_pages_and_runs_on_as_before(engine
     assert view.free_pages == view.total_pages
 
 
+def test_separate_generators_step_their_own_jobs_while_the_engine_s_bound_step_is_set_on_it(engine_name, idle_session,
+                                                                                            greedy):
+    """pytest before 9.2, undoing a patched `step`, set the engine's bound `step` back on the instance (pytest
+    #10644); separate generators copied it and stepped the engine instead of themselves, never ending (the GPU
+    suite stalled on it)."""
+    engine = idle_session.engine
+    vars(engine)["step"] = engine.step
+    try:
+        mixed = run_separately(idle_session, [spec(idle_session, "colours", greedy)], engine_name)
+    finally:
+        vars(engine).pop("step")
+
+    assert mixed is None or [len(ids) for ids in mixed] == [8]
+
+
 def test_separate_generators_refuse_to_run_over_running_jobs(idle_session, greedy):
     specs = [spec(idle_session, "colours", greedy)]
     stream = idle_session.generate(prompt("numbers"), max_new_tokens=200, sampler=greedy)

@@ -7,6 +7,7 @@ exllamav2's dynamic generator with its `enqueue()` and `iterate()`.
 
 from __future__ import annotations
 
+import copy
 import enum
 import time
 from abc import ABC, abstractmethod
@@ -477,6 +478,17 @@ class Engine(ABC):
         """Another generator over this engine's model and cache, with a page table of its own (the bug)."""
         raise NotImplementedError(f"the {self.name} engine cannot reproduce the generator-per-request pattern")
 
+    def _shallow_twin(self) -> Engine:
+        """A shallow copy of this engine, for `_separate_generator` to give a generator of its own. A method set
+        on this instance is bound to this engine and would drive its generator, not the twin's: pytest before 9.2,
+        undoing a patched `step`, set the engine's bound `step` back on the instance, and twins that copied it
+        stepped the engine and never ended. The twin keeps its class's methods."""
+        twin = copy.copy(self)
+        for name, value in list(vars(twin).items()):
+            if getattr(value, "__self__", None) is self:
+                delattr(twin, name)
+        return twin
+
     def _forget_cache_contents(self) -> None:
         """Forget which prompts the cache holds: separate generators wrote over them, and a later job
         reusing a "cached" prompt page would read their keys and values."""
@@ -486,16 +498,24 @@ class Engine(ABC):
 
 
 def _step_in_turn(generators: Sequence[Engine], specs: Sequence[JobSpec]) -> list[tuple[int, ...]]:
-    """One job per generator, each stepped in turn as concurrent request handlers would; their token ids."""
+    """One job per generator, each stepped in turn as concurrent request handlers would; their token ids.
+
+    Each generator holds one job, and every step of it takes at least one prompt token or makes one new token:
+    so no job needs more rounds than its prompt and new tokens, and a run that does is reported, not waited on."""
     tokens: dict[int, list[int]] = {}
     running: dict[int, Engine] = {}
     for generator, spec in zip(generators, specs):
         job_id = generator.enqueue(spec)
         tokens[job_id], running[job_id] = [], generator
-    while running:
+    rounds = max(len(spec.input_ids) + spec.max_new_tokens for spec in specs) + 1
+    for _ in range(rounds):
+        if not running:
+            break
         for generator in list(running.values()):
             for event in generator.step():
                 tokens[event.job_id] += event.token_ids
                 if event.eos:
                     running.pop(event.job_id, None)
+    if running:
+        raise RuntimeError(f"the separate generators' jobs {sorted(running)} did not end within {rounds} steps each")
     return [tuple(ids) for ids in tokens.values()]

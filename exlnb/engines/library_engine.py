@@ -9,7 +9,6 @@ exllamav2 0.3.2 and exllamav3 1.6.5 agree on these shapes: a generator with `enq
 
 from __future__ import annotations
 
-import copy
 import importlib
 import importlib.metadata
 from collections.abc import Iterable, Mapping, Sequence
@@ -136,7 +135,7 @@ class LibraryEngine(Engine):
     def _twin_over(self, generator: object, first_job_id: int):
         """This engine over another generator, with job tracking of its own numbered from `first_job_id`: field
         report 2's generator per request, sharing the engine's model and cache."""
-        twin = copy.copy(self)
+        twin = self._shallow_twin()
         twin.generator = generator
         twin._start_tracking()
         twin._next_id = first_job_id

@@ -6,7 +6,6 @@ and exllamav2's sampler semantics, so the kit, its notebooks and its tests run w
 
 from __future__ import annotations
 
-import copy
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -269,7 +268,7 @@ class CpuEngine(Engine):
     def _separate_generator(self, first_job_id: int) -> CpuEngine:
         """A copy sharing the model and its KV storage (`_runner`) but with its own page pool and scheduler, so
         it too believes every page is free."""
-        twin = copy.copy(self)
+        twin = self._shallow_twin()
         twin._pool = PagePool(len(self._pool.pages), PAGE_SIZE)
         twin._scheduler = Scheduler(twin._pool, self._scheduler.max_batch_size, MAX_STEP_TOKENS)
         twin._ids = itertools.count(first_job_id)
