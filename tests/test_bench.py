@@ -15,6 +15,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -145,24 +147,32 @@ def test_an_interrupt_mid_run_leaves_no_job_and_every_page_free(idle_session):
     assert_idle(idle_session)
 
 
-def ctrl_c_once_tokens_flow(session) -> None:
-    """From another thread, Ctrl-C the main thread once the first token has come (waits 30 s at most, so that it
-    never interrupts a later test)."""
+@contextmanager
+def ctrl_c_once_tokens_flow(session) -> Iterator[None]:
+    """From another thread, Ctrl-C the main thread once the first token has come, while the block runs (30 s at
+    most). The runs interrupted are hundreds of tokens long: a GPU ends a short one before the first look."""
+    block_ended = threading.Event()
+
     def interrupt() -> None:
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        while not block_ended.is_set() and time.monotonic() < deadline:
             if any(row.info.new_tokens for row in session.jobs()):
                 _thread.interrupt_main()
                 return
             time.sleep(0.01)
 
-    threading.Thread(target=interrupt, daemon=True).start()
+    watcher = threading.Thread(target=interrupt, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        block_ended.set()
+        watcher.join()
 
 
 def test_ctrl_c_while_waiting_cancels_the_run(idle_session, ctrl_c):
-    with pytest.raises(KeyboardInterrupt):
-        ctrl_c_once_tokens_flow(idle_session)
-        bench(num_requests=4, prompt_len=8, output_len=8, progress=False)
+    with pytest.raises(KeyboardInterrupt), ctrl_c_once_tokens_flow(idle_session):
+        bench(num_requests=4, prompt_len=8, output_len=400, progress=False)
     assert_idle(idle_session)
 
 
@@ -378,9 +388,9 @@ def test_ctrl_c_on_an_awaited_abench_in_terminal_ipython_stops_the_test_and_its_
     from exlnb.widgets.stream import Interrupted
 
     loop = asyncio.new_event_loop()
-    ctrl_c_once_tokens_flow(idle_session)
     try:
-        loop.run_until_complete(abench(num_requests=6, prompt_len=8, output_len=40, display="text", progress=False))
+        with ctrl_c_once_tokens_flow(idle_session):
+            loop.run_until_complete(abench(num_requests=6, prompt_len=8, output_len=400, display="text", progress=False))
     except BaseException as error:  # noqa: BLE001 - a KeyboardInterrupt that escaped is the failure looked for
         raised = error
     finally:

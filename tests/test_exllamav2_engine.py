@@ -100,7 +100,8 @@ def test_status_says_which_attention_serves_the_engine(exl_session):
     if attn.has_flash_attn:
         assert status.attention.startswith("flash-attn")
     else:  # paged="auto" without flash-attn: exlnb's paged attention serves exllamav2's paged mode
-        assert status.paged and status.attention == "exlnb paged attention (PyTorch)"
+        kernels = "Triton decode, PyTorch prefill" if paged_attention.decodes_on_triton() else "PyTorch"
+        assert status.paged and status.attention == f"exlnb paged attention ({kernels})"
         assert paged_attention.installed()
         assert any("exlnb's PyTorch paged attention" in note for note in status.notes)
 
