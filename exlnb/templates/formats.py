@@ -8,7 +8,7 @@ Llama 3, Mistral, raw text, or the model's own template ("auto", the tokenizer's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from exlnb.engines.base import Tokenizer

@@ -20,6 +20,7 @@ from exlnb.engines.tokenizer import HfTokenizer
 REMEMBERED_RENDERINGS = 256  # the latest renderings kept: a chat's next turn is rendered again anyway
 
 PATHS = {"chat": "/chat/completions", "completions": "/completions"}  # each of SERVER_APIS under the API base
+assert set(PATHS) == set(SERVER_APIS), "a server API without its path"
 
 
 class RemoteTokenizer(HfTokenizer):
