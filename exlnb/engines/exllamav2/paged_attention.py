@@ -12,8 +12,8 @@ With `EXLNB_TRITON_DECODE=1` in the environment before import (or `TRITON_DECODE
 on CUDA (up to 16 query positions per sequence, fp16) go to triton_decode's kernels, which read the pages in
 place instead of gathering them, where triton is installed. It is off by default: its kernels pass their own
 tests against this path on an H100 and took a 7B-shaped model from 18.5 to 8.1 ms/token at 4,096 tokens of
-context, but the ExLlamaV2 engine's GPU suite has not yet run through with it (benchmarks/results/
-speed-nvidia-h100-80gb-hbm3-2026-11-26/README.md says where it stopped).
+context, and it stays off until the ExLlamaV2 engine's GPU suite passes with it at a commit of its own (the
+stall once laid at its door was not its own: benchmarks/results/gpu-suites-nvidia-h100-80gb-hbm3-2026-11-26/).
 """
 
 from __future__ import annotations
@@ -254,7 +254,8 @@ def _decodes_on_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 @functools.cache
 def triton_installed() -> bool:
-    """Whether triton imports here: the Triton decode path, its tests and its benchmark rows need it."""
+    """Whether triton is installed here (found, not imported): the Triton decode path, its tests and its
+    benchmark rows need it."""
     return importlib.util.find_spec("triton") is not None
 
 
