@@ -11,7 +11,7 @@ as exllamav2 calls it, three ways:
   attention kernel, which spreads one query's work over heads only;
 - `matmul`: the same gather, then scores, softmax and weighted sum as batched matrix products;
 - `triton`: triton_decode's kernels, which read the pages in place, split over the keys (where triton is
-  installed; the engine takes this path with `EXLNB_TRITON_DECODE=1`).
+  installed; the engine's default there, `EXLNB_TRITON_DECODE=0` opts out).
 For each: ms per token, its difference from the PyTorch path's output, and whether a sequence's output is the
 same, to the bit, alone and in a batch of 8 (a greedy answer that changes with its batch mates is field report 2).
 """

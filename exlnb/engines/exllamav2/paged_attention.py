@@ -8,12 +8,11 @@ exllamav2 calls: a paged cache addressed through a block table, per-sequence cac
 values written into their pages, grouped-query attention, causal masking aligned bottom-right, softmax
 scale, sliding window and softcap. `install()` puts it into exllamav2; nothing happens on import.
 
-With `EXLNB_TRITON_DECODE=1` in the environment before import (or `TRITON_DECODE = True`), decode-sized calls
-on CUDA (up to 16 query positions per sequence, fp16) go to triton_decode's kernels, which read the pages in
-place instead of gathering them, where triton is installed. It is off by default: its kernels pass their own
-tests against this path on an H100 and took a 7B-shaped model from 18.5 to 8.1 ms/token at 4,096 tokens of
-context, and it stays off until the ExLlamaV2 engine's GPU suite passes with it at a commit of its own (the
-stall once laid at its door was not its own: benchmarks/results/gpu-suites-nvidia-h100-80gb-hbm3-2026-11-26/).
+Decode-sized calls on CUDA (up to 16 query positions per sequence, fp16) go to triton_decode's kernels, which
+read the pages in place instead of gathering them, where triton is installed; `EXLNB_TRITON_DECODE=0` in the
+environment before import (or `TRITON_DECODE = False`) keeps every call on this module's PyTorch path. On an H100
+the kernels took a 7B-shaped model from 18.5 to 8.1 ms/token at 4,096 tokens of context; they became the default
+once the ExLlamaV2 engine's GPU suite passed with them (benchmarks/results/gpu-suites-*).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ VERIFIED_EXLLAMAV2 = "0.3.2"  # the one exllamav2 release exlnb is verified agai
 # (2048 queries x 8192 keys x 32 heads would be 2 GiB) runs in slices of queries instead.
 SCORE_BUDGET = 2**26
 
-TRITON_DECODE = os.environ.get("EXLNB_TRITON_DECODE") == "1"  # True: decode steps on triton_decode (opt-in)
+TRITON_DECODE = os.environ.get("EXLNB_TRITON_DECODE", "1") != "0"  # decode steps on triton_decode; "0" opts out
 
 
 @dataclass(frozen=True)
@@ -239,7 +238,7 @@ def flash_attn_with_kvcache(
 
 
 def decodes_on_triton() -> bool:
-    """Whether decode steps on CUDA go to triton_decode: asked for, and triton installed."""
+    """Whether decode steps on CUDA go to triton_decode: not opted out of, and triton installed."""
     return TRITON_DECODE and triton_installed()
 
 
