@@ -147,15 +147,20 @@ def test_fifty_abandoned_streams_do_not_slow_the_next_job(idle_session, engine_n
             if n == 5:
                 break
     assert idle_session.jobs() == []
-    after = statistics.median(_latency(idle_session, probe) for _ in range(3))
 
     fresh = Session()
     fresh.load("smollm2-135m-instruct", engine=engine_name, progress=False)
     try:
-        baseline = statistics.median(_latency(fresh, probe) for _ in range(3))
+        # the two sessions' probes take turns, so that a machine busy with other work slows both alike (a GPU
+        # shared with other suites made the fresh session, timed second, look 1.8x as fast)
+        after, baseline = [], []
+        for _ in range(5):
+            after.append(_latency(idle_session, probe))
+            baseline.append(_latency(fresh, probe))
     finally:
         fresh.unload()
 
+    after, baseline = statistics.median(after), statistics.median(baseline)
     assert after <= 1.5 * baseline, f"after 50 abandoned streams {after:.3f}s vs fresh {baseline:.3f}s"
 
 
