@@ -12,7 +12,8 @@ Decode-sized calls on CUDA (up to 16 query positions per sequence, fp16) go to t
 read the pages in place instead of gathering them, where triton is installed; `EXLNB_TRITON_DECODE=0` in the
 environment before import (or `TRITON_DECODE = False`) keeps every call on this module's PyTorch path. On an H100
 the kernels took a 7B-shaped model from 18.5 to 8.1 ms/token at 4,096 tokens of context; they became the default
-once the ExLlamaV2 engine's GPU suite passed with them (benchmarks/results/gpu-suites-*).
+once the ExLlamaV2 engine's GPU suite passed with them
+(benchmarks/results/gpu-suites-nvidia-h100-80gb-hbm3-2026-11-26-triton-default/).
 """
 
 from __future__ import annotations

@@ -4,12 +4,12 @@ The PyTorch path (paged_attention.py) gathers every page of every sequence per l
 cost grows with the context: on an H100 a 7B-shaped fp16 model decoded at 8.5 ms/token with 256 tokens of context
 and 19.1 at 4096, where reading the keys and values once costs about 0.7 ms a token. Here, flash-decoding:
 
-- `_split_kernel`: one program per (sequence, key/value head, block of query rows, split of SPLIT_KEYS keys). Its
-  rows are the (query position, query head) pairs that read that key/value head, so grouped heads share each
-  key tile. It walks its keys a tile at a time with an online softmax in float32, and leaves each row's
+- `_attention_split_kernel`: one program per (sequence, key/value head, block of query rows, split of SPLIT_KEYS
+  keys). Its rows are the (query position, query head) pairs that read that key/value head, so grouped heads
+  share each key tile. It walks its keys a tile at a time with an online softmax in float32, and leaves each row's
   unnormalised sum of values, running maximum and denominator.
-- `_combine_kernel`: one program per (sequence, query position, head) brings the splits to one maximum, sums
-  them and writes the output in the query's dtype. With a single split the first kernel writes it directly.
+- `_attention_combine_kernel`: one program per (sequence, query position, head) brings the splits to one maximum,
+  sums them and writes the output in the query's dtype. With a single split the first kernel writes it directly.
 
 The split count follows from the block table's width alone, so the grid and the partial buffers are fixed by
 static shapes and the launch can be captured in a CUDA graph (nothing reads `cache_seqlens` on the host); a
@@ -79,7 +79,7 @@ def paged_decode_attention(
     left, right = window_size
     # Triton launches on the current device: a model split over GPUs calls with each layer's own
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        _split_kernel[(batch * kv_heads * triton.cdiv(group_rows, rows), splits)](
+        _attention_split_kernel[(batch * kv_heads * triton.cdiv(group_rows, rows), splits)](
             q, k_cache, v_cache, cache_seqlens, block_table, out, partial_sums, partial_stats,
             block_table.stride(0), block_table.stride(1), appended, scale, left, right,
             Q_LEN=q_len, HEADS=heads, KV_HEADS=kv_heads, PAGE_SIZE=page_size, DIM=dim, DIM_PAD=dim_pad,
@@ -87,7 +87,7 @@ def paged_decode_attention(
             ONE_SPLIT=splits == 1, ROWS=rows, BLOCK_KEYS=BLOCK_KEYS, SPLIT_KEYS=SPLIT_KEYS,
         )
         if splits > 1:
-            _combine_kernel[(batch * q_len * heads,)](
+            _attention_combine_kernel[(batch * q_len * heads,)](
                 partial_sums, partial_stats, out, splits, DIM=dim, DIM_PAD=dim_pad, CHUNK=COMBINE_SPLITS,
             )
     return out
@@ -99,7 +99,7 @@ def _tanh(x):
 
 
 @triton.jit
-def _split_kernel(
+def _attention_split_kernel(
     q, k_cache, v_cache, cache_seqlens, block_table, out, partial_sums, partial_stats,
     table_row_stride, table_column_stride, appended, scale, window_left, window_right,
     Q_LEN: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -171,7 +171,7 @@ def _split_kernel(
 
 
 @triton.jit
-def _combine_kernel(partial_sums, partial_stats, out, splits, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+def _attention_combine_kernel(partial_sums, partial_stats, out, splits, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                     CHUNK: tl.constexpr):
     out_row = tl.program_id(0)
     dims = tl.arange(0, DIM_PAD)
