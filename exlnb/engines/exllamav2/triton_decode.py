@@ -172,7 +172,7 @@ def _attention_split_kernel(
 
 @triton.jit
 def _attention_combine_kernel(partial_sums, partial_stats, out, splits, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                    CHUNK: tl.constexpr):
+                              CHUNK: tl.constexpr):
     out_row = tl.program_id(0)
     dims = tl.arange(0, DIM_PAD)
     chunk = tl.arange(0, CHUNK)
