@@ -2,13 +2,16 @@
 either measured or says why not; it resumes today's record; a GPU-only part refuses in one line without CUDA;
 the goals table is the one place a goal's name, its computation and its threshold are said."""
 
+import ast
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+import exlnb
 from benchmarks import speed, speed_setups
 
 ISSUE_GOALS = {  # issue 33's names, which the table must keep
@@ -93,6 +96,16 @@ def test_kernels_are_grouped_by_kind_by_their_names():
         "void at::native::vectorized_elementwise_kernel<4, silu>(...)": "other",
     }
     assert {name: speed_setups.kernel_kind(name) for name in kinds} == kinds
+
+
+def test_exlnb_s_own_triton_kernels_are_counted_as_attention():
+    """The profile knows a kernel only by its function's name: the Triton decode kernels were once counted as
+    "other" (speed-nvidia-h100-80gb-hbm3-2026-11-26-one-start). Read from the source, so triton need not be here."""
+    source = (Path(exlnb.__file__).parent / "engines" / "exllamav2" / "triton_decode.py").read_text()
+    kernels = [node.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)
+               and node.name.endswith("_kernel") and any("jit" in ast.unparse(d) for d in node.decorator_list)]
+    assert len(kernels) == 2
+    assert {name: speed_setups.kernel_kind(name) for name in kernels} == dict.fromkeys(kernels, "attention")
 
 
 def test_the_floor_reads_each_weight_once_and_no_embedding_beside_an_output_head(tmp_path):
