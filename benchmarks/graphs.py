@@ -1,15 +1,16 @@
-"""Eager against CUDA-graph decode on the ExLlamaV2 engine, with the peers, in one run; JSON out.
+"""Eager against CUDA-graph decode on both GPU engines, with the peers, in one run; JSON out.
 
-    python -m benchmarks graphs [--quick] [--models bundled,7b-shaped] [--out benchmarks/results]
+    python -m benchmarks graphs [--quick] [--models bundled,7b-shaped] [--engines exllamav2,exllamav3] [--out DIR]
 
-Per model, the ExLlamaV2 engine loaded with `graphs="off"` and with `graphs="auto"`: batch-1 decode (the
-engine's generator driven by hand, as `raw_decode` does, ms per token) and the aggregate new tokens/s of 8 jobs
-submitted together; the status line (graphs captured, their memory). The ExLlamaV3 engine on the same weights
-where exllamav3 is installed (it has graph code of its own). The 7B-shaped model against weights / copy
-bandwidth, the fastest a batch-1 token can be; the bundled model also against transformers `generate`, eager
-and at its best settings (a static cache, which `generate` compiles with torch.compile), batch 1, greedy.
-The goals this answers (the ratios under "goals"): 7B-shaped batch-1 decode at most 1.5x the floor; the
-bundled model at least 3x the eager tokens/s; the engine at least 2x transformers at its best.
+Per model and engine, the engine loaded twice side by side, with `graphs="off"` and with `graphs="auto"`, and the
+two timed in turns (so that whatever else the machine does slows both alike): batch-1 decode (the engine's
+generator driven by hand, as `raw_decode` does, ms per token) and the aggregate new tokens/s of 8 jobs submitted
+together; whether the two gave the same greedy tokens (one job, and 8 together); the status lines (graphs
+captured, their memory). The 7B-shaped model against weights / copy bandwidth, the fastest a batch-1 token can
+be; the bundled model also against transformers `generate`, eager and at its best settings (a static cache,
+which `generate` compiles with torch.compile), batch 1, greedy. The goals this answers (the ratios under
+"goals", on the ExLlamaV2 engine, where they were first set): 7B-shaped batch-1 decode at most 1.5x the floor;
+the bundled model at least 3x the eager tokens/s; the engine at least 2x transformers at its best.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from exlnb.random_model import SEVEN_B_SHAPED, cannot_make_here, seven_b_shaped
 from exlnb.session import Session
 
 MODELS = ("bundled", SEVEN_B_SHAPED)
+ENGINES = ("exllamav2", "exllamav3")
 CACHE_TOKENS = 4096
 BATCH = 8
+CHECK_TOKENS = 64  # greedy tokens compared between eager and graphs
 
 
 def plan(quick: bool) -> dict:
@@ -49,24 +52,46 @@ def model_folder(model: str) -> Iterator[tuple[Path, int | None]]:
         yield resolve_model(BUNDLED_MODEL, progress=False), None
 
 
-def engine_decode(folder: Path, p: dict, *, engine: str = "exllamav2", graphs: str = "auto") -> dict:
-    """Batch-1 ms/token and 8-job aggregate tokens/s of one engine setup, after warm-up runs (which also
-    capture the graphs each shape needs)."""
-    session = Session()
-    options = {"graphs": graphs} if engine == "exllamav2" else {}
-    status = session.load(str(folder), engine=engine, cache_tokens=CACHE_TOKENS, progress=False, **options)
+def greedy_tokens(session: Session) -> list[tuple[int, ...]]:
+    """One job's greedy tokens, then 8 jobs' submitted together: what graphs must not change."""
+    prompts = [decode.random_prompt(32, 7000 + i) for i in range(BATCH)]
+    specs = [session.job_spec(p, max_new_tokens=CHECK_TOKENS, sampler=decode.GREEDY, stop_at_eos=False)
+             for p in prompts]
+    alone = [session.submit_together(specs[:1])[0].result().token_ids]
+    return alone + [s.result().token_ids for s in session.submit_together(specs)]
+
+
+def engine_rows(folder: Path, p: dict, engine: str) -> dict:
+    """Eager and graphed sessions of one engine, loaded side by side and timed in turns: batch-1 ms/token and
+    8-job aggregate tokens/s after warm-up runs (which also capture the graphs each shape needs)."""
+    sessions = {}
     try:
-        runs = [decode.raw_decode(session, decode.random_prompt(32, run), p["new_tokens"])
-                for run in range(p["warmup"] + p["repeats"])]
-        decode.aggregate_throughput(session, BATCH, p["batch_new_tokens"], seed=99)  # warm-up, captures batch 8
-        batched = [decode.aggregate_throughput(session, BATCH, p["batch_new_tokens"], seed=run) for run in range(p["repeats"])]
-        after = session.status()
+        for mode in ("off", "auto"):
+            sessions[mode] = Session()
+            sessions[mode].load(str(folder), engine=engine, cache_tokens=CACHE_TOKENS, graphs=mode, progress=False)
+        status = {mode: s.status().line() for mode, s in sessions.items()}
+        tokens = {mode: greedy_tokens(s) for mode, s in sessions.items()}
+        ms: dict[str, list[float]] = {"off": [], "auto": []}
+        batched: dict[str, list[float]] = {"off": [], "auto": []}
+        for run in range(p["warmup"] + p["repeats"]):
+            for mode, session in sessions.items():
+                rate = decode.raw_decode(session, decode.random_prompt(32, run), p["new_tokens"]).decode_tokens_per_s
+                ms[mode].append(1000 / rate)
+                batched[mode].append(decode.aggregate_throughput(session, BATCH, p["batch_new_tokens"], seed=run))
+        after = {mode: s.status() for mode, s in sessions.items()}
     finally:
-        session.unload()
-    ms = [1000 / r.decode_tokens_per_s for r in runs]
-    return {"status_at_load": status.line(), "status_after": after.line(), "notes": list(after.notes),
-            "warmup_ms_per_token": ms[: p["warmup"]], "ms_per_token": summarise(ms[p["warmup"]:]),
-            f"aggregate_tokens_per_s_{BATCH}_jobs": summarise(batched)}
+        for session in sessions.values():
+            session.unload()
+    key = f"aggregate_tokens_per_s_{BATCH}_jobs"
+    rows = {"eager" if mode == "off" else "graphs": {
+        "status_at_load": status[mode], "status_after": after[mode].line(), "notes": list(after[mode].notes),
+        "warmup_ms_per_token": ms[mode][: p["warmup"]], "ms_per_token": summarise(ms[mode][p["warmup"]:]),
+        key: summarise(batched[mode][p["warmup"]:])} for mode in sessions}
+    rows["same_greedy_tokens"] = {"alone": tokens["off"][0] == tokens["auto"][0],
+                                  f"{BATCH}_together": tokens["off"][1:] == tokens["auto"][1:]}
+    rows["speedup_batch_1"] = rows["eager"]["ms_per_token"]["median"] / rows["graphs"]["ms_per_token"]["median"]
+    rows[f"speedup_batch_{BATCH}"] = rows["graphs"][key]["median"] / rows["eager"][key]["median"]
+    return rows
 
 
 class _TokenTimes:
@@ -113,47 +138,49 @@ def transformers_peer(folder: Path, p: dict) -> dict:
     return out
 
 
-def measure(model: str, p: dict) -> dict:
+def measure(model: str, p: dict, engines: list[str]) -> dict:
     from benchmarks.hardware import copy_bandwidth
 
     row: dict = {}
     with model_folder(model) as (folder, weight_bytes):
-        row["eager"] = engine_decode(folder, p, graphs="off")
-        row["graphs"] = engine_decode(folder, p, graphs="auto")
-        if importlib.util.find_spec("exllamav3") is not None:
-            row["exllamav3_engine"] = _or_its_error(lambda: engine_decode(folder, p, engine="exllamav3"))
+        for engine in engines:
+            row[engine] = _or_its_error(lambda: engine_rows(folder, p, engine))
         if model == "bundled":
             row["transformers"] = _or_its_error(lambda: transformers_peer(folder, p))
-    eager_ms, graph_ms = (row[k]["ms_per_token"]["median"] for k in ("eager", "graphs"))
-    row["speedup_batch_1"] = eager_ms / graph_ms
-    key = f"aggregate_tokens_per_s_{BATCH}_jobs"
-    row[f"speedup_batch_{BATCH}"] = row["graphs"][key]["median"] / row["eager"][key]["median"]
     if weight_bytes:
         bandwidth = copy_bandwidth()
         floor_ms = 1000 * weight_bytes / bandwidth
         row |= {"copy_bandwidth_bytes_per_s": bandwidth, "weight_bytes_read_per_token": weight_bytes,
-                "floor_ms_per_token": floor_ms, "eager_over_floor": eager_ms / floor_ms,
-                "graphs_over_floor": graph_ms / floor_ms}
+                "floor_ms_per_token": floor_ms}
+        for engine in engines:
+            for mode in ("eager", "graphs"):
+                if mode in row[engine]:
+                    row[engine][f"{mode}_over_floor"] = row[engine][mode]["ms_per_token"]["median"] / floor_ms
     hf = row.get("transformers", {})
     if "static_cache_compiled" in hf:
         best = max(hf[k]["tokens_per_s"]["median"] for k in ("eager", "static_cache_compiled"))
-        row["graphs_over_transformers_best"] = (1000 / graph_ms) / best
-        row["eager_over_transformers_best"] = (1000 / eager_ms) / best
+        for engine in engines:
+            for mode in ("eager", "graphs"):
+                if mode in row[engine]:
+                    row[engine][f"{mode}_over_transformers_best"] = (
+                        1000 / row[engine][mode]["ms_per_token"]["median"]) / best
     return row
 
 
 def goals(rows: dict) -> dict:
-    """The issue's three goals, each with its measured ratio and whether it was met."""
+    """The three goals the graphs were built for, on the ExLlamaV2 engine, each with its ratio and whether met."""
     out = {}
-    if SEVEN_B_SHAPED in rows:
-        ratio = rows[SEVEN_B_SHAPED]["graphs_over_floor"]
+    seven_b = rows.get(SEVEN_B_SHAPED, {}).get("exllamav2", {})
+    if "graphs_over_floor" in seven_b:
+        ratio = seven_b["graphs_over_floor"]
         out["7b_batch_1_over_floor_at_most_1.5"] = {"ratio": ratio, "met": ratio <= 1.5}
-    if "bundled" in rows:
-        ratio = rows["bundled"]["speedup_batch_1"]
+    bundled = rows.get("bundled", {}).get("exllamav2", {})
+    if "speedup_batch_1" in bundled:
+        ratio = bundled["speedup_batch_1"]
         out["bundled_batch_1_speedup_at_least_3"] = {"ratio": ratio, "met": ratio >= 3}
-        if "graphs_over_transformers_best" in rows["bundled"]:
-            ratio = rows["bundled"]["graphs_over_transformers_best"]
-            out["engine_over_transformers_best_at_least_2"] = {"ratio": ratio, "met": ratio >= 2}
+    if "graphs_over_transformers_best" in bundled:
+        ratio = bundled["graphs_over_transformers_best"]
+        out["engine_over_transformers_best_at_least_2"] = {"ratio": ratio, "met": ratio >= 2}
     return out
 
 
@@ -161,22 +188,31 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(prog="python -m benchmarks graphs", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short runs, to check the script")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma separated: {', '.join(MODELS)}")
+    parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma separated: {', '.join(ENGINES)}")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
-    models = args.models.split(",")
+    models, engines = args.models.split(","), args.engines.split(",")
     if unknown := set(models) - set(MODELS):
         parser.error(f"unknown models {sorted(unknown)}: choose from {', '.join(MODELS)}")
-    if not torch.cuda.is_available() or importlib.util.find_spec("exllamav2") is None:
-        parser.exit(2, "python -m benchmarks graphs needs a CUDA GPU and exllamav2 0.3.2\n")
+    if unknown := set(engines) - set(ENGINES):
+        parser.error(f"unknown engines {sorted(unknown)}: choose from {', '.join(ENGINES)}")
+    if not torch.cuda.is_available() or not all(importlib.util.find_spec(e) for e in engines):
+        parser.exit(2, f"python -m benchmarks graphs needs a CUDA GPU and {' and '.join(engines)}\n")
     if SEVEN_B_SHAPED in models and (reason := cannot_make_here()):
         parser.exit(2, reason + "\n")
     env, p = environment(), plan(args.quick)
     rows = {}
     for model in models:
-        rows[model] = measure(model, p)
-        print(f"{model}: eager {rows[model]['eager']['ms_per_token']['median']:.2f} ms/token, graphs "
-              f"{rows[model]['graphs']['ms_per_token']['median']:.2f} ms/token ({rows[model]['speedup_batch_1']:.2f}x); "
-              f"batch {BATCH} {rows[model][f'speedup_batch_{BATCH}']:.2f}x", flush=True)
+        rows[model] = measure(model, p, engines)
+        for engine in engines:
+            row = rows[model][engine]
+            if "error" in row:
+                print(f"{model} on {engine}: {row['error']}", flush=True)
+                continue
+            print(f"{model} on {engine}: eager {row['eager']['ms_per_token']['median']:.2f} ms/token, graphs "
+                  f"{row['graphs']['ms_per_token']['median']:.2f} ({row['speedup_batch_1']:.2f}x); batch {BATCH} "
+                  f"{row[f'speedup_batch_{BATCH}']:.2f}x; same greedy tokens {row['same_greedy_tokens']}; "
+                  f"{row['graphs']['status_after']}", flush=True)
     result = {"environment": env, "plan": p, "cache_tokens": CACHE_TOKENS, "models": rows, "goals": goals(rows)}
     path = new_result_path(args.out, f"graphs-{device_slug(env)}-{env['date'][:10]}")
     write_json(path, result, indent=2)

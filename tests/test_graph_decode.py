@@ -1,18 +1,21 @@
-"""CUDA-graph decode on the ExLlamaV2 engine (exlnb/engines/exllamav2/graph_decode.py).
+"""CUDA-graph decode on both GPU engines (exlnb/engines/cuda_graphs.py, and each engine's graph_decode.py).
 
-The bucket arithmetic and the option's checks run everywhere; the rest needs CUDA (`pytest -m gpu`): graphs on
-by default where the load check passes, and greedy output token-identical to eager decode at batch sizes 1 to
-16 in paged mode, over the engine acceptance prompts and a prompt several pages long.
+The bucket arithmetic and the option's checks run everywhere; the rest needs CUDA (`pytest -m gpu`), on the
+ExLlamaV2 and the ExLlamaV3 engine alike: graphs on by default where the load check passes, and greedy output
+token-identical to eager decode at batch sizes 1 to 16 in paged mode, over the engine acceptance prompts and a
+prompt several pages long.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
 
 from benchmarks.paged_acceptance import LONG_PROMPT, QUESTIONS, answers_together
 from exlnb.engines.base import EngineStatus
-from exlnb.engines.exllamav2.graph_decode import GraphDecoder, bucket_for, buckets
+from exlnb.engines.cuda_graphs import StepGraphs, bucket_for, buckets
 from exlnb.engines.options import GRAPH_MODES, EngineOptions
 from exlnb.engines.sampling import SamplerSettings
 from exlnb.models import resolve_model
@@ -51,17 +54,22 @@ def test_the_status_line_says_how_decode_runs():
 # -- on the GPU ------------------------------------------------------------------------------------------------
 
 
-def load(graphs: str, **options) -> Session:
+GRAPH_ENGINES = ("exllamav2", "exllamav3")
+
+
+def load(graphs: str, engine: str = "exllamav2", **options) -> Session:
     session = Session()
-    session.load("smollm2-135m-instruct", engine="exllamav2", graphs=graphs, progress=False, **options)
+    session.load("smollm2-135m-instruct", engine=engine, graphs=graphs, progress=False, **options)
     return session
 
 
-@pytest.fixture(scope="module")
-def sessions():
+@pytest.fixture(scope="module", params=GRAPH_ENGINES)
+def sessions(request):
     if not torch.cuda.is_available():
         pytest.skip("CUDA-graph decode needs CUDA")
-    eager, graphed = load("off"), load("auto")
+    if importlib.util.find_spec(request.param) is None:
+        pytest.skip(f"{request.param} is not installed")
+    eager, graphed = load("off", request.param), load("auto", request.param)
     if not graphed.status().paged:
         pytest.skip("the engine is unpaged here (flash-attn without paged kernels)")
     yield eager, graphed
@@ -113,13 +121,13 @@ def test_a_prompt_several_pages_long_decodes_the_same_from_graphs(sessions):
 
 @pytest.mark.gpu
 def test_a_capture_that_fails_mid_generation_falls_back_to_eager_and_says_why(sessions, monkeypatch):
-    eager, _ = sessions
-    session = load("auto")  # its load check captured batches 1 and 3 for real
+    eager, graphed = sessions
+    session = load("auto", graphed.status().engine)  # its load check captured batches 1 and 3 for real
     try:
-        def refuse(self, key):
+        def refuse(self, key, run, around_capture):
             raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
 
-        monkeypatch.setattr(GraphDecoder, "_capture", refuse)
+        monkeypatch.setattr(StepGraphs, "_capture", refuse)
         prompts = [chatml(q) for q in QUESTIONS[:6]]  # decode steps of batch sizes no graph exists for
 
         expected, _ = token_ids(eager, prompts, 32)

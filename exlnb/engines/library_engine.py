@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -27,6 +27,7 @@ from exlnb.engines.base import (
     Stage,
     StreamEvent,
     job_event,
+    one_line,
     wall_clock,
 )
 from exlnb.engines.token_info import TokenInfo, token_info
@@ -39,6 +40,9 @@ LIBRARY_EOS_REASONS = {
     "loop_detected": EosReason.LOOP_DETECTED,
     "end_filter": EosReason.END_FILTER,
 }
+
+
+GRAPH_CHECK_TEXT = "The quick brown fox jumps over the lazy dog."  # the prompt of the graphs' load check
 
 
 def import_library(name: str, version: str, engine: str) -> ModuleType:
@@ -131,6 +135,31 @@ class LibraryEngine(Engine):
     generator: object
     page_size: int
     vocab_size: int  # the model's vocabulary; exllamav2 pads its logits past it
+    _notes: list[str]  # what the status line says about how the engine was set up
+
+    def _start_graphs(self, make_decoder: Callable[[], object], cannot_graph: Callable[[object], str | None]):
+        """Decode from CUDA graphs unless asked not to, where the engine's setup allows it (`cannot_graph` says
+        why not) and a decode step replayed agrees with the same step run eagerly (the decoder's `self_check`,
+        which writes into the cache's first pages, forgotten after); otherwise eager, with a note."""
+        if self.options.graphs == "off":
+            return None
+        reason = cannot_graph(self)
+        decoder = None
+        if reason is None:
+            decoder = make_decoder()
+            decoder.install()
+            try:
+                with torch.inference_mode():
+                    reason = decoder.self_check(self.tokenizer.encode(GRAPH_CHECK_TEXT))
+            except Exception as error:  # a capture that fails here leaves decode eager, and says why
+                reason = f"capture failed: {one_line(error)}"
+            self._forget_cache_contents()
+            if reason is not None:
+                decoder.uninstall()
+                decoder = None
+        if reason is not None:
+            self._notes.append(f"decode eager, not from CUDA graphs: {reason}")
+        return decoder
 
     def _twin_over(self, generator: object, first_job_id: int):
         """This engine over another generator, with job tracking of its own numbered from `first_job_id`: field

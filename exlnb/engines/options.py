@@ -19,7 +19,7 @@ DISPLAY_HELP = "auto: a widget where the front end renders widgets, plain text o
 TOKEN_COLOURS = ("probability", "latency")  # what the token view's shades say
 PAGED_MODES = {"auto": "auto", "on": True, "off": False}  # `paged=` as command lines write it
 UNPAGED_ENGINES = engines_that("unpaged")  # the built-in engines that can also run unpaged; the others always page
-GRAPH_MODES = ("auto", "off")  # CUDA-graph decode (ExLlamaV2 engine): auto is on where its load check passes
+GRAPH_MODES = ("auto", "off")  # CUDA-graph decode (the "graphs" engines): auto is on where the load check passes
 SERVER_APIS = ("chat", "completions")  # a server's endpoint (openai engine): its chat template, or exlnb's rendering
 
 # the model formats an engine can split with tensor parallelism, where it cannot split every format it loads

@@ -160,11 +160,12 @@ register_engine(EngineSpec(
 ))
 register_engine(EngineSpec(
     name="exllamav3",
-    summary="ExLlamaV3's generator on CUDA: EXL3 and unquantized models, its own sampler steps and loop detector",
+    summary="ExLlamaV3's generator on CUDA: EXL3 and unquantized models, its own sampler steps and loop detector, "
+            "CUDA-graph decode",
     loads=("hf", "exl3"),
     capabilities=frozenset({
         "paged", "page_map", "quantized_cache", "dry", "xtc", "constraints", "token_view", "loop_guard",
-        "gpu_split", "tensor_parallel", "scoring",
+        "graphs", "gpu_split", "tensor_parallel", "scoring",
     }),
     engine_class="exlnb.engines.exllamav3.engine:ExLlamaV3Engine",
     needs_cuda=True,

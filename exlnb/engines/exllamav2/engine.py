@@ -23,7 +23,6 @@ from exlnb.engines.base import (
     PromptPass,
     SamplerSettings,
     StreamEvent,
-    one_line,
     wall_clock,
 )
 from exlnb.engines.grammar import GrammarMatcher
@@ -34,6 +33,7 @@ from exlnb.engines.library_engine import (
     max_new_tokens_within,
     page_view,
 )
+from exlnb.engines.exllamav2.graph_decode import GraphDecoder, cannot_graph
 from exlnb.engines.exllamav2.paged_attention import VERIFIED_EXLLAMAV2
 from exlnb.engines.tokenizer import HfTokenizer
 
@@ -106,11 +106,15 @@ class ExLlamaV2Engine(LibraryEngine):
             paged=self.paged,
         )
         self.page_size = self.generator.page_size
-        self.graphs = self._start_graphs()
+        self.graphs = self._start_graphs(self._graph_decoder, cannot_graph)
         self._start_tracking()
         # exllamav2 defragments only when idle after touching every page
         self._count_defrags(self.generator, "defrag_cache")
         self.max_seq_len = min(config.max_seq_len, cache_tokens)
+
+    def _graph_decoder(self) -> GraphDecoder:
+        return GraphDecoder(self.model, self.cache, page_size=self.page_size,
+                            max_batch_size=self.generator.max_batch_size, max_pages=self.generator.max_pages)
 
     # -- load-time checks ----------------------------------------------------------------------------------
 
@@ -181,32 +185,6 @@ class ExLlamaV2Engine(LibraryEngine):
         if paged_attention.decodes_on_triton():
             return True, "exlnb paged attention (Triton decode, PyTorch prefill)"
         return True, "exlnb paged attention (PyTorch)"
-
-    def _start_graphs(self):
-        """Decode from CUDA graphs unless asked not to, where the engine's setup allows it and a decode step
-        replayed agrees with the same step run eagerly (graph_decode.py); otherwise eager, with a note."""
-        from exlnb.engines.exllamav2.graph_decode import GraphDecoder, cannot_graph
-
-        if self.options.graphs == "off":
-            return None
-        reason = cannot_graph(self)
-        decoder = None
-        if reason is None:
-            decoder = GraphDecoder(self.model, self.cache, page_size=self.page_size,
-                                   max_batch_size=self.generator.max_batch_size, max_pages=self.generator.max_pages)
-            decoder.install()
-            try:
-                with torch.inference_mode():
-                    reason = decoder.self_check(self.tokenizer.encode("The quick brown fox jumps over the lazy dog."))
-            except Exception as error:  # a capture that fails here leaves decode eager, and says why
-                reason = f"capture failed: {one_line(error)}"
-            self._forget_cache_contents()  # the check wrote into the first pages
-            if reason is not None:
-                decoder.uninstall()
-                decoder = None
-        if reason is not None:
-            self._notes.append(f"decode eager, not from CUDA graphs: {reason}")
-        return decoder
 
     # -- jobs ----------------------------------------------------------------------------------------------
 

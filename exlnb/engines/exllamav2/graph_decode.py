@@ -24,33 +24,12 @@ Measured on an H100 (benchmarks/README.md): the bundled model decodes 4.2x to 7.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
+from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, bucket_for, buckets, replay_differs
 from exlnb.engines.exllamav2 import paged_attention
-from exlnb.engines.base import one_line
 
-WARMUP_RUNS = 2  # eager runs on a side stream before a capture, as torch.cuda.graph's docs ask
-CHECK_TOLERANCE = 2e-2  # max |replay - eager| over max |eager| logit at which the load check still passes
 CHECK_PROMPT_TOKENS = 24
-
-
-def buckets(limit: int) -> tuple[int, ...]:
-    """Powers of two below `limit`, then `limit` itself: every size up to `limit` pads to at most twice itself."""
-    sizes = [1 << k for k in range(max(limit, 1).bit_length()) if 1 << k < limit]
-    return (*sizes, limit)
-
-
-def bucket_for(size: int, sizes: tuple[int, ...]) -> int | None:
-    return next((b for b in sizes if b >= size), None)
-
-
-@dataclass
-class _Captured:
-    graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # the graph's output buffer: (batch, 1, vocabulary)
 
 
 class GraphDecoder:
@@ -67,12 +46,13 @@ class GraphDecoder:
         self._hidden: torch.Tensor | None = None  # (rows, 1, hidden) in the embedding's dtype, made at first use
         self._seqlens = torch.zeros((rows,), dtype=torch.int32, device=self.device)
         self._block_table = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
-        self._graphs: dict[tuple[int, int], _Captured] = {}
-        self._pool = torch.cuda.graph_pool_handle()  # one pool: the graphs never replay at the same time
-        self.graph_bytes = 0  # device memory the captures reserved
-        self.replays = 0
+        self._graphs = StepGraphs(self.device)
         self.installed = False
         self.gave_up = ""  # why decode went back to eager after a capture failed mid-generation, if it did
+
+    @property
+    def replays(self) -> int:
+        return self._graphs.replays
 
     # -- in front of the model's own forward_chunk ---------------------------------------------------------
 
@@ -92,7 +72,7 @@ class GraphDecoder:
         if key is not None:
             try:
                 return {"logits": self._replay(key, input_ids, attn_params, kwargs)}
-            except _CaptureFailed as failure:  # this step and every later one run eagerly; the status says why
+            except CaptureFailed as failure:  # this step and every later one run eagerly; the status says why
                 self.gave_up = str(failure)
         return self._eager(input_ids, cache, *args, attn_params=attn_params, **kwargs)
 
@@ -119,16 +99,11 @@ class GraphDecoder:
                                indexed_embeddings=kwargs.get("indexed_embeddings"))
         set_device_streams()  # as forward_chunk does: the generator reads the logits on exllamav2's stream
         self._stage(key, x, attn_params.cache_seqlens, attn_params.block_index)
-        captured = self._graphs.get(key)
-        if captured is None:
-            try:
-                captured = self._capture(key)
-            except Exception as error:  # nothing ran yet that eager decode would not run again
-                raise _CaptureFailed(f"capturing batch {key[0]} over {key[1]} pages failed: {one_line(error)}") from error
-        captured.graph.replay()
+        # the graph must record the attention layout's kernels, not reuse the warm-up's
+        logits = self._graphs.replay(key, lambda: self._step(*key), shape=f"batch {key[0]} over {key[1]} pages",
+                                     around_capture=paged_attention.forget_layout)
         self.cache.current_seq_len += 1
-        self.replays += 1
-        return captured.logits[: input_ids.shape[0]]
+        return logits[: input_ids.shape[0]]
 
     def _stage(self, key: tuple[int, int], hidden: torch.Tensor, seqlens: torch.Tensor, block_index: torch.Tensor) -> None:
         """Copy one step's inputs into the static buffers, the block table padded to the width bucket with
@@ -144,29 +119,11 @@ class GraphDecoder:
         if w < width:
             self._block_table[:n, w:width].copy_(self._block_table[:n, :1].expand(n, width - w))
 
-    # -- capture -------------------------------------------------------------------------------------------
+    # -- what a graph replays -------------------------------------------------------------------------
 
-    def _capture(self, key: tuple[int, int]) -> _Captured:
-        """Capture the GPU modules at one bucket, from the inputs staged for the step being run: the warm-up
-        runs compute that very step (writing the keys and values it writes anyway), so a capture in the middle
-        of a generation disturbs no sequence."""
-        rows, width = key
+    def _step(self, rows: int, width: int):
         params = self._static_params(rows, width)
-        reserved = torch.cuda.memory_reserved(self.device)
-        side = _capture_stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                self._run_device_modules(rows, params)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        paged_attention.forget_layout()  # the graph must record the layout's kernels, not reuse the warm-up's
-        with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
-            logits = self._run_device_modules(rows, params)
-        paged_attention.forget_layout()
-        self.graph_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
-        self._graphs[key] = _Captured(graph, logits)
-        return self._graphs[key]
+        return lambda: self._run_device_modules(rows, params)
 
     def _static_params(self, rows: int, width: int):
         """Paged parameters over the static buffers. exllamav2 builds them on the CPU and copies them per
@@ -230,42 +187,19 @@ class GraphDecoder:
 
             eager = step(self._eager)
             replayed = step(self.forward_chunk)
-            if self.gave_up:
-                return self.gave_up
-            if replayed.shape != eager.shape:
-                return f"a batch-{batch} replay gave logits of shape {tuple(replayed.shape)}, eager {tuple(eager.shape)}"
-            error = float((replayed - eager).abs().max() / eager.abs().max().clamp_min(1e-6))
-            if not math.isfinite(error) or error > CHECK_TOLERANCE:
-                return f"a batch-{batch} replay's logits differ from eager by {error:.3g} of their largest"
-            if not torch.equal(replayed.argmax(-1), eager.argmax(-1)):
-                return f"a batch-{batch} replay picks a different greedy token than eager"
+            if reason := self.gave_up or replay_differs(batch, eager, replayed):
+                return reason
         return None
 
     def describe(self) -> str:
         if self.gave_up:
             return f"eager since {self.gave_up}"
-        return f"CUDA graphs, {len(self._graphs)} captured, {self.graph_bytes / 2**20:.0f} MiB"
-
-
-class _CaptureFailed(RuntimeError):
-    """A graph could not be captured for a step; the step runs eagerly instead."""
+        return f"CUDA graphs, {self._graphs.describe()}"
 
 
 # forward_chunk's arguments a replay can take (the dynamic generator passes these), and those that need eager
 _ALLOWED_ARGUMENTS = {"loras", "indexed_embeddings", "abort_event"}
 _EAGER_ONLY_ARGUMENTS = ("loras", "indexed_embeddings")
-
-
-_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """One stream per device for every warm-up and capture, of every model loaded in the process. cuBLAS keeps
-    a workspace (32 MiB on an H100) for each stream it has run on and never frees it: a new stream per capture
-    made each reload hold 32 MiB more until the process ended (the twenty-reloads test)."""
-    if device not in _capture_streams:
-        _capture_streams[device] = torch.cuda.Stream(device)
-    return _capture_streams[device]
 
 
 def _on_gpu(module) -> bool:

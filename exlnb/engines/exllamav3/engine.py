@@ -35,6 +35,7 @@ from exlnb.engines.library_engine import (
 )
 from exlnb.engines.exllamav3.sampler import refused_settings, sampler_steps
 from exlnb.engines.exllamav3.compat import fix_exllamav3
+from exlnb.engines.exllamav3.graph_decode import GraphDecoder, cannot_graph
 from exlnb.engines.options import PAGE_TOKENS, EngineOptions
 from exlnb.engines.tokenizer import HfTokenizer
 
@@ -61,6 +62,7 @@ class ExLlamaV3Engine(LibraryEngine):
         exl3 = import_library("exllamav3", VERIFIED_EXLLAMAV3, "ExLlamaV3")
         fix_exllamav3()
         self.options = options
+        self._notes: list[str] = []
         self.tokenizer = HfTokenizer(options.model_dir)
         try:
             config = exl3.Config.from_directory(str(options.model_dir))
@@ -83,7 +85,12 @@ class ExLlamaV3Engine(LibraryEngine):
         self.max_seq_len = min(config.max_position_embeddings or cache_tokens, cache_tokens)
         self._start_tracking()
         self._own_generator(exl3.Tokenizer.from_config(config))
+        self.graphs = self._start_graphs(self._graph_decoder, cannot_graph)
         self._check_it_runs()
+
+    def _graph_decoder(self) -> GraphDecoder:
+        return GraphDecoder(self.model, self.cache, max_batch_size=self.generator.max_batch_size,
+                            max_pages=self.generator.max_total_tokens // self.page_size)
 
     def _check_it_runs(self) -> None:
         """One tiny greedy job before the load counts as done: exllamav3 loads weights its kernels cannot run
@@ -229,7 +236,9 @@ class ExLlamaV3Engine(LibraryEngine):
             max_batch_size=self.generator.max_batch_size,
             device_memory_bytes=sum(per_gpu),
             device_memory_per_gpu=per_gpu,
+            notes=tuple(self._notes),
             library=f"exllamav3 {VERIFIED_EXLLAMAV3}",
+            decode=self.graphs.describe() if self.graphs else "eager",
         )
 
     def _new_generator(self, tokenizer):
@@ -278,6 +287,9 @@ class ExLlamaV3Engine(LibraryEngine):
 
     def close(self) -> None:
         self._cancel_all()
+        if self.graphs:
+            self.graphs.uninstall()
+            self.graphs = None
         self.generator.close()
         self.model.unload()
         del self.generator, self.cache, self.model

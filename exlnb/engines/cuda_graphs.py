@@ -1,0 +1,129 @@
+"""Capturing and replaying a decode step as CUDA graphs: what the two GPU engines' graph decoders share.
+
+Each engine's decoder (`exllamav2/graph_decode.py`, `exllamav3/graph_decode.py`) knows its library: which steps
+qualify, how the inputs reach static buffers, which modules run inside a graph. This module holds the part that
+is the same for both: the width buckets a step is padded to, the one capture stream per device, and
+`StepGraphs`, the captured graphs of one model keyed by shape, each captured after warm-up runs on that stream
+and all drawing on one memory pool.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import torch
+
+from exlnb.engines.base import one_line
+
+WARMUP_RUNS = 3  # eager runs before a capture: torch.cuda.graph's docs ask for some, and exllamav3 builds its own
+# per-layer graphs on a module's third call, which must happen before the capture, not inside it
+
+
+CHECK_TOLERANCE = 2e-2  # max |replay - eager| over max |eager| logit at which a load check still passes
+
+
+def replay_differs(batch: int, eager: torch.Tensor, replayed: torch.Tensor) -> str | None:
+    """Why a replayed step's logits cannot stand in for the eager step's, in a line; None where they agree."""
+    if replayed.shape != eager.shape:
+        return f"a batch-{batch} replay gave logits of shape {tuple(replayed.shape)}, eager {tuple(eager.shape)}"
+    error = float((replayed - eager).abs().max() / eager.abs().max().clamp_min(1e-6))
+    if not math.isfinite(error) or error > CHECK_TOLERANCE:
+        return f"a batch-{batch} replay's logits differ from eager by {error:.3g} of their largest"
+    if not torch.equal(replayed.argmax(-1), eager.argmax(-1)):
+        return f"a batch-{batch} replay picks a different greedy token than eager"
+    return None
+
+
+def buckets(limit: int) -> tuple[int, ...]:
+    """Powers of two below `limit`, then `limit` itself: every size up to `limit` pads to at most twice itself."""
+    sizes = [1 << k for k in range(max(limit, 1).bit_length()) if 1 << k < limit]
+    return (*sizes, limit)
+
+
+def bucket_for(size: int, sizes: tuple[int, ...]) -> int | None:
+    return next((b for b in sizes if b >= size), None)
+
+
+_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One stream per device for every warm-up and capture, of every model loaded in the process. cuBLAS keeps
+    a workspace (32 MiB on an H100) for each stream it has run on and never frees it: a new stream per capture
+    made each reload hold 32 MiB more until the process ended (the twenty-reloads test)."""
+    if device not in _capture_streams:
+        _capture_streams[device] = torch.cuda.Stream(device)
+    return _capture_streams[device]
+
+
+class CaptureFailed(RuntimeError):
+    """A graph could not be captured for a step; the step runs eagerly instead."""
+
+
+@dataclass
+class Captured:
+    graph: torch.cuda.CUDAGraph
+    output: torch.Tensor  # the graph's output buffer, rewritten by every replay
+
+
+class StepGraphs:
+    """The graphs of one model on one device, keyed by the shape of the step they replay."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._graphs: dict[Hashable, Captured] = {}
+        self._pool = torch.cuda.graph_pool_handle()  # one pool: the graphs never replay at the same time
+        self.graph_bytes = 0  # device memory the captures reserved
+        self.replays = 0
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def replay(self, key: Hashable, step: Callable[[], Callable[[], torch.Tensor]], *, shape: str,
+               around_capture: Callable[[], None] = lambda: None) -> torch.Tensor:
+        """Replay the graph for `key`, capturing it first where there is none yet: `step()` is called then, once,
+        and gives the function whose work the graph records (its output is the graph's). The warm-up runs compute
+        the very step being run (over the static inputs already staged), so a capture in the middle of a
+        generation disturbs no sequence: it writes the keys and values that step writes anyway. `around_capture`
+        runs just before and just after the capture (a library's cached state the graph must not inherit); `shape`
+        names the step in the message of a capture that fails ("batch 3 over 2 pages")."""
+        captured = self._graphs.get(key)
+        if captured is None:
+            try:
+                captured = self._capture(key, step(), around_capture)
+            except Exception as error:  # nothing ran yet that eager decode would not run again
+                raise CaptureFailed(f"capturing {shape} failed: {one_line(error)}") from error
+        with torch.cuda.device(self.device):  # a graph replays on its own card's current stream
+            captured.graph.replay()
+        self.replays += 1
+        return captured.output
+
+    def _capture(self, key: Hashable, run: Callable[[], torch.Tensor], around_capture: Callable[[], None]) -> Captured:
+        with torch.cuda.device(self.device):
+            return self._capture_here(key, run, around_capture)
+
+    def _capture_here(self, key: Hashable, run: Callable[[], torch.Tensor], around_capture: Callable[[], None]
+                      ) -> Captured:
+        reserved = torch.cuda.memory_reserved(self.device)
+        side = capture_stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        around_capture()
+        with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+            output = run()
+        around_capture()
+        self.graph_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
+        self._graphs[key] = Captured(graph, output)
+        return self._graphs[key]
+
+    def clear(self) -> None:
+        self._graphs.clear()
+
+    def describe(self) -> str:
+        return f"{len(self._graphs)} captured, {self.graph_bytes / 2**20:.0f} MiB"

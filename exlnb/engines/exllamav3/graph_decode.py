@@ -1,0 +1,250 @@
+"""Decode steps of an ExLlamaV3 model replayed from CUDA graphs: every layer of a step in one replay per card.
+
+exllamav3 1.6.5 graphs a decode step only layer by layer, and only where every projection is EXL3 (its "BC"
+paths); unquantized weights take its eager path, launching each kernel from Python. On an H100 that left the GPU
+busy 16% of a 7B-shaped fp16 step, 5.2x the weights-over-bandwidth floor where the kernels alone took 1.3x
+(benchmarks/results/speed-nvidia-h100-80gb-hbm3-2026-11-26-one-start). A graph of the whole step replays all of
+it with one launch per card, for fp16, EXL3 and mixed models alike.
+
+How the generator's decode steps become replays: `install()` puts `GraphDecoder.forward` in front of the model's
+own. A step qualifies when it is the generator's paged decode (one token per sequence, a block table, no draft,
+no recurrent state, no per-job RoPE positions, no embeddings of images); anything else (prefill, warm-up passes,
+scoring) runs the model's own method unchanged. The modules that take their input on the host (the embedding,
+which exllamav3 keeps on the CPU) run eagerly first; their output, the block table and the cache lengths are
+copied into static buffers on each card; then each card's consecutive modules replay as one graph, the hidden
+state copied from card to card in between, as exllamav3's own layer split copies it. A graph is captured on
+first use per batch size and block-table width (the generator pads the width to a multiple of 16 pages, so
+there are few); the batch is not padded, since a GEMM of 8 rows rounds differently from one of 5 and padded
+batches flipped greedy tokens against eager decode on exllamav2 (graph_decode.py there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, replay_differs
+
+CHECK_PROMPT_TOKENS = 24
+TABLE_STEP = 16  # exllamav3 1.6.5 pads a step's block table to a multiple of 16 pages (Generator.iterate_gen)
+
+# the parameters exllamav3's generator passes a plain decode step (Generator.iterate_gen); any other, such as a
+# draft model's verifier parameters, makes the step run eagerly
+_DECODE_PARAMETERS = {"attn_mode", "block_table", "cache", "cache_seqlens", "recurrent_states", "indexed_embeddings",
+                      "positions", "recurrent_history", "pinned_staging", "dev_cache"}
+
+
+@dataclass
+class _Card:
+    """One card's run of consecutive modules, replayed as one graph, with its copy of the step's tables."""
+
+    device: torch.device
+    modules: list  # (module, layer instance, index) as exllamav3's Model.fwd_modules lists them
+    graphs: StepGraphs
+    block_table: torch.Tensor  # (max batch, widest table) int32
+    seqlens: torch.Tensor  # (max batch,) int32
+    hidden: torch.Tensor | None = None  # the card's input, (max batch, 1, hidden), made at first use
+
+
+class GraphDecoder:
+    """Replays the decode steps of one ExLlamaV3 model and cache from CUDA graphs (see the module docstring)."""
+
+    def __init__(self, model, cache, *, max_batch_size: int, max_pages: int) -> None:
+        self.model, self.cache = model, cache
+        self._eager = model.forward  # the model's own bound method
+        self.max_batch_size = max_batch_size
+        self.max_width = -(-max_pages // TABLE_STEP) * TABLE_STEP
+        host = _host_prologue(model.fwd_modules)
+        self._host_modules = model.fwd_modules[:host]
+        self._cards = [_Card(device, modules, StepGraphs(device),
+                             torch.zeros((max_batch_size, self.max_width), dtype=torch.int32, device=device),
+                             torch.zeros((max_batch_size,), dtype=torch.int32, device=device))
+                       for device, modules in _by_card(model.fwd_modules[host:])]
+        self.installed = False
+        self.gave_up = ""  # why decode went back to eager after a capture failed mid-generation, if it did
+
+    @property
+    def replays(self) -> int:
+        return self._cards[-1].graphs.replays
+
+    # -- in front of the model's own forward ---------------------------------------------------------------
+
+    def install(self) -> None:
+        self.model.forward = self.forward  # an instance attribute: the generator calls self.model.forward
+        self.installed = True
+
+    def uninstall(self) -> None:
+        if self.installed:
+            del self.model.forward
+            self.installed = False
+        for card in self._cards:
+            card.graphs.clear()
+
+    def forward(self, input_ids: torch.Tensor, params: dict | None = None):
+        """The model's `forward`: a replay where the step qualifies, the model's own method otherwise."""
+        key = None if self.gave_up else self._key(input_ids, params)
+        if key is not None:
+            try:
+                with torch.inference_mode():
+                    return self._replay(key, input_ids, params)
+            except CaptureFailed as failure:  # this step and every later one run eagerly; the status says why
+                self.gave_up = str(failure)
+        return self._eager(input_ids, params)
+
+    def _key(self, input_ids: torch.Tensor, params: dict | None) -> tuple[int, int] | None:
+        """The (batch size, block-table width) of a step that qualifies for a graph; None for one that does not."""
+        if not params or params.get("attn_mode") != "flash_attn" or params.get("cache") is not self.cache:
+            return None
+        if set(params) - _DECODE_PARAMETERS or input_ids.dim() != 2 or input_ids.shape[1] != 1:
+            return None
+        if any(params.get(name) for name in ("recurrent_states", "indexed_embeddings", "recurrent_history")):
+            return None
+        if params.get("positions") is not None:  # per-job RoPE positions (mrope models)
+            return None
+        batch, width = input_ids.shape[0], params["block_table"].shape[1]
+        return None if batch > self.max_batch_size or width > self.max_width else (batch, width)
+
+    def _replay(self, key: tuple[int, int], input_ids: torch.Tensor, params: dict) -> torch.Tensor:
+        from exllamav3.util.tensor import get_for_device
+
+        batch, width = key
+        x = self.model.prepare_inputs(input_ids, params)
+        for module, instance, _ in self._host_modules:  # the embedding, on the CPU in exllamav3 by default
+            params["layer_instance"] = instance
+            x = module.forward(module.prepare_for_device(x, params), params)
+        for card in self._cards:  # the tables the generator already uploaded to each card (its dev_cache)
+            card.block_table[:batch, :width].copy_(get_for_device(params, "block_table", card.device), non_blocking=True)
+            card.seqlens[:batch].copy_(get_for_device(params, "cache_seqlens", card.device), non_blocking=True)
+        for card in self._cards:
+            if card.hidden is None:
+                card.hidden = torch.zeros((self.max_batch_size, 1, x.shape[-1]), dtype=x.dtype, device=card.device)
+            card.hidden[:batch].copy_(_to_card(x, card.device), non_blocking=True)
+            x = card.graphs.replay(key, lambda card=card: self._step(card, batch, width),
+                                   shape=f"batch {batch} over {width} pages on {card.device}")
+        return x
+
+    # -- what a graph replays -------------------------------------------------------------------------------
+
+    def _step(self, card: _Card, batch: int, width: int):
+        """The card's modules at one shape, over its static buffers: what its graph for that shape records."""
+        hidden = card.hidden[:batch]
+        params = self._static_params(batch, width)
+        return lambda: _run_modules(card.modules, hidden, dict(params, dev_cache=dict(params["dev_cache"])))
+
+    def _static_params(self, batch: int, width: int) -> dict:
+        """A decode step's parameters whose tables are the cards' static buffers. exllamav3's layers read each
+        table through `get_for_device`, which finds a card's copy in `dev_cache` under the host tensor's id (as the
+        generator seeds it), so nothing is uploaded inside the graph."""
+        block_table = torch.zeros((batch, width), dtype=torch.int32)
+        seqlens = torch.zeros((batch,), dtype=torch.int32)
+        dev_cache = {}
+        for card in self._cards:
+            dev_cache[(id(block_table), card.device)] = (block_table, card.block_table[:batch, :width])
+            dev_cache[(id(seqlens), card.device)] = (seqlens, card.seqlens[:batch])
+        # exllamav3's prepare_flash_attn: RoPE positions are the cache lengths where no others are given
+        return {"attn_mode": "flash_attn", "cache": self.cache, "block_table": block_table, "cache_seqlens": seqlens,
+                "positions": seqlens, "position": 0, "position_ids": None, "recurrent_states": None,
+                "indexed_embeddings": [], "dev_cache": dev_cache}
+
+    # -- the check a load runs before graphs are used --------------------------------------------------------
+
+    def self_check(self, token_ids: list[int]) -> str | None:
+        """Decode one step eagerly and by replay, at batch 1 and at batch 3, over the cache's first pages (the
+        generator holds nothing yet); None where they agree, else why not, in a line."""
+        pages = self.cache.max_num_tokens // 256
+        sequences = min(3, pages, self.max_batch_size)
+        prompt = (token_ids * CHECK_PROMPT_TOKENS)[:CHECK_PROMPT_TOKENS]
+        for row in range(sequences):  # a different prompt per page: row r drops its first r tokens
+            self._eager(torch.tensor([prompt[row:]]), _decode_params(self.cache, [[row]], [0]))
+        for batch in sorted({1, sequences}):
+            lengths = [CHECK_PROMPT_TOKENS - row for row in range(batch)]
+            next_ids = torch.tensor([[prompt[-1]]] * batch)
+
+            def step(run):
+                table = [[row] + [0] * (TABLE_STEP - 1) for row in range(batch)]
+                return run(next_ids, _decode_params(self.cache, table, lengths)).float().cpu()
+
+            eager = step(self._eager)
+            replayed = step(self.forward)
+            if reason := self.gave_up or replay_differs(batch, eager, replayed):
+                return reason
+        return None
+
+    def describe(self) -> str:
+        if self.gave_up:
+            return f"eager since {self.gave_up}"
+        cards = f" on {len(self._cards)} GPUs" if len(self._cards) > 1 else ""
+        captured = sum(len(card.graphs) for card in self._cards)
+        graph_bytes = sum(card.graphs.graph_bytes for card in self._cards)
+        return f"CUDA graphs{cards}, {captured} captured, {graph_bytes / 2**20:.0f} MiB"
+
+
+def _run_modules(modules: list, x: torch.Tensor, params: dict) -> torch.Tensor:
+    """exllamav3 1.6.5's `forward_ls` over one card's modules: a block may leave its last residual add to the next
+    block's input norm on the same card (`resid_defer`), which the card's last module never does."""
+    from exllamav3.modules.transformer import TransformerBlock
+
+    for i, (module, instance, _) in enumerate(modules):
+        params["layer_instance"] = instance
+        x = module.prepare_for_device(x, params)
+        following = modules[i + 1][0] if i + 1 < len(modules) else None
+        params["resid_defer"] = type(module) is TransformerBlock and type(following) is TransformerBlock
+        x = module.forward(x, params)
+    pending = params.pop("resid_pending", None)
+    if pending is not None:
+        x += pending
+    return x
+
+
+def _decode_params(cache, block_table: list[list[int]], lengths: list[int]) -> dict:
+    """A decode or prefill step's parameters as exllamav3's generator passes them."""
+    return {"attn_mode": "flash_attn", "block_table": torch.tensor(block_table, dtype=torch.int32), "cache": cache,
+            "cache_seqlens": torch.tensor(lengths, dtype=torch.int32), "recurrent_states": None,
+            "indexed_embeddings": [], "positions": None, "recurrent_history": False}
+
+
+def _takes_host_input(module) -> bool:
+    """A module that runs before the graph: on the CPU, or reading its input there (a quantized embedding table)."""
+    return module.device is None or module.device.type == "cpu" or bool(module.caps.get("x_cpu"))
+
+
+def _host_prologue(modules: list) -> int:
+    """How many leading modules run on the host, before the first card's graph."""
+    return next((i for i, (module, _, _) in enumerate(modules) if not _takes_host_input(module)), len(modules))
+
+
+def _by_card(modules: list) -> list[tuple[torch.device, list]]:
+    """Consecutive modules grouped by the card they run on, in order."""
+    runs: list[tuple[torch.device, list]] = []
+    for entry in modules:
+        device = entry[0].device
+        if runs and runs[-1][0] == device:
+            runs[-1][1].append(entry)
+        else:
+            runs.append((device, [entry]))
+    return runs
+
+
+def _to_card(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    from exllamav3.util.device_copy import to_device  # bounces card-to-card copies where peer copies are unsafe
+
+    return to_device(x, device)
+
+
+def cannot_graph(engine) -> str | None:
+    """Why an ExLlamaV3 engine's decode cannot run from graphs, in a line; None where it can try."""
+    model = engine.model
+    if model.loaded_tp:
+        return "tensor parallel: exllamav3 runs the other cards' shards in worker processes"
+    if model.get_recurrent_layers():
+        return "the model has recurrent layers, whose per-job state lives outside the paged cache"
+    if "mrope" in model.caps:
+        return "the model takes per-job RoPE positions"
+    if getattr(model.config, "moe_cpu_hosts", None):
+        return "experts run on the CPU"
+    modules = model.fwd_modules
+    start = _host_prologue(modules)
+    if start == len(modules) or any(_takes_host_input(module) for module, _, _ in modules[start:]):
+        return "a module after the first GPU layer runs on the CPU"
+    return None
