@@ -147,7 +147,7 @@ class GraphDecoder:
 
     def _run_device_modules(self, rows: int, params) -> torch.Tensor:
         """The GPU half of `forward_chunk` at q_len 1: the modules, then its logit softcap and head padding."""
-        x = self._hidden[:rows]
+        x = self._hidden[:rows].clone()  # modules add into their input in place: keep the staged input as it was
         for module in self._device_modules:
             x = module.forward(x, cache=self.cache, attn_params=params, past_len=0)
         config = self.model.config

@@ -42,9 +42,13 @@ class _Card:
     device: torch.device
     modules: list  # (module, layer instance, index) as exllamav3's Model.fwd_modules lists them
     graphs: StepGraphs
-    block_table: torch.Tensor  # (max batch, widest table) int32
+    tables: torch.Tensor  # room for the widest block table of the largest batch, int32
     seqlens: torch.Tensor  # (max batch,) int32
     hidden: torch.Tensor | None = None  # the card's input, (max batch, 1, hidden), made at first use
+
+    def block_table(self, batch: int, width: int) -> torch.Tensor:
+        """The static block table of one shape, contiguous as exllamav3's attention requires."""
+        return self.tables[: batch * width].view(batch, width)
 
 
 class GraphDecoder:
@@ -58,7 +62,7 @@ class GraphDecoder:
         host = _host_prologue(model.fwd_modules)
         self._host_modules = model.fwd_modules[:host]
         self._cards = [_Card(device, modules, StepGraphs(device),
-                             torch.zeros((max_batch_size, self.max_width), dtype=torch.int32, device=device),
+                             torch.zeros((max_batch_size * self.max_width,), dtype=torch.int32, device=device),
                              torch.zeros((max_batch_size,), dtype=torch.int32, device=device))
                        for device, modules in _by_card(model.fwd_modules[host:])]
         self.installed = False
@@ -114,7 +118,7 @@ class GraphDecoder:
             params["layer_instance"] = instance
             x = module.forward(module.prepare_for_device(x, params), params)
         for card in self._cards:  # the tables the generator already uploaded to each card (its dev_cache)
-            card.block_table[:batch, :width].copy_(get_for_device(params, "block_table", card.device), non_blocking=True)
+            card.block_table(batch, width).copy_(get_for_device(params, "block_table", card.device), non_blocking=True)
             card.seqlens[:batch].copy_(get_for_device(params, "cache_seqlens", card.device), non_blocking=True)
         for card in self._cards:
             if card.hidden is None:
@@ -130,7 +134,9 @@ class GraphDecoder:
         """The card's modules at one shape, over its static buffers: what its graph for that shape records."""
         hidden = card.hidden[:batch]
         params = self._static_params(batch, width)
-        return lambda: _run_modules(card.modules, hidden, dict(params, dev_cache=dict(params["dev_cache"])))
+        # exllamav3's blocks add into their input in place: the graph works on a copy, so that its staged input
+        # is the same in every warm-up run and in the replay after the capture
+        return lambda: _run_modules(card.modules, hidden.clone(), dict(params, dev_cache=dict(params["dev_cache"])))
 
     def _static_params(self, batch: int, width: int) -> dict:
         """A decode step's parameters whose tables are the cards' static buffers. exllamav3's layers read each
@@ -140,7 +146,7 @@ class GraphDecoder:
         seqlens = torch.zeros((batch,), dtype=torch.int32)
         dev_cache = {}
         for card in self._cards:
-            dev_cache[(id(block_table), card.device)] = (block_table, card.block_table[:batch, :width])
+            dev_cache[(id(block_table), card.device)] = (block_table, card.block_table(batch, width))
             dev_cache[(id(seqlens), card.device)] = (seqlens, card.seqlens[:batch])
         # exllamav3's prepare_flash_attn: RoPE positions are the cache lengths where no others are given
         return {"attn_mode": "flash_attn", "cache": self.cache, "block_table": block_table, "cache_seqlens": seqlens,
