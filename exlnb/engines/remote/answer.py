@@ -22,7 +22,8 @@ from exlnb.engines.remote import client as http
 from exlnb.engines.remote.chunk import Chunk, MalformedEvent, parse_chunk
 from exlnb.engines.remote.client import ServerAddress, ServerError, open_stream, unreachable
 
-# one frame carries a few tokens: vLLM's chat frame of one token with 20 alternatives' logprobs is about 1.5 KB.
+# one frame carries a few tokens: a chat frame of one token with 20 alternatives' logprobs is about 1.5 KB (each
+# alternative's {"token", "logprob", "bytes"} some 60 bytes, and the frame's own fields).
 # 1 MiB holds hundreds of such tokens, and tokenises in about a second (1 MB of English text: 1.1 s, SmolLM2).
 MAX_EVENT_BYTES = 1 << 20
 # an answer of n tokens: up to 4 KiB a token (twice the 20-alternative frame above), and room for the role,

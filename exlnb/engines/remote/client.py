@@ -22,7 +22,7 @@ from exlnb.engines.options import shown_url
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 60.0  # no byte for this long from a streaming server is a stall: the job fails, the others run on
-# FastAPI's 422 repeats the request it refuses, prompt included: about 500 KB for a 100k-token prompt
+# FastAPI's 422 repeats the request it refuses, prompt included (a 100k-token prompt is some 400 KB of text)
 MAX_ERROR_BODY_BYTES = 1 << 20
 # /models lists a few entries; vLLM's /metrics with every histogram is a few hundred KB
 MAX_PROBE_BYTES = 8 << 20
