@@ -1,6 +1,7 @@
 """Write docs/bad-inputs.md by typing every bad input it lists into a real ipykernel: what the user sees, and
 whether the session still answers afterwards. The table is generated from `CASES`, which
-tests/test_bad_inputs.py replays, so the page cannot drift from the code; `--check` fails if it has.
+tests/test_bad_inputs.py replays, so the page cannot drift from the code; `--check` fails if it has. The rows
+marked `server` run against tests/servers.py's stand-in OpenAI-compatible server, which sends each fault on cue.
 
     python docs/bad_inputs.py            # rewrite docs/bad-inputs.md
     python docs/bad_inputs.py --check    # exit 1 if the committed table differs from what the code does now
@@ -33,6 +34,7 @@ class Case:
     cell: str
     setup: str = ""
     loaded: bool = True  # run with the model loaded
+    server: bool = False  # loaded from the stand-in server (`URL`, its address `HOST`), not on the CPU engine
 
 
 def generate(options: str, body: str = QUESTION) -> str:
@@ -111,6 +113,25 @@ CASES = [
     Case("%exl_divergence llama-3-8b.pt  (a reference kept from a model with another tokenizer)",
          "%exl_divergence llama-3-8b.pt", setup=OTHER_TOKENIZER),
     Case("exlnb.bench(request_rate=1e-6)", "exlnb.bench(1e-6)"),
+    *(Case(f"%%exl_generate  (the server sends {sent})", generate("--display text", f"shape:{fault}"), server=True)
+      for fault, sent in [("choices-text", '"choices": "abc"'), ("choice-number", '"choices": [5]'),
+                          ("content-number", '"content": 42'), ("usage-words", '"completion_tokens": "lots"'),
+                          ("finish-list", '"finish_reason": ["stop"]'), ("logprob-text", '"logprob": "abc"')]),
+    *(Case(f"%%exl_generate --max-new-tokens 4  (the server {does})",
+           generate("--max-new-tokens 4 --display text", fault), server=True)
+      for fault, does in [("cut", "cuts its close-delimited body mid-answer"),
+                          ("no-choices", "answers 200 with no choices"),
+                          ("no-finish", "sends [DONE] and no finish_reason"),
+                          ("endless", "keeps streaming"), ("big-event", "sends a 2 MiB event"),
+                          ("long-line", "sends a 200 MB line without a newline"),
+                          ("big-error", "answers 500 with a 200 MB body"),
+                          ("chatter", "sends frames with no token and no end")]),
+    Case("%exl_load --url http://user:KEY@127.0.0.1:PORT/v1", "%exl_load --url http://user:KEY@{HOST}/v1", server=True),
+    Case("%exl_load --url http://127.0.0.1:PORT/v1?key=KEY", "%exl_load --url http://{HOST}/v1?key=KEY", server=True),
+    Case("%exl_load --url ...  (the server says max_model_len is -5)",
+         "%exl_load --url http://{HOST}/len-5/v1 --api-key-env EXLNB_FAKE_KEY", server=True),
+    Case("%exl_load --url ...  (the server answers 307)",
+         "%exl_load --url http://{HOST}/moved/v1 --api-key-env EXLNB_FAKE_KEY", server=True),
 ]
 
 # the names the cases use, defined in the kernel before the first case
@@ -150,10 +171,10 @@ class Reply:
 class Kernel:
     """A real ipykernel started without a Jupyter server (as papermill and nbclient start one), run cell by cell."""
 
-    def __init__(self, cwd: str | None = None) -> None:
+    def __init__(self, cwd: str | None = None, env: dict[str, str] | None = None) -> None:
         import jupyter_client
 
-        env = {k: v for k, v in os.environ.items() if k != "JPY_SESSION_NAME"}
+        env = {k: v for k, v in os.environ.items() if k != "JPY_SESSION_NAME"} | (env or {})
         self.manager, self.client = jupyter_client.manager.start_new_kernel(
             kernel_name="python3", startup_timeout=120, env=env, cwd=cwd or str(ROOT)
         )
@@ -192,18 +213,29 @@ class Kernel:
 
 def run_cases(cases: list[Case] = CASES) -> list[tuple[str, str, str]]:
     """(input, what the user sees, whether the session still answers) for each case, in one kernel."""
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _stand_in_server() as server:
         _make_places(Path(tmp))
-        kernel = Kernel(cwd=tmp)
+        kernel = Kernel(cwd=tmp, env={"EXLNB_FAKE_KEY": server.key})
         try:
-            _expect_no_error(kernel.execute(PRELUDE))
+            _expect_no_error(kernel.execute(f"{PRELUDE}\nURL = {server.url!r}\nHOST = URL[len('http://'):-len('/v1')]"))
             return [(case.shown, _clean(run_case(kernel, case), tmp), _still_usable(kernel, case)) for case in cases]
         finally:
             kernel.close()
 
 
+def _stand_in_server():
+    """tests/servers.py's stand-in server, answering in this process while the kernel talks to it."""
+    if str(ROOT) not in sys.path:  # run as `python docs/bad_inputs.py`
+        sys.path.insert(0, str(ROOT))
+    from tests.servers import running_fake_server
+
+    return running_fake_server()
+
+
 def run_case(kernel: Kernel, case: Case) -> str:
-    if case.loaded:
+    if case.server:
+        _expect_no_error(kernel.execute("get_session().load(url=URL, api_key_env='EXLNB_FAKE_KEY', progress=False)"))
+    elif case.loaded:
         _expect_no_error(kernel.execute("get_session().load(engine='cpu', progress=False)"))
     if case.setup:
         _expect_no_error(kernel.execute(case.setup))
@@ -215,8 +247,9 @@ def run_case(kernel: Kernel, case: Case) -> str:
 def _still_usable(kernel: Kernel, case: Case) -> str:
     if not case.loaded:
         return "yes (nothing was loaded)"
-    answer = kernel.execute(f"print(get_session().complete(Q, {GREEDY}).text)").seen()
-    return "yes" if "Paris" in answer else f"NO: {answer!r}"
+    question, answer = ("'still here'", "Hello still here") if case.server else ("Q", "Paris")
+    seen = kernel.execute(f"print(get_session().complete({question}, {GREEDY}).text)").seen()
+    return "yes" if answer in seen else f"NO: {seen!r}"
 
 
 def _make_places(tmp: Path) -> None:
@@ -233,6 +266,7 @@ def _clean(seen: str, tmp: str) -> str:
         seen = seen.replace(folder + "/", "")
     seen = re.sub(r"the [\d,.]+ GiB this machine has", "the memory this machine has (N GiB)", seen)
     seen = re.sub(r"\x1b\[[0-9;]*m", "", seen)  # colours of a traceback
+    seen = re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1:PORT", seen)  # the stand-in server's free port
     if "\n" in seen:
         seen = "TRACEBACK OR MULTI-LINE: " + seen.replace("\n", " / ")
     return seen
@@ -249,7 +283,9 @@ def markdown(results: list[tuple[str, str, str]]) -> str:
         "",
         "Generated by `python docs/bad_inputs.py`, which types every row into a real ipykernel with the bundled",
         "model on the CPU engine (tests/test_bad_inputs.py replays the same rows and fails when this page is out of",
-        "date). After each row a short greedy question is asked to show that the session still answers.",
+        "date). After each row a short greedy question is asked to show that the session still answers. The rows",
+        "about a server run against tests/servers.py's stand-in OpenAI-compatible server, which sends each fault on",
+        "cue (its port shown as PORT); the question then goes to that server.",
         "",
         "| input | what the user sees | session still usable |",
         "|---|---|---|",

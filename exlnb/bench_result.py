@@ -1,14 +1,19 @@
 """What a load test measured (`exlnb.bench`), and its views: one row per request, one per rate, vLLM's
-printout, a figure and JSON. A run ended early by Stop or an interrupt says so in each, with its counts."""
+printout, a figure and JSON. A run ended early by Stop or an interrupt says so in each, with its counts; requests
+that failed alone are counted as failed, with their errors; a server's answers add the delivery audit
+(`exlnb.engines.delivery`: chunks per token, frames against tokens per second, inter-token latency per token)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import pandas as pd
 
+from exlnb.engines.base import EosReason
+from exlnb.engines.delivery import DeliveryAudit
 from exlnb.metrics import RequestRecord, ServingMetrics
 from exlnb.workload import PlannedRequest, Workload, rate_label
 
@@ -54,15 +59,35 @@ class RateRun:
         return row
 
     def count_words(self) -> str:
-        """'5 of 8 requests finished, 2 cancelled in flight, 1 never sent'."""
+        """'5 of 8 requests finished, 1 failed, 1 cancelled in flight, 1 never sent'."""
         m = self.metrics
         of = f" of {self.requested}" if self.requested is not None else ""
+        failed = len(self.failures) if self.stopped else m.failed_requests
         parts = [f"{m.successful_requests}{of} requests finished"]
-        if m.failed_requests:
-            parts.append(f"{m.failed_requests} {'cancelled in flight' if self.stopped else 'failed'}")
+        if failed:
+            parts.append(f"{failed} failed")
+        if m.failed_requests - failed:
+            parts.append(f"{m.failed_requests - failed} cancelled in flight")
         if self.unsent_requests:
             parts.append(f"{self.unsent_requests} never sent")
         return ", ".join(parts)
+
+    @property
+    def failures(self) -> tuple[RequestRecord, ...]:
+        """The requests that failed alone (a server's bad answer, an engine's error), each with its error."""
+        return tuple(r for r in self.records if r.eos_reason is EosReason.FAILED)
+
+    def failure_lines(self, most: int = 3) -> list[str]:
+        """'request 4 failed: the server at ...', for the first `most` failures, and how many more there were."""
+        lines = [f"request {r.identifier[1]} failed: {r.error}" for r in self.failures[:most]]
+        if len(self.failures) > most:
+            lines.append(f"... and {len(self.failures) - most} more failed")
+        return lines
+
+    @cached_property
+    def delivery(self) -> DeliveryAudit | None:
+        """How the answers that finished reached the client from a server (None on an engine in the kernel)."""
+        return DeliveryAudit.of(r.delivery for r in self.records if r.succeeded)
 
 
 @dataclass(frozen=True)
@@ -114,6 +139,8 @@ class BenchResult:
                     "e2el_ms": 1000 * record.e2e_latency_s,
                     "eos_reason": record.eos_reason.value if record.eos_reason else None,
                     "succeeded": record.succeeded,
+                    "error": record.error,
+                    **_delivery_columns(record),
                 })
         return pd.DataFrame(rows)
 
@@ -141,6 +168,11 @@ class BenchResult:
             if m.goodput is not None:
                 row["goodput"] = m.goodput.rate
                 row["goodput_fraction"] = m.goodput.fraction
+            if run.delivery is not None:
+                audit = run.delivery
+                row.update(chunks_per_token=audit.chunks_per_token, frames_per_s=audit.frames_per_s,
+                           tokens_per_s=audit.tokens_per_s, itl_per_token_median_ms=audit.itl_per_token_ms,
+                           first_frame_lead_median_ms=audit.first_frame_lead_ms)
             rows.append(row)
         return pd.DataFrame(rows).set_index("rate")
 
@@ -150,6 +182,9 @@ class BenchResult:
         for run in self.runs:
             stopped = f" (stopped: {run.count_words()})" if run.stopped else ""
             parts.append(f"Traffic request rate: {rate_label(run.request_rate)}{stopped}\n{run.metrics.table()}")
+            if run.delivery is not None:
+                parts.append(run.delivery.line())
+            parts += run.failure_lines()
         if self.stopped:
             parts.append(self.stop_words())
         return "\n".join(parts)
@@ -193,6 +228,7 @@ class BenchResult:
                     "stopped": run.stopped,
                     "unsent_requests": run.unsent_requests,
                     "metrics": run.metrics.as_dict(),
+                    "delivery": run.delivery.as_dict() if run.delivery else None,
                     "requests": [
                         {
                             "request": r.identifier[1],
@@ -204,6 +240,8 @@ class BenchResult:
                             "token_times_s": list(r.token_times),
                             "e2e_latency_s": r.e2e_latency_s,
                             "eos_reason": r.eos_reason.value if r.eos_reason else None,
+                            "error": r.error,
+                            **_delivery_columns(r),
                         }
                         for r in run.records
                     ],
@@ -221,6 +259,17 @@ def slo_words(good: int, finished: int) -> str:
     if not finished:
         return "no request ran to its end"
     return f"{good / finished:.0%} ({good} of {finished})"
+
+
+def _delivery_columns(record: RequestRecord) -> dict[str, object]:
+    """A server's answer: frames received, the server's own token count, and the first frame's lead on the first
+    token; nothing for an engine in the kernel."""
+    d = record.delivery
+    if d is None:
+        return {}
+    lead = d.first_frame_lead_s
+    return {"frames": d.frames, "server_tokens": d.server_tokens,
+            "first_frame_lead_ms": None if lead is None else 1000 * lead}
 
 
 def _ms_cell(ms: float) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from exlnb.analysis import Loop, find_tail_loop
 from exlnb.branching import plan_branch
 from exlnb.chat import Chat, get_chat
-from exlnb.engines.base import LOOP_DETECTOR, EosReason, JobSpec, Stage, StreamEvent, wall_clock
+from exlnb.engines.base import LOOP_DETECTOR, EosReason, JobSpec, StreamEvent, wall_clock
 from exlnb.engines.options import EngineOptions
 from exlnb.request import GenerationRequest, takes_request_options
 from exlnb.session import Session, get_session
@@ -130,7 +130,7 @@ class Generation:
                     event = sample.stream.receive(item)
                 except JobError as error:
                     sample.error = error
-                    event = (sample.last or _first_event(sample)).ended(EosReason.FAILED, wall_clock())
+                    event = sample.stream.failed_end()
                 self._receive(sample, event)
                 running -= event.eos
         finally:
@@ -229,12 +229,6 @@ class Generation:
 def _due_for_loop_check(sample: Sample, event: StreamEvent) -> bool:
     before = len(sample.token_ids) - len(event.token_ids)
     return len(sample.token_ids) // LOOP_CHECK_EVERY > before // LOOP_CHECK_EVERY
-
-
-def _first_event(sample: Sample) -> StreamEvent:
-    """What a sample that failed before its first event ends from."""
-    now = wall_clock()
-    return StreamEvent(job_id=sample.stream.job_id, stage=Stage.PENDING, time_produced=now, time_enqueued=now)
 
 
 @dataclass(frozen=True)

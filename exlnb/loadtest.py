@@ -22,7 +22,7 @@ from exlnb.bench_result import BenchResult, RateRun
 from exlnb.engines.base import SamplerSettings, wall_clock
 from exlnb.metrics import RequestRecord, request_record, serving_metrics
 from exlnb.session import Session, get_session
-from exlnb.streaming import JobError, JobStream, reading
+from exlnb.streaming import JobError, JobStream, ModelUnloaded, reading
 from exlnb.workload import Length, PlannedRequest, Workload, plan_requests, rate_label
 
 POLL_S = 0.02  # longest wait between looks at the clock and the stop: a Stop or a duration acts at most this late
@@ -45,7 +45,7 @@ class Progress:
         """`count` requests were submitted together."""
 
     def finished(self, record: RequestRecord) -> None:
-        """A request ended; a cancelled one too (`record.succeeded` is False)."""
+        """A request ended; a cancelled or failed one too (`record.succeeded` is False)."""
 
     def rate_ended(self, run: RateRun | None) -> None:
         """The rate's run is over; None where an error or an interrupt ended it."""
@@ -151,17 +151,22 @@ class LoadRun:
         self.progress.sent(len(due))
 
     def _receive(self, delivered, on_finish: Callable[[RequestRecord], None]) -> None:
-        """One event (or failure) of one request; a request's last event makes its record."""
+        """One event (or failure) of one request; a request's last event makes its record. A request that failed
+        alone (a server's bad answer) is recorded as failed and the run goes on; an unloaded model ends the run."""
         index = self._requests[delivered.job_id]
         stream, submitted_at = self.in_flight[index]
+        error = None
         try:
             event = stream.receive(delivered)
-        except JobError as error:
-            raise RuntimeError(f"request {index} failed: {error}") from error
+        except ModelUnloaded as unloaded:
+            raise RuntimeError(f"request {index} failed: {unloaded}") from unloaded
+        except JobError as failure:
+            event, error = stream.failed_end(), str(failure)
         if not event.eos:
             return
         del self.in_flight[index]
-        record = request_record(stream.events, submitted_at=submitted_at, identifier=(self.tag, index))
+        events = stream.events if error is None else [*stream.events, event]
+        record = request_record(events, submitted_at=submitted_at, identifier=(self.tag, index), error=error)
         self.records[index] = record
         self.progress.finished(record)
         on_finish(record)
@@ -216,7 +221,8 @@ def bench(
 
     Ctrl-C (or an exception from `on_finish`) cancels every job the run started, then propagates. Setting
     `stop` (a Stop button, another thread) ends the run without an error: requests in flight are cancelled
-    and count as failed, later requests and rates are not sent, and the result holds what ran.
+    and count as failed, later requests and rates are not sent, and the result holds what ran. A request that
+    fails alone (a server's bad answer) counts as failed, with its error in the result, and the run goes on.
     """
     rates = tuple(float(r) for r in request_rate) if isinstance(request_rate, Sequence) else (float(request_rate),)
     workload = Workload(

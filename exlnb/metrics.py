@@ -12,7 +12,8 @@ Per request (`RequestRecord`, from one job's stream events):
   client appends one gap per streamed chunk, whatever the chunk holds, and so does this module: an event
   that delivers three tokens adds one ITL, not three. Where every event carries one token (both engines
   today), a request of n tokens has n - 1 ITLs and their sum is E2E latency - TTFT; where events carry
-  several tokens (speculative decoding), mean ITL exceeds TPOT.
+  several tokens (speculative decoding), mean ITL exceeds TPOT. For a server, whose frames may each carry
+  several tokens, the record's `delivery` gives ITL per token as well (`exlnb.engines.delivery`).
 
 Over a run (`ServingMetrics`): the mean, median, standard deviation (population, as numpy's default) and
 percentiles (numpy's linear interpolation) of TTFT, TPOT and E2E latency over successful requests, and of ITL
@@ -34,6 +35,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from exlnb.engines.base import EosReason, StreamEvent
+from exlnb.engines.delivery import Delivery
 
 # the objectives goodput accepts, in milliseconds, and the per-request value each one bounds
 SLO_METRICS = ("ttft_ms", "tpot_ms", "e2el_ms")
@@ -51,11 +53,13 @@ class RequestRecord:
     token_times: tuple[float, ...]  # arrival of each event that carried tokens, seconds after submission
     e2e_latency_s: float
     eos_reason: EosReason | None
+    delivery: Delivery | None = None  # a server's answer: its frames as the client received them
+    error: str | None = None  # why it failed, in one line, where eos_reason is FAILED
 
     @property
     def succeeded(self) -> bool:
-        """Ran to its end: not cancelled, and produced at least one token."""
-        return self.eos_reason is not EosReason.CANCELLED and self.output_tokens > 0
+        """Ran to its end: not cancelled, not failed, and produced at least one token."""
+        return self.eos_reason not in (EosReason.CANCELLED, EosReason.FAILED) and self.output_tokens > 0
 
     @property
     def ttft_s(self) -> float | None:
@@ -75,7 +79,8 @@ class RequestRecord:
 
 
 def request_record(
-    events: Sequence[StreamEvent], *, submitted_at: float | None = None, identifier: Hashable | None = None
+    events: Sequence[StreamEvent], *, submitted_at: float | None = None, identifier: Hashable | None = None,
+    error: str | None = None,
 ) -> RequestRecord:
     """A finished job's record from its stream's events (`JobStream.events`).
 
@@ -97,6 +102,8 @@ def request_record(
         token_times=tuple(e.time_produced - start for e in events if e.token_ids),
         e2e_latency_s=last.time_produced - start,
         eos_reason=last.eos_reason,
+        delivery=last.delivery,
+        error=error,
     )
 
 
@@ -135,7 +142,7 @@ class ServingMetrics:
     """A run's summary: what vLLM's benchmark_serving prints, plus p90 and the counts behind every number."""
 
     successful_requests: int
-    failed_requests: int  # cancelled, or ended without a token
+    failed_requests: int  # cancelled, failed, or ended without a token
     duration_s: float
     total_input_tokens: int
     total_output_tokens: int

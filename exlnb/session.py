@@ -113,8 +113,9 @@ class Session:
         `url` (an OpenAI-compatible server's API base, e.g. "http://127.0.0.1:8000/v1") loads the openai engine:
         jobs stream from that server, `model` is then the same model's local folder (or the bundled name) for its
         tokenizer and template, `served_model` the server's name for it (default: the one it serves), `api_key_env`
-        the environment variable with its key, and `api` "chat" (the server's chat template) or "completions"
-        (exlnb's templates). docs/servers.md says what each server returns.
+        the environment variable with its key (the only way a key is sent: a url carrying one is refused), and `api`
+        "chat" (the server's chat template) or "completions" (exlnb's templates). docs/servers.md says what each
+        server returns.
         """
         for name, count in (("cache_tokens", cache_tokens), ("max_batch_size", max_batch_size)):
             if count is not None and not is_number(count, int):

@@ -306,6 +306,13 @@ class JobStream:
         if not self._inbox.finished:
             self._request_cancel(self.job_id)
 
+    def failed_end(self) -> StreamEvent:
+        """The last event of a job that failed: its counts and timings so far (none before its first event)."""
+        now = wall_clock()
+        last = self._events[-1] if self._events else StreamEvent(
+            job_id=self.job_id, stage=Stage.PENDING, time_produced=now, time_enqueued=now)
+        return last.ended(EosReason.FAILED, now)
+
     def receive(self, item: Delivered) -> StreamEvent:
         """Record one delivered item; raises the job's error if it failed."""
         if isinstance(item, StreamFailure):

@@ -2,8 +2,10 @@
 
 One of each per test session (session-scoped fixtures, shared through `pytest_plugins = ["tests.servers"]`):
 `transformers serve` on the bundled model's converted folder, llama-cpp-python's server on the bundled GGUF,
-and `FakeServer`, a small stand-in for the failures a real server will not produce on demand (malformed
-events, a stalled stream, 401, 429, 503, a server that dies mid-answer). Every wait is bounded.
+and `FakeServer`, a small stand-in for the failures a real server will not produce on demand (malformed and
+badly shaped events, a stalled stream, 401, 429, 503, a server that dies mid-answer or cuts it short, one that
+keeps streaming, oversized events, error bodies and answers, a redirect, a nonsensical max_model_len), with
+`fake_session` loaded on it. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import httpx
 import pytest
 
 from exlnb.models import BUNDLED_MODEL, bundled_gguf, resolve_model
+from exlnb.session import Session
 
 START_TIMEOUT_S = 180  # transformers serve starts in under half a minute on two cores; llama.cpp in seconds
 
@@ -107,12 +110,31 @@ vllm:num_requests_waiting{model_name="fake-model"} 2.0
 vllm:kv_cache_usage_perc{model_name="fake-model"} 0.25
 """
 STALL_S = 20  # how long a stalled stream holds its connection at most (the client's read timeout is shorter)
+HUGE_BYTES = 200 * 2**20  # the field report's 200 MB error body and line: poured until the client leaves
+POUR_BYTES = 2**16
+# the field reports' valid JSON of the wrong shape ("shape:NAME"), each sent after a good first frame
+BAD_SHAPES = {
+    "choices-text": {"choices": "abc"},
+    "choice-number": {"choices": [5]},
+    "content-number": {"choices": [{"index": 0, "delta": {"content": 42}, "finish_reason": None}]},
+    "usage-words": {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": "lots"}},
+    "finish-list": {"choices": [{"index": 0, "delta": {"content": " x"}, "finish_reason": ["stop"]}]},
+    "logprob-text": {"choices": [{"index": 0, "delta": {"content": " x"}, "finish_reason": None, "logprobs": {
+        "content": [{"token": " x", "logprob": "abc", "top_logprobs": []}]}}]},
+}
+PACKED_WORDS = " the cat sat on the mat and the dog sat on the rug"  # one token a word in SmolLM2's tokenizer
 
 
 class FakeHandler(BaseHTTPRequestHandler):
-    """Answers as vLLM would; the user's message picks the failure: "malformed", "stall", "die", "429", "503", or
-    "slow" (ticks until the client leaves, noted in `client_left`).
-    Any other message streams it back word by word. Every request needs the key FAKE_KEY."""
+    """Answers as vLLM would; the user's message picks the failure (or `FakeServer.faults`, for the next request
+    whatever it says): "malformed", "stall", "die", "429", "503", "slow" (ticks until the client leaves, noted in
+    `client_left`), "shape:NAME" (`BAD_SHAPES`), "cut" (a close-delimited body ended mid-answer), "no-choices",
+    "no-finish" ([DONE] with no finish_reason), "endless" (words with no end), "big-event" (one 2 MiB event),
+    "long-line" and "big-error" (200 MB without a newline, and as a 500's body, poured until the client leaves;
+    `written` counts what went), "chatter" (frames with no token, without end), "packed" (a role-only first frame,
+    two words a frame, a finish frame, a usage frame). A request with `ignore_eos` (a load test's exact lengths)
+    gets `max_tokens` words of one token each. Any other message streams it back word by word. Every request needs
+    the key FAKE_KEY. Under /moved/v1 the models listing redirects, under /len-5/v1 it says max_model_len=-5."""
 
     protocol_version = "HTTP/1.1"
 
@@ -124,9 +146,16 @@ class FakeHandler(BaseHTTPRequestHandler):
             return self._send(200, FAKE_METRICS, "text/plain")
         if not self._authorised():
             return None
-        if self.path == "/v1/models":
+        if self.path == "/moved/v1/models":  # a key in the target must not be shown
+            self.send_response(307)
+            port = self.server.server_address[1]
+            self.send_header("Location", f"http://someone:hunter2@127.0.0.1:{port}/v1/models")
+            self.send_header("Content-Length", "0")
+            return self.end_headers()
+        if self.path in ("/v1/models", "/len-5/v1/models"):
+            length = -5 if self.path.startswith("/len-5") else 2048
             return self._send(200, json.dumps({"object": "list", "data": [
-                {"id": FAKE_MODEL, "object": "model", "owned_by": "vllm", "max_model_len": 2048}]}))
+                {"id": FAKE_MODEL, "object": "model", "owned_by": "vllm", "max_model_len": length}]}))
         return self._send(404, json.dumps({"detail": "Not Found"}))
 
     def do_POST(self) -> None:
@@ -136,41 +165,135 @@ class FakeHandler(BaseHTTPRequestHandler):
         content = body["messages"][-1]["content"] if "messages" in body else body["prompt"]
         if body.get("model") != FAKE_MODEL:
             return self._send(404, json.dumps({"error": {"message": f"The model `{body.get('model')}` does not exist."}}))
-        if content in ("429", "503"):
+        taken = self.server.take_fault()
+        fault = taken or content
+        if fault in ("429", "503"):
             words = {"429": "Too many requests: rate limit of 2 per second", "503": "Server overloaded, retry later"}
-            return self._send(int(content), json.dumps({"error": {"message": words[content], "code": int(content)}}))
+            return self._send(int(fault), json.dumps({"error": {"message": words[fault], "code": int(fault)}}))
+        if fault in ("big-error", "cut"):
+            return self._big_error() if fault == "big-error" else self._cut()
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        if content == "malformed":
-            return self._chunk("data: {not json\n\n")
+        answer = self._ANSWERS.get(fault.partition(":")[0], FakeHandler._echo)
+        if body.get("ignore_eos") and taken is None:
+            answer = FakeHandler._exact
+        try:
+            answer(self, fault, body)
+        except OSError:  # the client left
+            self.server.client_left.set()
+
+    def _echo(self, content: str, body: dict) -> None:
         self._chunk(_sse_chunk("Hello"))
-        if content == "die":
-            self.wfile.flush()
-            self.connection.shutdown(socket.SHUT_RDWR)  # mid-answer, no end of the chunked body
-            return None
-        if content == "slow":  # a tick every 0.1 s until the client leaves, which the server notes
-            for _ in range(STALL_S * 10):
-                time.sleep(0.1)
-                try:
-                    self._chunk(_sse_chunk(" tick"))
-                except OSError:
-                    self.server.client_left.set()
-                    return None
-            return None
-        if content == "stall":
-            for _ in range(STALL_S * 10):
-                time.sleep(0.1)
-                if self.server.stopping.is_set():
-                    break
-            return None
         for word in content.split():
             time.sleep(0.01)
             self._chunk(_sse_chunk(" " + word))
-        self._chunk(_sse_chunk("", finish="stop"))
+        self._finish()
+
+    def _exact(self, content: str, body: dict) -> None:
+        for _ in range(body["max_tokens"]):
+            time.sleep(0.005)
+            self._chunk(_sse_chunk(" the"))
+        self._finish("length", body["max_tokens"])
+
+    def _malformed(self, content: str, body: dict) -> None:
+        self._chunk("data: {not json\n\n")
+
+    def _die(self, content: str, body: dict) -> None:
+        self._chunk(_sse_chunk("Hello"))
+        self.connection.shutdown(socket.SHUT_RDWR)  # mid-answer, no end of the chunked body
+
+    def _slow(self, content: str, body: dict) -> None:
+        """A tick every 0.1 s until the client leaves (noted by do_POST), or "endless" words every 10 ms."""
+        pause, word = (0.1, " tick") if content == "slow" else (0.01, " more")
+        self._chunk(_sse_chunk("Hello"))
+        for _ in range(int(STALL_S / pause)):
+            time.sleep(pause)
+            self._chunk(_sse_chunk(word))
+
+    def _stall(self, content: str, body: dict) -> None:
+        self._chunk(_sse_chunk("Hello"))
+        for _ in range(STALL_S * 10):
+            time.sleep(0.1)
+            if self.server.stopping.is_set():
+                break
+
+    def _bad_shape(self, content: str, body: dict) -> None:
+        self._chunk(_sse_chunk("Hello"))
+        self._chunk(f"data: {json.dumps(BAD_SHAPES[content.partition(':')[2]])}\n\n")
+        self._echo("still going", body)
+
+    def _no_choices(self, content: str, body: dict) -> None:
+        self._chunk(f"data: {json.dumps({'id': 'cmpl-1', 'object': 'chat.completion.chunk'})}\n\n")
         self._chunk("data: [DONE]\n\n")
         self._chunk("")
+
+    def _no_finish(self, content: str, body: dict) -> None:
+        self._chunk(_sse_chunk("Hello"))
+        self._chunk("data: [DONE]\n\n")
+        self._chunk("")
+
+    def _big_event(self, content: str, body: dict) -> None:
+        self._chunk(_sse_chunk("Hello"))
+        self._chunk(_sse_chunk(" word" * (2**21 // 5)))
+
+    def _long_line(self, content: str, body: dict) -> None:
+        self._chunk(_sse_chunk("Hello") + 'data: {"choices": [{"index": 0, "delta": {"content": "')
+        self._pour(lambda piece: self._chunk(piece))
+
+    def _chatter(self, content: str, body: dict) -> None:
+        frame = _sse_chunk(None) * 100
+        for _ in range(10**5):
+            self._chunk(frame)
+
+    def _packed(self, content: str, body: dict) -> None:
+        self._chunk(_sse_chunk(None, role="assistant"))
+        words = PACKED_WORDS.split(" ")[1:]
+        for pair in range(0, len(words), 2):
+            time.sleep(0.01)
+            self._chunk(_sse_chunk("".join(" " + w for w in words[pair:pair + 2])))
+        self._finish("stop", len(words))
+
+    _ANSWERS = {"malformed": _malformed, "die": _die, "slow": _slow, "endless": _slow, "stall": _stall,
+                "shape": _bad_shape, "no-choices": _no_choices, "no-finish": _no_finish, "big-event": _big_event,
+                "long-line": _long_line, "chatter": _chatter, "packed": _packed}
+
+    def _finish(self, reason: str = "stop", tokens: int | None = None) -> None:
+        self._chunk(_sse_chunk("", finish=reason))
+        if tokens is not None:
+            usage = {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}
+            self._chunk(f"data: {json.dumps({'object': 'chat.completion.chunk', 'choices': [], 'usage': usage})}\n\n")
+        self._chunk("data: [DONE]\n\n")
+        self._chunk("")
+
+    def _cut(self) -> None:
+        """A body delimited by the connection's close (no length, not chunked), closed mid-answer."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write((_sse_chunk("Hello") + _sse_chunk(" there")).encode())
+        self.close_connection = True
+
+    def _big_error(self) -> None:
+        self.send_response(500)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self._chunk('{"error": {"message": "')
+        try:
+            self._pour(lambda piece: self._chunk(piece))
+        except OSError:
+            self.server.client_left.set()
+
+    def _pour(self, write) -> None:
+        """HUGE_BYTES of "x" in pieces, counted in `written` as they go, until the client stops reading."""
+        piece = "x" * POUR_BYTES
+        self.server.written = 0
+        while self.server.written < HUGE_BYTES:
+            write(piece)
+            self.server.written += len(piece)
 
     def _authorised(self) -> bool:
         if self.headers.get("Authorization") == f"Bearer {FAKE_KEY}":
@@ -192,9 +315,10 @@ class FakeHandler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-def _sse_chunk(text: str, finish: str | None = None) -> str:
+def _sse_chunk(text: str | None, finish: str | None = None, role: str | None = None) -> str:
+    delta = {"role": role} if role else {} if text is None else {"content": text}
     chunk = {"object": "chat.completion.chunk", "model": FAKE_MODEL,
-             "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]}
+             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
     return f"data: {json.dumps(chunk)}\n\n"
 
 
@@ -203,11 +327,26 @@ class FakeServer(ThreadingHTTPServer):
 
     model = FAKE_MODEL
     key = FAKE_KEY
+    bad_shapes = BAD_SHAPES
+    huge_bytes = HUGE_BYTES
+    packed_words = PACKED_WORDS
 
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", free_port()), FakeHandler)
         self.stopping = threading.Event()
         self.client_left = threading.Event()
+        self.faults: list[str] = []  # what the next requests get, whatever they say
+        self.written = 0  # bytes of the last poured body that went out before the client left
+        self._lock = threading.Lock()
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that left mid-answer is what several tests do on purpose: only other errors are printed."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+    def take_fault(self) -> str | None:
+        with self._lock:
+            return self.faults.pop(0) if self.faults else None
 
     @property
     def url(self) -> str:
@@ -220,8 +359,25 @@ def refusing_url() -> str:
     return f"http://127.0.0.1:{free_port()}/v1"
 
 
-@pytest.fixture(scope="session")
-def fake_server() -> Iterator[FakeServer]:
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+@pytest.fixture(scope="module")
+def fake_session(fake_server, monkeypatch_module) -> Iterator[Session]:
+    """A session on the stand-in server, with its key in EXLNB_FAKE_KEY."""
+    monkeypatch_module.setenv("EXLNB_FAKE_KEY", fake_server.key)
+    session = Session()
+    session.load(url=fake_server.url, api_key_env="EXLNB_FAKE_KEY", progress=False)
+    yield session
+    session.unload()
+
+
+@contextmanager
+def running_fake_server() -> Iterator[FakeServer]:
+    """A FakeServer answering on its own thread until the block ends (docs/bad_inputs.py types its rows against it)."""
     server = FakeServer()
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
     thread.start()
@@ -231,3 +387,9 @@ def fake_server() -> Iterator[FakeServer]:
         server.stopping.set()
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture(scope="session")
+def fake_server() -> Iterator[FakeServer]:
+    with running_fake_server() as server:
+        yield server

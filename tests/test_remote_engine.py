@@ -69,6 +69,25 @@ def test_stop_closes_the_stream_at_once(transformers_session):
     assert transformers_session.jobs() == []
 
 
+def test_a_real_answer_passes_every_check_and_its_role_only_first_frame_is_left_out_of_ttft(transformers_session):
+    gen = finished(generation.start("Write a long story about a lighthouse.", session=transformers_session,
+                                    max_new_tokens=6, temperature=0))
+    [sample] = gen.samples
+    delivery = sample.last.delivery
+    assert gen.errors == [] and sample.eos_reason is EosReason.MAX_NEW_TOKENS and len(sample.token_ids) <= 6
+    assert delivery.received_tokens == len(sample.token_ids)
+    assert delivery.frames > len(delivery.arrivals)  # the role-only first frame and the finish frame hold no token
+    assert delivery.first_frame <= delivery.arrivals[0][0]
+    assert sample.last.time_to_first_token_s == pytest.approx(delivery.arrivals[0][0] - delivery.sent)
+
+
+def test_a_key_in_a_real_servers_url_is_refused_and_the_session_stays(transformers_session, transformers_server):
+    before = transformers_session.status()
+    with pytest.raises(ValueError, match="carries credentials or a query") as refused:
+        transformers_session.load(url=transformers_server.replace("http://", "http://me:hunter2@"), progress=False)
+    assert "hunter2" not in str(refused.value) and transformers_session.status() == before
+
+
 def test_the_token_view_says_plainly_a_server_returns_no_logprobs(transformers_session):
     with pytest.raises(ValueError, match=r"tokens=3 \(a transformers server returns no logprobs, so there is no token view"):
         generation.start("Hi", session=transformers_session, tokens=3)
@@ -122,6 +141,18 @@ def test_bench_measures_a_server_with_vllms_metrics(llama_cpp_session):
     assert len(run.records) == 3 and all(r.succeeded for r in run.records)
     assert [r.output_tokens for r in run.records] == [4, 4, 4]  # exact lengths: the server was told min_tokens
     assert run.metrics.successful_requests == 3 and run.metrics.ttft_ms.mean > 0
+
+
+def test_bench_and_the_server_view_audit_how_the_server_delivered(llama_cpp_session):
+    from exlnb.widgets.server import server_text
+
+    result = bench(request_rate=[4.0], num_requests=3, prompt_len=16, output_len=4, seed=2, progress=False,
+                   session=llama_cpp_session)
+    audit = result.runs[0].delivery
+    assert (audit.answers, audit.received_tokens) == (3, 12) and audit.server_tokens in (12, None)
+    assert audit.chunks_per_token == 1.0  # llama.cpp streams a token a frame
+    assert audit.line() in result.table()
+    assert "delivery of " in server_text(llama_cpp_session, llama_cpp_session.jobs())
 
 
 @pytest.fixture

@@ -18,21 +18,6 @@ pytest_plugins = ["tests.servers"]
 WAIT_S = 30
 
 
-@pytest.fixture(scope="module")
-def fake_session(fake_server, monkeypatch_module) -> Session:
-    monkeypatch_module.setenv("EXLNB_FAKE_KEY", fake_server.key)
-    session = Session()
-    session.load(url=fake_server.url, api_key_env="EXLNB_FAKE_KEY", progress=False)
-    yield session
-    session.unload()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
-
-
 def run(session: Session, prompt: str) -> generation.Generation:
     gen = generation.start(prompt, session=session, max_new_tokens=16)
     assert gen.wait_done(WAIT_S), f"{prompt!r} did not end within {WAIT_S} s"
@@ -81,7 +66,7 @@ def test_stop_closes_the_connection_and_the_server_sees_the_client_leave(fake_se
 
 def test_one_failing_job_leaves_the_others_running(fake_session):
     words = " ".join(f"w{i}" for i in range(30))
-    long_one = generation.start(words, session=fake_session, max_new_tokens=64)
+    long_one = generation.start(words, session=fake_session, max_new_tokens=100)  # its answer is 81 tokens
     failing = run(fake_session, "die")
     assert long_one.wait_done(WAIT_S)
     assert failing.errors and long_one.errors == [] and long_one.texts == ["Hello " + words]
@@ -125,9 +110,11 @@ def test_a_server_that_never_answers_fails_the_load_in_one_line(monkeypatch):
             Session().load(url=url, progress=False)
 
 
-def test_a_url_that_is_not_http_is_refused_before_anything_loads():
-    with pytest.raises(LoadFailed, match=r"url='127.0.0.1:8000' is not an http\(s\) address"):
-        Session().load(url="127.0.0.1:8000", progress=False)
+def test_a_url_that_is_not_http_is_refused_before_anything_loads(fake_session):
+    before = fake_session.status()
+    with pytest.raises(ValueError, match=r"url='127.0.0.1:8000' is not an http\(s\) address"):
+        fake_session.load(url="127.0.0.1:8000", progress=False)
+    assert fake_session.status() == before and run(fake_session, "still here").texts == ["Hello still here"]
 
 
 def test_the_server_view_shows_the_servers_gauges_over_this_kernels_jobs(fake_session):

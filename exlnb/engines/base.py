@@ -19,6 +19,7 @@ from typing import Protocol
 
 from exlnb.engines.checks import check_field_types
 from exlnb.engines.constraint import OutputConstraint
+from exlnb.engines.delivery import Delivery
 from exlnb.engines.sampling import SamplerSettings
 from exlnb.engines.token_info import MAX_TOP_TOKENS, TokenInfo
 
@@ -163,6 +164,7 @@ class StreamEvent:
     prefill_tokens_per_s: float | None = None  # prompt tokens actually computed (not cached) per second
     decode_tokens_per_s: float | None = None  # new tokens after the first, per second of decoding
     taken_back: int = 0  # times so far a banned string was spelled and its tokens taken back (0 where not reported)
+    delivery: Delivery | None = None  # a server's answer: its frames as received (the last event; None in the kernel)
 
     @property
     def computed_prompt_tokens(self) -> int:
@@ -205,6 +207,7 @@ def job_event(
     token_info: Sequence[TokenInfo] = (),
     eos_reason: EosReason | None = None,
     taken_back: int = 0,
+    delivery: Delivery | None = None,
 ) -> StreamEvent:
     """One job's event with its timings derived the one way exlnb defines them.
 
@@ -232,6 +235,7 @@ def job_event(
         prefill_tokens_per_s=prefill_rate,
         decode_tokens_per_s=decode_rate,
         taken_back=taken_back,
+        delivery=delivery,
     )
 
 

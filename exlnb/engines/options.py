@@ -8,6 +8,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from exlnb.engines.formats import check_engine_can_load, engine_for, model_format
 from exlnb.engines.registry import ENGINE_CHOICES, engine_spec, engines_loading, engines_that
@@ -82,6 +83,8 @@ class EngineOptions:
             raise ValueError(f"unknown cache type {cache_dtype!r}: choose one of {', '.join(CACHE_DTYPES)}")
         if api not in SERVER_APIS:
             raise ValueError(f"api={api!r}: choose one of {', '.join(SERVER_APIS)}")
+        if url is not None:
+            check_server_url(url, api_key_env)
         # a server is loaded by its url; the local folder only lends its tokenizer and chat template
         fmt = "url" if url else model_format(model_dir)
         if engine != "auto" and ("url" in engine_spec(engine).loads) != bool(url):
@@ -125,6 +128,41 @@ class EngineOptions:
             api=api,
             served_model=served_model,
         )
+
+
+def check_server_url(url: str, api_key_env: str | None) -> None:
+    """Refuse a server address that cannot be an API base, or that carries a key, before anything is unloaded.
+
+    A key in the url (`http://user:KEY@host`, `?key=...`) was printed in the status line, every error and every
+    result; exlnb sends a key only as a bearer header, read from the environment variable `api_key_env` names.
+    No message here repeats a url that may hold one.
+    """
+    carries = isinstance(url, str) and any(mark in url for mark in "@?#")
+    parts = urlsplit(url) if isinstance(url, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        given = "the url (not repeated here: it holds @, ? or #)" if carries else f"url={url!r}"
+        raise ValueError(f"{given} is not an http(s) address: give the API's base, e.g. http://127.0.0.1:8000/v1")
+    if carries:
+        raise ValueError(
+            f"the url of {shown_url(url)} carries credentials or a query (user:key@ or ?key=..., not repeated here): "
+            "exlnb sends a key only from the environment variable that --api-key-env (api_key_env=) names; "
+            "give the API's base alone"
+        )
+    if api_key_env is not None and not os.environ.get(api_key_env):
+        raise ValueError(f"api_key_env={api_key_env!r}: that environment variable is not set (or empty)")
+
+
+def shown_url(url: str) -> str:
+    """`url` as exlnb ever shows it: scheme, host, port and path, without user, password, query or fragment."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:  # an IPv6 address keeps its brackets
+        host = f"[{host}]"
+    try:
+        port = f":{parts.port}" if parts.port is not None else ""
+    except ValueError:  # a port that is not a number is shown as no port
+        port = ""
+    return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
 # bytes per cached key or value element, by cache type (exllamav2's quantized caches keep scales besides)

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from exlnb.bench_result import BenchResult, RateRun, slo_words
-from exlnb.engines.base import wall_clock
+from exlnb.engines.base import EosReason, wall_clock
 from exlnb.engines.options import check_display
 from exlnb.loadtest import Progress, bench
 from exlnb.metrics import Distribution, RequestRecord, meets_slos
@@ -58,14 +58,17 @@ class RateProgress:
         return ((self.ended_at or wall_clock()) - self.started_at) if self.started_at is not None else 0.0
 
     def counts(self) -> list[str]:
-        """What finished, what was cancelled, what is in flight and what is still to send."""
+        """What finished, failed or was cancelled, what is in flight and what is still to send."""
         if self.run is not None:
             return [self.run.count_words()]
         ok = sum(r.succeeded for r in self.records)
+        failed = sum(r.eos_reason is EosReason.FAILED for r in self.records)
         of = f"/{self.requests}" if self.requests is not None else ""
         parts = [f"{ok}{of} finished"]
-        if len(self.records) > ok:
-            parts.append(f"{len(self.records) - ok} cancelled")
+        if failed:
+            parts.append(f"{failed} failed")
+        if len(self.records) > ok + failed:
+            parts.append(f"{len(self.records) - ok - failed} cancelled")
         parts.append(f"{self.sent - len(self.records)} in flight")
         if self.requests is not None and self.ended_at is None:
             parts.append(f"{self.requests - self.sent} to send")

@@ -3,7 +3,9 @@
 A server keeps its KV cache to itself, so there are no pages to draw. What can be seen is this kernel's jobs in
 flight (the job table, with Cancel buttons: a cancel closes the job's connection) and the server's own count of
 requests running and waiting and its KV-cache use, read from its Prometheus `/metrics` where it has one (vLLM,
-SGLang, llama.cpp's server); where it has none the view says so rather than showing zeros.
+SGLang, llama.cpp's server); where it has none the view says so rather than showing zeros. Under them, the delivery
+audit of the latest answers (`exlnb.engines.delivery`): what this client received against what the server says
+it generated, chunks per token, frames against tokens per second, inter-token latency per token.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import html
 
 from exlnb.engines.base import wall_clock
+from exlnb.engines.delivery import DeliveryAudit
 from exlnb.engines.options import check_display
 from exlnb.engines.registry import engine_spec
 from exlnb.session import JobRow, Session, get_session
@@ -18,6 +21,7 @@ from exlnb.widgets.cache import JobTable, jobs_html, jobs_text, show_cache
 from exlnb.widgets.frontend import widget_frontend
 
 NO_METRICS = "server: no /metrics page, so its queue, running requests and KV-cache use are not known here"
+NO_DELIVERY = "delivery: no answer has finished yet"
 
 
 def server_line(session: Session) -> str:
@@ -27,9 +31,15 @@ def server_line(session: Session) -> str:
     return NO_METRICS if metrics is None else metrics.line()
 
 
+def delivery_line(session: Session) -> str:
+    """The delivery audit of the server's latest answers, read as the engine last published it (any thread)."""
+    audit = DeliveryAudit.of(session.engine.recent_deliveries())
+    return NO_DELIVERY if audit is None else audit.line()
+
+
 def server_text(session: Session, rows: list[JobRow]) -> str:
     status = session.status()
-    return f"{status.model} at {status.device}\n{server_line(session)}\n{jobs_text(rows)}"
+    return f"{status.model} at {status.device}\n{server_line(session)}\n{delivery_line(session)}\n{jobs_text(rows)}"
 
 
 class ServerView(JobTable):
@@ -38,7 +48,9 @@ class ServerView(JobTable):
     def draw(self, rows: list[JobRow]) -> tuple[str, str]:
         status = self.session.status()
         head = f"{status.model} at {status.device} · {server_line(self.session)}"
-        body = f'<div class="exlnb-summary">{html.escape(head)}</div>{jobs_html(rows, wall_clock())}'
+        lines = "".join(f'<div class="exlnb-summary">{html.escape(line)}</div>'
+                        for line in (head, delivery_line(self.session)))
+        body = f"{lines}{jobs_html(rows, wall_clock())}"
         return f'<div class="exlnb-server">{body}</div>', server_text(self.session, rows)
 
 

@@ -1,10 +1,12 @@
 """The openai engine: jobs streamed from an OpenAI-compatible server, side by side, handed over by `step()`.
 
 Each job's request runs as a task on an asyncio loop of the engine's own (one thread), so every stream is read as
-it arrives, however many are open; `step()` only collects what arrived and turns it into events. `cancel()`
+it arrives, however many are open; each frame is checked there (`answer.py`, `chunk.py`) and its tokens read on a
+worker thread (`job.arrival`), so `step()` only collects what arrived and turns it into events. `cancel()`
 cancels the job's task, which leaves the stream's `async with` and so closes its connection at once: a Stop
-button, a kernel interrupt and an abandoned stream all reach the server as the client going away. A request that
-fails fails its job alone (`JobFailed`), with the server's own message.
+button, a kernel interrupt and an abandoned stream all reach the server as the client going away. Whatever goes
+wrong with one request (a refusal, a bad frame, an answer past its bounds) fails its job alone (`JobFailed`),
+in one line with the server's own words.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import asyncio
 import json
 import queue
 import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -20,15 +24,19 @@ import httpx
 from exlnb.engines.base import (
     CacheView, Engine, EngineStatus, JobClock, JobFailed, JobInfo, JobSpec, StreamEvent, wall_clock,
 )
+from exlnb.engines.checks import is_number
+from exlnb.engines.delivery import Delivery
 from exlnb.engines.options import EngineOptions
-from exlnb.engines.remote.client import ServerAddress, get_json, stream_events
-from exlnb.engines.remote.job import RemoteJob
+from exlnb.engines.remote.answer import answer_chunks
+from exlnb.engines.remote.client import ServerAddress, get_json
+from exlnb.engines.remote.job import RemoteJob, arrival
 from exlnb.engines.remote.metrics import ServerMetrics, read_metrics
 from exlnb.engines.remote.prompt import PATHS, RemoteTokenizer, prompt_field
 from exlnb.engines.remote.request import Dialect, defaults_not_sent, dialect_for, refused, request_body
 
 STEP_WAIT_S = 0.02  # how long step() waits for a chunk: the engine thread then runs its queued commands
-_DONE = object()  # a stream's end, after its [DONE]
+RECENT_DELIVERIES = 256  # the answers the server view audits: enough for a median, bounded in memory
+_DONE = object()  # a stream's honest end: its [DONE], or its close after a finish_reason
 
 
 class RemoteEngine(Engine):
@@ -44,12 +52,16 @@ class RemoteEngine(Engine):
         self.model: str = entry["id"]
         self.dialect: Dialect = dialect_for(entry.get("owned_by"), listing)
         self.tokenizer = RemoteTokenizer(options.model_dir)
-        self.max_seq_len = int(entry.get("max_model_len") or _context_length(options.model_dir))
+        self.max_seq_len = max_seq_len(entry, options.model_dir, self.address)
         self._options = options
         self._jobs: dict[int, RemoteJob] = {}
         self._tasks: dict[int, asyncio.Future] = {}
         self._arrived: queue.SimpleQueue[tuple[int, object, float]] = queue.SimpleQueue()
+        self._taken: deque[tuple[int, object, float]] = deque()  # arrived, not yet turned into events
+        self._recent: tuple[Delivery, ...] = ()  # replaced whole, so any thread may read it
         self._next_id = 1
+        # tokenising a large frame takes a while (1 MB: 1.1 s): never on the engine thread or the streams' loop
+        self._tokenising = ThreadPoolExecutor(max_workers=2, thread_name_prefix="exlnb-openai-tokens")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="exlnb-openai-streams", daemon=True)
         self._thread.start()
@@ -66,14 +78,18 @@ class RemoteEngine(Engine):
         eos = frozenset(self.tokenizer.eos_token_ids)
         body = request_body(spec, self.dialect, self.model, prompt_field(self.tokenizer, self.api, spec.input_ids), eos)
         job_id, self._next_id = self._next_id, self._next_id + 1
-        self._jobs[job_id] = RemoteJob(job_id, spec, JobClock(enqueued=wall_clock()), self.api == "chat", self.tokenizer)
-        self._tasks[job_id] = asyncio.run_coroutine_threadsafe(self._stream(job_id, body), self._loop)
+        clock = JobClock(enqueued=wall_clock())
+        self._jobs[job_id] = RemoteJob(job_id, spec, clock, self.address.endpoint(PATHS[self.api]), self.tokenizer)
+        self._tasks[job_id] = asyncio.run_coroutine_threadsafe(self._stream(job_id, spec, body), self._loop)
         return job_id
 
-    async def _stream(self, job_id: int, body: dict) -> None:
+    async def _stream(self, job_id: int, spec: JobSpec, body: dict) -> None:
         try:
-            async for chunk in stream_events(self._client, self.address, PATHS[self.api], body):
-                self._arrived.put((job_id, chunk, wall_clock()))
+            async for chunk, at in answer_chunks(self._client, self.address, PATHS[self.api], body,
+                                                 chat=self.api == "chat", max_new_tokens=spec.max_new_tokens):
+                frame = await self._loop.run_in_executor(self._tokenising, arrival, chunk, at, self.tokenizer,
+                                                         spec.top_tokens)
+                self._arrived.put((job_id, frame, at))
             self._arrived.put((job_id, _DONE, wall_clock()))
         except asyncio.CancelledError:
             raise
@@ -88,34 +104,49 @@ class RemoteEngine(Engine):
         return job is not None
 
     def step(self) -> list[StreamEvent]:
+        """What arrived, as events. Anything wrong with one job's frames fails that job alone; the frames taken
+        after it wait for the next step."""
         events: list[StreamEvent] = []
-        for job_id, item, now in self._take():
+        self._take()
+        while self._taken:
+            job_id, item, now = self._taken.popleft()
             job = self._jobs.get(job_id)
             if job is None:
                 continue  # cancelled: what was already on its way is dropped
-            if isinstance(item, BaseException):
-                self._forget(job_id)
-                raise JobFailed([job_id], item, events)
-            event = job.end(now) if item is _DONE else job.receive(item, now)
-            if item is _DONE:
-                self._forget(job_id)
-            if event is not None:
-                events.append(event)
+            failure = self._apply(job, item, now, events)
+            if failure is not None:
+                self.cancel(job_id)  # closes its connection, should the server still be sending
+                raise JobFailed([job_id], failure, events)
         return events
 
-    def _take(self) -> list[tuple[int, object, float]]:
-        """What arrived since the last step, waiting a moment for the first; a failure ends the batch, so the
-        chunks before it are delivered and the ones after wait for the next step."""
+    def _apply(self, job: RemoteJob, item: object, now: float, events: list[StreamEvent]) -> BaseException | None:
+        """Turn one arrived item into the job's event; the failure that ends the job, if any."""
+        if isinstance(item, BaseException):
+            return item
         try:
-            items = [self._arrived.get(timeout=STEP_WAIT_S)]
-        except queue.Empty:
-            return []
-        while not isinstance(items[-1][1], BaseException):
+            event = job.end(now) if item is _DONE else job.receive(item)
+        except Exception as error:  # noqa: BLE001 - a frame one job could not read fails that job alone
+            return error
+        if event is not None:
+            events.append(event)
+        if event is not None and event.delivery is not None:
+            self._recent = (*self._recent[1 - RECENT_DELIVERIES:], event.delivery)
+        if item is _DONE:
+            self._forget(job.job_id)
+        return job.failure
+
+    def _take(self) -> None:
+        """Move what arrived since the last step to `_taken`, waiting a moment for the first."""
+        if not self._taken:
             try:
-                items.append(self._arrived.get_nowait())
+                self._taken.append(self._arrived.get(timeout=STEP_WAIT_S))
             except queue.Empty:
-                break
-        return items
+                return
+        while True:
+            try:
+                self._taken.append(self._arrived.get_nowait())
+            except queue.Empty:
+                return
 
     def _forget(self, job_id: int) -> None:
         self._jobs.pop(job_id, None)
@@ -132,6 +163,10 @@ class RemoteEngine(Engine):
         """The server's own running and waiting requests and KV-cache use, or None where it has no /metrics."""
         return read_metrics(self.address)
 
+    def recent_deliveries(self) -> tuple[Delivery, ...]:
+        """The latest answers' deliveries (at most RECENT_DELIVERIES), for the server view's audit; any thread."""
+        return self._recent
+
     def status(self) -> EngineStatus:
         notes = [f"the server takes exlnb's defaults {', '.join(missing)} under no name: its own defaults apply"
                  for missing in [defaults_not_sent(self.dialect)] if missing]
@@ -142,7 +177,7 @@ class RemoteEngine(Engine):
         endpoint = ("/v1/chat/completions, the server's chat template" if self.api == "chat"
                     else "/v1/completions, exlnb's templates")
         return EngineStatus(
-            engine=self.name, model=self.model, device=self.address.base, paged=False,
+            engine=self.name, model=self.model, device=self.address.shown, paged=False,
             attention=f"{self.dialect.describe()}", cache_tokens=self.max_seq_len, cache_dtype="server's",
             max_batch_size=self._options.max_batch_size, notes=tuple(notes), library=self.dialect.name,
             decode=f"prompts: {endpoint}",
@@ -154,17 +189,18 @@ class RemoteEngine(Engine):
         asyncio.run_coroutine_threadsafe(self._client.aclose(), self._loop).result(timeout=5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        self._tokenising.shutdown(wait=False, cancel_futures=True)
 
 
 def served_entry(listing: dict, wanted: str | None, model_dir: Path, address: ServerAddress) -> dict:
     """The server's /v1/models entry for the model to use: `wanted`, else the one it serves, else the one named
     like the local folder; ValueError naming what it serves otherwise."""
-    entries = [e for e in listing.get("data") or [] if isinstance(e, dict) and "id" in e]
+    entries = [e for e in listing.get("data") or [] if isinstance(e, dict) and isinstance(e.get("id"), str)]
     ids = [e["id"] for e in entries]
     if wanted is not None:
         match = [e for e in entries if e["id"] == wanted]
         if not match:
-            raise ValueError(f"the server at {address.base} serves no model {wanted!r}: it lists "
+            raise ValueError(f"the server at {address.shown} serves no model {wanted!r}: it lists "
                              f"{', '.join(map(repr, ids)) or 'none'}")
         return match[0]
     if len(entries) == 1:
@@ -172,8 +208,20 @@ def served_entry(listing: dict, wanted: str | None, model_dir: Path, address: Se
     named = [e for e in entries if Path(e["id"]).name == model_dir.name]
     if len(named) == 1:
         return named[0]
-    raise ValueError(f"the server at {address.base} lists {len(ids)} models ({', '.join(map(repr, ids[:8])) or 'none'}): "
+    raise ValueError(f"the server at {address.shown} lists {len(ids)} models ({', '.join(map(repr, ids[:8])) or 'none'}): "
                      "choose one with served_model=")
+
+
+def max_seq_len(entry: dict, model_dir: Path, address: ServerAddress) -> int:
+    """The server's context length for the model (vLLM's `max_model_len`), else the local config's; ValueError
+    for one that is not a positive integer (a server reported -5, and exlnb sized its checks by it)."""
+    reported = entry.get("max_model_len")
+    if reported is None:
+        return _context_length(model_dir)
+    if not is_number(reported, int) or reported < 1:
+        raise ValueError(f"the server at {address.shown} reports max_model_len={reported!r} for {entry['id']!r}, "
+                         "which is not a positive number of tokens: fix the server's settings")
+    return int(reported)
 
 
 def _context_length(model_dir: Path) -> int:

@@ -65,10 +65,10 @@ DIALECTS = {d.name: d for d in (
 )}
 
 
-def dialect_for(owner: str | None, listing: dict) -> Dialect:
+def dialect_for(owner: object, listing: dict) -> Dialect:
     """The dialect of a server from its /v1/models answer: `owned_by` names vLLM, SGLang, TabbyAPI and llama.cpp;
     `transformers serve` marks each model with a load `status`. Anything else gets OpenAI's own fields only."""
-    owner = (owner or "").lower()
+    owner = owner.lower() if isinstance(owner, str) else ""
     for dialect in DIALECTS.values():
         if owner in dialect.owners:
             return dialect
