@@ -120,6 +120,32 @@ def test_a_prompt_several_pages_long_decodes_the_same_from_graphs(sessions):
 
 
 @pytest.mark.gpu
+def test_graphed_decode_samples_on_the_gpu_and_a_seed_reproduces_its_answer(sessions):
+    _, graphed = sessions
+    sampled = SamplerSettings(temperature=1.0, top_k=40, top_p=0.9, token_frequency_penalty=0.1)
+    prompt = chatml(QUESTIONS[1])
+    drawn_before = graphed.run_on_engine(lambda e: e.draws.drawn_steps)
+
+    answers = [graphed.complete(prompt, max_new_tokens=40, sampler=sampled, seed=seed).token_ids for seed in (5, 5, 6)]
+
+    assert "sampling on the GPU" in graphed.status().decode
+    assert answers[0] == answers[1] != answers[2]
+    assert graphed.run_on_engine(lambda e: e.draws.drawn_steps) - drawn_before >= 3 * 30  # drawn in the graphs
+
+
+@pytest.mark.gpu
+def test_a_job_the_device_cannot_sample_takes_the_library_s_own_sampler(sessions):
+    eager, graphed = sessions
+    host_only = SamplerSettings(temperature=0.7, dry_multiplier=0.8)  # DRY stays on the host
+    prompt = chatml(QUESTIONS[2])
+
+    expected = eager.complete(prompt, max_new_tokens=24, sampler=host_only, seed=9).token_ids
+    got = graphed.complete(prompt, max_new_tokens=24, sampler=host_only, seed=9).token_ids
+
+    assert got == expected  # the library's sampler, the library's random stream: the same tokens as eager decode
+
+
+@pytest.mark.gpu
 def test_a_capture_that_fails_mid_generation_falls_back_to_eager_and_says_why(sessions, monkeypatch):
     eager, graphed = sessions
     session = load("auto", graphed.status().engine)  # its load check captured batches 1 and 3 for real

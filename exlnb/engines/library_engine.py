@@ -30,6 +30,7 @@ from exlnb.engines.base import (
     one_line,
     wall_clock,
 )
+from exlnb.engines.device_sampling import DeviceDraws, JobDraw, Row
 from exlnb.engines.token_info import TokenInfo, token_info
 
 # the libraries' `eos_reason` strings; exllamav2 never reports a loop
@@ -99,6 +100,7 @@ class TrackedJob:
     spec: JobSpec
     max_new_tokens: int  # possibly lowered so the job fits the cache
     clock: JobClock
+    draw: JobDraw | None = None  # where the job's tokens are drawn on the device (device_sampling.py)
 
     @property
     def new_tokens(self) -> int:
@@ -179,10 +181,52 @@ class LibraryEngine(Engine):
         job_id, self._next_id = self._next_id, self._next_id + 1
         return job_id
 
-    def _track(self, job_id: int, job: object, spec: JobSpec, max_new_tokens: int) -> int:
+    def _track(self, job_id: int, job: object, spec: JobSpec, max_new_tokens: int, draw: JobDraw | None = None) -> int:
         """Follow an enqueued library job, whose identifier is `job_id`."""
-        self._jobs[job_id] = TrackedJob(job, spec, max_new_tokens, JobClock(enqueued=wall_clock()))
+        self._jobs[job_id] = TrackedJob(job, spec, max_new_tokens, JobClock(enqueued=wall_clock()), draw)
         return job_id
+
+    def _forget(self, job_id: int) -> TrackedJob | None:
+        """Stop following a job (ended, cancelled or failed), giving back what it held on the device."""
+        tracked = self._jobs.pop(job_id, None)
+        if tracked is not None and tracked.draw is not None:
+            self.draws.end(tracked.draw)
+        return tracked
+
+    # -- sampling on the device ----------------------------------------------------------------------------
+
+    draws: DeviceDraws | None = None  # set where the engine decodes from graphs
+
+    def _start_draws(self) -> None:
+        """Sample on the device where decode runs from graphs (the graph draws the tokens too)."""
+        if self.graphs is not None:
+            self.draws = DeviceDraws(self.generator.max_batch_size, self.vocab_size, self.graphs.device)
+            self.graphs.draws, self.graphs.step_rows = self.draws, self._step_rows
+
+    def _job_draw(self, spec: JobSpec) -> JobDraw | None:
+        """How the job's tokens are drawn on the device; None where the host samples them (no graphs, or settings
+        the device does not take: `DeviceDraws.drawable`)."""
+        if self.draws is None or DeviceDraws.drawable(spec) or self._host_sampled(spec):
+            return None
+        return DeviceDraws.start(spec)
+
+    def _host_sampled(self, spec: JobSpec) -> bool:
+        """What else keeps a job on the host in this engine (none here; an engine adds its own)."""
+        return False
+
+    def _step_rows(self) -> list[tuple[int, Row | None]]:
+        """The decode step's rows in the library's batch order (its active jobs past their prefill, a row per
+        sequence, as exllamav2 0.3.2's and exllamav3 1.6.5's `iterate_gen` lay them out): each job's id and its
+        device row, or None where the host samples it."""
+        rows = []
+        for job in self.generator.active_jobs:
+            if not job.is_prefill_done():
+                continue
+            tracked = self._jobs.get(job.identifier)
+            draw = tracked.draw if tracked is not None else None
+            row = self.draws.row(draw, tracked.new_tokens) if draw is not None else None
+            rows += [(job.identifier, row)] * len(job.sequences)
+        return rows
 
     def _count_defrags(self, owner: object, method: str) -> None:
         """Wrap the library's defragmenter to count the times it really moved pages."""
@@ -209,7 +253,7 @@ class LibraryEngine(Engine):
             tracked.clock.token_arrived(now)
         eos_reason = tracked.eos_reason(library_eos) if library_eos else None
         if eos_reason:
-            del self._jobs[job_id]
+            self._forget(job_id)
         stage = Stage.DONE if eos_reason else Stage.DECODE
         return self._event(job_id, tracked, stage, now, text, new_ids, eos_reason, token_info)
 
@@ -276,7 +320,7 @@ class LibraryEngine(Engine):
         return failures
 
     def cancel(self, job_id: int) -> bool:
-        tracked = self._jobs.pop(job_id, None)
+        tracked = self._forget(job_id)
         if tracked is None:
             return False
         self.generator.cancel(tracked.job)
@@ -292,9 +336,8 @@ class LibraryEngine(Engine):
         return job_table(self._jobs, self.generator.pending_jobs)
 
     def _cancel_all(self) -> None:
-        for tracked in list(self._jobs.values()):
-            self.generator.cancel(tracked.job)
-        self._jobs.clear()
+        for job_id in list(self._jobs):
+            self.generator.cancel(self._forget(job_id).job)
 
 
 def job_table(jobs: Mapping[int, TrackedJob], pending_jobs: Iterable[object]) -> list[JobInfo]:

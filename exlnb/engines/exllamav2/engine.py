@@ -25,6 +25,7 @@ from exlnb.engines.base import (
     StreamEvent,
     wall_clock,
 )
+from exlnb.engines.device_sampling import JobDraw
 from exlnb.engines.grammar import GrammarMatcher
 from exlnb.engines.library_engine import (
     LibraryEngine,
@@ -107,6 +108,7 @@ class ExLlamaV2Engine(LibraryEngine):
         )
         self.page_size = self.generator.page_size
         self.graphs = self._start_graphs(self._graph_decoder, cannot_graph)
+        self._start_draws()
         self._start_tracking()
         # exllamav2 defragments only when idle after touching every page
         self._count_defrags(self.generator, "defrag_cache")
@@ -200,8 +202,29 @@ class ExLlamaV2Engine(LibraryEngine):
             gen_settings=settings, **job_arguments(spec, max_new, job_id), **_token_info_outputs(spec),
             filters=self._filters(spec),
         )
+        draw = self._job_draw(spec)
+        if draw is not None:
+            job.receive_logits = self._drawn_on_device(job, job_id, draw)
         self.generator.enqueue(job)
-        return self._track(job_id, job, spec, max_new)
+        return self._track(job_id, job, spec, max_new, draw)
+
+    def _host_sampled(self, spec: JobSpec) -> bool:
+        # the token view's sampler's probability (return_probs) comes from exllamav2's host sampler
+        return spec.top_tokens > 0
+
+    def _drawn_on_device(self, job, job_id: int, draw: JobDraw):
+        """The job's `receive_logits` where the device draws its tokens (device_sampling.py): the token the decode
+        step's graph drew, or one drawn from the job's own logits where the step ran eagerly; what exllamav2
+        0.3.2's own returns, with no probabilities (a job that asks for them is sampled on the host)."""
+        draws = self.draws
+
+        def receive_logits(logits: torch.Tensor):
+            token = draws.host_token(job_id)
+            if token is None:
+                token = int(draws.draw_alone(draws.row(draw, max(job.new_tokens, 0)), logits))
+            return torch.tensor([[token]], dtype=torch.long), None, None, None, False
+
+        return receive_logits
 
     def unsupported(self, spec: JobSpec) -> list[str]:
         missing = []

@@ -24,9 +24,12 @@ Measured on an H100 (benchmarks/README.md): the bundled model decodes 4.2x to 7.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, bucket_for, buckets, replay_differs
+from exlnb.engines.device_sampling import DeviceDraws, Row
 from exlnb.engines.exllamav2 import paged_attention
 
 CHECK_PROMPT_TOKENS = 24
@@ -49,6 +52,8 @@ class GraphDecoder:
         self._graphs = StepGraphs(self.device)
         self.installed = False
         self.gave_up = ""  # why decode went back to eager after a capture failed mid-generation, if it did
+        self.draws: DeviceDraws | None = None  # where the engine samples on the device: the graph draws too
+        self.step_rows: Callable[[], list[tuple[object, Row | None]]] = list  # the engine's rows of a step
 
     @property
     def replays(self) -> int:
@@ -74,6 +79,8 @@ class GraphDecoder:
                 return {"logits": self._replay(key, input_ids, attn_params, kwargs)}
             except CaptureFailed as failure:  # this step and every later one run eagerly; the status says why
                 self.gave_up = str(failure)
+        if self.draws is not None:
+            self.draws.forget_step()  # the jobs draw alone from the eager logits
         return self._eager(input_ids, cache, *args, attn_params=attn_params, **kwargs)
 
     def _key(self, input_ids: torch.Tensor, cache, attn_params, kwargs: dict) -> tuple[int, int] | None:
@@ -99,31 +106,27 @@ class GraphDecoder:
                                indexed_embeddings=kwargs.get("indexed_embeddings"))
         set_device_streams()  # as forward_chunk does: the generator reads the logits on exllamav2's stream
         self._stage(key, x, attn_params.cache_seqlens, attn_params.block_index)
+        drawn = self.draws is not None and self.draws.stage(self.step_rows(), key[0])
         # the graph must record the attention layout's kernels, not reuse the warm-up's
-        logits = self._graphs.replay(key, lambda: self._step(*key), shape=f"batch {key[0]} over {key[1]} pages",
-                                     around_capture=paged_attention.forget_layout)
+        out = self._graphs.replay((*key, drawn), lambda: self._step(*key, drawn),
+                                  shape=f"batch {key[0]} over {key[1]} pages", around_capture=paged_attention.forget_layout)
         self.cache.current_seq_len += 1
-        return logits[: input_ids.shape[0]]
-
-    def _stage(self, key: tuple[int, int], hidden: torch.Tensor, seqlens: torch.Tensor, block_index: torch.Tensor) -> None:
-        """Copy one step's inputs into the static buffers, the block table padded to the width bucket with
-        each row's first page (a column past a sequence's length is masked out by the attention)."""
-        n, width = key
-        w = block_index.shape[1]
-        if self._hidden is None:
-            shape = (self.max_batch_size, 1, hidden.shape[-1])
-            self._hidden = torch.zeros(shape, dtype=hidden.dtype, device=self.device)
-        self._hidden[:n].copy_(hidden, non_blocking=True)
-        self._seqlens[:n].copy_(seqlens, non_blocking=True)
-        self._block_table[:n, :w].copy_(block_index, non_blocking=True)
-        if w < width:
-            self._block_table[:n, w:width].copy_(self._block_table[:n, :1].expand(n, width - w))
+        if drawn:
+            out, tokens = out
+            self.draws.remember(tokens)
+        return out[: input_ids.shape[0]]
 
     # -- what a graph replays -------------------------------------------------------------------------
 
-    def _step(self, rows: int, width: int):
+    def _step(self, rows: int, width: int, draws: bool):
+        """The GPU modules at one shape, over the static buffers; with `draws`, the device sampler's draws too."""
         params = self._static_params(rows, width)
-        return lambda: self._run_device_modules(rows, params)
+
+        def run():
+            logits = self._run_device_modules(rows, params)
+            return (logits, self.draws.batch.sample(logits)) if draws else logits
+
+        return run
 
     def _static_params(self, rows: int, width: int):
         """Paged parameters over the static buffers. exllamav2 builds them on the CPU and copies them per
@@ -194,7 +197,8 @@ class GraphDecoder:
     def describe(self) -> str:
         if self.gave_up:
             return f"eager since {self.gave_up}"
-        return f"CUDA graphs, {self._graphs.describe()}"
+        drawn = ", sampling on the GPU" if self.draws is not None else ""
+        return f"CUDA graphs, {self._graphs.describe()}{drawn}"
 
 
 # forward_chunk's arguments a replay can take (the dynamic generator passes these), and those that need eager

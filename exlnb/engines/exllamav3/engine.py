@@ -36,6 +36,7 @@ from exlnb.engines.library_engine import (
 from exlnb.engines.exllamav3.sampler import refused_settings, sampler_steps
 from exlnb.engines.exllamav3.compat import fix_exllamav3
 from exlnb.engines.exllamav3.graph_decode import GraphDecoder, cannot_graph
+from exlnb.engines.device_sampling import DeviceDraws, JobDraw
 from exlnb.engines.options import PAGE_TOKENS, EngineOptions
 from exlnb.engines.tokenizer import HfTokenizer
 
@@ -86,6 +87,7 @@ class ExLlamaV3Engine(LibraryEngine):
         self._start_tracking()
         self._own_generator(exl3.Tokenizer.from_config(config))
         self.graphs = self._start_graphs(self._graph_decoder, cannot_graph)
+        self._start_draws()
         self._check_it_runs()
 
     def _graph_decoder(self) -> GraphDecoder:
@@ -126,8 +128,10 @@ class ExLlamaV3Engine(LibraryEngine):
 
         max_new = max_new_tokens_within(spec, self.max_seq_len)
         spec.check_vocabulary(self.vocab_size)
-        sampler = build_sampler(spec.sampler, self.tokenizer, self.vocab_size)
         job_id = self._new_job_id()
+        draw = self._job_draw(spec)
+        sampler = (DrawnOnDevice(self.draws, job_id, draw) if draw is not None
+                   else build_sampler(spec.sampler, self.tokenizer, self.vocab_size))
         job = Job(
             **job_arguments(spec, max_new, job_id),
             sampler=sampler,
@@ -142,8 +146,10 @@ class ExLlamaV3Engine(LibraryEngine):
             self.generator.enqueue(job)
         except AssertionError as error:  # exllamav3 asserts when a job can never fit its cache
             raise ValueError(f"exllamav3 refused the job: {error}") from error
+        if draw is not None:
+            sampler.job = job
         # exllamav3 lowers max_new_tokens in enqueue so that prompt + output + 1 fit the cache
-        return self._track(job_id, job, spec, job.max_new_tokens)
+        return self._track(job_id, job, spec, job.max_new_tokens, draw)
 
     def unsupported(self, spec: JobSpec) -> list[str]:
         """The sampler settings exllamav3 cannot sample as exlnb means them; enqueue refuses them in
@@ -182,7 +188,7 @@ class ExLlamaV3Engine(LibraryEngine):
             if tracked is None:
                 continue
             if result["stage"] == "error":  # exllamav3 reaped the job (reap_failed_job); the rest run on
-                del self._jobs[job_id]
+                self._forget(job_id)
                 failures[job_id] = result["error"]
             elif result["stage"] == "started":
                 events.append(self._started(job_id, tracked, now))
@@ -294,6 +300,25 @@ class ExLlamaV3Engine(LibraryEngine):
         self.model.unload()
         del self.generator, self.cache, self.model
         torch.cuda.empty_cache()
+
+
+class DrawnOnDevice:
+    """The sampler of an exllamav3 job whose tokens the device draws (device_sampling.py): it hands exllamav3 the
+    token the decode step's graph drew for the job, or draws it from the job's own logits where the step ran
+    eagerly. exllamav3 1.6.5's Job calls `forward` and reads the two flags; nothing else."""
+
+    reqs_past_ids = False  # the penalties' counts live on the device: no sequence to upload
+    reqs_torch_seed = False
+
+    def __init__(self, draws: DeviceDraws, job_id: int, draw: JobDraw) -> None:
+        self.draws, self.job_id, self.draw = draws, job_id, draw
+        self.job = None  # the library's job, set once it exists
+
+    def forward(self, logits: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        token = self.draws.token(self.job_id)
+        if token is None:
+            token = self.draws.draw_alone(self.draws.row(self.draw, max(self.job.new_tokens, 0)), logits)
+        return token
 
 
 def build_sampler(settings: SamplerSettings, tokenizer: HfTokenizer, vocab_size: int):

@@ -20,11 +20,13 @@ batches flipped greedy tokens against eager decode on exllamav2 (graph_decode.py
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, replay_differs
+from exlnb.engines.device_sampling import DeviceDraws, Row
 
 CHECK_PROMPT_TOKENS = 24
 TABLE_STEP = 16  # exllamav3 1.6.5 pads a step's block table to a multiple of 16 pages (Generator.iterate_gen)
@@ -67,10 +69,17 @@ class GraphDecoder:
                        for device, modules in _by_card(model.fwd_modules[host:])]
         self.installed = False
         self.gave_up = ""  # why decode went back to eager after a capture failed mid-generation, if it did
+        self.draws: DeviceDraws | None = None  # where the engine samples on the device: the last graph draws too
+        self.step_rows: Callable[[], list[tuple[object, Row | None]]] = list  # the engine's rows of a step
 
     @property
     def replays(self) -> int:
         return self._cards[-1].graphs.replays
+
+    @property
+    def device(self) -> torch.device:
+        """Where the logits come out: the last card."""
+        return self._cards[-1].device
 
     # -- in front of the model's own forward ---------------------------------------------------------------
 
@@ -94,6 +103,8 @@ class GraphDecoder:
                     return self._replay(key, input_ids, params)
             except CaptureFailed as failure:  # this step and every later one run eagerly; the status says why
                 self.gave_up = str(failure)
+        if self.draws is not None:
+            self.draws.forget_step()  # the jobs draw alone from the eager logits
         return self._eager(input_ids, params)
 
     def _key(self, input_ids: torch.Tensor, params: dict | None) -> tuple[int, int] | None:
@@ -120,23 +131,35 @@ class GraphDecoder:
         for card in self._cards:  # the tables the generator already uploaded to each card (its dev_cache)
             card.block_table(batch, width).copy_(get_for_device(params, "block_table", card.device), non_blocking=True)
             card.seqlens[:batch].copy_(get_for_device(params, "cache_seqlens", card.device), non_blocking=True)
+        drawn = self.draws is not None and self.draws.stage(self.step_rows(), batch)
         for card in self._cards:
             if card.hidden is None:
                 card.hidden = torch.zeros((self.max_batch_size, 1, x.shape[-1]), dtype=x.dtype, device=card.device)
             card.hidden[:batch].copy_(_to_card(x, card.device), non_blocking=True)
-            x = card.graphs.replay(key, lambda card=card: self._step(card, batch, width),
+            draws_here = drawn and card is self._cards[-1]
+            x = card.graphs.replay((batch, width, draws_here),
+                                   lambda card=card, draws_here=draws_here: self._step(card, batch, width, draws_here),
                                    shape=f"batch {batch} over {width} pages on {card.device}")
+        if drawn:
+            x, tokens = x
+            self.draws.remember(tokens)
         return x
 
     # -- what a graph replays -------------------------------------------------------------------------------
 
-    def _step(self, card: _Card, batch: int, width: int):
-        """The card's modules at one shape, over its static buffers: what its graph for that shape records."""
+    def _step(self, card: _Card, batch: int, width: int, draws: bool):
+        """The card's modules at one shape, over its static buffers: what its graph for that shape records; with
+        `draws`, the device sampler's draws from the logits too."""
         hidden = card.hidden[:batch]
         params = self._static_params(batch, width)
-        # exllamav3's blocks add into their input in place: the graph works on a copy, so that its staged input
-        # is the same in every warm-up run and in the replay after the capture
-        return lambda: _run_modules(card.modules, hidden.clone(), dict(params, dev_cache=dict(params["dev_cache"])))
+
+        def run():
+            # exllamav3's blocks add into their input in place: the graph works on a copy, so that its staged input
+            # is the same in every warm-up run and in the replay after the capture
+            logits = _run_modules(card.modules, hidden.clone(), dict(params, dev_cache=dict(params["dev_cache"])))
+            return (logits, self.draws.batch.sample(logits)) if draws else logits
+
+        return run
 
     def _static_params(self, batch: int, width: int) -> dict:
         """A decode step's parameters whose tables are the cards' static buffers. exllamav3's layers read each
@@ -183,7 +206,8 @@ class GraphDecoder:
         cards = f" on {len(self._cards)} GPUs" if len(self._cards) > 1 else ""
         captured = sum(len(card.graphs) for card in self._cards)
         graph_bytes = sum(card.graphs.graph_bytes for card in self._cards)
-        return f"CUDA graphs{cards}, {captured} captured, {graph_bytes / 2**20:.0f} MiB"
+        drawn = ", sampling on the GPU" if self.draws is not None else ""
+        return f"CUDA graphs{cards}, {captured} captured, {graph_bytes / 2**20:.0f} MiB{drawn}"
 
 
 def _run_modules(modules: list, x: torch.Tensor, params: dict) -> torch.Tensor:
