@@ -69,6 +69,7 @@ class GraphDecoder:
                        for device, modules in _by_card(model.fwd_modules[host:])]
         self.installed = False
         self.gave_up = ""  # why decode went back to eager after a capture failed mid-generation, if it did
+        self.library_graphs = "inside"  # exllamav3's own per-layer graphs: inside this decoder's, or turned off
         self.draws: DeviceDraws | None = None  # where the engine samples on the device: the last graph draws too
         self.step_rows: Callable[[], list[tuple[object, Row | None]]] = list  # the engine's rows of a step
 
@@ -101,11 +102,32 @@ class GraphDecoder:
             try:
                 with torch.inference_mode():
                     return self._replay(key, input_ids, params)
-            except CaptureFailed as failure:  # this step and every later one run eagerly; the status says why
-                self.gave_up = str(failure)
+            except CaptureFailed as failure:
+                if self._library_graphs_off():
+                    return self.forward(input_ids, params)  # the same step again, over exllamav3's plain paths
+                self.gave_up = str(failure)  # this step and every later one run eagerly; the status says why
         if self.draws is not None:
             self.draws.forget_step()  # the jobs draw alone from the eager logits
         return self._eager(input_ids, params)
+
+    def _library_graphs_off(self) -> bool:
+        """Route exllamav3's EXL3 decode around its own per-layer graphs (its gated MLP's graphed batch-1 path,
+        its attention's "BC" block), whose launch inside this decoder's capture failed; whether there were any
+        to turn off. Their plain paths launch the same kinds of kernel one by one, which the capture records."""
+        from exllamav3.modules.attn import Attention
+        from exllamav3.modules.mlp import GatedMLP, MLP
+
+        turned_off = 0
+        for module in self.model:
+            if isinstance(module, (MLP, GatedMLP)) and module.bc is not None:
+                module.bc, turned_off = None, turned_off + 1
+            elif isinstance(module, Attention) and not isinstance(module.bc_attn, _Declined):
+                module.bc_attn, turned_off = _Declined(), turned_off + 1
+        if turned_off:
+            self.library_graphs = "off (they could not be launched inside a capture)"
+            for card in self._cards:
+                card.graphs.clear()
+        return bool(turned_off)
 
     def _key(self, input_ids: torch.Tensor, params: dict | None) -> tuple[int, int] | None:
         """The (batch size, block-table width) of a step that qualifies for a graph; None for one that does not."""
@@ -207,7 +229,16 @@ class GraphDecoder:
         captured = sum(len(card.graphs) for card in self._cards)
         graph_bytes = sum(card.graphs.graph_bytes for card in self._cards)
         drawn = ", sampling on the GPU" if self.draws is not None else ""
-        return f"CUDA graphs{cards}, {captured} captured, {graph_bytes / 2**20:.0f} MiB{drawn}"
+        plain = ", exllamav3's own graphs off" if self.library_graphs != "inside" else ""
+        return f"CUDA graphs{cards}, {captured} captured, {graph_bytes / 2**20:.0f} MiB{drawn}{plain}"
+
+
+class _Declined(dict):
+    """An attention module's table of its graphed decode blocks that declines every one (exllamav3 1.6.5's
+    `bc_attn_step` then takes the plain path)."""
+
+    def get(self, key, default=None):
+        return False
 
 
 def _run_modules(modules: list, x: torch.Tensor, params: dict) -> torch.Tensor:
