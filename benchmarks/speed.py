@@ -9,7 +9,9 @@ EXL2, quantized with `exlnb.quantize`. Each is driven by exlnb's engines through
 `ExLlamaV2DynamicGenerator`, exllamav3's `Generator`), and by transformers `generate` with a static cache (which
 `generate` compiles with torch.compile). Per setup: batch-1 decode ms/token at 256 and 4,096 tokens of context,
 the aggregate new tokens/s of 8 jobs, time to first token of a 2,048-token prompt. The floor of a model is its
-own weight bytes read per token over the device's copy bandwidth, measured in the same run.
+own weight bytes read per token over the device's copy bandwidth, measured in the same run. Setups compared by a
+goal are loaded together and timed in turns (a part `a+b+c@model`), so that a ratio against a peer comes from
+one process start, each side with its spread.
 
 The run is a list of parts (`PARTS`, named `runner@model`); each is saved as soon as it ends into
 `speed-<device>-<date>.json`, and a later run of the same day, device and plan resumes that file, skipping the
@@ -22,6 +24,7 @@ and why not where it was not measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -51,50 +54,60 @@ RUNNER_LIBRARY = {"kit-exllamav2": "exllamav2", "raw-exllamav2": "exllamav2", "k
                   "raw-exllamav3": "exllamav3", "profile-exllamav2": "exllamav2", "profile-exllamav3": "exllamav3",
                   "transformers": "transformers", "kit-cpu": None}
 TIMED = ("kit-exllamav2", "raw-exllamav2", "kit-exllamav3", "raw-exllamav3", "transformers")
-PARTS = (  # the goals' parts first (7B-shaped fp16, then EXL3), so that a short lease measures them
-    ["bandwidth", "floor@7b-fp16"] + [f"{runner}@7b-fp16" for runner in TIMED]
-    + ["quantize@7b-exl3", "floor@7b-exl3", "kit-exllamav3@7b-exl3", "raw-exllamav3@7b-exl3"]
-    + ["floor@bundled", "kit-cpu@bundled"] + [f"{runner}@bundled" for runner in TIMED]
-    + ["quantize@7b-exl2", "floor@7b-exl2", "kit-exllamav2@7b-exl2", "raw-exllamav2@7b-exl2"]
+PARTS = (  # the goals' parts first (7B-shaped fp16, then EXL3), so that a short lease measures them; setups a goal
+    # compares are one part, timed in turns
+    ["bandwidth", "floor@7b-fp16", "kit-exllamav2+kit-exllamav3+transformers@7b-fp16",
+     "raw-exllamav2+raw-exllamav3@7b-fp16"]
+    + ["quantize@7b-exl3", "floor@7b-exl3", "kit-exllamav3+raw-exllamav3@7b-exl3"]
+    + ["floor@bundled", "kit-cpu@bundled", "kit-exllamav2+kit-exllamav3+transformers@bundled",
+       "raw-exllamav2+raw-exllamav3@bundled"]
+    + ["quantize@7b-exl2", "floor@7b-exl2", "kit-exllamav2+raw-exllamav2@7b-exl2"]
 )
 PROFILE_PARTS = ("profile-exllamav2@7b-fp16", "profile-exllamav3@7b-fp16", "profile-exllamav3@7b-exl3")
 
 
 @dataclass(frozen=True)
 class Goal:
-    """One goal of issue 33: numerator / denominator, each a (part, metric) of the record; the name ends with
-    `at_most_X` or `at_least_X`, and that is the threshold (said once, in the name)."""
+    """One goal of issue 42: numerator / denominator, each a (part, metric) of the record (no denominator: the
+    numerator alone, a ratio already); the name ends with `at_most_X` or `at_least_X`, then an optional engine
+    suffix (`_v2`, `_v3`), and X is the threshold (said once, in the name)."""
 
     name: str
     numerator: tuple[str, str]
-    denominator: tuple[str, str]
+    denominator: tuple[str, str] | None = None
 
     @property
     def threshold(self) -> float:
-        return float(self.name.rsplit("_", 1)[1])
+        return float(self.name.removesuffix("_v2").removesuffix("_v3").rsplit("_", 1)[1])
 
     @property
     def at_most(self) -> bool:
         return "_at_most_" in self.name
 
+    def sides(self) -> tuple[tuple[str, str], ...]:
+        return (self.numerator,) if self.denominator is None else (self.numerator, self.denominator)
+
     def how(self) -> str:
-        (a, x), (b, y) = self.numerator, self.denominator
-        return f"{a} {x} / {b} {y}, {'<=' if self.at_most else '>='} {self.threshold:g}"
+        a, x = self.numerator
+        ratio = f"{a} {x}" if self.denominator is None else f"{a} {x} / {self.denominator[0]} {self.denominator[1]}"
+        return f"{ratio}, {'<=' if self.at_most else '>='} {self.threshold:g}"
 
 
-V2, V3, HF = "kit-exllamav2@7b-fp16", "kit-exllamav3", "transformers@7b-fp16"
+V2, V3, HF = "kit-exllamav2@7b-fp16", "kit-exllamav3@7b-fp16", "transformers@7b-fp16"
+FLOOR = ("floor@7b-fp16", "ms_per_token")
 MS, TOKENS_S = "ms_per_token_256", "tokens_per_s_256"
 GOALS = (
-    Goal("v2_fp16_7b_batch1_over_floor_at_most_1.3", (V2, MS), ("floor@7b-fp16", "ms_per_token")),
-    Goal("v3_exl3_7b_batch1_over_floor_at_most_1.5", (f"{V3}@7b-exl3", MS), ("floor@7b-exl3", "ms_per_token")),
-    Goal("v3_fp16_7b_batch1_over_floor_at_most_1.5", (f"{V3}@7b-fp16", MS), ("floor@7b-fp16", "ms_per_token")),
-    Goal("kit_over_raw_exllamav2_batch1_at_least_0.97", (V2, TOKENS_S), ("raw-exllamav2@7b-fp16", TOKENS_S)),
-    Goal("kit_over_raw_exllamav3_batch1_at_least_0.97", (f"{V3}@7b-exl3", TOKENS_S),
+    Goal("v3_fp16_7b_batch1_over_floor_at_most_1.5", (V3, MS), FLOOR),
+    Goal("v2_fp16_7b_batch1_over_floor_at_most_1.3", (V2, MS), FLOOR),
+    Goal("v3_exl3_7b_kit_over_raw_exllamav3_batch1_at_least_1.15", ("kit-exllamav3@7b-exl3", TOKENS_S),
          ("raw-exllamav3@7b-exl3", TOKENS_S)),
+    Goal("over_transformers_compiled_7b_batch1_at_least_1.2_v2", (V2, TOKENS_S), (HF, TOKENS_S)),
+    Goal("over_transformers_compiled_7b_batch1_at_least_1.2_v3", (V3, TOKENS_S), (HF, TOKENS_S)),
+    Goal("over_transformers_compiled_7b_batch8_at_least_1.2_v2", (V2, BATCHED), (HF, BATCHED)),
+    Goal("over_transformers_compiled_7b_batch8_at_least_1.2_v3", (V3, BATCHED), (HF, BATCHED)),
+    Goal("v3_fp16_7b_repeat_spread_at_most_1.1", (V3, f"{MS}_spread")),
     Goal("context_4096_over_256_per_token_at_most_1.15", (V2, "ms_per_token_4096"), (V2, MS)),
     Goal("batch8_aggregate_over_batch1_at_least_5", (V2, BATCHED), (V2, TOKENS_S)),
-    Goal("over_transformers_compiled_7b_batch1_at_least_1.2", (V2, TOKENS_S), (HF, TOKENS_S)),
-    Goal("over_transformers_compiled_7b_batch8_at_least_1.2", (V2, BATCHED), (HF, BATCHED)),
 )
 
 
@@ -104,12 +117,20 @@ def plan(quick: bool) -> dict:
     return {"contexts": list(CONTEXTS), "ttft_prompt": TTFT_PROMPT, "new_tokens": 128, "warmup": 2, "repeats": 5}
 
 
+def against_a_peer(goal: Goal) -> str | None:
+    """The other setup a goal compares with (its denominator's runner), if it is one: not a floor, not itself."""
+    if goal.denominator is None:
+        return None
+    runner, other = goal.numerator[0].partition("@")[0], goal.denominator[0].partition("@")[0]
+    return None if other in (runner, "floor") else other
+
+
 def goals(parts: dict) -> dict:
     """Each goal's ratio and whether it was met; where a side was not measured, why (that part's own reason)."""
     out = {}
     for goal in GOALS:
         values, why = [], []
-        for part, metric in (goal.numerator, goal.denominator):
+        for part, metric in goal.sides():
             record = parts.get(part, {})
             if metric in record.get("metrics", {}):
                 values.append(record["metrics"][metric])
@@ -120,18 +141,29 @@ def goals(parts: dict) -> dict:
         if why:
             out[goal.name] = {"ratio": None, "met": False, "why": "; ".join(dict.fromkeys(why))}
             continue
-        ratio = values[0] / values[1]
-        calls = sorted({parts[p]["call"] for p, _ in (goal.numerator, goal.denominator)})
-        out[goal.name] = {"ratio": ratio, "met": ratio <= goal.threshold if goal.at_most else ratio >= goal.threshold,
-                          "calls": calls}
+        ratio = values[0] / values[1] if len(values) == 2 else values[0]
+        result = out[goal.name] = {"ratio": ratio,
+                                   "met": ratio <= goal.threshold if goal.at_most else ratio >= goal.threshold,
+                                   "calls": sorted({parts[p]["call"] for p, _ in goal.sides()})}
+        if (peer := against_a_peer(goal)) is not None:  # a ratio against another setup counts only timed in turns
+            result["timed_in_turns"] = peer in parts[goal.numerator[0]].get("timed_with", ())
+            if not result["timed_in_turns"]:
+                result |= {"met": False, "why": f"{goal.numerator[0]} and {goal.denominator[0]} were not timed in turns"}
     return out
 
 
 # -- what can run here ------------------------------------------------------------------------------------------
 
+def runners(part: str) -> list[str]:
+    """The setups a part times: one, or several in turns (`a+b@model`)."""
+    return part.partition("@")[0].split("+")
+
+
 def cannot_run(part: str, layers: int = LAYERS) -> str | None:
-    """Why a part cannot run on this machine, in a line; None where it can."""
+    """Why a part cannot run on this machine, in a line; None where it can (every setup of a part in turns)."""
     runner, _, model = part.partition("@")
+    if "+" in runner:
+        return next((why for r in runners(part) if (why := cannot_run(f"{r}@{model}", layers))), None)
     if runner == "kit-cpu":
         return "the CPU engine is timed where there is no CUDA" if torch.cuda.is_available() else None
     if runner == "bandwidth" or (runner == "floor" and model == "bundled"):
@@ -155,12 +187,17 @@ def select(only: str | None, profile: bool) -> list[str]:
         return PARTS + (list(PROFILE_PARTS) if profile else [])
     every = PARTS + list(PROFILE_PARTS)
     wanted = set(only.split(","))
-    if unknown := wanted - {name for part in every for name in (part, *part.split("@"))}:
+    def names(part: str) -> set[str]:
+        model = part.partition("@")[2]
+        return {part, model, *runners(part), *(f"{r}@{model}" for r in runners(part))}
+
+    if unknown := wanted - {name for part in every for name in names(part)}:
         raise ValueError(f"--only {','.join(sorted(unknown))}: not a part, runner or model; parts: {', '.join(every)}")
 
     def named(part: str) -> bool:
         runner, _, model = part.partition("@")
-        return bool({part, runner} & wanted) or (model in wanted and (profile or not runner.startswith("profile-")))
+        members = {f"{r}@{model}" for r in runners(part)} | set(runners(part))
+        return bool(({part} | members) & wanted) or (model in wanted and (profile or not runner.startswith("profile-")))
 
     chosen = [part for part in every if named(part)]
     if any(part.startswith("floor@") for part in chosen) and "bandwidth" not in chosen:
@@ -241,8 +278,10 @@ def expected_s(part: str, record: dict) -> float:
     if "elapsed_s" in earlier and "error" not in earlier:
         return earlier["elapsed_s"]
     if part.endswith("@bundled") or part == "bandwidth":
-        return 60
-    return {"transformers": 300, "floor": 150}.get(part.partition("@")[0], 180)  # floor@7b-fp16 writes the model
+        return 60 * len(runners(part))
+    if part.startswith("floor@"):
+        return 150  # floor@7b-fp16 writes the model
+    return sum(300 if r == "transformers" else 180 for r in runners(part))
 
 
 def run_part(part: str, record: dict, p: dict, layers: int, deadline: float) -> dict:
@@ -262,12 +301,14 @@ def run_part(part: str, record: dict, p: dict, layers: int, deadline: float) -> 
                             "ms_per_token": 1000 * weights / bandwidth}}
     if runner.startswith("profile-"):
         return profile(runner, folder)
-    contexts = p["contexts"][:1] if runner == "transformers" else p["contexts"]  # each length compiles anew
+    # transformers compiles anew for each length: it is timed at the shortest context alone
+    contexts = {r: p["contexts"][:1] if r == "transformers" else p["contexts"] for r in runners(part)}
     try:
-        with setup(runner, folder) as timed:
-            return measure(timed, p, contexts)
+        with contextlib.ExitStack() as stack:
+            timed = {r: stack.enter_context(setup(r, folder)) for r in runners(part)}
+            return {"setups": measure(timed, p, contexts)}
     finally:
-        free_memory()  # the next part loads its own model into this process
+        free_memory()  # the next part loads its own models into this process
 
 
 # -- the record -------------------------------------------------------------------------------------------------
@@ -345,8 +386,10 @@ def main(argv: list[str] | None = None) -> Path:
     env = environment()
     path, record = open_record(args.out, env, plan(args.quick), args.layers, args.fresh)
     for part, why in reasons.items():  # what this machine cannot run is said for every part, asked or not
-        if why and "metrics" not in record["parts"].get(part, {}):
-            record["parts"][part] = {"why": why, "cannot_run": True}
+        model = part.partition("@")[2]
+        for name in dict.fromkeys([part, *(f"{r}@{model}" for r in runners(part))]):  # and for its setups
+            if why and "metrics" not in record["parts"].get(name, {}):
+                record["parts"][name] = {"why": why, "cannot_run": True}
     record["parts_asked"] = list(dict.fromkeys(record.get("parts_asked", []) + PARTS + parts))  # --profile's too
     run_call(path, record, [part for part in parts if not reasons[part]], env, args)
     png = figure(path, record)
@@ -376,7 +419,15 @@ def run_call(path: Path, record: dict, parts: list[str], env: dict, args: argpar
         save(path, record)
         begin = time.perf_counter()
         result = _or_its_error(lambda: run_part(part, record, record["plan"], args.layers, started + args.budget_s))
-        record["parts"][part] = result | {"call": call, "elapsed_s": time.perf_counter() - begin}
+        stamp = {"call": call, "elapsed_s": time.perf_counter() - begin}
+        setups = result.pop("setups", {})
+        record["parts"][part] = result | stamp | ({"metrics": {"setups_timed": len(setups)}} if setups else {})
+        model = part.partition("@")[2]
+        if "error" in result and len(runners(part)) > 1:  # each setup says why it has no numbers
+            setups = {r: {"why": f"{part} failed: {result['error']}"} for r in runners(part)}
+        for runner, measured in setups.items():  # each setup's record, as a goal reads it
+            record["parts"][f"{runner}@{model}"] = measured | stamp | {
+                "timed_with": [other for other in setups if other != runner]}
         done.append(part)
         save(path, record)
     save(path, record)

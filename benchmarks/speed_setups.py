@@ -120,30 +120,46 @@ def hf_static_generate(model, prompts: list[list[int]], new_tokens: int) -> tupl
     return decode.Run(len(prompts[0]), steps[0] - start, rate), len(prompts) * new_tokens / seconds
 
 
-def measure(timed: Timed, p: dict, contexts: list[int]) -> dict:
-    """Warm-ups then repeats of each measurement, each on fresh random prompts (nothing served from cache).
-    A context of C tokens decodes from C - new_tokens to C; the 8 jobs decode at the shortest context."""
+def measure(timed: dict[str, Timed], p: dict, contexts: dict[str, list[int]]) -> dict[str, dict]:
+    """Warm-ups then repeats of each measurement, the setups in turns: every round gives each setup the same
+    fresh random prompt (nothing is served from a cache), in an order that reverses from round to round, so that
+    whatever else the machine does slows them alike. A context of C tokens decodes from C - new_tokens to C; the 8
+    jobs decode at the shortest context. Per setup: medians, each sample with its spread, and for each context
+    the slowest repeat over the fastest."""
+    n, rounds = p["new_tokens"], p["warmup"] + p["repeats"]
+
+    def ms_per_token(context: int) -> Callable[[Timed, int], float]:
+        return lambda t, seed: 1000 / t.generate(decode.random_prompt(context - n, seed), n).decode_tokens_per_s
+
+    def batched(t: Timed, seed: int) -> float:
+        shortest = min(c for cs in contexts.values() for c in cs)
+        return t.together([decode.random_prompt(shortest - n, 1000 * seed + i) for i in range(BATCH)], n)
+
+    def ttft_ms(t: Timed, seed: int) -> float:
+        return 1000 * t.generate(decode.random_prompt(p["ttft_prompt"], seed), 1).ttft_s
+
+    measurements = [(f"ms_per_token_{c}", ms_per_token(c), [r for r in timed if c in contexts[r]])
+                    for c in sorted({c for cs in contexts.values() for c in cs})]
+    measurements += [(BATCHED, batched, list(timed)), (f"ttft_{p['ttft_prompt']}_ms", ttft_ms, list(timed))]
+    samples: dict[str, dict[str, list[float]]] = {runner: {} for runner in timed}
     seeds = iter(range(1, 10**6))
-    n = p["new_tokens"]
+    for name, sample, runners in measurements:
+        for round_ in range(rounds):
+            seed = next(seeds)
+            for runner in runners if round_ % 2 == 0 else runners[::-1]:
+                samples[runner].setdefault(name, []).append(sample(timed[runner], seed))
+    return {runner: _summary(runs, p["warmup"], timed[runner].status) for runner, runs in samples.items()}
 
-    def repeated(sample: Callable[[int], float]) -> list[float]:
-        return [sample(next(seeds)) for _ in range(p["warmup"] + p["repeats"])][p["warmup"]:]
 
-    def ms_per_token(context: int) -> Callable[[int], float]:
-        return lambda seed: 1000 / timed.generate(decode.random_prompt(context - n, seed), n).decode_tokens_per_s
-
-    def batched(seed: int) -> float:
-        return timed.together([decode.random_prompt(contexts[0] - n, 1000 * seed + i) for i in range(BATCH)], n)
-
-    def ttft_ms(seed: int) -> float:
-        return 1000 * timed.generate(decode.random_prompt(p["ttft_prompt"], seed), 1).ttft_s
-
-    samples = {f"ms_per_token_{c}": repeated(ms_per_token(c)) for c in contexts}
-    samples |= {BATCHED: repeated(batched), f"ttft_{p['ttft_prompt']}_ms": repeated(ttft_ms)}
-    metrics = {name: statistics.median(values) for name, values in samples.items()}
-    metrics |= {f"tokens_per_s_{c}": 1000 / metrics[f"ms_per_token_{c}"] for c in contexts}
-    return {"metrics": metrics, "samples": {name: summarise(values) for name, values in samples.items()},
-            "status": timed.status}
+def _summary(runs: dict[str, list[float]], warmup: int, status: str) -> dict:
+    kept = {name: values[warmup:] for name, values in runs.items()}
+    metrics = {name: statistics.median(values) for name, values in kept.items()}
+    for name in [m for m in metrics if m.startswith("ms_per_token_")]:
+        context = name.removeprefix("ms_per_token_")
+        metrics[f"tokens_per_s_{context}"] = 1000 / metrics[name]
+        metrics[f"{name}_spread"] = max(kept[name]) / min(kept[name])  # the slowest repeat over the fastest
+    return {"metrics": metrics, "samples": {name: summarise(values) for name, values in kept.items()},
+            "status": status}
 
 
 # -- the kernels of one token (--profile) ---------------------------------------------------------------------

@@ -14,12 +14,13 @@ from safetensors.torch import save_file
 import exlnb
 from benchmarks import speed, speed_setups
 
-ISSUE_GOALS = {  # issue 33's names, which the table must keep
-    "v2_fp16_7b_batch1_over_floor_at_most_1.3", "v3_exl3_7b_batch1_over_floor_at_most_1.5",
-    "v3_fp16_7b_batch1_over_floor_at_most_1.5", "kit_over_raw_exllamav2_batch1_at_least_0.97",
-    "kit_over_raw_exllamav3_batch1_at_least_0.97", "context_4096_over_256_per_token_at_most_1.15",
-    "batch8_aggregate_over_batch1_at_least_5", "over_transformers_compiled_7b_batch1_at_least_1.2",
-    "over_transformers_compiled_7b_batch8_at_least_1.2",
+ISSUE_GOALS = {  # issue 42's names, which the table must keep
+    "v3_fp16_7b_batch1_over_floor_at_most_1.5", "v2_fp16_7b_batch1_over_floor_at_most_1.3",
+    "v3_exl3_7b_kit_over_raw_exllamav3_batch1_at_least_1.15",
+    "over_transformers_compiled_7b_batch1_at_least_1.2_v2", "over_transformers_compiled_7b_batch1_at_least_1.2_v3",
+    "over_transformers_compiled_7b_batch8_at_least_1.2_v2", "over_transformers_compiled_7b_batch8_at_least_1.2_v3",
+    "v3_fp16_7b_repeat_spread_at_most_1.1", "context_4096_over_256_per_token_at_most_1.15",
+    "batch8_aggregate_over_batch1_at_least_5",
 }
 
 
@@ -65,7 +66,7 @@ def test_a_gpu_only_part_refuses_in_one_line_without_cuda(tmp_path, capsys):
         speed.main(["--only", "kit-exllamav2@7b-fp16", "--out", str(tmp_path)])
     assert exit.value.code == 2
     message = capsys.readouterr().err
-    assert message.count("\n") == 1 and "kit-exllamav2@7b-fp16: no CUDA here" in message
+    assert message.count("\n") == 1 and "kit-exllamav2+kit-exllamav3+transformers@7b-fp16: no CUDA here" in message
     assert not list(tmp_path.iterdir()), "nothing written by a run that refused"
 
 
@@ -73,16 +74,33 @@ def test_goals_table_names_each_goal_once_and_its_threshold_is_its_name():
     assert {goal.name for goal in speed.GOALS} == ISSUE_GOALS and len(speed.GOALS) == len(ISSUE_GOALS)
 
     for goal in speed.GOALS:  # each goal on parts whose ratio sits on its threshold, just above and just below
-        (top, x), (bottom, y) = goal.numerator, goal.denominator
+        (top, x) = goal.numerator
+        peer = speed.against_a_peer(goal)
         for factor, met in ((1.0, True), (1.01, not goal.at_most), (0.99, goal.at_most)):
-            parts = {bottom: {"metrics": {y: 10.0}, "call": 0}}
-            parts.setdefault(top, {"metrics": {}, "call": 0})["metrics"][x] = 10.0 * goal.threshold * factor
+            parts = {top: {"metrics": {}, "call": 0, "timed_with": [peer] if peer else []}}
+            scale = 1.0
+            if goal.denominator is not None:
+                bottom, y = goal.denominator
+                parts.setdefault(bottom, {"metrics": {}, "call": 0})["metrics"][y] = scale = 10.0
+            parts[top]["metrics"][x] = scale * goal.threshold * factor
             result = speed.goals(parts)[goal.name]
             assert result["ratio"] == pytest.approx(goal.threshold * factor) and result["met"] is met, (goal.name, factor)
 
     missing = speed.goals({"floor@7b-fp16": {"why": "no CUDA here"}})["v2_fp16_7b_batch1_over_floor_at_most_1.3"]
     assert missing == {"ratio": None, "met": False,
                        "why": "kit-exllamav2@7b-fp16: not run yet; floor@7b-fp16: no CUDA here"}
+
+
+def test_a_ratio_against_a_peer_counts_only_where_the_two_were_timed_in_turns():
+    goal = "over_transformers_compiled_7b_batch1_at_least_1.2_v3"
+    parts = {"kit-exllamav3@7b-fp16": {"metrics": {"tokens_per_s_256": 300.0}, "call": 0, "timed_with": []},
+             "transformers@7b-fp16": {"metrics": {"tokens_per_s_256": 100.0}, "call": 1}}
+    apart = speed.goals(parts)[goal]
+    parts["kit-exllamav3@7b-fp16"]["timed_with"] = ["kit-exllamav2", "transformers"]
+    together = speed.goals(parts)[goal]
+    assert apart["ratio"] == together["ratio"] == 3.0
+    assert (apart["met"], apart["timed_in_turns"]) == (False, False) and "were not timed in turns" in apart["why"]
+    assert (together["met"], together["timed_in_turns"]) == (True, True)
 
 
 def test_kernels_are_grouped_by_kind_by_their_names():
@@ -124,10 +142,13 @@ def test_the_floor_reads_each_weight_once_and_no_embedding_beside_an_output_head
 
 def test_only_accepts_parts_runners_and_models_and_names_the_choices_when_wrong():
     assert speed.select("7b-exl3", profile=False) == [
-        "bandwidth", "quantize@7b-exl3", "floor@7b-exl3", "kit-exllamav3@7b-exl3", "raw-exllamav3@7b-exl3"]
+        "bandwidth", "quantize@7b-exl3", "floor@7b-exl3", "kit-exllamav3+raw-exllamav3@7b-exl3"]
     assert speed.select("7b-exl3", profile=True)[-1] == "profile-exllamav3@7b-exl3"
     assert speed.select("profile-exllamav3", profile=False) == ["profile-exllamav3@7b-fp16", "profile-exllamav3@7b-exl3"]
-    assert speed.select("transformers", profile=False) == ["transformers@7b-fp16", "transformers@bundled"]
+    # a setup timed in turns with others is run as the part it is in
+    assert speed.select("transformers", profile=False) == [
+        "kit-exllamav2+kit-exllamav3+transformers@7b-fp16", "kit-exllamav2+kit-exllamav3+transformers@bundled"]
+    assert speed.select("raw-exllamav3@7b-exl3", profile=False) == ["kit-exllamav3+raw-exllamav3@7b-exl3"]
     with pytest.raises(ValueError, match="--only 7b-gguf: not a part, runner or model; parts: bandwidth, "):
         speed.select("7b-gguf", profile=False)
 
