@@ -45,13 +45,16 @@ def greedy(session, tokens: int = 48) -> list[int]:
     return list(result.token_ids)
 
 
-def test_a_layer_split_gives_one_cards_greedy_tokens(seven_b, shell):
+@pytest.mark.parametrize("engine", ["exllamav2", "exllamav3"])
+def test_a_layer_split_decodes_from_a_graph_per_card_and_gives_one_cards_greedy_tokens(seven_b, shell, engine):
+    pytest.importorskip(engine)
     session = get_session()
-    shell.run_line_magic("exl_load", f"{seven_b} --engine exllamav2 --graphs off")
+    shell.run_line_magic("exl_load", f"{seven_b} --engine {engine} --graphs off")
     one_card = greedy(session)
-    shell.run_line_magic("exl_load", f"{seven_b} --engine exllamav2 --gpu-split 7,{CARD_GIB}")
-    line = session.status().line()
-    assert "cuda:0" in line and "cuda:1" in line, line
+    shell.run_line_magic("exl_load", f"{seven_b} --engine {engine} --gpu-split 7,{CARD_GIB}")
+    status = session.status()
+    assert "cuda:0" in status.line() and "cuda:1" in status.line(), status.line()
+    assert status.decode.startswith("CUDA graphs on 2 GPUs"), (status.decode, status.notes)
     assert greedy(session) == one_card
 
 

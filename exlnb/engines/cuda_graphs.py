@@ -36,6 +36,19 @@ def replay_differs(batch: int, eager: torch.Tensor, replayed: torch.Tensor) -> s
     return None
 
 
+def by_card(modules: list, card_of: Callable[[object], torch.device]) -> list[tuple[torch.device, list]]:
+    """Consecutive modules grouped by the card they run on, in order: a layer split's segments, each replayed as
+    one graph, the hidden state copied from card to card in between as the library's own split copies it."""
+    runs: list[tuple[torch.device, list]] = []
+    for module in modules:
+        card = card_of(module)
+        if runs and runs[-1][0] == card:
+            runs[-1][1].append(module)
+        else:
+            runs.append((card, [module]))
+    return runs
+
+
 def buckets(limit: int) -> tuple[int, ...]:
     """Powers of two below `limit`, then `limit` itself: every size up to `limit` pads to at most twice itself."""
     sizes = [1 << k for k in range(max(limit, 1).bit_length()) if 1 << k < limit]

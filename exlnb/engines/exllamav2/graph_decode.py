@@ -9,10 +9,12 @@ the GPU modules (decoder layers, final norm, head) chained by hand as `forward_c
 
 How the dynamic generator's decode steps become replays: `install()` puts `GraphDecoder.forward_chunk` in
 front of the model's own. A step qualifies when it is paged (exlnb's paged attention), one token per
-sequence, an fp16 cache, no LoRA, no indexed embeddings, no per-job RoPE offsets, all GPU modules on one
-device; anything else (prefill, the streaming generator's unpaged passes, a q4 cache) runs the model's own
-method unchanged. The step's inputs are copied into static buffers (hidden states after the CPU-side
-embedding, cache lengths, block table); a graph is captured on first use per batch size and per block-table
+sequence, an fp16 cache, no LoRA, no indexed embeddings, no per-job RoPE offsets, no tensor parallelism;
+anything else (prefill, the streaming generator's unpaged passes, a q4 cache) runs the model's own method
+unchanged. The step's inputs are copied into static buffers on each card (hidden states after the CPU-side
+embedding, cache lengths, block table); each card's consecutive modules replay as one graph (a layer split had
+run eagerly, 61 against 123 tokens/s on one card), the hidden state copied from card to card in between; a
+graph is captured on first use per batch size and per block-table
 width bucket (1, 2, 4, ... pages; a column past a sequence's length is masked out, so padding the width
 changes no value). The batch is not padded: on the GPU a GEMM of 8 rows rounds differently from one of 5, and
 padded batches flipped greedy tokens against eager decode on a 7B-shaped model (near-ties are common with
@@ -25,10 +27,11 @@ Measured on an H100 (benchmarks/README.md): the bundled model decodes 4.2x to 7.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, bucket_for, buckets, replay_differs
+from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, bucket_for, buckets, by_card, replay_differs
 from exlnb.engines.device_sampling import DeviceDraws, Row
 from exlnb.engines.exllamav2 import paged_attention
 
@@ -42,22 +45,26 @@ class GraphDecoder:
         self.model, self.cache, self.page_size = model, cache, page_size
         self._eager = model.forward_chunk  # the model's own bound method
         first_gpu = next(i for i, m in enumerate(model.modules) if _on_gpu(m))
-        self._host_modules, self._device_modules = model.modules[:first_gpu], model.modules[first_gpu:]
-        self.device = torch.device("cuda", self._device_modules[0].device_idx)
+        self._host_modules = model.modules[:first_gpu]
         self.max_batch_size, self.page_buckets = max_batch_size, buckets(max_pages)
         rows, width = max_batch_size, self.page_buckets[-1]
-        self._hidden: torch.Tensor | None = None  # (rows, 1, hidden) in the embedding's dtype, made at first use
-        self._seqlens = torch.zeros((rows,), dtype=torch.int32, device=self.device)
-        self._block_table = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
-        self._graphs = StepGraphs(self.device)
+        self._cards = [_Card(device, modules, StepGraphs(device),
+                             torch.zeros((rows, width), dtype=torch.int32, device=device),
+                             torch.zeros((rows,), dtype=torch.int32, device=device))
+                       for device, modules in by_card(model.modules[first_gpu:], _card_of)]
         self.installed = False
         self.gave_up = ""  # why decode went back to eager after a capture failed mid-generation, if it did
-        self.draws: DeviceDraws | None = None  # where the engine samples on the device: the graph draws too
+        self.draws: DeviceDraws | None = None  # where the engine samples on the device: the last graph draws too
         self.step_rows: Callable[[], list[tuple[object, Row | None]]] = list  # the engine's rows of a step
 
     @property
     def replays(self) -> int:
-        return self._graphs.replays
+        return self._cards[-1].graphs.replays
+
+    @property
+    def device(self) -> torch.device:
+        """Where the logits come out: the last card."""
+        return self._cards[-1].device
 
     # -- in front of the model's own forward_chunk ---------------------------------------------------------
 
@@ -69,7 +76,8 @@ class GraphDecoder:
         if self.installed:
             del self.model.forward_chunk
             self.installed = False
-        self._graphs.clear()
+        for card in self._cards:
+            card.graphs.clear()
 
     def forward_chunk(self, input_ids: torch.Tensor, cache=None, *args, attn_params=None, **kwargs):
         """The model's `forward_chunk`: a replay where the step qualifies, the model's own method otherwise."""
@@ -105,32 +113,59 @@ class GraphDecoder:
             x = module.forward(x, cache=self.cache, attn_params=attn_params, past_len=0, loras=kwargs.get("loras"),
                                indexed_embeddings=kwargs.get("indexed_embeddings"))
         set_device_streams()  # as forward_chunk does: the generator reads the logits on exllamav2's stream
-        self._stage(key, x, attn_params.cache_seqlens, attn_params.block_index)
-        drawn = self.draws is not None and self.draws.stage(self.step_rows(), key[0])
-        # the graph must record the attention layout's kernels, not reuse the warm-up's
-        out = self._graphs.replay((*key, drawn), lambda: self._step(*key, drawn),
-                                  shape=f"batch {key[0]} over {key[1]} pages", around_capture=paged_attention.forget_layout)
+        rows, width = key
+        drawn = self.draws is not None and self.draws.stage(self.step_rows(), rows)
+        for card in self._cards:
+            self._stage(card, key, x, attn_params.cache_seqlens, attn_params.block_index)
+            draws_here = drawn and card is self._cards[-1]
+            # the graph must record the attention layout's kernels, not reuse the warm-up's
+            x = card.graphs.replay((rows, width, draws_here),
+                                   lambda card=card, draws_here=draws_here: self._step(card, rows, width, draws_here),
+                                   shape=f"batch {rows} over {width} pages on {card.device}",
+                                   around_capture=paged_attention.forget_layout)
         self.cache.current_seq_len += 1
         if drawn:
-            out, tokens = out
+            x, tokens = x
             self.draws.remember(tokens)
-        return out[: input_ids.shape[0]]
+        return x[: input_ids.shape[0]]
+
+    def _stage(self, card: _Card, key: tuple[int, int], hidden: torch.Tensor, seqlens: torch.Tensor,
+               block_index: torch.Tensor) -> None:
+        """Copy one step's inputs into a card's static buffers, the block table padded to the width bucket with
+        each row's first page (a column past a sequence's length is masked out by the attention)."""
+        from exllamav2.compat import safe_move_tensor  # card to card, through the host where peer copies are unsafe
+
+        n, width = key
+        w = block_index.shape[1]
+        if card.hidden is None:
+            card.hidden = torch.zeros((self.max_batch_size, 1, hidden.shape[-1]), dtype=hidden.dtype, device=card.device)
+        card.hidden[:n].copy_(safe_move_tensor(hidden, card.device) if hidden.is_cuda else hidden, non_blocking=True)
+        card.seqlens[:n].copy_(seqlens, non_blocking=True)
+        card.block_table[:n, :w].copy_(block_index, non_blocking=True)
+        if w < width:
+            card.block_table[:n, w:width].copy_(card.block_table[:n, :1].expand(n, width - w))
 
     # -- what a graph replays -------------------------------------------------------------------------
 
-    def _step(self, rows: int, width: int, draws: bool):
-        """The GPU modules at one shape, over the static buffers; with `draws`, the device sampler's draws too."""
-        params = self._static_params(rows, width)
+    def _step(self, card: _Card, rows: int, width: int, draws: bool):
+        """A card's modules at one shape, over its static buffers; with `draws`, the device sampler's draws too."""
+        params = self._static_params(card, rows, width)
 
         def run():
-            logits = self._run_device_modules(rows, params)
+            # modules add into their input in place: the graph works on a copy of the staged input
+            x = card.hidden[:rows].clone()
+            for module in card.modules:
+                x = module.forward(x, cache=self.cache, attn_params=params, past_len=0)
+            if card is not self._cards[-1]:
+                return x
+            logits = self._finish_logits(x)
             return (logits, self.draws.batch.sample(logits)) if draws else logits
 
         return run
 
-    def _static_params(self, rows: int, width: int):
-        """Paged parameters over the static buffers. exllamav2 builds them on the CPU and copies them per
-        layer call; here they already live on the device, so nothing is copied inside the graph."""
+    def _static_params(self, card: _Card, rows: int, width: int):
+        """Paged parameters over a card's static buffers. exllamav2 builds them on the CPU and copies them per
+        layer call; here they already live on the card, so nothing is copied inside the graph."""
         from exllamav2.attn import ExLlamaV2Attention
 
         params = ExLlamaV2Attention.PagedParams(
@@ -144,21 +179,18 @@ class GraphDecoder:
         # batch 1 would write through a host-side offset (`first_index`) baked in at capture; the general path
         # reads the positions from the device
         params.is_sequential = False
-        params.block_index = self._block_table[:rows, :width]
-        params.cache_seqlens = self._seqlens[:rows]
+        params.block_index = card.block_table[:rows, :width]
+        params.cache_seqlens = card.seqlens[:rows]
         return params
 
-    def _run_device_modules(self, rows: int, params) -> torch.Tensor:
-        """The GPU half of `forward_chunk` at q_len 1: the modules, then its logit softcap and head padding."""
-        x = self._hidden[:rows].clone()  # modules add into their input in place: keep the staged input as it was
-        for module in self._device_modules:
-            x = module.forward(x, cache=self.cache, attn_params=params, past_len=0)
+    def _finish_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The end of `forward_chunk` at q_len 1: its logit softcap and head padding."""
         config = self.model.config
         if config.final_logit_softcapping:
             from exllamav2.ext import exllamav2_ext as ext_c
 
             ext_c.softcap_(x, config.final_logit_softcapping)
-        padding = self._device_modules[-1].padding
+        padding = self._cards[-1].modules[-1].padding
         if padding > 0:
             x[:, :, -padding:] = -65504.0
         return x
@@ -197,8 +229,11 @@ class GraphDecoder:
     def describe(self) -> str:
         if self.gave_up:
             return f"eager since {self.gave_up}"
+        cards = f" on {len(self._cards)} GPUs" if len(self._cards) > 1 else ""
+        captured = sum(len(card.graphs) for card in self._cards)
+        graph_bytes = sum(card.graphs.graph_bytes for card in self._cards)
         drawn = ", sampling on the GPU" if self.draws is not None else ""
-        return f"CUDA graphs, {self._graphs.describe()}{drawn}"
+        return f"CUDA graphs{cards}, {captured} captured, {graph_bytes / 2**20:.0f} MiB{drawn}"
 
 
 # forward_chunk's arguments a replay can take (the dynamic generator passes these), and those that need eager
@@ -210,6 +245,22 @@ def _on_gpu(module) -> bool:
     return module.device_idx is not None and module.device_idx >= 0
 
 
+def _card_of(module) -> torch.device:
+    return torch.device("cuda", module.device_idx)
+
+
+@dataclass
+class _Card:
+    """One card's run of consecutive modules, replayed as one graph, with its copy of the step's inputs."""
+
+    device: torch.device
+    modules: list
+    graphs: StepGraphs
+    block_table: torch.Tensor  # (max batch, widest bucket) int32
+    seqlens: torch.Tensor  # (max batch,) int32
+    hidden: torch.Tensor | None = None  # the card's input, (max batch, 1, hidden), made at first use
+
+
 def cannot_graph(engine) -> str | None:
     """Why an ExLlamaV2 engine's decode cannot run from graphs, in a line; None where it can try."""
     if not engine.paged:
@@ -218,7 +269,6 @@ def cannot_graph(engine) -> str | None:
         return f"attention is {engine.attention}: graphs are verified over exlnb's paged attention only"
     if engine.options.cache_dtype != "fp16":
         return f"a {engine.options.cache_dtype} cache is dequantised per step to a length read on the host"
-    devices = {m.device_idx for m in engine.model.modules if _on_gpu(m)}
-    if len(devices) != 1 or engine.model.tp_context is not None:
-        return "the model spans several GPUs"
+    if engine.model.tp_context is not None:
+        return "tensor parallel: exllamav2 0.3.2 splits each layer's work over the cards on streams of its own"
     return None

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, replay_differs
+from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, by_card, replay_differs
 from exlnb.engines.device_sampling import DeviceDraws, Row
 
 CHECK_PROMPT_TOKENS = 24
@@ -66,7 +66,7 @@ class GraphDecoder:
         self._cards = [_Card(device, modules, StepGraphs(device),
                              torch.zeros((max_batch_size * self.max_width,), dtype=torch.int32, device=device),
                              torch.zeros((max_batch_size,), dtype=torch.int32, device=device))
-                       for device, modules in _by_card(model.fwd_modules[host:])]
+                       for device, modules in by_card(model.fwd_modules[host:], lambda entry: entry[0].device)]
         self.installed = False
         self.gave_up = ""  # why decode went back to eager after a capture failed mid-generation, if it did
         self.library_graphs = "inside"  # exllamav3's own per-layer graphs: inside this decoder's, or turned off
@@ -273,18 +273,6 @@ def _takes_host_input(module) -> bool:
 def _host_prologue(modules: list) -> int:
     """How many leading modules run on the host, before the first card's graph."""
     return next((i for i, (module, _, _) in enumerate(modules) if not _takes_host_input(module)), len(modules))
-
-
-def _by_card(modules: list) -> list[tuple[torch.device, list]]:
-    """Consecutive modules grouped by the card they run on, in order."""
-    runs: list[tuple[torch.device, list]] = []
-    for entry in modules:
-        device = entry[0].device
-        if runs and runs[-1][0] == device:
-            runs[-1][1].append(entry)
-        else:
-            runs.append((device, [entry]))
-    return runs
 
 
 def _to_card(x: torch.Tensor, device: torch.device) -> torch.Tensor:
