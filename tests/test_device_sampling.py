@@ -72,6 +72,7 @@ SAMPLED = {
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", SAMPLED)
 def test_sampled_draws_follow_the_host_sampler_s_distribution(name, device):
+    """In the mode the settings ask for: top-k ones sort only the likeliest candidates, the others everything."""
     s = SAMPLED[name]
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     logits = torch.randn(VOCAB, generator=gen)
@@ -104,6 +105,24 @@ def test_greedy_picks_the_host_sampler_s_token(settings, device):
         sequence = torch.randint(0, VOCAB, (12,), generator=gen)
         host = draw_token(logits, sequence, settings, torch.Generator().manual_seed(0)).token
         assert int(device_draws(logits, sequence, settings, 1, device=device)[0]) == host
+
+
+def test_the_modes_draw_the_same_tokens_where_each_applies():
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(6, VOCAB * 4, generator=gen) * 2  # a vocabulary wider than the top-k mode's candidates
+    counts = PenaltyCounts(6, VOCAB * 4, CPU)
+    sampler = DeviceSampler(6, VOCAB * 4, CPU, counts)
+    slot = counts.take([1, 2])
+    top_k = SamplerSettings(temperature=0.9, top_k=40, top_p=0.85, min_p=0.01)
+    sampler.stage([Row(top_k, seed, 0, slot) for seed in range(6)])
+    assert sampler.mode == "top-k"
+    assert torch.equal(sampler.sample(logits), sampler.sample(logits, "full"))
+    sampler.stage([Row(SamplerSettings.greedy(), seed, 0, slot) for seed in range(6)])
+    assert sampler.mode == "greedy"
+    assert torch.equal(sampler.sample(logits), sampler.sample(logits, "full")) and torch.equal(
+        sampler.sample(logits), logits.argmax(1))
+    sampler.stage([Row(SamplerSettings(top_k=0, top_p=0.9), 0, 0, slot), Row(top_k, 1, 0, slot)])
+    assert sampler.mode == "full"
 
 
 def test_penalties_from_counts_equal_the_host_s_over_the_sequence():

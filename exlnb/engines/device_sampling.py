@@ -22,6 +22,7 @@ same seed on the host path, and reproduces on this one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -31,6 +32,10 @@ import torch
 from exlnb.engines.sampling import SamplerSettings
 
 GREEDY_TEMPERATURE = 0.01  # exllamav2's sample_basic: a temperature below this is top-k 1
+# How much a step's draw sorts, by what its rows ask: nothing where all are greedy, the likeliest TOP_CANDIDATES
+# where every sampled row keeps at most that many (top-k, the default's 50 included), else the whole vocabulary
+GREEDY, TOP_K, FULL = "greedy", "top-k", "full"
+TOP_CANDIDATES = 64
 MAX_BIASED = 64  # token bias entries (and blocked stop tokens) a row can carry on the device; more: host path
 _DEVICE_SETTINGS = {"temperature", "top_k", "top_p", "min_p", "token_bias", "token_repetition_penalty",
                     "token_frequency_penalty", "token_presence_penalty"}
@@ -71,30 +76,38 @@ class DeviceSampler:
         pinned = torch.cuda.is_available() and device.type == "cuda"
         self._staged = [torch.zeros_like(t, device="cpu", pin_memory=pinned)
                         for t in (self._floats, self._ints, self._bias_ids, self._bias)]
+        self._biased = True  # whether staged rows carry bias entries that the next stage must clear
+        self.mode = FULL  # what the staged rows need of `sample` (`_mode`)
 
     def stage(self, rows: Sequence[Row]) -> None:
         """Copy one step's rows into the static buffers (one copy each from pinned memory, not waited for)."""
         n = len(rows)
         floats, ints, bias_ids, bias = self._staged
-        floats[:n] = torch.tensor([[r.settings.temperature, r.settings.top_p, r.settings.min_p,
-                                    r.settings.token_repetition_penalty, r.settings.token_frequency_penalty,
-                                    r.settings.token_presence_penalty, float(r.settings.is_greedy)] for r in rows])
+        floats[:n] = torch.tensor([_setting_values(r.settings) for r in rows])
         ints[:n] = torch.tensor([[r.settings.top_k, r.seed & 0xFFFFFFFF, r.step, r.slot] for r in rows])
-        bias_ids[:n].fill_(self.vocab)
-        bias[:n].zero_()
-        for i, row in enumerate(rows):
-            entries = [*row.settings.token_bias, *((token, float("-inf")) for token in row.blocked)][:MAX_BIASED]
-            if entries:
-                ids, values = zip(*entries)
-                bias_ids[i, : len(ids)] = torch.tensor([min(t, self.vocab) for t in ids])
-                bias[i, : len(ids)] = torch.tensor(values)
-        for device_buffer, host_buffer in zip((self._floats, self._ints, self._bias_ids, self._bias), self._staged):
-            device_buffer[:n].copy_(host_buffer[:n], non_blocking=True)
+        copied = [self._floats, self._ints]
+        if any(r.settings.token_bias or r.blocked for r in rows) or self._biased:
+            bias_ids[:n].fill_(self.vocab)
+            bias[:n].zero_()
+            for i, row in enumerate(rows):
+                entries = [*row.settings.token_bias, *((token, float("-inf")) for token in row.blocked)][:MAX_BIASED]
+                if entries:
+                    ids, values = zip(*entries)
+                    bias_ids[i, : len(ids)] = torch.tensor([min(t, self.vocab) for t in ids])
+                    bias[i, : len(ids)] = torch.tensor(values)
+            copied += [self._bias_ids, self._bias]
+            self._biased = any(r.settings.token_bias or r.blocked for r in rows)  # rows to clear next time
+        staged = dict(zip(map(id, (self._floats, self._ints, self._bias_ids, self._bias)), self._staged))
+        for device_buffer in copied:
+            device_buffer[:n].copy_(staged[id(device_buffer)][:n], non_blocking=True)
+        self.mode = _mode(rows)
 
-    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, mode: str | None = None) -> torch.Tensor:
         """The next token of each of the first `logits.shape[0]` rows (staged). `logits` is (rows, vocabulary or
-        more); columns past the vocabulary are never drawn. The penalty counts are read, not moved on: a graph's
-        warm-up runs repeat this, so `count` is a step of its own, run once per draw."""
+        more); columns past the vocabulary are never drawn. `mode` (the staged rows' own by default) says how
+        much of the vocabulary a draw sorts (`_mode`): a graph records one mode, so it is part of its key. The
+        penalty counts are read, not moved on: a graph's warm-up runs repeat this, so `count` is a step of its
+        own, run once per draw."""
         n = logits.shape[0]
         f, i = self._floats[:n], self._ints[:n]
         return sample_rows(
@@ -102,7 +115,7 @@ class DeviceSampler:
             self.penalties.counts.index_select(0, i[:, 3])[:, : self.vocab],
             temperature=f[:, 0], top_p=f[:, 1], min_p=f[:, 2], repetition=f[:, 3], frequency=f[:, 4],
             presence=f[:, 5], greedy=f[:, 6] > 0, top_k=i[:, 0], seeds=i[:, 1], steps=i[:, 2],
-            bias_ids=self._bias_ids[:n], bias=self._bias[:n],
+            bias_ids=self._bias_ids[:n], bias=self._bias[:n], mode=mode or self.mode,
         )
 
     def count(self, tokens: torch.Tensor) -> None:
@@ -202,16 +215,17 @@ class DeviceDraws:
             self.penalties.give_back(draw.slot)
             draw.slot = None
 
-    def stage(self, rows: Sequence[tuple[object, Row | None]], batch: int) -> bool:
+    def stage(self, rows: Sequence[tuple[object, Row | None]], batch: int) -> str | None:
         """Stage one step's rows, in the batch's order (each job's key and its row, or None for a job the host
-        samples); whether the step's graph draws them: where they are the batch's and any is drawn here."""
+        samples). Where they are the batch's and any is drawn here, the step's graph draws them: the mode it
+        samples in (`DeviceSampler.sample`, part of the graph's key); else None."""
         self.forget_step()
         if len(rows) != batch or not any(row for _, row in rows):
-            return False
+            return None
         idle = Row(IDLE_SETTINGS, 0, 0, self._idle_slot)
         self.batch.stage([row or idle for _, row in rows])
         self._drawn = {key: i for i, (key, row) in enumerate(rows) if row is not None}
-        return True
+        return self.batch.mode
 
     def remember(self, tokens: torch.Tensor) -> None:
         """The staged step's draws (from its graph): counted for the penalties, copied to the host, kept by job."""
@@ -250,18 +264,25 @@ class DeviceDraws:
 
 
 def sample_rows(logits: torch.Tensor, counts: torch.Tensor, *, temperature, top_p, min_p, repetition, frequency,
-                presence, greedy, top_k, seeds, steps, bias_ids, bias) -> torch.Tensor:
+                presence, greedy, top_k, seeds, steps, bias_ids, bias, mode: str = "full") -> torch.Tensor:
     """exllamav2's sampling of each row by its own settings (module docstring), in fixed-shape tensor operations.
     Every argument but `logits` (rows, vocabulary) and `counts` (rows, vocabulary) is one value per row, except
-    `bias_ids` and `bias` (rows, entries; an id equal to the vocabulary size is padding)."""
+    `bias_ids` and `bias` (rows, entries; an id equal to the vocabulary size is padding). `mode` (`_mode`) is
+    GREEDY where every row is greedy (an argmax, nothing sorted), TOP_K where every sampled row keeps at most
+    TOP_CANDIDATES tokens (only they are sorted), else FULL."""
     rows, vocab = logits.shape
     x = penalised(logits, counts, repetition, frequency, presence)
     x = torch.cat([x, x.new_zeros((rows, 1))], 1).scatter_add_(1, bias_ids, bias)[:, :vocab]
     chosen = x.argmax(1)
+    if mode == GREEDY:
+        return chosen
     t = torch.where(greedy, torch.ones_like(temperature), temperature.clamp(min=GREEDY_TEMPERATURE))
     probs = torch.softmax((x - x.max(1, keepdim=True).values) / t[:, None], dim=1)
-    probs, order = torch.sort(probs, dim=1, descending=True)
-    rank = torch.arange(vocab, device=logits.device)
+    if mode == TOP_K:  # the same candidates in the same order as a whole sort's first TOP_CANDIDATES
+        probs, order = torch.topk(probs, min(TOP_CANDIDATES, vocab), dim=1)
+    else:
+        probs, order = torch.sort(probs, dim=1, descending=True)
+    rank = torch.arange(probs.shape[1], device=logits.device)
     keep = rank < torch.where(top_k > 0, top_k, vocab)[:, None]
     kept = _renormalised(probs, keep)
     nucleus = ((kept.cumsum(1) <= top_p[:, None]) & keep).sum(1).clamp(min=1)
@@ -272,6 +293,20 @@ def sample_rows(logits: torch.Tensor, counts: torch.Tensor, *, temperature, top_
     below = (kept.cumsum(1) < uniform(seeds, steps)[:, None]).sum(1)
     drawn = order.gather(1, torch.minimum(below, keep.sum(1) - 1)[:, None]).squeeze(1)
     return torch.where(greedy, chosen, drawn)
+
+
+def _mode(rows: Sequence[Row]) -> str:
+    sampled = [r.settings for r in rows if not r.settings.is_greedy]
+    if not sampled:
+        return GREEDY
+    return TOP_K if all(0 < s.top_k <= TOP_CANDIDATES for s in sampled) else FULL
+
+
+@functools.lru_cache(maxsize=256)
+def _setting_values(s: SamplerSettings) -> tuple[float, ...]:
+    """A row's floating-point settings, in the order of the sampler's buffer."""
+    return (s.temperature, s.top_p, s.min_p, s.token_repetition_penalty, s.token_frequency_penalty,
+            s.token_presence_penalty, float(s.is_greedy))
 
 
 def penalised(logits, counts, repetition, frequency, presence) -> torch.Tensor:

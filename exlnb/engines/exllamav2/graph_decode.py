@@ -114,10 +114,10 @@ class GraphDecoder:
                                indexed_embeddings=kwargs.get("indexed_embeddings"))
         set_device_streams()  # as forward_chunk does: the generator reads the logits on exllamav2's stream
         rows, width = key
-        drawn = self.draws is not None and self.draws.stage(self.step_rows(), rows)
+        drawn = self.draws.stage(self.step_rows(), rows) if self.draws is not None else None
         for card in self._cards:
             self._stage(card, key, x, attn_params.cache_seqlens, attn_params.block_index)
-            draws_here = drawn and card is self._cards[-1]
+            draws_here = drawn if card is self._cards[-1] else None  # the mode the last card draws in
             # the graph must record the attention layout's kernels, not reuse the warm-up's
             x = card.graphs.replay((rows, width, draws_here),
                                    lambda card=card, draws_here=draws_here: self._step(card, rows, width, draws_here),
@@ -147,8 +147,9 @@ class GraphDecoder:
 
     # -- what a graph replays -------------------------------------------------------------------------
 
-    def _step(self, card: _Card, rows: int, width: int, draws: bool):
-        """A card's modules at one shape, over its static buffers; with `draws`, the device sampler's draws too."""
+    def _step(self, card: _Card, rows: int, width: int, draws: str | None):
+        """A card's modules at one shape, over its static buffers; with `draws` (a sampling mode), the device
+        sampler's draws too."""
         params = self._static_params(card, rows, width)
 
         def run():
@@ -159,7 +160,7 @@ class GraphDecoder:
             if card is not self._cards[-1]:
                 return x
             logits = self._finish_logits(x)
-            return (logits, self.draws.batch.sample(logits)) if draws else logits
+            return (logits, self.draws.batch.sample(logits, draws)) if draws else logits
 
         return run
 

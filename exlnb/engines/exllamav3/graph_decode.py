@@ -153,12 +153,12 @@ class GraphDecoder:
         for card in self._cards:  # the tables the generator already uploaded to each card (its dev_cache)
             card.block_table(batch, width).copy_(get_for_device(params, "block_table", card.device), non_blocking=True)
             card.seqlens[:batch].copy_(get_for_device(params, "cache_seqlens", card.device), non_blocking=True)
-        drawn = self.draws is not None and self.draws.stage(self.step_rows(), batch)
+        drawn = self.draws.stage(self.step_rows(), batch) if self.draws is not None else None
         for card in self._cards:
             if card.hidden is None:
                 card.hidden = torch.zeros((self.max_batch_size, 1, x.shape[-1]), dtype=x.dtype, device=card.device)
             card.hidden[:batch].copy_(_to_card(x, card.device), non_blocking=True)
-            draws_here = drawn and card is self._cards[-1]
+            draws_here = drawn if card is self._cards[-1] else None  # the mode the last card draws in
             x = card.graphs.replay((batch, width, draws_here),
                                    lambda card=card, draws_here=draws_here: self._step(card, batch, width, draws_here),
                                    shape=f"batch {batch} over {width} pages on {card.device}")
@@ -169,9 +169,9 @@ class GraphDecoder:
 
     # -- what a graph replays -------------------------------------------------------------------------------
 
-    def _step(self, card: _Card, batch: int, width: int, draws: bool):
+    def _step(self, card: _Card, batch: int, width: int, draws: str | None):
         """The card's modules at one shape, over its static buffers: what its graph for that shape records; with
-        `draws`, the device sampler's draws from the logits too."""
+        `draws` (a sampling mode), the device sampler's draws from the logits too."""
         hidden = card.hidden[:batch]
         params = self._static_params(batch, width)
 
@@ -179,7 +179,7 @@ class GraphDecoder:
             # exllamav3's blocks add into their input in place: the graph works on a copy, so that its staged input
             # is the same in every warm-up run and in the replay after the capture
             logits = _run_modules(card.modules, hidden.clone(), dict(params, dev_cache=dict(params["dev_cache"])))
-            return (logits, self.draws.batch.sample(logits)) if draws else logits
+            return (logits, self.draws.batch.sample(logits, draws)) if draws else logits
 
         return run
 
