@@ -12,7 +12,8 @@ below 0.01, or top-k 1), or a softmax at the temperature, top-k, top-p and min-p
 keeps, and a draw: the first token, in descending probability, whose cumulative probability reaches a uniform
 number. Everything else (DRY, XTC, top-a, tail-free, typical, mirostat, smoothing, skew, dynamic or last
 temperature, a penalty range or decay, constraints, banned strings) keeps the library's own path on the host:
-`host_only` names what a job asks that sends it there.
+`host_only` names what a job asks that sends it there. The engines draw only sampled jobs here: for a greedy job
+the libraries' own step, an argmax, was faster (benchmarks/results/graphs-nvidia-h200-2026-11-27).
 
 The uniform number of a row is a hash of its job's seed and the token's index, so a seed gives the same draws
 whatever else shares the batch; it is not the library's random stream, so a seeded job's text differs from the

@@ -204,9 +204,12 @@ class LibraryEngine(Engine):
             self.graphs.draws, self.graphs.step_rows = self.draws, self._step_rows
 
     def _job_draw(self, spec: JobSpec) -> JobDraw | None:
-        """How the job's tokens are drawn on the device; None where the host samples them (no graphs, or settings
-        the device does not take: `DeviceDraws.drawable`)."""
-        if self.draws is None or DeviceDraws.drawable(spec) or self._host_sampled(spec):
+        """How the job's tokens are drawn on the device; None where the library samples them: no graphs, settings
+        the device does not take (`DeviceDraws.drawable`), or a greedy job. Greedy, the libraries' own step is an
+        argmax, and drawing on the device cost more host time than it saved: 5.86 against 5.49 ms a token on the
+        ExLlamaV3 engine, 6.54 against 6.30 on the ExLlamaV2 engine, timed in turns in one process on an H200
+        (benchmarks/results/graphs-nvidia-h200-2026-11-27)."""
+        if self.draws is None or spec.sampler.is_greedy or DeviceDraws.drawable(spec) or self._host_sampled(spec):
             return None
         return DeviceDraws.start(spec)
 
