@@ -34,8 +34,20 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e .
 	touch $@
 
+# llama-cpp-python, the llama.cpp test server (tests/servers.py), has no wheel on PyPI: pip builds it. It is built
+# portable, not for this CPU: ggml's default, -march=native, emits AMX tile instructions on an Intel host whose CPU
+# reports AMX, and there the server died with SIGILL on its first generation (three starts of three); built on an
+# AVX-512 CPU, it emits AVX-512 that other CPUs lack. With GGML_NATIVE=OFF, ggml 0.25.3 (llama-cpp-python 0.3.36)
+# targets SSE4.2, AVX, AVX2, BMI2, FMA and F16C, no AVX-512, no AMX. The tests never load the multimodal library
+# (LLAVA_BUILD=OFF) nor llama.cpp's common library (tests/llama_cpp_no_common.cmake says how it is left out).
+# --no-cache-dir: pip's cache keys a wheel it built by the sdist alone, not by CMAKE_ARGS, so a native build made
+# earlier on this machine would be installed as it is.
+LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF \
+	-DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/tests/llama_cpp_no_common.cmake
+
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/python -m pip install -q -e '.[test]'
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(BIN)/python -m pip install -q --no-cache-dir --no-binary llama-cpp-python \
+		-e '.[test]'
 	touch $@
 
 # The browser test drives JupyterLab in Debian's Chromium; without root or apt it is skipped, and says so.
