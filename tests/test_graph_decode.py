@@ -15,7 +15,7 @@ import torch
 
 from benchmarks.paged_acceptance import LONG_PROMPT, QUESTIONS, answers_together
 from exlnb.engines.base import EngineStatus
-from exlnb.engines.cuda_graphs import StepGraphs, bucket_for, buckets
+from exlnb.engines.cuda_graphs import StepGraphs, bucket_for, buckets, by_card
 from exlnb.engines.options import GRAPH_MODES, EngineOptions
 from exlnb.engines.sampling import SamplerSettings
 from exlnb.models import resolve_model
@@ -34,6 +34,12 @@ def test_buckets_pad_every_size_to_at_most_twice_itself():
             chosen = bucket_for(size, sizes)
             assert size <= chosen <= min(2 * size, limit)
         assert bucket_for(limit + 1, sizes) is None
+
+
+def test_a_layer_split_is_grouped_into_each_card_s_run_of_modules_in_order():
+    cards = by_card(["a0", "a1", "b0", "b1", "b2", "a2"], lambda name: torch.device("cuda", ord(name[0]) - ord("a")))
+    assert cards == [(torch.device("cuda", 0), ["a0", "a1"]), (torch.device("cuda", 1), ["b0", "b1", "b2"]),
+                     (torch.device("cuda", 0), ["a2"])]  # a card met again later is a run of its own
 
 
 def test_an_unknown_graphs_mode_is_refused_with_the_choices():

@@ -2,9 +2,10 @@
 
 Each engine's decoder (`exllamav2/graph_decode.py`, `exllamav3/graph_decode.py`) knows its library: which steps
 qualify, how the inputs reach static buffers, which modules run inside a graph. This module holds the part that
-is the same for both: the width buckets a step is padded to, the one capture stream per device, and
-`StepGraphs`, the captured graphs of one model keyed by shape, each captured after warm-up runs on that stream
-and all drawing on one memory pool.
+is the same for both: the width buckets a step is padded to, a layer split's runs of modules by card, the one
+capture stream per device, `StepGraphs` (the captured graphs of one model on one card, keyed by shape, each
+captured after warm-up runs on that stream and all drawing on one memory pool), and the load check's comparison of
+a replayed step with the eager one.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ import torch
 
 from exlnb.engines.base import one_line
 
-WARMUP_RUNS = 3  # eager runs before a capture: torch.cuda.graph's docs ask for some, and exllamav3 builds its own
-# per-layer graphs on a module's third call, which must happen before the capture, not inside it
-
-
+# eager runs before a capture: torch.cuda.graph's docs ask for some, and exllamav3 builds its own per-layer graphs on
+# a module's third call, which must happen before the capture, not inside it
+WARMUP_RUNS = 3
 CHECK_TOLERANCE = 2e-2  # max |replay - eager| over max |eager| logit at which a load check still passes
 
 
