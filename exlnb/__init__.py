@@ -4,9 +4,10 @@ import importlib
 
 from exlnb.chat import Chat, get_chat
 from exlnb.engines.base import EosReason, SamplerSettings, Stage, StreamEvent
+from exlnb.engines.job_options import JobOptions
 from exlnb.generation import Generation
 from exlnb.loadtest import bench
-from exlnb.session import Session, get_session
+from exlnb.session import LoadOptions, Session, get_session
 from exlnb.streaming import GenerationResult, JobStream
 
 __all__ = [
@@ -15,7 +16,9 @@ __all__ = [
     "EosReason",
     "Generation",
     "GenerationResult",
+    "JobOptions",
     "JobStream",
+    "LoadOptions",
     "SamplerSettings",
     "Session",
     "Stage",

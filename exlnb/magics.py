@@ -2,8 +2,8 @@
 
 `%%exl_generate`'s options are read from the options that `GenerationRequest`, `SamplerSettings` and
 `CellOptions` declare (`exlnb.engines.declaration`), grouped as they declare them, so a new sampler setting is
-an option (with its help and default) the moment it is a field. `%exl_load`'s options are `Session.load`'s
-keywords by name. Every other option maps to a keyword of `show_cache` / `show_jobs`, `bench` or
+an option (with its help and default) the moment it is a field; `%exl_load`'s from `LoadOptions`, each one a
+keyword of `Session.load`. Every other option maps to a keyword of `show_cache` / `show_jobs`, `bench` or
 `Session.cancel`. `%exl_generate?`, `%%exl_generate?` and `--help` print the help; a user's mistake is a
 one-line `UsageError`.
 """
@@ -17,12 +17,12 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from exlnb.divergence import REFERENCE_DTYPES
-from exlnb.engines.options import CACHE_DTYPES, DISPLAY_HELP, DISPLAY_MODES, ENGINE_NAMES, GRAPH_MODES, SERVER_APIS
+from exlnb.engines.options import DISPLAY_HELP, DISPLAY_MODES, ENGINE_NAMES
 from exlnb.generation import Generation
 from exlnb.loadtest import bench
 from exlnb.magic_arguments import (
-    SHOW_OPTIONS, CellOptions, ShowHelp, escaped, fill_prompt, generation_arguments, gpu_split, parse_options,
-    schema_from_notebook, tidy_help, usage_errors,
+    SHOW_OPTIONS, CellOptions, ShowHelp, escaped, fill_prompt, generation_arguments, given_options, load_arguments,
+    parse_options, schema_from_notebook, tidy_help, usage_errors,
 )
 from exlnb.models import BUNDLED_MODEL
 from exlnb.quantize import DEFAULT_HEAD_BITS, QUANT_FORMATS, quantize
@@ -64,39 +64,16 @@ class ExlnbMagics(Magics):
         """pre_run_cell hook: a re-run cell cancels what it started before."""
         self.cell_id = getattr(info, "cell_id", None)
 
-    @magic_arguments()
-    @argument("model", nargs="?", default=BUNDLED_MODEL,
-              help=f'a model folder (HF fp16; EXL2 on the exllamav2 engine) or "{BUNDLED_MODEL}" (default)')
-    @argument("--engine", choices=ENGINE_NAMES, default="auto",
-              help="auto: exllamav2 where CUDA is available, cpu otherwise (default: auto)")
-    @argument("--cache-tokens", type=int, help="KV cache size in tokens (default: the engine's, 8192)")
-    @argument("--cache", choices=CACHE_DTYPES, default="fp16", help="KV cache precision, exllamav2 (default: fp16)")
-    @argument("--max-batch-size", type=int, help="most jobs decoded together (default: 16)")
-    @argument("--gpu-split", type=gpu_split,
-              help="auto (fill the GPUs in turn), or GiB per GPU, comma separated, e.g. 20,24; 0 leaves a GPU out "
-                   "(exllamav2, exllamav3)")
-    @argument("--tensor-parallel", action="store_true",
-              help="split every layer over the GPUs instead of placing whole layers (exllamav2, exllamav3; 2+ GPUs)")
-    @argument("--graphs", choices=GRAPH_MODES, default="auto",
-              help="CUDA-graph decode, exllamav2: auto uses it where its load check passes (default: auto)")
-    @argument("--url", help="an OpenAI-compatible server's API base, e.g. http://127.0.0.1:8000/v1 (openai engine); "
-              "the model argument then names the same model's local folder, for its tokenizer and template")
-    @argument("--served-model", metavar="NAME", help="the server's name for the model (default: the one it serves)")
-    @argument("--api-key-env", metavar="VAR", help="environment variable holding the server's API key")
-    @argument("--api", choices=SERVER_APIS, default="chat",
-              help="chat: the server's chat template; completions: exlnb's templates (default: chat)")
-    @argument("--reload", action="store_true",
-              help="load again even if the same model is loaded; replace a model while jobs run (they end)")
-    @argument("-h", "--help", action=ShowHelp)
+    @load_arguments
     @line_magic
     def exl_load(self, line: str) -> None:
-        """Load a model into the kernel's session; the same arguments again do nothing."""
+        """Load a model into the kernel's session; the same options again do nothing."""
         if (args := parse_options(self.exl_load, line)) is None:
             return
         session = get_session()
         before = session.options
         with usage_errors():
-            status = session.load(**vars(args))  # each option's dest is a keyword of Session.load
+            status = session.load(**given_options(args))  # each option's dest is a keyword of Session.load
         if before is not None and session.options != before:
             print(f"replaced {before.model_dir.name} ({before.engine} engine)")
         print(status.line())
@@ -131,7 +108,7 @@ class ExlnbMagics(Magics):
         if cell is None:
             raise UsageError("%%exl_generate is a cell magic: options on the first line, the prompt in the cell "
                              "below (see %exl_generate? for the options)")
-        given = {k: v for k, v in vars(args).items() if v is not None}
+        given = given_options(args)
         if "json_schema" in given:
             given["json_schema"] = schema_from_notebook(given["json_schema"], self.shell.user_ns)
         with usage_errors():

@@ -12,6 +12,7 @@ from IPython.core.error import UsageError
 
 import exlnb.magics
 from exlnb.engines.declaration import GROUPS
+from exlnb.engines.job_options import JobOptions
 from exlnb.engines.sampling import SamplerSettings
 from exlnb.generation import start
 from exlnb.magic_arguments import GENERATE_OPTIONS, SHOW_OPTIONS
@@ -98,14 +99,14 @@ def test_one_string_is_one_stop_string_not_its_letters(cpu_session):
     assert "Paris" in full
     stopped = start(QUESTION, temperature=0, max_new_tokens=24, stop="Paris").wait(60)[0].text
     assert stopped == full[:full.index("Paris")]
-    assert cpu_session.job_spec("Hi", stop="Paris").stop_strings == ("Paris",)
+    assert cpu_session.spec_for("Hi", JobOptions(stop="Paris")).stop_strings == ("Paris",)
 
 
 def test_one_string_is_one_banned_string_and_one_dry_breaker(cpu_session):
     request = GenerationRequest.build(QUESTION, banned_strings="abc", dry_sequence_breakers="::")
     assert request.banned_strings == ("abc",)
     assert request.sampler.dry_sequence_breakers == frozenset({"::"})
-    assert cpu_session.job_spec("Hi", banned_strings="abc").banned_strings == ("abc",)
+    assert cpu_session.spec_for("Hi", JobOptions(banned_strings="abc")).banned_strings == ("abc",)
 
 
 @pytest.mark.parametrize(("keyword", "value"), [("max_batch_size", 1.5), ("cache_tokens", "4096"), ("cache_tokens", 4096.0)])
@@ -145,7 +146,7 @@ def test_a_prompt_far_too_long_for_the_cache_is_refused_before_tokenizing(shell,
     with pytest.raises(ValueError, match="characters, more than the cache's .* tokens could hold"):
         start(huge, max_new_tokens=2)
     with pytest.raises(ValueError, match="characters, more than the cache's"):
-        cpu_session.job_spec(huge)
+        cpu_session.spec_for(huge)
     shell.user_ns["huge"] = huge
     with pytest.raises(UsageError, match="characters, more than the cache's"):
         shell.run_cell_magic("exl_generate", "--max-new-tokens 2", "{huge}")
@@ -176,7 +177,7 @@ def test_a_failed_rollback_says_that_no_model_is_loaded(monkeypatch):
     def no_memory(options, progress):
         raise MemoryError("out of memory")
 
-    monkeypatch.setattr("exlnb.session.create_engine", no_memory)
+    monkeypatch.setattr("exlnb.session.loading.create_engine", no_memory)
     with pytest.raises(LoadFailed, match=r"loading smollm2-135m-instruct again failed too \(.*out of memory\): no model "
                                         r"is loaded now"):
         session.load("smollm2-135m-instruct", engine="cpu", cache_tokens=4096, progress=False)

@@ -104,21 +104,7 @@ class JobSpec:
         check_field_types(self)
         if not self.input_ids:
             raise ValueError("input_ids is empty: a job needs at least one prompt token")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        if self.seed is not None and not 0 <= self.seed <= SEED_MAX:
-            raise ValueError(f"seed={self.seed} is out of range: use 0 to {SEED_MAX}")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(f"min_new_tokens={self.min_new_tokens} must be between 0 and max_new_tokens ({self.max_new_tokens})")
-        if isinstance(self.banned_strings, str) or not all(self.banned_strings):
-            raise ValueError(f"banned_strings={self.banned_strings!r} must be a list of non-empty strings")
-        if self.stop_on_loop is not None:
-            window, reps = self.stop_on_loop
-            # exllamav3's job asserts the same bounds
-            if not 1 < reps < window:
-                raise ValueError(f"stop_on_loop={self.stop_on_loop!r}: give (window, min_reps) with 1 < min_reps < window")
-        if not 0 <= self.top_tokens <= MAX_TOP_TOKENS:
-            raise ValueError(f"top_tokens={self.top_tokens} must be between 0 (off) and {MAX_TOP_TOKENS}")
+        check_job_limits(self)
         if self.constraint is not None and not self.stop_token_ids:
             raise ValueError(f"a job constrained to a {self.constraint.describe()} ends on a stop token where the "
                              "constraint is satisfied: give one (keep stop_at_eos=True)")
@@ -137,6 +123,37 @@ class JobSpec:
         bad = [t for t in self.input_ids + tuple(t for t, _ in self.sampler.token_bias) if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")
+
+
+def check_job_limits(job) -> None:
+    """The limits of what one job asks, checked alike where a user gives them (`job` a `JobOptions`) and where a
+    job is made (a `JobSpec`), with one message each."""
+    if job.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={job.max_new_tokens} must be >= 1")
+    if job.seed is not None and not 0 <= job.seed <= SEED_MAX:
+        raise ValueError(f"seed={job.seed} is out of range: use 0 to {SEED_MAX}")
+    if not 0 <= job.min_new_tokens <= job.max_new_tokens:
+        raise ValueError(f"min_new_tokens={job.min_new_tokens} must be between 0 and max_new_tokens "
+                         f"({job.max_new_tokens})")
+    if isinstance(job.banned_strings, str) or not all(job.banned_strings):
+        raise ValueError(f"banned_strings={job.banned_strings!r} must be a list of non-empty strings")
+    if job.stop_on_loop is not None:
+        window, reps = job.stop_on_loop
+        # exllamav3's job asserts the same bounds
+        if not 1 < reps < window:
+            raise ValueError(f"stop_on_loop={job.stop_on_loop!r}: give (window, min_reps) with 1 < min_reps < window")
+    if not 0 <= job.top_tokens <= MAX_TOP_TOKENS:
+        raise ValueError(f"top_tokens={job.top_tokens} must be between 0 (off) and {MAX_TOP_TOKENS}")
+
+
+def check_prompt_fits(prompt_tokens: int, max_new_tokens: int, cache_tokens: int) -> None:
+    """Refuse a prompt that leaves no room in the cache for one new token: the one message for it, whichever
+    layer finds it first (the session, or an engine that lowers a job's answer to the room left)."""
+    if prompt_tokens + 1 > cache_tokens:
+        raise ValueError(
+            f"the prompt has {prompt_tokens} tokens but the cache holds {cache_tokens}: shorten the prompt "
+            f"or load with cache_tokens of at least {prompt_tokens + max_new_tokens}"
+        )
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from exlnb.analysis import (
     tail_repeated_fraction,
 )
 from exlnb.engines.base import EosReason, SamplerSettings
+from exlnb.engines.job_options import JobOptions
 from exlnb.datasets import load_prompts
 from exlnb.experiments import remedies
 from exlnb.experiments.record import Effect, ExperimentResult, environment
@@ -137,8 +138,9 @@ def _runnable_remedies(session: Session, prompt: str) -> tuple[list[Remedy], lis
     """The remedies this engine can run, and for each it refuses, why (the ExLlamaV2 engine has no loop detector)."""
     runnable, refused = [], []
     for remedy in REMEDIES:
-        spec = session.job_spec(
-            prompt, max_new_tokens=1, sampler=remedy.sampler(SamplerSettings()), stop_on_loop=remedy.stop_on_loop
+        spec = session.spec_for(
+            prompt, JobOptions(max_new_tokens=1, sampler=remedy.sampler(SamplerSettings()),
+                               stop_on_loop=remedy.stop_on_loop)
         )
         missing = session.run_on_engine(lambda engine: engine.unsupported(spec))
         if missing:
