@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -23,8 +24,6 @@ UNPAGED_ENGINES = engines_that("unpaged")  # the built-in engines that can also 
 GRAPH_MODES = ("auto", "off")  # CUDA-graph decode (the "graphs" engines): auto is on where the load check passes
 SERVER_APIS = ("chat", "completions")  # a server's endpoint (openai engine): its chat template, or exlnb's rendering
 
-# the model formats an engine can split with tensor parallelism, where it cannot split every format it loads
-TENSOR_PARALLEL_FORMATS = {"exllamav2": ("exl2",)}
 AUTO_SPLIT = "auto"  # gpu_split: the library fills the GPUs in turn (exllamav2's autosplit, exllamav3's default)
 DEFAULT_CACHE_TOKENS = 8192
 DEFAULT_MAX_BATCH_SIZE = 16
@@ -175,12 +174,15 @@ def check_engine_offers(engine: str, fmt: str, model_dir: Path, *, cache_dtype: 
 
 def check_engine_runs_here(engine: str) -> None:
     """Refuse, before anything is unloaded, an engine this machine cannot run: one that needs a CUDA GPU where
-    there is none."""
+    there is none, one whose library is not installed."""
     spec = engine_spec(engine)
     if spec.needs_cuda and not cuda_available():
         able = [s.name for s in engines_loading("hf") if not s.needs_cuda]
         instead = f' (engine="{able[0]}" runs unquantized models here)' if able else ""
         raise ValueError(f"the {engine} engine needs a CUDA GPU, and this machine has none{instead}")
+    if spec.library and importlib.util.find_spec(spec.library) is None:
+        raise ValueError(f"the {engine} engine runs on {spec.library}, which is not installed here: install it "
+                         f"(pip install {spec.library}) or load another engine")
 
 
 def check_server_url(url: str, api_key_env: str | None) -> None:
@@ -218,8 +220,8 @@ def shown_url(url: str) -> str:
     return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
-# bytes per cached key or value element, by cache type (exllamav2's quantized caches keep scales besides)
-_CACHE_ELEMENT_BYTES = {"fp16": 2.0, "q8": 1.0, "q6": 0.75, "q4": 0.5}
+# bytes per cached key or value element, by precision (exllamav2's quantized caches keep scales besides)
+_CACHE_ELEMENT_BYTES = {"fp32": 4.0, "fp16": 2.0, "q8": 1.0, "q6": 0.75, "q4": 0.5}
 
 
 def kv_cache_bytes(model_dir: Path, cache_tokens: int, element_bytes: float) -> int:
@@ -234,10 +236,12 @@ def kv_cache_bytes(model_dir: Path, cache_tokens: int, element_bytes: float) -> 
 
 
 def check_cache_fits(options: EngineOptions) -> None:
-    """Refuse a cache larger than the device's whole memory before anything is unloaded or allocated."""
-    if options.url:
+    """Refuse a cache larger than the device's whole memory before anything is unloaded or allocated, sized as the
+    engine's declaration says it keeps its cache (`kv_cache`)."""
+    sizing = engine_spec(options.engine).kv_cache
+    if sizing == "elsewhere":
         return  # a server's cache is on the server
-    element = 4.0 if options.engine == "cpu" else _CACHE_ELEMENT_BYTES[options.cache_dtype]
+    element = _CACHE_ELEMENT_BYTES[options.cache_dtype if sizing == "as_asked" else sizing]
     try:
         needed = kv_cache_bytes(options.model_dir, options.cache_tokens, element)
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
@@ -294,13 +298,15 @@ def check_gpu_split(
 
 
 def check_tensor_parallel_format(engine: str, fmt: str, model_dir: Path) -> None:
-    """Refuse tensor parallelism over weights the engine's library cannot split, before anything is unloaded:
-    exllamav2 0.3.2's `load_tp` splits quantized tensors only (an fp16 7B-shaped model failed on four H100s
-    with "Can only split quantized tensor."); exllamav3 splits fp16 and EXL3 weights alike."""
-    formats = TENSOR_PARALLEL_FORMATS.get(engine)
-    if formats and fmt not in formats:
-        raise ValueError(f"the {engine} engine splits only {' or '.join(formats).upper()} weights with tensor parallelism; "
-                         f"{model_dir.name} is {fmt.upper()}: use --gpu-split for a layer split, or the exllamav3 engine")
+    """Refuse tensor parallelism over weights the engine's library cannot split (its declaration's
+    `tensor_parallel_loads`), before anything is unloaded."""
+    spec = engine_spec(engine)
+    if not spec.splits(fmt):
+        formats = " or ".join(spec.tensor_parallel_loads or spec.loads).upper()
+        able = [s.name for s in engines_loading(fmt) if s.splits(fmt)]
+        instead = f", or the {' or '.join(able)} engine" if able else ""
+        raise ValueError(f"the {engine} engine splits only {formats} weights with tensor parallelism; "
+                         f"{model_dir.name} is {fmt.upper()}: use --gpu-split for a layer split{instead}")
 
 
 def _gpu_list(devices: Sequence[int]) -> str:
