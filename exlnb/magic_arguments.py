@@ -16,7 +16,7 @@ import re
 import shlex
 import string
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from IPython.core.error import UsageError
@@ -24,32 +24,32 @@ from IPython.core.magic_arguments import MagicHelpFormatter, argument, argument_
 
 from exlnb.engines.base import SamplerSettings
 from exlnb.engines.declaration import GROUPS, LOAD_GROUPS, Option, declared, option
-from exlnb.engines.options import DISPLAY_HELP, DISPLAY_MODES
 from exlnb.request import GenerationRequest
 from exlnb.session import LoadFailed, LoadOptions, NoModelLoaded
 from exlnb.streaming import JobError
+from exlnb.widgets.stream import ShowOptions
+
+
+def variable_name(text: str) -> str:
+    """`--out VAR` as every magic reads it: the name of a Python variable to store a result in."""
+    if not text.isidentifier() or keyword.iskeyword(text):
+        raise ValueError(f"--out {text}: name a Python variable (letters, digits and _, not starting with a digit, "
+                         "not a keyword)")
+    return text
 
 
 @dataclass(frozen=True)
-class CellOptions:
+class CellOptions(ShowOptions):
     """What `%%exl_generate` adds to a `GenerationRequest`: how the answer is shown and where it is kept."""
 
-    display: str = option("auto", group="display", choices=DISPLAY_MODES, help=DISPLAY_HELP)
-    background: bool = option(False, group="display", help="return at once; the widget keeps streaming")
-    show_prompt: bool = option(False, group="display", help="show the exact tokens, special tokens highlighted")
-    out: str | None = option(None, group="output", metavar="VAR",
+    out: str | None = option(None, group="output", metavar="VAR", parse=variable_name,
                              help="store the result in this variable (a list for --n > 1; the running Generation "
                                   "with --background)")
-
-    def __post_init__(self) -> None:
-        if self.out is not None and (not self.out.isidentifier() or keyword.iskeyword(self.out)):
-            raise ValueError(f"--out {self.out}: name a Python variable (letters, digits and _, not starting "
-                             "with a digit, not a keyword)")
 
 
 # every %%exl_generate option, as its declarations say
 GENERATE_OPTIONS = (*declared(GenerationRequest), *declared(SamplerSettings), *declared(CellOptions))
-SHOW_OPTIONS = tuple(o.keyword for o in declared(CellOptions))
+CELL_OPTIONS = tuple(o.keyword for o in declared(CellOptions))  # what the magic keeps from the request
 GENERATE_USAGE = "%%exl_generate [options]\n  the prompt, on the lines below"
 GENERATE_EXAMPLES = """Generate from the cell body as the user's turn; {name} is filled from the notebook's variables.
 
@@ -75,6 +75,10 @@ class ShowHelp(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         print(parser.format_help())
         raise _HelpShown
+
+
+# every magic's `-h`/`--help`, one argument applied to each, as IPython applies its `magic_gui_arg`
+help_argument = argument("-h", "--help", action=ShowHelp)
 
 
 class _Help(MagicHelpFormatter):
@@ -184,7 +188,7 @@ def declared_arguments(options: tuple[Option, ...], groups: dict[str, str], **ab
 
     def decorate(func):
         decorators = [kwds(**about)] if about else []
-        decorators.append(argument("-h", "--help", action=ShowHelp))
+        decorators.append(help_argument)
         for group, words in groups.items():
             members = [o for o in options if o.group == group]
             if members:
@@ -240,6 +244,17 @@ def _read_by(parse):
             raise UsageError(str(error)) from None
 
     return read
+
+
+# `--display` and `--out` as the magics that show or keep something take them, from `%%exl_generate`'s declarations
+_DISPLAY, _OUT = (next(o for o in declared(CellOptions) if o.keyword == name) for name in ("display", "out"))
+display_argument = argument(_DISPLAY.flag, choices=_DISPLAY.choices, default=_DISPLAY.default,
+                            help=f"{_DISPLAY.help} (default: {_DISPLAY.default})")
+
+
+def out_argument(what: str):
+    """`--out VAR`: store `what` in a notebook variable (read as `%%exl_generate`'s `--out` is)."""
+    return option_argument(replace(_OUT, help=f"store {what}"))
 
 
 def tidy_help(magic) -> None:

@@ -17,15 +17,15 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from exlnb.divergence import REFERENCE_DTYPES
-from exlnb.engines.options import DISPLAY_HELP, DISPLAY_MODES, ENGINE_NAMES
+from exlnb.engines.options import ENGINE_NAMES
 from exlnb.generation import Generation
 from exlnb.loadtest import bench
 from exlnb.magic_arguments import (
-    SHOW_OPTIONS, CellOptions, ShowHelp, escaped, fill_prompt, generation_arguments, given_options, load_arguments,
-    parse_options, schema_from_notebook, tidy_help, usage_errors,
+    CELL_OPTIONS, CellOptions, display_argument, escaped, fill_prompt, generation_arguments, given_options,
+    help_argument, load_arguments, out_argument, parse_options, schema_from_notebook, tidy_help, usage_errors,
 )
 from exlnb.models import BUNDLED_MODEL
-from exlnb.quantize import DEFAULT_HEAD_BITS, QUANT_FORMATS, quantize
+from exlnb.quantize import BITS_RANGE, DEFAULT_BITS, DEFAULT_FORMAT, DEFAULT_HEAD_BITS, QUANT_FORMATS, quantize
 from exlnb.request import GenerationRequest
 from exlnb.scoring import DEFAULT_TOKENS, divergence_from
 from exlnb.session import get_session
@@ -112,7 +112,7 @@ class ExlnbMagics(Magics):
         if "json_schema" in given:
             given["json_schema"] = schema_from_notebook(given["json_schema"], self.shell.user_ns)
         with usage_errors():
-            cell_options = CellOptions(**{k: given.pop(k) for k in SHOW_OPTIONS if k in given})
+            cell_options = CellOptions(**{k: given.pop(k) for k in CELL_OPTIONS if k in given})
             request = GenerationRequest.build(fill_prompt(cell.strip(), self.shell.user_ns), **given)
         show = dict(background=cell_options.background, show_prompt=cell_options.show_prompt,
                     display=cell_options.display, owner=self.cell_id)
@@ -134,9 +134,9 @@ class ExlnbMagics(Magics):
               help="the text of the one token forced at K (default: the likeliest alternative the token view "
                    "recorded there)")
     @argument("--token-id", type=int, metavar="N", help="the id of the token forced at K, instead of --token")
-    @argument("--display", choices=DISPLAY_MODES, default="auto", help=DISPLAY_HELP)
-    @argument("--out", metavar="VAR", help="store the branch's result (branch it again with %%exl_branch VAR)")
-    @argument("-h", "--help", action=ShowHelp)
+    @display_argument
+    @out_argument("the branch's result (branch it again with %%exl_branch VAR)")
+    @help_argument
     @line_magic
     def exl_branch(self, line: str) -> None:
         """Run a result again from token K with another token forced there, show it as it streams, then the tree."""
@@ -177,8 +177,8 @@ class ExlnbMagics(Magics):
         BranchTree.of(branched).show()
 
     @magic_arguments()
-    @argument("--display", choices=DISPLAY_MODES, default="auto", help=DISPLAY_HELP)
-    @argument("-h", "--help", action=ShowHelp)
+    @display_argument
+    @help_argument
     @line_magic
     def exl_cache(self, line: str) -> None:
         """The cache inspector: pages coloured by owner job, shared pages outlined, free pages, totals; for a model
@@ -189,8 +189,8 @@ class ExlnbMagics(Magics):
             show_cache_or_server(display=args.display)
 
     @magic_arguments()
-    @argument("--display", choices=DISPLAY_MODES, default="auto", help=DISPLAY_HELP)
-    @argument("-h", "--help", action=ShowHelp)
+    @display_argument
+    @help_argument
     @line_magic
     def exl_jobs(self, line: str) -> None:
         """Pending and active jobs, with Cancel buttons; a job whose answer nobody is reading is marked."""
@@ -202,7 +202,7 @@ class ExlnbMagics(Magics):
     @magic_arguments()
     @argument("job_ids", nargs="*", type=int, help="jobs to cancel (ids from %%exl_jobs)")
     @argument("--all", action="store_true", help="cancel every pending and active job")
-    @argument("-h", "--help", action=ShowHelp)
+    @help_argument
     @line_magic
     def exl_cancel(self, line: str) -> None:
         """Cancel jobs by id, or all of them; their cache pages are free when this returns."""
@@ -220,10 +220,12 @@ class ExlnbMagics(Magics):
     @magic_arguments()
     @argument("model", nargs="?", default=BUNDLED_MODEL,
               help=f'an unquantized model folder, a hub repo id, or "{BUNDLED_MODEL}" (default)')
-    @argument("--format", choices=QUANT_FORMATS, default="exl3", help="exl3 (exllamav3) or exl2 (exllamav2)")
-    @argument("--bits", type=float, default=4.0, help="bits per weight (EXL3 1-8, EXL2 2-8)")
+    @argument("--format", choices=QUANT_FORMATS, default=DEFAULT_FORMAT, help=f"the format (default {DEFAULT_FORMAT})")
+    @argument("--bits", type=float, default=DEFAULT_BITS,
+              help=f"bits per weight (default {DEFAULT_BITS:g}; " + ", ".join(
+                  f"{fmt.upper()} {low:g}-{high:g}" for fmt, (low, high) in BITS_RANGE.items()) + ")")
     @argument("--head-bits", type=int, help=f"bits per weight of the output layer (default {DEFAULT_HEAD_BITS})")
-    @argument("-h", "--help", action=ShowHelp)
+    @help_argument
     @line_magic
     def exl_quantize(self, line: str) -> None:
         """Quantize with the library's own converter (cached, resumable) and print the folder to %exl_load."""
@@ -245,8 +247,8 @@ class ExlnbMagics(Magics):
     @argument("--dtype", choices=tuple(REFERENCE_DTYPES), default="float32",
               help="how the reference's logits are kept on disk (default: float32)")
     @argument("--no-noise-floor", action="store_true", help="leave out the fp16 noise floor")
-    @argument("--out", metavar="VAR", help="store the Divergence")
-    @argument("-h", "--help", action=ShowHelp)
+    @out_argument("the Divergence")
+    @help_argument
     @line_magic
     def exl_divergence(self, line: str) -> None:
         """Score the loaded model against a reference (KL per position, top-1 agreement, perplexities) and print
@@ -277,13 +279,13 @@ class ExlnbMagics(Magics):
     @argument("--slo", action="append", type=slo_argument, default=[], metavar="NAME=MS",
               help="goodput objective, repeatable: ttft_ms=500, tpot_ms=50, e2el_ms=2000")
     @argument("--no-progress", action="store_true", help="nothing shown while it runs (no bar, no Stop button)")
-    @argument("--display", choices=DISPLAY_MODES, default="auto",
-              help=f"{DISPLAY_HELP}; the widget has a Stop button (default: auto)")
-    @argument("--out", metavar="VAR", help="store the BenchResult (requests, summary, figure())")
-    @argument("-h", "--help", action=ShowHelp)
+    @display_argument
+    @out_argument("the BenchResult (requests, summary, figure())")
+    @help_argument
     @line_magic
     def exl_bench(self, line: str) -> None:
-        """Load-test the loaded model as vLLM's benchmark_serving does and print its summary table."""
+        """Load-test the loaded model as vLLM's benchmark_serving does and print its summary table (the widget,
+        while it runs, has a Stop button)."""
         if (call := self._bench_call(line)) is None:
             return
         args, options = call

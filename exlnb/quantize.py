@@ -33,6 +33,8 @@ from exlnb.engines.formats import model_format
 from exlnb.models import BUNDLED_MODEL, cache_root, resolve_model
 
 QUANT_FORMATS = ("exl2", "exl3")
+DEFAULT_FORMAT = "exl3"
+DEFAULT_BITS = 4.0
 DEFAULT_HEAD_BITS = 6  # both converters' default for the output layer
 EXL2_HEAD_BITS = (2, 3, 4, 5, 6, 8)  # exllamav2 0.3.2 conversion/qparams.py: qparams_headoptions
 EXL3_CONVERTER = "exlnb.engines.exllamav3.compat"  # exllamav3's convert_model, with exlnb's fix for padded MLPs
@@ -97,8 +99,8 @@ def check_arguments(format: str, bits: float, head_bits: int | None) -> int:
 
 def quantize(
     model: str | os.PathLike = BUNDLED_MODEL,
-    format: str = "exl3",
-    bits: float = 4.0,
+    format: str = DEFAULT_FORMAT,
+    bits: float = DEFAULT_BITS,
     head_bits: int | None = None,
     *,
     progress: bool = True,

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from exlnb.engines.base import SEED_MAX, JobSpec, Tokenizer
-from exlnb.engines.checks import check_field_types, check_text
+from exlnb.engines.base import JobSpec, Tokenizer
+from exlnb.engines.checks import SEED_MAX, check_field_types, check_text
 from exlnb.engines.constraint import OutputConstraint
 from exlnb.engines.declaration import option, same_option, takes_options
 from exlnb.engines.job_options import JobOptions

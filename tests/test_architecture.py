@@ -24,7 +24,7 @@ LAYERS = (
                            "exlnb.engines.grammar", "exlnb.engines.tokenizer", "exlnb.engines.text",
                            "exlnb.engines.vocab", "exlnb.engines.token_info", "exlnb.engines.registry",
                            "exlnb.engines.formats", "exlnb.engines.options", "exlnb.engines.delivery",
-                           "exlnb.engines.job_options")),
+                           "exlnb.engines.job_options", "exlnb.engines.views")),
     ("engines", ("exlnb.engines.*",)),  # cpu/, exllamav2*, exllamav3*, library_engine, remote/, ...
     ("prompts, measures and model folders", ("exlnb.templates.*", "exlnb.analysis", "exlnb.models", "exlnb.quantize",
                                               "exlnb.random_model", "exlnb.datasets", "exlnb.metrics",

@@ -19,7 +19,7 @@ from exlnb.engines.exllamav2.engine import ExLlamaV2Engine
 from exlnb.engines.job_options import JobOptions
 from exlnb.generation import start
 from exlnb.request import GenerationRequest
-from tests.conftest import chatml
+from exlnb.templates import chatml
 from tests.test_sampling_options import refused_on
 
 

@@ -16,7 +16,8 @@ from exlnb.models import resolve_model
 from exlnb.session import LoadFailed, Session
 from exlnb.engines.base import LOOP_DETECTOR
 from exlnb.engines.job_options import JobOptions
-from tests.conftest import chatml, skip_without_library
+from exlnb.templates import chatml
+from tests.helpers import skip_without_library
 from tests.test_session import max_overlap
 
 pytestmark = pytest.mark.gpu

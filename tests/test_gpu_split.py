@@ -113,7 +113,7 @@ def test_the_magic_reads_auto_as_an_automatic_split_and_says_what_else_it_takes(
 
 
 def test_the_inspector_and_the_job_table_show_each_cards_memory_where_the_model_spans_several():
-    from exlnb.engines.base import CacheView, PageInfo
+    from exlnb.engines.views import CacheView, PageInfo
     from exlnb.widgets.cache import cache_summary, inspector_html, jobs_html, jobs_text
 
     pages = (PageInfo(index=0, owners=(), ref_count=0, tokens_filled=0, shared=False),)

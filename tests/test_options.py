@@ -15,7 +15,7 @@ from exlnb.engines.declaration import GROUPS
 from exlnb.engines.job_options import JobOptions
 from exlnb.engines.sampling import SamplerSettings
 from exlnb.generation import start
-from exlnb.magic_arguments import GENERATE_OPTIONS, SHOW_OPTIONS
+from exlnb.magic_arguments import CELL_OPTIONS, GENERATE_OPTIONS
 from exlnb.magics import ExlnbMagics
 from exlnb.request import GenerationRequest
 from exlnb.session import LoadFailed, Session
@@ -44,7 +44,7 @@ def test_every_magic_option_is_a_keyword_of_the_python_api():
 def test_the_python_signature_names_every_option_with_its_default():
     parameters = inspect.signature(start).parameters
     for o in GENERATE_OPTIONS:
-        if o.keyword not in SHOW_OPTIONS:
+        if o.keyword not in CELL_OPTIONS:
             assert parameters[o.keyword].default == o.default, o.keyword
     assert parameters["rep_penalty"].default == SamplerSettings().token_repetition_penalty
 

@@ -18,7 +18,7 @@ from exlnb import EosReason, SamplerSettings
 from exlnb.generation import start
 from exlnb.session import LoadFailed, NoModelLoaded, Session
 from exlnb.streaming import JobError, ModelUnloaded
-from tests.conftest import chatml
+from exlnb.templates import chatml
 
 PROMPT = chatml("Count to one hundred.")
 QUESTIONS = [chatml(q) for q in (

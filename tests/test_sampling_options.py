@@ -12,7 +12,7 @@ from exlnb.engines.exllamav3 import sampler as exllamav3_sampler
 from exlnb.engines.base import JobSpec
 from exlnb.engines.exllamav2.engine import ExLlamaV2Engine
 from exlnb.engines.job_options import JobOptions
-from tests.conftest import chatml
+from exlnb.templates import chatml
 
 QUESTION = chatml("What is the capital of France?")
 PLAIN = SamplerSettings(temperature=1.0, top_k=0, top_p=1.0, token_repetition_penalty=1.0)  # the bare softmax

@@ -15,7 +15,8 @@ from exlnb.engines.base import JobSpec
 from exlnb.engines.job_options import JobOptions
 from exlnb.session import NoModelLoaded, Session
 from exlnb.streaming import ModelUnloaded
-from tests.conftest import chatml, wait_until_idle
+from exlnb.templates import chatml
+from tests.helpers import wait_until_idle
 
 PROMPTS = [
     "What is the capital of France?",

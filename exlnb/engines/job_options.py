@@ -11,8 +11,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from exlnb.engines.base import DEFAULT_MAX_NEW_TOKENS, JobSpec, Tokenizer, check_job_limits
-from exlnb.engines.checks import check_field_types, one_or_many
+from exlnb.engines.base import DEFAULT_MAX_NEW_TOKENS, JobSpec, Tokenizer
+from exlnb.engines.checks import check_field_types, check_job_limits, one_or_many
 from exlnb.engines.constraint import OutputConstraint
 from exlnb.engines.declaration import option
 from exlnb.engines.sampling import SamplerSettings, build_sampled

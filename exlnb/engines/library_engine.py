@@ -23,14 +23,15 @@ from exlnb.engines.base import (
     JobClock,
     JobInfo,
     JobSpec,
-    PageInfo,
     Stage,
     StreamEvent,
     job_event,
     one_line,
     wall_clock,
 )
+from exlnb.engines.checks import check_prompt_fits
 from exlnb.engines.token_info import TokenInfo, token_info
+from exlnb.engines.views import PageInfo
 
 # the libraries' `eos_reason` strings; exllamav2 never reports a loop
 LIBRARY_EOS_REASONS = {
@@ -69,11 +70,7 @@ def installed_version(library: ModuleType, name: str) -> str:
 def max_new_tokens_within(spec: JobSpec, max_seq_len: int) -> int:
     """The job's token limit lowered to what the cache holds after its prompt; a prompt that fills it is refused."""
     prompt = len(spec.input_ids)
-    if prompt + 1 > max_seq_len:
-        raise ValueError(
-            f"the prompt has {prompt} tokens but the cache holds {max_seq_len}: shorten the prompt "
-            f"or load with cache_tokens of at least {prompt + spec.max_new_tokens}"
-        )
+    check_prompt_fits(prompt, spec.max_new_tokens, max_seq_len)
     return min(spec.max_new_tokens, max_seq_len - prompt)
 
 

@@ -50,7 +50,7 @@ class LoadOptions:
                         help="KV cache precision: q4, q6 and q8 on the engines that quantize their cache")
     max_batch_size: int | None = option(None, group="cache", metavar="N",
                                         help=f"most jobs decoded together (default: {DEFAULT_MAX_BATCH_SIZE})")
-    paged: str | bool = option("auto", group="cache", parse=parse_paged, metavar="|".join(PAGED_MODES),
+    paged: str | bool = option("auto", group="cache", parse=parse_paged, metavar=f"{{{','.join(PAGED_MODES)}}}",
                                help="off: one contiguous cache, one job at a time, on the engines that can run "
                                     "unpaged; auto: the engine's own choice")
     gpu_split: tuple[float, ...] | str | None = option(

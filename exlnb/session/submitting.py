@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from inspect import Parameter
 
-from exlnb.engines.base import Engine, EosReason, JobInfo, JobSpec, check_prompt_fits
+from exlnb.engines.base import Engine, EosReason, JobInfo, JobSpec
+from exlnb.engines.checks import check_prompt_fits
 from exlnb.engines.declaration import takes_options
 from exlnb.engines.job_options import JobOptions
 from exlnb.engines.sampling import SamplerSettings

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import html
 
-from exlnb.engines.base import CacheView, PageInfo, memory_per_gpu_text, wall_clock
+from exlnb.engines.base import wall_clock
+from exlnb.engines.views import CacheView, PageInfo, memory_per_gpu_text
 from exlnb.engines.options import check_display
 from exlnb.session import JobRow, Session, get_session
 from exlnb.widgets.frontend import widget_frontend
