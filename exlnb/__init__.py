@@ -1,4 +1,5 @@
-"""exlnb: one kernel-resident ExLlamaV2, ExLlamaV3 (or CPU) generator for Jupyter research notebooks."""
+"""exlnb: one kernel-resident inference engine for Jupyter research notebooks around the ExLlama libraries (the
+engines it can load: docs/engines.md)."""
 
 import importlib
 

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from IPython.core.error import UsageError
 
 import exlnb.magics
-from exlnb.engines.declaration import GROUPS
+from exlnb.engines.declaration import GROUPS, declared, option, takes_options
 from exlnb.engines.job_options import JobOptions
 from exlnb.engines.sampling import SamplerSettings
 from exlnb.generation import start
-from exlnb.magic_arguments import CELL_OPTIONS, GENERATE_OPTIONS
+from exlnb.magic_arguments import CELL_OPTIONS, GENERATE_OPTIONS, declared_arguments, given_options
 from exlnb.magics import ExlnbMagics
 from exlnb.request import GenerationRequest
 from exlnb.session import LoadFailed, Session
@@ -24,11 +25,41 @@ ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "What is the capital of France?"
 
 
-def test_the_options_page_is_what_the_declarations_say():
+def options_page():
     spec = importlib.util.spec_from_file_location("options_page", ROOT / "docs" / "options.py")
     page = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(page)
-    assert (ROOT / "docs" / "options.md").read_text() == page.reference(), "run python docs/options.py"
+    return page
+
+
+def test_the_options_page_is_what_the_declarations_say():
+    assert (ROOT / "docs" / "options.md").read_text() == options_page().reference(), "run python docs/options.py"
+
+
+@dataclass(frozen=True)
+class Brew:
+    """docs/architecture.md's recipe for an option, followed for a door of its own: one field each."""
+
+    steep_s: int = option(180, group="samples", help="how long the leaves steep")
+    milk: bool = option(False, group="samples", help="add milk")
+    cup: str = option("mug", group="samples", choices=("mug", "cup"), help="what it is poured into")
+
+
+def test_an_option_is_one_field_and_the_flag_the_keyword_and_the_docs_row_follow():
+    @declared_arguments(declared(Brew), GROUPS)
+    def brew(line: str) -> None:
+        """Brew a pot."""
+
+    @takes_options(Brew)
+    def pour(**options) -> Brew:
+        return Brew(**options)
+
+    args = brew.parser.parse_args(["--steep-s", "240", "--milk"])
+    assert pour(**given_options(args)) == Brew(steep_s=240, milk=True)
+    assert "how long the leaves steep (default: 180)" in " ".join(brew.parser.format_help().split())
+    assert inspect.signature(pour).parameters["cup"].default == "mug"
+    rows = options_page()._rows(declared(Brew), GROUPS, "flag")
+    assert "| `--cup` | `cup` | `mug` | what it is poured into (mug, cup) |" in rows
 
 
 def test_every_magic_option_is_a_keyword_of_the_python_api():

@@ -1,4 +1,4 @@
-"""What the two ExLlama engines share: importing a verified library, tracking its jobs, cancelling them, and
+"""What the ExLlama engines share: importing a verified library, tracking its jobs, cancelling them, and
 reading the job table and cache pages off its objects.
 
 exllamav2 0.3.2 and exllamav3 1.6.5 agree on these shapes: a generator with `enqueue`, `iterate`, `cancel` and

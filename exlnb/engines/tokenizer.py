@@ -1,7 +1,7 @@
 """One tokenizer for every engine: Hugging Face's, loaded from the model folder, and the `Tokenizer` protocol the
 kit reads it through.
 
-Sharing it means a template renders to the same ids on either engine, so experiments compare like with
+Sharing it means a template renders to the same ids on every engine, so experiments compare like with
 like. Special tokens written in text (`<|im_start|>`) become their single ids only with `special=True`;
 field report 4 is what happens otherwise.
 """
@@ -21,7 +21,7 @@ GRAMMAR_PROBE = 'A {"name": "Ana", "tags": [1, 2]}\n\tcafé, 東京!'
 
 
 class Tokenizer(Protocol):
-    """The slice of a tokenizer the kit needs; both engines hand out the same HF-backed one."""
+    """The slice of a tokenizer the kit needs; every engine hands out the same HF-backed one."""
 
     eos_token_id: int
     eos_token_ids: tuple[int, ...]  # every id that ends a turn (Llama 3 has two)
