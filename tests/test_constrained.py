@@ -154,7 +154,7 @@ def test_an_answer_cut_short_says_so_when_parsed(idle_session, greedy):
 
 def test_a_cancelled_constrained_sample_frees_its_pages(idle_session):
     generation = start("Write a long line.", regex="[a-z ]{200}", n=3, seed=1, max_new_tokens=220)
-    for sample, event in generation.follow():
+    for _sample, event in generation.follow():
         if event.new_tokens >= 3:
             break
     generation.cancel()

@@ -43,7 +43,7 @@ def transformers_logits():
             return model(torch.tensor([ids]).cuda()).logits.float().cpu()
 
     yield logits
-    del model
+    model = None  # the closure holds the model until here: let it go
     torch.cuda.empty_cache()
 
 

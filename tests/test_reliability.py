@@ -370,7 +370,7 @@ def test_async_calls_during_a_long_prefill_never_block_the_event_loop(idle_sessi
         for _ in range(3):
             idle_session.jobs()  # a view: never waits for the step in progress
             short = await idle_session.agenerate(PROMPT, max_new_tokens=30)
-            async for event in short:  # leaving the loop cancels without waiting
+            async for _ in short:  # leaving the loop cancels without waiting
                 break
             await idle_session.acancel(short.job_id)
             await asyncio.sleep(0.2)

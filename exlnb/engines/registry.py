@@ -224,7 +224,8 @@ register_engine(EngineSpec(
 ))
 register_engine(EngineSpec(
     name="cpu",
-    summary="exlnb's own engine in PyTorch on the CPU: unquantized models, a paged cache, exllamav2's whole sampler",
+    summary="exlnb's own engine in PyTorch on the CPU: unquantized models, a paged cache, "
+            "exllamav2's whole sampler",
     loads=("hf",),
     capabilities=frozenset({
         "paged", "page_map", "dry", "xtc", "sampler_all", "constraints", "token_view", "separate_generators",
@@ -236,7 +237,8 @@ register_engine(EngineSpec(
 ))
 register_engine(EngineSpec(
     name="openai",
-    summary="an OpenAI-compatible server (TabbyAPI, vLLM, SGLang, llama.cpp) by its url: streams, cancels by disconnecting",
+    summary="an OpenAI-compatible server (TabbyAPI, vLLM, SGLang, llama.cpp) by its url: streams, "
+            "cancels by disconnecting",
     loads=("url",),
     capabilities=frozenset({"token_view", "server_metrics"}),
     engine_class="exlnb.engines.remote.engine:RemoteEngine",
@@ -250,7 +252,10 @@ TABLE_START = "<!-- engines table: written by exlnb.engines.registry.write_engin
 TABLE_END = "<!-- end of engines table -->"
 
 
-def write_engines_doc(doc: Path = Path(__file__).resolve().parents[2] / "docs" / "engines.md") -> None:
+ENGINES_DOC = Path(__file__).resolve().parents[2] / "docs" / "engines.md"
+
+
+def write_engines_doc(doc: Path = ENGINES_DOC) -> None:
     """Put `engines_table()` between docs/engines.md's markers, after an engine's declaration changed."""
     text = doc.read_text()
     start, end = text.index(TABLE_START) + len(TABLE_START), text.index(TABLE_END)

@@ -77,7 +77,8 @@ def run(
     for rep, freq in (NO_PENALTY, REPORTED_DEFAULT, REPORTED_SUGGESTION):
         if rep not in repetition_penalties or freq not in frequency_penalties:
             raise ValueError(
-                f"the grid must hold no penalty and field report 1's two settings (penalty {rep}, frequency {freq}) to compare them: "
+                f"the grid must hold no penalty and field report 1's two settings (penalty {rep}, frequency {freq}) "
+                "to compare them: "
                 f"got repetition_penalties={repetition_penalties}, frequency_penalties={frequency_penalties}"
             )
     texts = load_prompts("loop_inviting")[:prompts]

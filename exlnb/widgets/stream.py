@@ -21,7 +21,6 @@ from exlnb.engines.base import DEFAULT_MAX_NEW_TOKENS, StreamEvent, wall_clock
 from exlnb.engines.checks import check_option_names
 from exlnb.engines.declaration import declared, option, takes_options
 from exlnb.engines.options import DISPLAY_HELP, DISPLAY_MODES, check_display
-from exlnb.engines.sampling import SamplerSettings
 from exlnb.generation import (
     Generation, Sample, as_request, astart, astart_branch, branch_result, start, start_branch,
 )
