@@ -30,6 +30,7 @@ from filelock import FileLock
 from tqdm.auto import tqdm
 
 from exlnb.engines.formats import model_format
+from exlnb.engines.registry import engines_loading
 from exlnb.models import BUNDLED_MODEL, cache_root, resolve_model
 
 QUANT_FORMATS = ("exl2", "exl3")
@@ -136,8 +137,9 @@ def _check_converter(format: str) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        raise RuntimeError("quantizing needs CUDA: both converters run on the GPU; quantize on a GPU machine")
-    library = "exllamav2" if format == "exl2" else "exllamav3"
+        raise RuntimeError("quantizing needs CUDA: the converters run on the GPU; quantize on a GPU machine")
+    # the converter is the library of the engine that loads the format (registry.py)
+    library = next(spec.library for spec in engines_loading(format) if spec.library)
     needed = [library] + (["fastparquet"] if format == "exl2" else [])  # convert_exl2 imports fastparquet
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
