@@ -18,6 +18,7 @@ report: $(VENV)/.installed
 PARALLEL := -n logical --maxprocesses=2 --dist loadfile --no-loadscope-reorder
 
 test: $(VENV)/.installed-test browser-deps
+	$(BIN)/python -m ruff check . && $(BIN)/python -m ruff format --check .
 	$(BIN)/python -m pytest $(PARALLEL) --durations=20
 
 # The edit loop: everything but the tests marked slow (notebooks, browser, kernels, servers) and gpu.

@@ -14,6 +14,7 @@ import torch
 from benchmarks.harness import clock
 from exlnb import SamplerSettings
 from exlnb.engines.base import JobSpec
+from exlnb.engines.job_options import JobOptions
 from exlnb.session import Session
 
 GREEDY = SamplerSettings.greedy()
@@ -240,7 +241,7 @@ def session_aggregate(session: Session, prompts: list[list[int]], new_tokens: in
     """Total new tokens per second of one job per prompt, submitted together, from submit to the last one's end."""
     start = clock()
     streams = session.submit_together(
-        [session.job_spec(p, max_new_tokens=new_tokens, sampler=GREEDY, stop_at_eos=False) for p in prompts]
+        [session.spec_for(p, JobOptions(max_new_tokens=new_tokens, sampler=GREEDY, stop_at_eos=False)) for p in prompts]
     )
     produced = sum(s.result().new_tokens for s in streams)
     return produced / (clock() - start)

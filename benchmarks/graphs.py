@@ -27,6 +27,7 @@ import torch
 from benchmarks import decode
 from benchmarks.harness import clock, device_slug, environment, new_result_path, summarise, write_json
 from benchmarks.suites import _or_its_error
+from exlnb.engines.job_options import JobOptions
 from exlnb.models import BUNDLED_MODEL, resolve_model
 from exlnb.random_model import SEVEN_B_SHAPED, cannot_make_here, seven_b_shaped
 from exlnb.session import Session
@@ -55,8 +56,8 @@ def model_folder(model: str) -> Iterator[tuple[Path, int | None]]:
 def greedy_tokens(session: Session) -> list[tuple[int, ...]]:
     """One job's greedy tokens, then 8 jobs' submitted together: what graphs must not change."""
     prompts = [decode.random_prompt(32, 7000 + i) for i in range(BATCH)]
-    specs = [session.job_spec(p, max_new_tokens=CHECK_TOKENS, sampler=decode.GREEDY, stop_at_eos=False)
-             for p in prompts]
+    job = JobOptions(max_new_tokens=CHECK_TOKENS, sampler=decode.GREEDY, stop_at_eos=False)
+    specs = [session.spec_for(p, job) for p in prompts]
     alone = [session.submit_together(specs[:1])[0].result().token_ids]
     return alone + [s.result().token_ids for s in session.submit_together(specs)]
 

@@ -1,23 +1,20 @@
 """Measuring honestly: warm-ups, device synchronisation before every clock read, repeats, medians, spread.
 
-Also the record of where a number came from (device, driver, versions, date), written beside it.
+Also the record of where a number came from (`environment`: exlnb's one record of device, driver, versions and
+date), written beside it.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import platform
 import statistics
-import subprocess
 import time
-from importlib import metadata
 from pathlib import Path
 
 import torch
 
-from exlnb.experiments.record import git_commit, write_atomically
+from exlnb.experiments.record import environment as environment  # the benchmarks read the one record from here
+from exlnb.experiments.record import write_atomically
 
 
 def sync() -> None:
@@ -42,43 +39,6 @@ def summarise(samples: list[float]) -> dict:
         "min": ordered[0],
         "max": ordered[-1],
     }
-
-
-def environment() -> dict:
-    """Where the numbers come from. The load average marks runs taken on a busy machine: on a 2-core CPU,
-    one other busy process halves what two torch threads get."""
-    versions = {}
-    for name in ("torch", "triton", "transformers", "exllamav2", "exllamav3", "exlnb"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    info = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "versions": versions,
-        "exlnb_commit": git_commit(),
-        "load_average_1min": os.getloadavg()[0],
-        "cpu_count": os.cpu_count(),
-    }
-    if torch.cuda.is_available():
-        info["device"] = torch.cuda.get_device_name()
-        info["driver"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
-        ).stdout.strip()
-    else:
-        info["device"] = f"cpu: {_cpu_model()}, {torch.get_num_threads()} threads"
-        info["driver"] = None
-    return info
-
-
-def _cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def device_slug(env: dict) -> str:

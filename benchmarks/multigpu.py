@@ -6,7 +6,8 @@ split over two, and tensor parallel over two (and four): greedy agreement and de
 exlnb grows no distributed engine of its own: it drives each library's layer split (`gpu_split`) and tensor
 parallelism (`tensor_parallel`, exllamav2's `load_tp`, exllamav3's `tensor_p`). This suite says what those give
 through exlnb's session. It writes `multigpu-<device>-<date>.json` with the raw numbers and a `goals` object
-(each goal `{"ratio": x, "met": bool}`, from the engine that reaches furthest, every engine's beside it), and a figure beside it.
+(each goal `{"ratio": x, "met": bool}`, from the engine that reaches furthest, every engine's beside it), and a
+figure beside it.
 """
 
 from __future__ import annotations

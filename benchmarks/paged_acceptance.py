@@ -20,6 +20,7 @@ from benchmarks.decode import GREEDY, aggregate_throughput
 from benchmarks.harness import device_slug, environment, summarise
 from exlnb import get_session
 from exlnb.engines.base import Stage
+from exlnb.engines.job_options import JobOptions
 from exlnb.engines.options import ENGINE_NAMES
 from exlnb.session import Session
 from exlnb.streaming import GenerationResult, JobStream
@@ -55,7 +56,7 @@ def answers_alone(session: Session, questions: list[str], max_new_tokens: int) -
 
 def answers_together(session: Session, questions: list[str], max_new_tokens: int) -> list[JobStream]:
     """All prompts submitted at once, so they run batched where the engine batches (greedy)."""
-    specs = [session.job_spec(chatml(q), max_new_tokens=max_new_tokens, sampler=GREEDY) for q in questions]
+    specs = [session.spec_for(chatml(q), JobOptions(max_new_tokens=max_new_tokens, sampler=GREEDY)) for q in questions]
     return session.submit_together(specs)
 
 
@@ -69,7 +70,7 @@ def first_difference(a: tuple[int, ...], b: tuple[int, ...]) -> int | None:
 
 def shared_prompt_pages(session: Session, timeout_s: float = 30.0) -> dict:
     """Two jobs with the same long prompt started together, then a third after them: what the cache shows."""
-    spec = session.job_spec(LONG_PROMPT, max_new_tokens=200, sampler=GREEDY, stop_at_eos=False)
+    spec = session.spec_for(LONG_PROMPT, JobOptions(max_new_tokens=200, sampler=GREEDY, stop_at_eos=False))
     streams = session.submit_together([spec, spec])
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

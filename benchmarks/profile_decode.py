@@ -3,9 +3,9 @@ them; on the CPU, which operators.
 
     python -m benchmarks profile-decode [--model 7b|bundled] [--engine auto|exllamav2|cpu] [--batch N]
 
-Writes, per step (one token of each job): wall time, the busiest operators (and on the GPU: kernel time, kernel launches, and the
-fraction of the wall time the GPU was busy). If kernel time is far below wall time, the step is bound by
-launching kernels from Python, not by the GPU. Wall times under the profiler are inflated by the profiler.
+Writes, per step (one token of each job): wall time, the busiest operators (and on the GPU: kernel time, kernel
+launches, and the fraction of the wall time the GPU was busy). If kernel time is far below wall time, the step is
+bound by launching kernels from Python, not by the GPU. Wall times under the profiler are inflated by the profiler.
 """
 
 from __future__ import annotations

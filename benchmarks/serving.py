@@ -30,6 +30,7 @@ from exlnb import bench, get_session
 from exlnb.bench_result import plain_json
 from exlnb.engines.formats import engine_for, model_format
 from exlnb.engines.options import ENGINE_NAMES, PAGED_MODES, UNPAGED_ENGINES, cuda_available
+from exlnb.engines.registry import engine_spec, engines_loading
 from exlnb.models import BUNDLED_MODEL, resolve_model
 from exlnb.workload import length_argument, rate_label, rates_argument, slo_argument
 
@@ -81,10 +82,12 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     server.add_argument("--api-key-env", help="environment variable holding the server's API key")
     server.add_argument("--api", choices=("chat", "completions"), default="chat")
     args = parser.parse_args(argv)
+    servers = [spec.name for spec in engines_loading("url")]  # the engines that measure a server at its url
     if args.url and args.engine == ["auto"]:
-        args.engine = ["openai"]
-    if ("openai" in args.engine) != bool(args.url):
-        parser.error("--engine openai and --url go together: the openai engine measures the server at --url")
+        args.engine = servers[:1]
+    if any(engine in servers for engine in args.engine) != bool(args.url):
+        parser.error(f"--engine {' or '.join(servers)} and --url go together: the {servers[0]} engine measures "
+                     "the server at --url")
     for key, value in (QUICK if args.quick else SWEEP).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -137,10 +140,10 @@ def run_setup(engine: str, mode: str, args: argparse.Namespace, options: dict) -
     """Load one setup, warm it up, sweep the rates; its record for the JSON."""
     started = time.perf_counter()
     remote = dict(url=args.url, served_model=args.served_model, api_key_env=args.api_key_env, api=args.api)
+    serves = args.url is not None and "url" in engine_spec(engine).loads
     status = get_session().load(BUNDLED_MODEL, engine=engine, cache_tokens=args.cache_tokens, progress=False,
-                                **(remote if engine == "openai" else {"paged": PAGED_MODES[mode]}))
-    name = f"{status.engine} at {args.url}" if engine == "openai" else (
-        f"{status.engine} {'paged' if status.paged else 'unpaged'}")
+                                **(remote if serves else {"paged": PAGED_MODES[mode]}))
+    name = f"{status.engine} at {args.url}" if serves else f"{status.engine} {'paged' if status.paged else 'unpaged'}"
     print(status.line(), flush=True)
     bench(num_requests=1, progress=False, **options)  # warm-up, as vLLM's initial test request
     result = bench(args.rates, num_requests=args.requests, **options)

@@ -13,8 +13,9 @@ import torch
 from benchmarks import decode
 from benchmarks.harness import clock, summarise
 from benchmarks.profile_decode import profile_steps
+from exlnb.engines.base import one_line
 from exlnb.models import resolve_model
-from exlnb.session import Session, one_line
+from exlnb.session import Session
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from exlnb.engines.registry import engine_names, engine_spec
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -107,9 +109,15 @@ def _cell(row: Row, run: dict) -> str:
         return "not run"
     if isinstance(value, str):
         return value
-    target = row.gpu if run["engine"].startswith(("exllamav2", "exllamav3")) else row.cpu
+    target = row.gpu if _on_gpu(run) else row.cpu
     verdict = "" if target is None else (" met" if target.met(value) else " **missed**")
     return f"{value:.2f}{verdict}"
+
+
+def _on_gpu(run: dict) -> bool:
+    """Whether a run's engine (its status line's first word) is one that needs CUDA, as the registry says."""
+    name = run["engine"].split()[0]
+    return name in engine_names() and engine_spec(name).needs_cuda
 
 
 def markdown(runs: list[dict]) -> str:

@@ -144,7 +144,8 @@ Q = "<|im_start|>user\\n" + P + "<|im_end|>\\n<|im_start|>assistant\\n"
 d = {{}}
 person = {{"type": "object", "properties": {{"name": {{"type": "string"}}}}}}
 typo = {{"type": "objec"}}
-refs = {{"$defs": {{"name": {{"type": "string"}}}}, "type": "object", "properties": {{"name": {{"$ref": "#/$defs/name"}}}}}}
+refs = {{"$defs": {{"name": {{"type": "string"}}}}, "type": "object",
+        "properties": {{"name": {{"$ref": "#/$defs/name"}}}}}}
 """
 
 
@@ -290,7 +291,10 @@ def markdown(results: list[tuple[str, str, str]]) -> str:
         "| input | what the user sees | session still usable |",
         "|---|---|---|",
     ]
-    cell_text = lambda text: text.replace("|", "\\|")
+
+    def cell_text(text: str) -> str:
+        return text.replace("|", "\\|")
+
     lines += [f"| `{cell_text(shown)}` | {cell_text(seen)} | {usable} |" for shown, seen, usable in results]
     return "\n".join(lines) + "\n"
 

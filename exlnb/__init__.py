@@ -1,12 +1,14 @@
-"""exlnb: one kernel-resident ExLlamaV2, ExLlamaV3 (or CPU) generator for Jupyter research notebooks."""
+"""exlnb: one kernel-resident inference engine for Jupyter research notebooks around the ExLlama libraries (the
+engines it can load: docs/engines.md)."""
 
 import importlib
 
 from exlnb.chat import Chat, get_chat
 from exlnb.engines.base import EosReason, SamplerSettings, Stage, StreamEvent
+from exlnb.engines.job_options import JobOptions
 from exlnb.generation import Generation
 from exlnb.loadtest import bench
-from exlnb.session import Session, get_session
+from exlnb.session import LoadOptions, Session, get_session
 from exlnb.streaming import GenerationResult, JobStream
 
 __all__ = [
@@ -15,7 +17,9 @@ __all__ = [
     "EosReason",
     "Generation",
     "GenerationResult",
+    "JobOptions",
     "JobStream",
+    "LoadOptions",
     "SamplerSettings",
     "Session",
     "Stage",

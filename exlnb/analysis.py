@@ -1,7 +1,7 @@
 """Measures the notebooks compute from raw results: repetition loops, n-gram diversity, timing statistics.
 
 Everything works on plain sequences of token ids (or any hashable items) and arrays of numbers, so the
-same functions serve both engines and the tests. Uncertainty comes from a percentile bootstrap (for
+same functions serve every engine and the tests. Uncertainty comes from a percentile bootstrap (for
 medians and ratios of medians) and the Wilson score interval (for rates such as "loop rate 7 of 16").
 """
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from exlnb.bench_result import BenchResult, RateRun
 from exlnb.engines.base import SamplerSettings, wall_clock
+from exlnb.engines.job_options import JobOptions
 from exlnb.metrics import RequestRecord, request_record, serving_metrics
 from exlnb.session import Session, get_session
 from exlnb.streaming import JobError, JobStream, ModelUnloaded, reading
@@ -136,10 +137,10 @@ class LoadRun:
         if not due:
             return
         specs = [
-            self.session.job_spec(
-                list(r.prompt_ids), max_new_tokens=r.output_tokens, sampler=SamplerSettings.greedy(),
-                stop_at_eos=False, identifier=(self.tag, r.index),
-            )
+            self.session.spec_for(r.prompt_ids, JobOptions(
+                max_new_tokens=r.output_tokens, sampler=SamplerSettings.greedy(), stop_at_eos=False,
+                identifier=(self.tag, r.index),
+            ))
             for r in due
         ]
         submitted_at = wall_clock()

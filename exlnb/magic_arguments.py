@@ -1,8 +1,9 @@
 """What the magics parse: the options they declare, their help (grouped, with examples, a misspelt option's
 suggestion), the values their flags take, and the one-line errors a user's mistake gets.
 
-`%%exl_generate`'s options are the ones `GenerationRequest`, `SamplerSettings` and `CellOptions` declare
-(`exlnb.engines.declaration`); `exlnb.magics` holds the magics themselves, each one call into the Python API.
+`%%exl_generate`'s options are the ones `GenerationRequest`, `SamplerSettings` and `CellOptions` declare, and
+`%exl_load`'s the ones `LoadOptions` declares (`exlnb.engines.declaration`); `exlnb.magics` holds the magics
+themselves, each one call into the Python API.
 """
 
 from __future__ import annotations
@@ -15,40 +16,40 @@ import re
 import shlex
 import string
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import MagicHelpFormatter, argument, argument_group, kwds, magic_arguments, real_name
 
 from exlnb.engines.base import SamplerSettings
-from exlnb.engines.declaration import GROUPS, Option, declared, option
-from exlnb.engines.options import AUTO_SPLIT, DISPLAY_HELP, DISPLAY_MODES
+from exlnb.engines.declaration import GROUPS, LOAD_GROUPS, Option, declared, option
 from exlnb.request import GenerationRequest
-from exlnb.session import LoadFailed, NoModelLoaded
+from exlnb.session import LoadFailed, LoadOptions, NoModelLoaded
 from exlnb.streaming import JobError
+from exlnb.widgets.stream import ShowOptions
+
+
+def variable_name(text: str) -> str:
+    """`--out VAR` as every magic reads it: the name of a Python variable to store a result in."""
+    if not text.isidentifier() or keyword.iskeyword(text):
+        raise ValueError(f"--out {text}: name a Python variable (letters, digits and _, not starting with a digit, "
+                         "not a keyword)")
+    return text
 
 
 @dataclass(frozen=True)
-class CellOptions:
+class CellOptions(ShowOptions):
     """What `%%exl_generate` adds to a `GenerationRequest`: how the answer is shown and where it is kept."""
 
-    display: str = option("auto", group="display", choices=DISPLAY_MODES, help=DISPLAY_HELP)
-    background: bool = option(False, group="display", help="return at once; the widget keeps streaming")
-    show_prompt: bool = option(False, group="display", help="show the exact tokens, special tokens highlighted")
-    out: str | None = option(None, group="output", metavar="VAR",
+    out: str | None = option(None, group="output", metavar="VAR", parse=variable_name,
                              help="store the result in this variable (a list for --n > 1; the running Generation "
                                   "with --background)")
-
-    def __post_init__(self) -> None:
-        if self.out is not None and (not self.out.isidentifier() or keyword.iskeyword(self.out)):
-            raise ValueError(f"--out {self.out}: name a Python variable (letters, digits and _, not starting "
-                             "with a digit, not a keyword)")
 
 
 # every %%exl_generate option, as its declarations say
 GENERATE_OPTIONS = (*declared(GenerationRequest), *declared(SamplerSettings), *declared(CellOptions))
-SHOW_OPTIONS = tuple(o.keyword for o in declared(CellOptions))
+CELL_OPTIONS = tuple(o.keyword for o in declared(CellOptions))  # what the magic keeps from the request
 GENERATE_USAGE = "%%exl_generate [options]\n  the prompt, on the lines below"
 GENERATE_EXAMPLES = """Generate from the cell body as the user's turn; {name} is filled from the notebook's variables.
 
@@ -76,22 +77,15 @@ class ShowHelp(argparse.Action):
         raise _HelpShown
 
 
+# every magic's `-h`/`--help`, one argument applied to each, as IPython applies its `magic_gui_arg`
+help_argument = argument("-h", "--help", action=ShowHelp)
+
+
 class _Help(MagicHelpFormatter):
     """IPython's magic help without the reStructuredText `::` before the usage line."""
 
     def add_usage(self, usage, actions, groups, prefix="%"):
         super().add_usage(usage, actions, groups, prefix)
-
-
-def gpu_split(text: str) -> list[float] | str:
-    """'20,24' -> [20.0, 24.0] (GiB per GPU); 'auto' -> 'auto' (the library fills the GPUs in turn)."""
-    if text == AUTO_SPLIT:
-        return AUTO_SPLIT
-    try:
-        return [float(part) for part in text.split(",")]
-    except ValueError:
-        raise UsageError(f"--gpu-split {text!r}: give {AUTO_SPLIT}, or GiB per GPU separated by commas, "
-                         "e.g. 20,24") from None
 
 
 def escaped(text: str) -> str:
@@ -188,16 +182,33 @@ def usage_errors():
         raise UsageError(str(error)) from None
 
 
-def generation_arguments(func):
-    """`%%exl_generate`'s options, grouped as declared, each with its help and default; examples first."""
-    decorators = [kwds(usage=GENERATE_USAGE, description=GENERATE_EXAMPLES), argument("-h", "--help", action=ShowHelp)]
-    for group, about in GROUPS.items():
-        members = [o for o in GENERATE_OPTIONS if o.group == group]
-        if members:
-            decorators += [argument_group(group, about), *map(option_argument, members)]
-    for decorate in reversed(decorators):
-        func = decorate(func)
-    return magic_arguments()(func)
+def declared_arguments(options: tuple[Option, ...], groups: dict[str, str], **about):
+    """A magic's arguments from declared options, grouped as declared, each with its help and default; `about`
+    (`usage`, `description`) as IPython's `kwds` takes it."""
+
+    def decorate(func):
+        decorators = [kwds(**about)] if about else []
+        decorators.append(help_argument)
+        for group, words in groups.items():
+            members = [o for o in options if o.group == group]
+            if members:
+                decorators += [argument_group(group, words), *map(option_argument, members)]
+        for decorator in reversed(decorators):
+            func = decorator(func)
+        return magic_arguments()(func)
+
+    return decorate
+
+
+# `%%exl_generate`'s options, examples first; `%exl_load`'s
+generation_arguments = declared_arguments(GENERATE_OPTIONS, GROUPS, usage=GENERATE_USAGE,
+                                          description=GENERATE_EXAMPLES)
+load_arguments = declared_arguments(declared(LoadOptions), LOAD_GROUPS)
+
+
+def given_options(args: argparse.Namespace) -> dict:
+    """The options a magic's line gave: every flag left out keeps the Python API's default."""
+    return {name: value for name, value in vars(args).items() if value is not None}
 
 
 _METAVARS = {int: "N", float: "X", str: "TEXT"}
@@ -207,6 +218,10 @@ def option_argument(o: Option):
     """The magic's argument for a declared option: its flag, help and default, read as its type says."""
     shown = "" if o.default is None or o.default == () or isinstance(o.default, bool) else f" (default: {o.default})"
     help_text = o.help + shown
+    if o.positional:
+        return argument(o.keyword, nargs="?", default=None, metavar=o.keyword.upper(), help=help_text)
+    if o.parse:
+        return argument(o.flag, dest=o.keyword, type=_read_by(o.parse), metavar=o.metavar, help=help_text)
     if o.choices:
         return argument(o.flag, dest=o.keyword, choices=o.choices, help=help_text)
     if o.scalar is bool:
@@ -216,6 +231,30 @@ def option_argument(o: Option):
     kind = o.scalar or python_value  # anything richer is written as a Python literal
     return argument(o.flag, dest=o.keyword, type=kind, metavar=o.metavar or _METAVARS.get(kind, "LITERAL"),
                     help=help_text)
+
+
+def _read_by(parse):
+    """A flag's reading as the magic does it: a value the declaration's `parse` refuses is a one-line UsageError
+    (argparse would only say the value is invalid)."""
+
+    def read(text: str):
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+
+    return read
+
+
+# `--display` and `--out` as the magics that show or keep something take them, from `%%exl_generate`'s declarations
+_DISPLAY, _OUT = (next(o for o in declared(CellOptions) if o.keyword == name) for name in ("display", "out"))
+display_argument = argument(_DISPLAY.flag, choices=_DISPLAY.choices, default=_DISPLAY.default,
+                            help=f"{_DISPLAY.help} (default: {_DISPLAY.default})")
+
+
+def out_argument(what: str):
+    """`--out VAR`: store `what` in a notebook variable (read as `%%exl_generate`'s `--out` is)."""
+    return option_argument(replace(_OUT, help=f"store {what}"))
 
 
 def tidy_help(magic) -> None:

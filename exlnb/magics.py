@@ -2,8 +2,8 @@
 
 `%%exl_generate`'s options are read from the options that `GenerationRequest`, `SamplerSettings` and
 `CellOptions` declare (`exlnb.engines.declaration`), grouped as they declare them, so a new sampler setting is
-an option (with its help and default) the moment it is a field. `%exl_load`'s options are `Session.load`'s
-keywords by name. Every other option maps to a keyword of `show_cache` / `show_jobs`, `bench` or
+an option (with its help and default) the moment it is a field; `%exl_load`'s from `LoadOptions`, each one a
+keyword of `Session.load`. Every other option maps to a keyword of `show_cache` / `show_jobs`, `bench` or
 `Session.cancel`. `%exl_generate?`, `%%exl_generate?` and `--help` print the help; a user's mistake is a
 one-line `UsageError`.
 """
@@ -17,15 +17,15 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from exlnb.divergence import REFERENCE_DTYPES
-from exlnb.engines.options import CACHE_DTYPES, DISPLAY_HELP, DISPLAY_MODES, ENGINE_NAMES, GRAPH_MODES, SERVER_APIS
+from exlnb.engines.options import ENGINE_NAMES
 from exlnb.generation import Generation
 from exlnb.loadtest import bench
 from exlnb.magic_arguments import (
-    SHOW_OPTIONS, CellOptions, ShowHelp, escaped, fill_prompt, generation_arguments, gpu_split, parse_options,
-    schema_from_notebook, tidy_help, usage_errors,
+    CELL_OPTIONS, CellOptions, display_argument, escaped, fill_prompt, generation_arguments, given_options,
+    help_argument, load_arguments, out_argument, parse_options, schema_from_notebook, tidy_help, usage_errors,
 )
 from exlnb.models import BUNDLED_MODEL
-from exlnb.quantize import DEFAULT_HEAD_BITS, QUANT_FORMATS, quantize
+from exlnb.quantize import BITS_RANGE, DEFAULT_BITS, DEFAULT_FORMAT, DEFAULT_HEAD_BITS, QUANT_FORMATS, quantize
 from exlnb.request import GenerationRequest
 from exlnb.scoring import DEFAULT_TOKENS, divergence_from
 from exlnb.session import get_session
@@ -64,39 +64,16 @@ class ExlnbMagics(Magics):
         """pre_run_cell hook: a re-run cell cancels what it started before."""
         self.cell_id = getattr(info, "cell_id", None)
 
-    @magic_arguments()
-    @argument("model", nargs="?", default=BUNDLED_MODEL,
-              help=f'a model folder (HF fp16; EXL2 on the exllamav2 engine) or "{BUNDLED_MODEL}" (default)')
-    @argument("--engine", choices=ENGINE_NAMES, default="auto",
-              help="auto: exllamav2 where CUDA is available, cpu otherwise (default: auto)")
-    @argument("--cache-tokens", type=int, help="KV cache size in tokens (default: the engine's, 8192)")
-    @argument("--cache", choices=CACHE_DTYPES, default="fp16", help="KV cache precision, exllamav2 (default: fp16)")
-    @argument("--max-batch-size", type=int, help="most jobs decoded together (default: 16)")
-    @argument("--gpu-split", type=gpu_split,
-              help="auto (fill the GPUs in turn), or GiB per GPU, comma separated, e.g. 20,24; 0 leaves a GPU out "
-                   "(exllamav2, exllamav3)")
-    @argument("--tensor-parallel", action="store_true",
-              help="split every layer over the GPUs instead of placing whole layers (exllamav2, exllamav3; 2+ GPUs)")
-    @argument("--graphs", choices=GRAPH_MODES, default="auto",
-              help="CUDA-graph decode, exllamav2: auto uses it where its load check passes (default: auto)")
-    @argument("--url", help="an OpenAI-compatible server's API base, e.g. http://127.0.0.1:8000/v1 (openai engine); "
-              "the model argument then names the same model's local folder, for its tokenizer and template")
-    @argument("--served-model", metavar="NAME", help="the server's name for the model (default: the one it serves)")
-    @argument("--api-key-env", metavar="VAR", help="environment variable holding the server's API key")
-    @argument("--api", choices=SERVER_APIS, default="chat",
-              help="chat: the server's chat template; completions: exlnb's templates (default: chat)")
-    @argument("--reload", action="store_true",
-              help="load again even if the same model is loaded; replace a model while jobs run (they end)")
-    @argument("-h", "--help", action=ShowHelp)
+    @load_arguments
     @line_magic
     def exl_load(self, line: str) -> None:
-        """Load a model into the kernel's session; the same arguments again do nothing."""
+        """Load a model into the kernel's session; the same options again do nothing."""
         if (args := parse_options(self.exl_load, line)) is None:
             return
         session = get_session()
         before = session.options
         with usage_errors():
-            status = session.load(**vars(args))  # each option's dest is a keyword of Session.load
+            status = session.load(**given_options(args))  # each option's dest is a keyword of Session.load
         if before is not None and session.options != before:
             print(f"replaced {before.model_dir.name} ({before.engine} engine)")
         print(status.line())
@@ -131,11 +108,11 @@ class ExlnbMagics(Magics):
         if cell is None:
             raise UsageError("%%exl_generate is a cell magic: options on the first line, the prompt in the cell "
                              "below (see %exl_generate? for the options)")
-        given = {k: v for k, v in vars(args).items() if v is not None}
+        given = given_options(args)
         if "json_schema" in given:
             given["json_schema"] = schema_from_notebook(given["json_schema"], self.shell.user_ns)
         with usage_errors():
-            cell_options = CellOptions(**{k: given.pop(k) for k in SHOW_OPTIONS if k in given})
+            cell_options = CellOptions(**{k: given.pop(k) for k in CELL_OPTIONS if k in given})
             request = GenerationRequest.build(fill_prompt(cell.strip(), self.shell.user_ns), **given)
         show = dict(background=cell_options.background, show_prompt=cell_options.show_prompt,
                     display=cell_options.display, owner=self.cell_id)
@@ -157,9 +134,9 @@ class ExlnbMagics(Magics):
               help="the text of the one token forced at K (default: the likeliest alternative the token view "
                    "recorded there)")
     @argument("--token-id", type=int, metavar="N", help="the id of the token forced at K, instead of --token")
-    @argument("--display", choices=DISPLAY_MODES, default="auto", help=DISPLAY_HELP)
-    @argument("--out", metavar="VAR", help="store the branch's result (branch it again with %%exl_branch VAR)")
-    @argument("-h", "--help", action=ShowHelp)
+    @display_argument
+    @out_argument("the branch's result (branch it again with %%exl_branch VAR)")
+    @help_argument
     @line_magic
     def exl_branch(self, line: str) -> None:
         """Run a result again from token K with another token forced there, show it as it streams, then the tree."""
@@ -200,8 +177,8 @@ class ExlnbMagics(Magics):
         BranchTree.of(branched).show()
 
     @magic_arguments()
-    @argument("--display", choices=DISPLAY_MODES, default="auto", help=DISPLAY_HELP)
-    @argument("-h", "--help", action=ShowHelp)
+    @display_argument
+    @help_argument
     @line_magic
     def exl_cache(self, line: str) -> None:
         """The cache inspector: pages coloured by owner job, shared pages outlined, free pages, totals; for a model
@@ -212,8 +189,8 @@ class ExlnbMagics(Magics):
             show_cache_or_server(display=args.display)
 
     @magic_arguments()
-    @argument("--display", choices=DISPLAY_MODES, default="auto", help=DISPLAY_HELP)
-    @argument("-h", "--help", action=ShowHelp)
+    @display_argument
+    @help_argument
     @line_magic
     def exl_jobs(self, line: str) -> None:
         """Pending and active jobs, with Cancel buttons; a job whose answer nobody is reading is marked."""
@@ -225,7 +202,7 @@ class ExlnbMagics(Magics):
     @magic_arguments()
     @argument("job_ids", nargs="*", type=int, help="jobs to cancel (ids from %%exl_jobs)")
     @argument("--all", action="store_true", help="cancel every pending and active job")
-    @argument("-h", "--help", action=ShowHelp)
+    @help_argument
     @line_magic
     def exl_cancel(self, line: str) -> None:
         """Cancel jobs by id, or all of them; their cache pages are free when this returns."""
@@ -243,10 +220,12 @@ class ExlnbMagics(Magics):
     @magic_arguments()
     @argument("model", nargs="?", default=BUNDLED_MODEL,
               help=f'an unquantized model folder, a hub repo id, or "{BUNDLED_MODEL}" (default)')
-    @argument("--format", choices=QUANT_FORMATS, default="exl3", help="exl3 (exllamav3) or exl2 (exllamav2)")
-    @argument("--bits", type=float, default=4.0, help="bits per weight (EXL3 1-8, EXL2 2-8)")
+    @argument("--format", choices=QUANT_FORMATS, default=DEFAULT_FORMAT, help=f"the format (default {DEFAULT_FORMAT})")
+    @argument("--bits", type=float, default=DEFAULT_BITS,
+              help=f"bits per weight (default {DEFAULT_BITS:g}; " + ", ".join(
+                  f"{fmt.upper()} {low:g}-{high:g}" for fmt, (low, high) in BITS_RANGE.items()) + ")")
     @argument("--head-bits", type=int, help=f"bits per weight of the output layer (default {DEFAULT_HEAD_BITS})")
-    @argument("-h", "--help", action=ShowHelp)
+    @help_argument
     @line_magic
     def exl_quantize(self, line: str) -> None:
         """Quantize with the library's own converter (cached, resumable) and print the folder to %exl_load."""
@@ -268,8 +247,8 @@ class ExlnbMagics(Magics):
     @argument("--dtype", choices=tuple(REFERENCE_DTYPES), default="float32",
               help="how the reference's logits are kept on disk (default: float32)")
     @argument("--no-noise-floor", action="store_true", help="leave out the fp16 noise floor")
-    @argument("--out", metavar="VAR", help="store the Divergence")
-    @argument("-h", "--help", action=ShowHelp)
+    @out_argument("the Divergence")
+    @help_argument
     @line_magic
     def exl_divergence(self, line: str) -> None:
         """Score the loaded model against a reference (KL per position, top-1 agreement, perplexities) and print
@@ -300,13 +279,13 @@ class ExlnbMagics(Magics):
     @argument("--slo", action="append", type=slo_argument, default=[], metavar="NAME=MS",
               help="goodput objective, repeatable: ttft_ms=500, tpot_ms=50, e2el_ms=2000")
     @argument("--no-progress", action="store_true", help="nothing shown while it runs (no bar, no Stop button)")
-    @argument("--display", choices=DISPLAY_MODES, default="auto",
-              help=f"{DISPLAY_HELP}; the widget has a Stop button (default: auto)")
-    @argument("--out", metavar="VAR", help="store the BenchResult (requests, summary, figure())")
-    @argument("-h", "--help", action=ShowHelp)
+    @display_argument
+    @out_argument("the BenchResult (requests, summary, figure())")
+    @help_argument
     @line_magic
     def exl_bench(self, line: str) -> None:
-        """Load-test the loaded model as vLLM's benchmark_serving does and print its summary table."""
+        """Load-test the loaded model as vLLM's benchmark_serving does and print its summary table (the widget,
+        while it runs, has a Stop button)."""
         if (call := self._bench_call(line)) is None:
             return
         args, options = call

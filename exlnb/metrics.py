@@ -10,8 +10,8 @@ Per request (`RequestRecord`, from one job's stream events):
   counts their TPOT as 0 when checking a TPOT objective, and so does `serving_metrics`.
 - ITL, inter-token latencies: the gaps between consecutive arrivals of events that carry tokens. vLLM's
   client appends one gap per streamed chunk, whatever the chunk holds, and so does this module: an event
-  that delivers three tokens adds one ITL, not three. Where every event carries one token (both engines
-  today), a request of n tokens has n - 1 ITLs and their sum is E2E latency - TTFT; where events carry
+  that delivers three tokens adds one ITL, not three. Where every event carries one token (every engine
+  in the kernel), a request of n tokens has n - 1 ITLs and their sum is E2E latency - TTFT; where events carry
   several tokens (speculative decoding), mean ITL exceeds TPOT. For a server, whose frames may each carry
   several tokens, the record's `delivery` gives ITL per token as well (`exlnb.engines.delivery`).
 

@@ -60,8 +60,8 @@ def resolve_model(name_or_path: str | os.PathLike, *, progress: bool = True) -> 
     if path.exists():
         return check_model_folder(path)
     missing = FileNotFoundError(
-        f"no model at {path.absolute()}: pass a folder with config.json (HF fp16, or EXL2 for the "
-        f'ExLlamaV2 engine), a hub repo id (org/name), or "{BUNDLED_MODEL}"'
+        f"no model at {path.absolute()}: pass a folder with config.json (HF fp16, EXL2 or EXL3), a hub repo id "
+        f'(org/name), or "{BUNDLED_MODEL}"'
     )
     if not _looks_like_hub_repo(text) or text.startswith((".", "/", "~")) or Path(text.split("/")[0]).exists():
         raise missing

@@ -30,9 +30,12 @@ from filelock import FileLock
 from tqdm.auto import tqdm
 
 from exlnb.engines.formats import model_format
+from exlnb.engines.registry import engines_loading
 from exlnb.models import BUNDLED_MODEL, cache_root, resolve_model
 
 QUANT_FORMATS = ("exl2", "exl3")
+DEFAULT_FORMAT = "exl3"
+DEFAULT_BITS = 4.0
 DEFAULT_HEAD_BITS = 6  # both converters' default for the output layer
 EXL2_HEAD_BITS = (2, 3, 4, 5, 6, 8)  # exllamav2 0.3.2 conversion/qparams.py: qparams_headoptions
 EXL3_CONVERTER = "exlnb.engines.exllamav3.compat"  # exllamav3's convert_model, with exlnb's fix for padded MLPs
@@ -97,8 +100,8 @@ def check_arguments(format: str, bits: float, head_bits: int | None) -> int:
 
 def quantize(
     model: str | os.PathLike = BUNDLED_MODEL,
-    format: str = "exl3",
-    bits: float = 4.0,
+    format: str = DEFAULT_FORMAT,
+    bits: float = DEFAULT_BITS,
     head_bits: int | None = None,
     *,
     progress: bool = True,
@@ -134,8 +137,9 @@ def _check_converter(format: str) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        raise RuntimeError("quantizing needs CUDA: both converters run on the GPU; quantize on a GPU machine")
-    library = "exllamav2" if format == "exl2" else "exllamav3"
+        raise RuntimeError("quantizing needs CUDA: the converters run on the GPU; quantize on a GPU machine")
+    # the converter is the library of the engine that loads the format (registry.py)
+    library = next(spec.library for spec in engines_loading(format) if spec.library)
     needed = [library] + (["fastparquet"] if format == "exl2" else [])  # convert_exl2 imports fastparquet
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:

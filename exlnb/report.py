@@ -9,8 +9,8 @@ in `reports/.running/<name>/` and replaces `reports/<name>/` only once it has fi
 run never overwrites the last complete one (a failed run is kept in `reports/failed/<name>/`). The default
 engine is ExLlamaV2 where CUDA is available, the CPU engine otherwise. The notebooks' own defaults are
 small enough for CI on two CPU cores; `--preset full` and `--set` give larger runs. `--publish` copies
-the summaries, CSVs and figures to `data/results/gpu/` (ExLlamaV2 engine), `data/results/exllamav3/` or
-`data/results/cpu/`.
+the summaries, CSVs and figures to the engine's folder under `data/results/` (its registry entry's
+`published_under`: docs/engines.md lists them).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 
 from exlnb.engines.formats import engine_for, model_format
 from exlnb.engines.options import ENGINE_NAMES
+from exlnb.engines.registry import engine_spec
 from exlnb.experiments.notebooks import NOTEBOOKS, check_parameters
 from exlnb.experiments.record import FIELD_REPORTS, read_summary, write_atomically
 from exlnb.models import BUNDLED_MODEL, prepare_bundled
@@ -33,7 +34,6 @@ from exlnb.models import BUNDLED_MODEL, prepare_bundled
 REPOSITORY = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = REPOSITORY / "notebooks"
 RESULTS_DIR = REPOSITORY / "data" / "results"
-PUBLISHED_UNDER = {"exllamav2": "gpu", "exllamav3": "exllamav3", "cpu": "cpu"}  # data/results/<this>/ per engine
 
 # Larger runs for a GPU (or a patient CPU): more requests, longer outputs, tighter intervals. Sized so
 # that the notebooks finish in about ten minutes on an H100 with the bundled model.
@@ -115,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--set", action="append", default=[], metavar="NAME.PARAMETER=VALUE",
                         help="override one notebook parameter, e.g. --set latency.requests=24 (a Python literal)")
     parser.add_argument("--publish", nargs="?", const="auto", metavar="DIR",
-                        help="copy summaries, CSVs and figures to DIR (default: data/results/gpu, exllamav3 or cpu, by engine)")
+                        help="copy summaries, CSVs and figures to DIR (default: the engine's folder under data/results)")
     return parser
 
 
@@ -291,7 +291,7 @@ def publish(runs: list[NotebookRun], out: Path, target: Path | None) -> Path:
         engines = {run.summary["environment"]["engine"] for run in done}
         if len(engines) != 1:
             raise SystemExit(f"--publish needs results from one engine to choose its folder under data/results/; got {engines}")
-        target = RESULTS_DIR / PUBLISHED_UNDER[engines.pop()]
+        target = RESULTS_DIR / engine_spec(engines.pop()).published_under
     target.mkdir(parents=True, exist_ok=True)
     for run in done:
         for path in sorted((out / run.name).iterdir()):

@@ -110,8 +110,8 @@ def markdown(rows: list[dict]) -> str:
         ratio = "" if row["ratio"] is None else _range(row["ratio"], "x")
         agree = ("yes" if row["agree"] else "**no**") + (" (mixed setups)" if row["mixed_setups"] else "")
         lines.append(
-            f"| {row['notebook']} | {row['effect']} | {row['runs']} | {_range(row['symptom'])} | {_range(row['fix'])} | "
-            f"{ratio} | {', '.join(row['verdicts'])} | {agree} |"
+            f"| {row['notebook']} | {row['effect']} | {row['runs']} | {_range(row['symptom'])} | "
+            f"{_range(row['fix'])} | {ratio} | {', '.join(row['verdicts'])} | {agree} |"
         )
     return "\n".join(lines)
 

@@ -12,14 +12,9 @@ from __future__ import annotations
 
 import functools
 import gc
-import importlib
 import os
 import signal
-import sys
-import time
-import types
 from collections import Counter
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,8 +22,8 @@ import pytest
 from exlnb import SamplerSettings, get_session
 from exlnb.engines.options import EngineOptions
 from exlnb.session import Session
+from tests.helpers import skip_without_library
 
-from exlnb.templates import chatml  # noqa: F401 - re-exported for the tests
 
 
 def pytest_runtest_logreport(report) -> None:
@@ -81,13 +76,6 @@ def pytest_configure(config) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
 
-def wait_until_idle(session: Session, timeout: float = 10.0) -> None:
-    """Cancels requested from finalisers and interrupts are queued; give the engine thread a moment to run them."""
-    deadline = time.monotonic() + timeout
-    while session.jobs() and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
 BUNDLED_ON_CPU: EngineOptions | None = None  # what cpu_session loaded, once it has
 
 
@@ -133,18 +121,6 @@ def engine_name(request) -> str:
     return request.param
 
 
-def skip_without_library(library: str) -> None:
-    """Skip where CUDA or the engine's library is missing, so `pytest -m gpu` runs what the machine has."""
-    import importlib.util
-
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip(f"the {library} engine needs CUDA")
-    if importlib.util.find_spec(library) is None:
-        pytest.skip(f"{library} is not installed")
-
-
 @pytest.fixture
 def engine_session(engine_name: str) -> Session:
     """The shared session with the bundled model on `engine_name`, checked before every test: a test that loads
@@ -185,19 +161,3 @@ def idle_session(engine_session: Session):
     assert engine_session.jobs() == []
     yield engine_session
     engine_session.cancel_all()
-
-
-@contextmanager
-def imported_over_stand_ins(monkeypatch, module_name: str, library_module: str, **names):
-    """Import exlnb's `module_name` where the library it builds on is not installed: `library_module` (and its
-    parent packages) stand in, holding `names`. The stand-ins leave with the test, and so does the module."""
-    parts = library_module.split(".")
-    for depth in range(1, len(parts) + 1):
-        monkeypatch.setitem(sys.modules, ".".join(parts[:depth]), types.ModuleType(".".join(parts[:depth])))
-    for name, value in names.items():
-        setattr(sys.modules[library_module], name, value)
-    monkeypatch.delitem(sys.modules, module_name, raising=False)
-    try:
-        yield importlib.import_module(module_name)
-    finally:
-        sys.modules.pop(module_name, None)  # a later import meets the real library again

@@ -6,6 +6,7 @@ Read from the source with `ast`, so a lazy import inside a function counts as mu
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "exlnb"
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 # Lowest first. A module may import its own layer and those below. An entry names one module, or with ".*" a
 # package and every module in it, where no entry names the module itself: so an engine's modules, new ones
@@ -23,12 +25,13 @@ LAYERS = (
                            "exlnb.engines.declaration", "exlnb.engines.constraint", "exlnb.engines.schema_refs",
                            "exlnb.engines.grammar", "exlnb.engines.tokenizer", "exlnb.engines.text",
                            "exlnb.engines.vocab", "exlnb.engines.token_info", "exlnb.engines.registry",
-                           "exlnb.engines.formats", "exlnb.engines.options", "exlnb.engines.delivery")),
+                           "exlnb.engines.formats", "exlnb.engines.options", "exlnb.engines.delivery",
+                           "exlnb.engines.job_options", "exlnb.engines.views")),
     ("engines", ("exlnb.engines.*",)),  # cpu/, exllamav2*, exllamav3*, library_engine, remote/, ...
     ("prompts, measures and model folders", ("exlnb.templates.*", "exlnb.analysis", "exlnb.models", "exlnb.quantize",
                                               "exlnb.random_model", "exlnb.datasets", "exlnb.metrics",
                                               "exlnb.divergence")),
-    ("session", ("exlnb.streaming", "exlnb.token_records", "exlnb.engine_thread", "exlnb.session")),
+    ("session", ("exlnb.streaming", "exlnb.token_records", "exlnb.engine_thread", "exlnb.session.*")),
     ("generation", ("exlnb.chat", "exlnb.request", "exlnb.generation", "exlnb.workload", "exlnb.loadtest",
                     "exlnb.bench_result", "exlnb.scoring",
                     "exlnb.branching")),
@@ -172,3 +175,33 @@ def test_importing_exlnb_in_a_script_does_not_load_the_widget_libraries():
     run = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True, check=True)
 
     assert run.stdout.strip() == "[]"
+
+
+def documented_layers() -> dict[str, list[str]]:
+    """docs/architecture.md's layer table: each layer's name and the paths its row names, in its order."""
+    text = ARCHITECTURE.read_text()
+    table = text[text.index("| Layer | Modules | Owns |"):].split("\n\n", 1)[0]
+    rows = [line.split(" | ") for line in table.splitlines()[2:]]
+    return {row[0].removeprefix("| "): re.findall(r"`([^`]+)`", row[1]) for row in rows}
+
+
+def test_the_documented_layer_table_names_modules_that_exist_in_the_layers_placed_here():
+    documented = documented_layers()
+
+    assert list(documented) == [name for name, _ in LAYERS]
+    for layer, paths in documented.items():
+        for path in paths:
+            found = PACKAGE / path if (PACKAGE / path).exists() else PACKAGE.parent / path
+            assert found.exists(), f"docs/architecture.md's layer table names {path}, which does not exist"
+            if found.is_relative_to(PACKAGE):
+                name = module_name(found / "__init__.py" if found.is_dir() else found)
+                assert LAYERS[layer_of(name)][0] == layer, f"{path} is in the {layer} row, not in its layer here"
+
+
+def test_the_layer_table_check_sees_a_module_that_is_gone(monkeypatch, tmp_path):
+    page = tmp_path / "architecture.md"
+    page.write_text(ARCHITECTURE.read_text().replace("`engines/views.py`", "`engines/view.py`"))
+    monkeypatch.setattr(sys.modules[__name__], "ARCHITECTURE", page)
+
+    with pytest.raises(AssertionError, match="names engines/view.py, which does not exist"):
+        test_the_documented_layer_table_names_modules_that_exist_in_the_layers_placed_here()

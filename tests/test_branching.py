@@ -114,7 +114,9 @@ def test_choosing_an_alternative_in_the_token_view_branches_there_and_draws_the_
     alternative = next(i for i, _t, _p in original.token_records[AT].info.alternatives if i != original.token_ids[AT])
 
     choices.handle({"type": "branch", "answer": key, "at": AT, "token": alternative})  # what view.js sends
-    ended = lambda d: original.origin.family and d[-1][0]["text/plain"] == BranchTree.of(original).text()
+    def ended(drawings) -> bool:
+        return original.origin.family and drawings[-1][0]["text/plain"] == BranchTree.of(original).text()
+
     drawings_until(drawn, ended)  # the last drawing is the tree that `result.branch()` keeps too
     assert {kwargs["display_id"] for _data, kwargs in drawn} == {choices.display_id}
     forced = cpu_session.tokenizer.decode([alternative])

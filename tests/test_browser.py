@@ -3,7 +3,8 @@ streaming, Stop, the inspector and the job table, the static record they leave i
 interrupt, and both themes (screenshots for the README, and a contrast check of text on its background).
 
 Needs `apt-get install -y chromium` (the Makefile's browser-deps target); skipped with the reason when the
-browser is missing, except under EXLNB_REQUIRE_BROWSER=1 (.ci/run), where a missing browser fails. Screenshots go to test-artifacts/ (the README's come from here).
+browser is missing, except under EXLNB_REQUIRE_BROWSER=1 (.ci/run), where a missing browser fails. Screenshots go
+to test-artifacts/ (the README's come from here).
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ READABLE = (".exlnb-token:not(.exlnb-special)", ".exlnb-special", ".exlnb-status
 # WCAG 2 contrast of each selector's text against the colour behind it (its own and its ancestors' backgrounds
 # composed over white), the lowest over the page
 CONTRAST_JS = """selectors => {
-  const parse = (c) => { const v = c.match(/[\\d.]+/g).map(Number); return [v[0], v[1], v[2], v.length > 3 ? v[3] : 1]; };
+  const parse = (c) => {
+    const v = c.match(/[\\d.]+/g).map(Number);
+    return [v[0], v[1], v[2], v.length > 3 ? v[3] : 1];
+  };
   const over = ([r, g, b, a], [R, G, B]) => [r * a + R * (1 - a), g * a + G * (1 - a), b * a + B * (1 - a)];
   const behind = (el) => {
     const layers = [];
@@ -62,8 +66,14 @@ CONTRAST_JS = """selectors => {
     }
     return layers.reverse().reduce((under, layer) => over(layer, under), [255, 255, 255]);
   };
-  const lum = (rgb) => { const [r, g, b] = rgb.map((v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; }); return 0.2126 * r + 0.7152 * g + 0.0722 * b; };
-  const ratio = (a, b) => { const [hi, lo] = [lum(a), lum(b)].sort((x, y) => y - x); return (hi + 0.05) / (lo + 0.05); };
+  const lum = (rgb) => {
+    const [r, g, b] = rgb.map((v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; });
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b;
+  };
+  const ratio = (a, b) => {
+    const [hi, lo] = [lum(a), lum(b)].sort((x, y) => y - x);
+    return (hi + 0.05) / (lo + 0.05);
+  };
   const result = {};
   for (const selector of selectors) {
     let worst = Infinity;
@@ -105,7 +115,8 @@ def lab(tmp_path_factory):
         "%exl_cache",
         "%exl_jobs",
         "%exl_cancel --all",
-        "%%exl_generate --show-prompt --template llama3 --max-new-tokens 12 --temperature 0\nWhat is the capital of France?",
+        "%%exl_generate --show-prompt --template llama3 --max-new-tokens 12 --temperature 0\n"
+        "What is the capital of France?",
         f"%%exl_generate --max-new-tokens 2000\n{STORY}",
         "%%exl_generate --show-prompt --max-new-tokens 12 --temperature 0\nWhat is the capital of France?",
         "%%exl_generate --tokens 5 --max-new-tokens 40 --temperature 0.8 --seed 2\nDescribe a dragon in two sentences.",

@@ -16,9 +16,10 @@ from IPython.core.error import UsageError
 from exlnb import EosReason, SamplerSettings
 from exlnb.engines.constraint import OutputConstraint
 from exlnb.engines.exllamav2.engine import ExLlamaV2Engine
+from exlnb.engines.job_options import JobOptions
 from exlnb.generation import start
 from exlnb.request import GenerationRequest
-from tests.conftest import chatml
+from exlnb.templates import chatml
 from tests.test_sampling_options import refused_on
 
 
@@ -153,7 +154,7 @@ def test_an_answer_cut_short_says_so_when_parsed(idle_session, greedy):
 
 def test_a_cancelled_constrained_sample_frees_its_pages(idle_session):
     generation = start("Write a long line.", regex="[a-z ]{200}", n=3, seed=1, max_new_tokens=220)
-    for sample, event in generation.follow():
+    for _sample, event in generation.follow():
         if event.new_tokens >= 3:
             break
     generation.cancel()
@@ -192,7 +193,7 @@ def test_a_setting_an_engine_cannot_combine_with_a_constraint_is_refused(cpu_ses
         start("Hi", regex="[a-z]+", banned_strings=["x"])
     assert cpu_session.jobs() == []
 
-    spec = cpu_session.job_spec(chatml("Hi"), regex="[a-z]+", banned_strings=["x"])
+    spec = cpu_session.spec_for(chatml("Hi"), JobOptions(regex="[a-z]+", banned_strings=["x"]))
     exllamav2 = object.__new__(ExLlamaV2Engine)  # its checks need no GPU
     with pytest.raises(ValueError, match="the exllamav2 engine does not implement banned_strings.*cannot combine"):
         exllamav2.refuse_unsupported(spec)

@@ -68,7 +68,7 @@ def test_on_cuda_the_7b_shaped_model_times_its_chat_and_the_contexts_its_positio
     from exlnb.experiments.context import run
     from exlnb.random_model import cannot_make_here
     from exlnb.session import get_session
-    from tests.conftest import skip_without_library
+    from tests.helpers import skip_without_library
 
     skip_without_library("exllamav2")
     if reason := cannot_make_here():

@@ -7,6 +7,7 @@ import torch
 
 from exlnb.engines.cpu.pages import PagePool, prefix_hashes
 from exlnb.engines.cpu.runner import PagedRunner, SequenceChunk
+from exlnb.engines.job_options import JobOptions
 
 
 def test_reservation_takes_pages_for_prompt_and_new_tokens():
@@ -136,7 +137,7 @@ def test_batched_sequences_do_not_see_each_other(hf_model):
 def test_samples_started_together_compute_the_shared_prompt_once(cpu_session, greedy):
     """`--n` samples: four greedy jobs of one 600-token prompt, queued in one engine command."""
     ids = tuple(torch.randint(100, 40000, (600,), generator=torch.Generator().manual_seed(2)).tolist())
-    spec = cpu_session.job_spec(ids, max_new_tokens=3, sampler=greedy, stop_at_eos=False)
+    spec = cpu_session.spec_for(ids, JobOptions(max_new_tokens=3, sampler=greedy, stop_at_eos=False))
 
     def run_together(engine):
         job_ids = [engine.enqueue(spec) for _ in range(4)]

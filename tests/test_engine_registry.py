@@ -1,24 +1,29 @@
 """The engine registry: one declaration per engine that `auto`, the errors, `%exl_load --engine` and docs/engines.md
 read; and docs/architecture.md's recipe followed to the letter (tests/toy_engine.py), run through the Python API,
-the magics and the widgets with nothing registered but its declaration."""
+the magics, the widgets, the records of results (the investigations' and the benchmarks') and `report --publish`
+with nothing registered but its declaration."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import re
 import time
 from dataclasses import replace
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from exlnb import SamplerSettings
+from benchmarks import harness
+from exlnb import SamplerSettings, report
 from exlnb.engines import registry
 from exlnb.engines.base import Engine
 from exlnb.engines.formats import engine_for
 from exlnb.engines.registry import engine_names, engine_spec, engines_table, register_engine, unregister_engine
+from exlnb.experiments.record import environment
 from exlnb.generation import start
 from exlnb.session import get_session
 from exlnb.widgets.cache import CacheInspector, JobTable
@@ -240,3 +245,28 @@ def test_the_toy_engine_runs_through_the_widgets(shell, toy):
     assert text in captured.outputs[-1].data["text/plain"]
     assert f'data-job="{long.job_id}"' in table.html
     assert f"job {long.job_id}" in inspector.text() and "this engine shows no cache pages" in inspector.text()
+
+
+def test_the_toy_engine_s_results_are_recorded_and_published_by_its_declaration_alone(toy, tmp_path, monkeypatch):
+    recorded, benchmarked = environment(toy), harness.environment()
+    out = tmp_path / "reports"
+    (out / "latency").mkdir(parents=True)
+    (out / "latency" / "latency.json").write_text(json.dumps({"environment": recorded}))
+    monkeypatch.setattr(report, "RESULTS_DIR", tmp_path / "results")
+
+    target = report.publish([report.NotebookRun("latency", 1.0, {"environment": recorded})], out, None)
+
+    assert recorded["engine"] == "toy"
+    for env in (recorded, benchmarked):  # its library's version, beside the kit's own
+        assert env["versions"]["tokenizers"] == metadata.version("tokenizers") and env["versions"]["torch"]
+    assert target == tmp_path / "results" / "toy" and (target / "latency.json").exists()
+
+
+def test_an_engine_whose_library_is_missing_is_refused_before_the_loaded_model_is_touched(toy, registered):
+    registered(replace(TOY_SPEC, name="toy-elsewhere", library="exlnb_no_such_library"))
+    engine = toy.engine
+
+    with pytest.raises(ValueError, match="the toy-elsewhere engine runs on exlnb_no_such_library, which is not "
+                                         "installed here"):
+        toy.load("smollm2-135m-instruct", engine="toy-elsewhere", progress=False)
+    assert toy.engine is engine

@@ -14,6 +14,7 @@ import torch
 from benchmarks.paged_acceptance import QUESTIONS, answers_alone, answers_together, shared_prompt_pages
 from exlnb import get_session
 from exlnb.engines.exllamav2 import paged_attention
+from exlnb.engines.job_options import JobOptions
 from exlnb.models import resolve_model
 from exlnb.session import Session
 from tests.test_session import max_overlap
@@ -42,7 +43,7 @@ def transformers_logits():
             return model(torch.tensor([ids]).cuda()).logits.float().cpu()
 
     yield logits
-    del model
+    model = None  # the closure holds the model until here: let it go
     torch.cuda.empty_cache()
 
 
@@ -168,7 +169,7 @@ def test_every_sampler_setting_reaches_exllamav2(exl_session):
 
 def test_the_exllamav2_engine_refuses_the_loop_detector(exl_session):
     with pytest.raises(ValueError, match="the exllamav2 engine does not implement stop_on_loop"):
-        exl_session.submit(replace(exl_session.job_spec("Hi", max_new_tokens=4), stop_on_loop=(300, 3)))
+        exl_session.submit(replace(exl_session.spec_for("Hi", JobOptions(max_new_tokens=4)), stop_on_loop=(300, 3)))
 
 
 def test_new_settings_sample_on_the_gpu(exl_session):

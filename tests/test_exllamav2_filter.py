@@ -10,7 +10,7 @@ from exlnb.engines.constraint import OutputConstraint
 from exlnb.engines.grammar import GrammarMatcher
 from exlnb.engines.tokenizer import HfTokenizer
 from exlnb.models import resolve_model
-from tests.conftest import imported_over_stand_ins
+from tests.helpers import imported_over_stand_ins
 
 
 @pytest.fixture(scope="module")

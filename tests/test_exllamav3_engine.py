@@ -15,7 +15,9 @@ from exlnb import EosReason, SamplerSettings, get_session
 from exlnb.models import resolve_model
 from exlnb.session import LoadFailed, Session
 from exlnb.engines.base import LOOP_DETECTOR
-from tests.conftest import chatml, skip_without_library
+from exlnb.engines.job_options import JobOptions
+from exlnb.templates import chatml
+from tests.helpers import skip_without_library
 from tests.test_session import max_overlap
 
 pytestmark = pytest.mark.gpu
@@ -58,7 +60,7 @@ def test_jobs_with_the_same_long_prompt_share_its_pages(exl3_session):
 
 def test_the_loop_detector_ends_a_looping_job(exl3_session):
     greedy = SamplerSettings.greedy()
-    spec = exl3_session.job_spec(chatml(LOOPING), max_new_tokens=400, sampler=greedy)
+    spec = exl3_session.spec_for(chatml(LOOPING), JobOptions(max_new_tokens=400, sampler=greedy))
     plain = exl3_session.submit(spec).result()
     guarded = exl3_session.submit(replace(spec, stop_on_loop=LOOP_DETECTOR)).result()
 
@@ -83,7 +85,7 @@ def test_loop_guard_is_exllamav3s_own_loop_detector_there(exl3_session):
 
 
 def test_a_setting_exllamav3_lacks_is_refused_at_submit(exl3_session):
-    spec = exl3_session.job_spec(chatml(QUESTIONS[0]), max_new_tokens=4)
+    spec = exl3_session.spec_for(chatml(QUESTIONS[0]), JobOptions(max_new_tokens=4))
     with pytest.raises(ValueError, match="the exllamav3 engine has no mirostat=True"):
         exl3_session.submit(replace(spec, sampler=SamplerSettings(mirostat=True)))
     assert exl3_session.jobs() == []

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import imported_over_stand_ins
+from tests.helpers import imported_over_stand_ins
 
 ALLOWED = (5, 40)
 

@@ -4,12 +4,13 @@ has them; these run everywhere."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 from IPython.core.error import UsageError
 
 from exlnb.engines.base import EngineStatus
-from exlnb.engines.options import check_gpu_split
-from exlnb.magic_arguments import gpu_split
+from exlnb.engines.options import check_gpu_split, parse_gpu_split
 from exlnb.session import Session
 
 H100 = 80 * 2**30
@@ -48,14 +49,14 @@ def test_the_session_refuses_a_split_before_it_touches_the_loaded_model(cpu_sess
         with pytest.raises(ValueError, match="the cpu engine runs on one device"):
             cpu_session.load("smollm2-135m-instruct", engine="cpu", progress=False, **options)
     assert cpu_session.status() == before
-    assert Session.load.__kwdefaults__["tensor_parallel"] is False
+    assert inspect.signature(Session.load).parameters["tensor_parallel"].default is False
 
 
 def test_the_split_is_parsed_as_gib_per_gpu():
-    assert gpu_split("20,24") == [20.0, 24.0]
-    assert gpu_split("0,23.5") == [0.0, 23.5]
-    with pytest.raises(UsageError, match="--gpu-split '20;24': give auto, or GiB per GPU separated by commas"):
-        gpu_split("20;24")
+    assert parse_gpu_split("20,24") == [20.0, 24.0]
+    assert parse_gpu_split("0,23.5") == [0.0, 23.5]
+    with pytest.raises(ValueError, match="--gpu-split '20;24': give auto, or GiB per GPU separated by commas"):
+        parse_gpu_split("20;24")
 
 
 def test_the_status_line_gives_memory_per_gpu_where_the_model_spans_several():
@@ -101,15 +102,18 @@ def test_an_automatic_split_lets_the_library_fill_the_gpus(tmp_path):
     assert EngineOptions(**{**options.__dict__, "gpu_split": (20.0, 24.0)}).split_gib() == [20.0, 24.0]
 
 
-def test_the_magic_reads_auto_as_an_automatic_split_and_says_what_else_it_takes():
-    assert gpu_split("auto") == "auto"
-    assert gpu_split("20,24") == [20.0, 24.0]
+def test_the_magic_reads_auto_as_an_automatic_split_and_says_what_else_it_takes(shell, cpu_session, monkeypatch):
+    given = []
+    monkeypatch.setattr(cpu_session, "load", lambda **options: given.append(options["gpu_split"]) or cpu_session.status())
+    for text in ("auto", "20,24"):
+        shell.run_line_magic("exl_load", f"--gpu-split {text}")
+    assert given == ["auto", [20.0, 24.0]]
     with pytest.raises(UsageError, match="give auto, or GiB per GPU separated by commas"):
-        gpu_split("twenty")
+        shell.run_line_magic("exl_load", "--gpu-split twenty")
 
 
 def test_the_inspector_and_the_job_table_show_each_cards_memory_where_the_model_spans_several():
-    from exlnb.engines.base import CacheView, PageInfo
+    from exlnb.engines.views import CacheView, PageInfo
     from exlnb.widgets.cache import cache_summary, inspector_html, jobs_html, jobs_text
 
     pages = (PageInfo(index=0, owners=(), ref_count=0, tokens_filled=0, shared=False),)

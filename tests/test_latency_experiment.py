@@ -60,7 +60,7 @@ def test_an_unknown_model_is_refused_before_anything_runs(small_cache_session):
 def test_on_cuda_the_7b_shaped_model_runs_the_same_requests_over_as_many_pages(engine):
     from exlnb.random_model import cannot_make_here
     from exlnb.session import get_session
-    from tests.conftest import skip_without_library
+    from tests.helpers import skip_without_library
 
     skip_without_library(engine)
     if reason := cannot_make_here():

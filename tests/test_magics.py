@@ -16,7 +16,7 @@ from exlnb import EosReason
 from exlnb.chat import forget_chat, get_chat
 from exlnb.generation import start
 from exlnb.widgets.stream import generate_live
-from tests.conftest import wait_until_idle
+from tests.helpers import wait_until_idle
 
 nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the notebook stack: pip install -e '.[test]'")
 papermill = pytest.importorskip("papermill", reason="the notebook tests need the notebook stack: pip install -e '.[test]'")

@@ -9,7 +9,7 @@ import pytest
 
 from exlnb import EosReason, Stage, StreamEvent
 from exlnb.metrics import request_record, serving_metrics
-from tests.conftest import chatml
+from exlnb.templates import chatml
 
 
 def event(job_id: int, at: float, tokens: int = 0, *, enqueued: float, prompt: int, eos: EosReason | None = None):

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from IPython.core.error import UsageError
 
 import exlnb.magics
-from exlnb.engines.declaration import GROUPS
+from exlnb.engines.declaration import GROUPS, declared, option, takes_options
+from exlnb.engines.job_options import JobOptions
 from exlnb.engines.sampling import SamplerSettings
 from exlnb.generation import start
-from exlnb.magic_arguments import GENERATE_OPTIONS, SHOW_OPTIONS
+from exlnb.magic_arguments import CELL_OPTIONS, GENERATE_OPTIONS, declared_arguments, given_options
 from exlnb.magics import ExlnbMagics
 from exlnb.request import GenerationRequest
 from exlnb.session import LoadFailed, Session
@@ -23,11 +25,41 @@ ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "What is the capital of France?"
 
 
-def test_the_options_page_is_what_the_declarations_say():
+def options_page():
     spec = importlib.util.spec_from_file_location("options_page", ROOT / "docs" / "options.py")
     page = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(page)
-    assert (ROOT / "docs" / "options.md").read_text() == page.reference(), "run python docs/options.py"
+    return page
+
+
+def test_the_options_page_is_what_the_declarations_say():
+    assert (ROOT / "docs" / "options.md").read_text() == options_page().reference(), "run python docs/options.py"
+
+
+@dataclass(frozen=True)
+class Brew:
+    """docs/architecture.md's recipe for an option, followed for a door of its own: one field each."""
+
+    steep_s: int = option(180, group="samples", help="how long the leaves steep")
+    milk: bool = option(False, group="samples", help="add milk")
+    cup: str = option("mug", group="samples", choices=("mug", "cup"), help="what it is poured into")
+
+
+def test_an_option_is_one_field_and_the_flag_the_keyword_and_the_docs_row_follow():
+    @declared_arguments(declared(Brew), GROUPS)
+    def brew(line: str) -> None:
+        """Brew a pot."""
+
+    @takes_options(Brew)
+    def pour(**options) -> Brew:
+        return Brew(**options)
+
+    args = brew.parser.parse_args(["--steep-s", "240", "--milk"])
+    assert pour(**given_options(args)) == Brew(steep_s=240, milk=True)
+    assert "how long the leaves steep (default: 180)" in " ".join(brew.parser.format_help().split())
+    assert inspect.signature(pour).parameters["cup"].default == "mug"
+    rows = options_page()._rows(declared(Brew), GROUPS, "flag")
+    assert "| `--cup` | `cup` | `mug` | what it is poured into (mug, cup) |" in rows
 
 
 def test_every_magic_option_is_a_keyword_of_the_python_api():
@@ -43,7 +75,7 @@ def test_every_magic_option_is_a_keyword_of_the_python_api():
 def test_the_python_signature_names_every_option_with_its_default():
     parameters = inspect.signature(start).parameters
     for o in GENERATE_OPTIONS:
-        if o.keyword not in SHOW_OPTIONS:
+        if o.keyword not in CELL_OPTIONS:
             assert parameters[o.keyword].default == o.default, o.keyword
     assert parameters["rep_penalty"].default == SamplerSettings().token_repetition_penalty
 
@@ -98,14 +130,14 @@ def test_one_string_is_one_stop_string_not_its_letters(cpu_session):
     assert "Paris" in full
     stopped = start(QUESTION, temperature=0, max_new_tokens=24, stop="Paris").wait(60)[0].text
     assert stopped == full[:full.index("Paris")]
-    assert cpu_session.job_spec("Hi", stop="Paris").stop_strings == ("Paris",)
+    assert cpu_session.spec_for("Hi", JobOptions(stop="Paris")).stop_strings == ("Paris",)
 
 
 def test_one_string_is_one_banned_string_and_one_dry_breaker(cpu_session):
     request = GenerationRequest.build(QUESTION, banned_strings="abc", dry_sequence_breakers="::")
     assert request.banned_strings == ("abc",)
     assert request.sampler.dry_sequence_breakers == frozenset({"::"})
-    assert cpu_session.job_spec("Hi", banned_strings="abc").banned_strings == ("abc",)
+    assert cpu_session.spec_for("Hi", JobOptions(banned_strings="abc")).banned_strings == ("abc",)
 
 
 @pytest.mark.parametrize(("keyword", "value"), [("max_batch_size", 1.5), ("cache_tokens", "4096"), ("cache_tokens", 4096.0)])
@@ -145,7 +177,7 @@ def test_a_prompt_far_too_long_for_the_cache_is_refused_before_tokenizing(shell,
     with pytest.raises(ValueError, match="characters, more than the cache's .* tokens could hold"):
         start(huge, max_new_tokens=2)
     with pytest.raises(ValueError, match="characters, more than the cache's"):
-        cpu_session.job_spec(huge)
+        cpu_session.spec_for(huge)
     shell.user_ns["huge"] = huge
     with pytest.raises(UsageError, match="characters, more than the cache's"):
         shell.run_cell_magic("exl_generate", "--max-new-tokens 2", "{huge}")
@@ -176,7 +208,7 @@ def test_a_failed_rollback_says_that_no_model_is_loaded(monkeypatch):
     def no_memory(options, progress):
         raise MemoryError("out of memory")
 
-    monkeypatch.setattr("exlnb.session.create_engine", no_memory)
+    monkeypatch.setattr("exlnb.session.loading.create_engine", no_memory)
     with pytest.raises(LoadFailed, match=r"loading smollm2-135m-instruct again failed too \(.*out of memory\): no model "
                                         r"is loaded now"):
         session.load("smollm2-135m-instruct", engine="cpu", cache_tokens=4096, progress=False)

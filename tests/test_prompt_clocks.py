@@ -19,7 +19,7 @@ from exlnb.experiments.prompt_clocks import (
     time_prompt_passes,
 )
 from exlnb.experiments.timed_models import TIMED_MODELS
-from tests.conftest import skip_without_library
+from tests.helpers import skip_without_library
 
 
 def readings(*rows: tuple) -> pd.DataFrame:

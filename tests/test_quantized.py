@@ -12,7 +12,8 @@ from exlnb import EosReason, SamplerSettings
 from exlnb.models import BUNDLED_MODEL
 from exlnb.quantize import quantize
 from exlnb.session import Session
-from tests.conftest import chatml, skip_without_library
+from exlnb.templates import chatml
+from tests.helpers import skip_without_library
 
 pytestmark = pytest.mark.gpu
 

@@ -18,7 +18,7 @@ from exlnb import EosReason, SamplerSettings
 from exlnb.generation import start
 from exlnb.session import LoadFailed, NoModelLoaded, Session
 from exlnb.streaming import JobError, ModelUnloaded
-from tests.conftest import chatml
+from exlnb.templates import chatml
 
 PROMPT = chatml("Count to one hundred.")
 QUESTIONS = [chatml(q) for q in (
@@ -368,9 +368,9 @@ def test_async_calls_during_a_long_prefill_never_block_the_event_loop(idle_sessi
         ticking = asyncio.create_task(ticker(stop))
         prefill = await idle_session.agenerate(long_prompt, max_new_tokens=4)
         for _ in range(3):
-            await idle_session.ajobs()
+            idle_session.jobs()  # a view: never waits for the step in progress
             short = await idle_session.agenerate(PROMPT, max_new_tokens=30)
-            async for event in short:  # leaving the loop cancels without waiting
+            async for _ in short:  # leaving the loop cancels without waiting
                 break
             await idle_session.acancel(short.job_id)
             await asyncio.sleep(0.2)

@@ -58,7 +58,10 @@ def test_a_badly_shaped_event_fails_its_job_alone_naming_the_server_endpoint_and
                                                                                        shape):
     assert set(SHAPE_WORDS) == set(fake_server.bad_shapes)
     bystander = generation.start("slow", session=fake_session, max_new_tokens=400)
-    ticks = lambda: len(bystander.samples[0].token_ids)
+
+    def ticks() -> int:
+        return len(bystander.samples[0].token_ids)
+
     wait_for(ticks, "the bystander's first token")
     error = the_error(run(fake_session, f"shape:{shape}"))
     assert f"the server at {fake_server.url}/chat/completions sent an event of the wrong shape: " in error

@@ -15,7 +15,7 @@ from exlnb.engines.base import EosReason
 from exlnb.loadtest import bench
 from exlnb.models import BUNDLED_MODEL
 from exlnb.session import Session, get_session
-from tests.conftest import wait_until_idle
+from tests.helpers import wait_until_idle
 
 pytest_plugins = ["tests.servers"]
 pytestmark = pytest.mark.slow  # starts real servers

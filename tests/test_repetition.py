@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 
 from exlnb.datasets import load_prompts
+from exlnb.engines.job_options import JobOptions
 from exlnb.experiments import repetition
 from exlnb.experiments.remedies import LOOP_DETECTOR, NO_PENALTY, REMEDIES, add_detector_columns
 from exlnb.templates import chatml
@@ -18,14 +19,14 @@ TEMPERATURES = (0.0, 0.7)
 def tiny(cpu_session):
     """One prompt, 8 tokens, the smallest grid the run accepts; every spec the run submits is kept."""
     specs = []
-    job_spec = cpu_session.job_spec
+    spec_for = cpu_session.spec_for
 
     def keep(*args, **kwargs):
-        specs.append(job_spec(*args, **kwargs))
+        specs.append(spec_for(*args, **kwargs))
         return specs[-1]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu_session, "job_spec", keep)
+        patch.setattr(cpu_session, "spec_for", keep)
         result = repetition.run(
             cpu_session, prompts=1, max_new_tokens=8, repetition_penalties=(1.0, 1.05, 1.11),
             frequency_penalties=(0.0, 0.03), temperatures=TEMPERATURES,
@@ -92,7 +93,7 @@ def test_every_engine_runs_dry_and_xtc_and_runs_the_loop_detector_or_says_why_no
     )
     ran = set(result.tables["remedies"].remedy)
     assert {"DRY", "XTC"} <= ran
-    spec = engine_session.job_spec("x", max_new_tokens=1, stop_on_loop=LOOP_DETECTOR.stop_on_loop)
+    spec = engine_session.spec_for("x", JobOptions(max_new_tokens=1, stop_on_loop=LOOP_DETECTOR.stop_on_loop))
     if engine_session.run_on_engine(lambda engine: engine.unsupported(spec)):
         assert LOOP_DETECTOR.name not in ran
         assert any(line.startswith(f"loop detector not run: the {engine_session.options.engine} engine") for line in result.findings)

@@ -11,7 +11,8 @@ from exlnb import EosReason, SamplerSettings
 from exlnb.engines.exllamav3 import sampler as exllamav3_sampler
 from exlnb.engines.base import JobSpec
 from exlnb.engines.exllamav2.engine import ExLlamaV2Engine
-from tests.conftest import chatml
+from exlnb.engines.job_options import JobOptions
+from exlnb.templates import chatml
 
 QUESTION = chatml("What is the capital of France?")
 PLAIN = SamplerSettings(temperature=1.0, top_k=0, top_p=1.0, token_repetition_penalty=1.0)  # the bare softmax
@@ -19,7 +20,7 @@ HOT = replace(PLAIN, temperature=2.0, min_p=0.1)
 
 
 def sample(session, settings: SamplerSettings, prompt=QUESTION, **spec_options):
-    spec = replace(session.job_spec(prompt, max_new_tokens=10, sampler=settings, seed=3), **spec_options)
+    spec = replace(session.spec_for(prompt, JobOptions(max_new_tokens=10, sampler=settings, seed=3)), **spec_options)
     return session.submit(spec).result()
 
 

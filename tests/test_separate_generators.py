@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from exlnb.engines.base import JobSpec, SeparateGeneratorsRefused
-from tests.conftest import chatml
+from exlnb.templates import chatml
 
 # two prompts longer than a 256-token page, alike in shape, different in every token that matters
 STORIES = {

@@ -12,9 +12,11 @@ import pytest
 
 from exlnb import EosReason, SamplerSettings
 from exlnb.engines.base import JobSpec
+from exlnb.engines.job_options import JobOptions
 from exlnb.session import NoModelLoaded, Session
 from exlnb.streaming import ModelUnloaded
-from tests.conftest import chatml, wait_until_idle
+from exlnb.templates import chatml
+from tests.helpers import wait_until_idle
 
 PROMPTS = [
     "What is the capital of France?",
@@ -242,8 +244,9 @@ def test_prompt_longer_than_the_cache_is_a_clear_error(idle_session, greedy):
 
 
 def test_jobs_submitted_together_start_in_the_same_step(idle_session, greedy):
-    spec = idle_session.job_spec(
-        chatml("Tell me a long story about a lighthouse keeper."), max_new_tokens=48, sampler=greedy, stop_at_eos=False
+    spec = idle_session.spec_for(
+        chatml("Tell me a long story about a lighthouse keeper."),
+        JobOptions(max_new_tokens=48, sampler=greedy, stop_at_eos=False),
     )
     streams = idle_session.submit_together([spec, spec, spec])
     results = [s.result() for s in streams]
@@ -256,8 +259,8 @@ def test_jobs_submitted_together_start_in_the_same_step(idle_session, greedy):
 
 
 def test_a_refused_job_among_jobs_submitted_together_leaves_none_behind(idle_session, greedy):
-    fits = idle_session.job_spec(chatml("Count to one hundred."), max_new_tokens=200, sampler=greedy)
-    # built by hand: job_spec itself would refuse it, and this is about the engine refusing one of several
+    fits = idle_session.spec_for(chatml("Count to one hundred."), JobOptions(max_new_tokens=200, sampler=greedy))
+    # built by hand: spec_for itself would refuse it, and this is about the engine refusing one of several
     too_long = JobSpec(input_ids=tuple(range(100, 100 + idle_session.status().cache_tokens + 10)), sampler=greedy)
 
     with pytest.raises(ValueError, match="the prompt has .* tokens but the cache holds"):

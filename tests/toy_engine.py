@@ -36,6 +36,7 @@ TOY_SPEC = EngineSpec(
     loads=("hf",),
     capabilities=frozenset(),
     engine_class="tests.toy_engine:ToyEngine",
+    library="tokenizers",  # what it runs on: Hugging Face's tokenizers, to read and echo the prompt
 )
 
 

@@ -1,4 +1,5 @@
-"""The vocabulary both engines speak: jobs, sampler settings, stream events, cache views.
+"""The vocabulary every engine speaks: jobs, stream events and their timings, the job table's rows, the `Engine`
+interface (what an engine shows of its cache and status is `views.py`'s).
 
 Nothing here touches torch, so the session, widgets and notebooks can import it freely. An engine is a
 synchronous object driven by one thread (the session's `EngineThread`): `enqueue`, `cancel` and `step`, like
@@ -15,16 +16,16 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Protocol
 
-from exlnb.engines.checks import check_field_types
+from exlnb.engines.checks import check_field_types, check_job_limits
 from exlnb.engines.constraint import OutputConstraint
 from exlnb.engines.delivery import Delivery
 from exlnb.engines.sampling import SamplerSettings
-from exlnb.engines.token_info import MAX_TOP_TOKENS, TokenInfo
+from exlnb.engines.token_info import TokenInfo
+from exlnb.engines.tokenizer import Tokenizer
+from exlnb.engines.views import CacheView, EngineStatus
 
 DEFAULT_MAX_NEW_TOKENS = 256  # the one default for every entrance: API, magics, job specs
-SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 
 
 def one_line(error: BaseException) -> str:
@@ -104,21 +105,7 @@ class JobSpec:
         check_field_types(self)
         if not self.input_ids:
             raise ValueError("input_ids is empty: a job needs at least one prompt token")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        if self.seed is not None and not 0 <= self.seed <= SEED_MAX:
-            raise ValueError(f"seed={self.seed} is out of range: use 0 to {SEED_MAX}")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(f"min_new_tokens={self.min_new_tokens} must be between 0 and max_new_tokens ({self.max_new_tokens})")
-        if isinstance(self.banned_strings, str) or not all(self.banned_strings):
-            raise ValueError(f"banned_strings={self.banned_strings!r} must be a list of non-empty strings")
-        if self.stop_on_loop is not None:
-            window, reps = self.stop_on_loop
-            # exllamav3's job asserts the same bounds
-            if not 1 < reps < window:
-                raise ValueError(f"stop_on_loop={self.stop_on_loop!r}: give (window, min_reps) with 1 < min_reps < window")
-        if not 0 <= self.top_tokens <= MAX_TOP_TOKENS:
-            raise ValueError(f"top_tokens={self.top_tokens} must be between 0 (off) and {MAX_TOP_TOKENS}")
+        check_job_limits(self)
         if self.constraint is not None and not self.stop_token_ids:
             raise ValueError(f"a job constrained to a {self.constraint.describe()} ends on a stop token where the "
                              "constraint is satisfied: give one (keep stop_at_eos=True)")
@@ -251,105 +238,6 @@ class JobInfo:
     max_new_tokens: int
     time_enqueued: float
     pages: int  # cache pages the job holds now
-
-
-@dataclass(frozen=True)
-class PageInfo:
-    """One page of a paged KV cache, as the inspector draws it."""
-
-    index: int
-    owners: tuple[int, ...]  # job ids referencing the page
-    ref_count: int
-    tokens_filled: int
-    shared: bool  # referenced by more than one job (a shared prompt prefix)
-    cached: bool = False  # unreferenced, but its contents are kept for prefix reuse
-
-
-def memory_per_gpu_text(per_gpu: tuple[int, ...]) -> str:
-    """"cuda:0 16.50 GiB + cuda:1 8.19 GiB": each GPU's share, as the status line, the inspector and the job table
-    show it where a model spans several GPUs."""
-    return " + ".join(f"cuda:{i} {b / 2**30:.2f} GiB" for i, b in enumerate(per_gpu))
-
-
-@dataclass(frozen=True)
-class CacheView:
-    """A read-only snapshot of an engine's KV cache."""
-
-    paged: bool
-    page_size: int
-    pages: tuple[PageInfo, ...]
-    max_tokens: int
-    defrag_count: int | None = None  # None where the engine never defragments
-    device_memory_per_gpu: tuple[int, ...] = ()  # bytes each GPU holds for the model, on a GPU engine
-
-    @property
-    def total_pages(self) -> int:
-        return len(self.pages)
-
-    @property
-    def free_pages(self) -> int:
-        return sum(1 for p in self.pages if p.ref_count == 0)
-
-    @property
-    def shared_pages(self) -> int:
-        return sum(1 for p in self.pages if p.shared)
-
-    @property
-    def used_tokens(self) -> int:
-        return sum(p.tokens_filled for p in self.pages if p.ref_count > 0)
-
-
-@dataclass(frozen=True)
-class EngineStatus:
-    """The one-line story of what is loaded: shown by `%exl_load` and written into every summary."""
-
-    engine: str
-    model: str
-    device: str
-    paged: bool
-    attention: str  # which attention implementation serves the engine
-    cache_tokens: int
-    cache_dtype: str
-    max_batch_size: int
-    device_memory_bytes: int | None = None  # on every GPU together
-    device_memory_per_gpu: tuple[int, ...] = ()  # where the model spans several GPUs: each one's share
-    notes: tuple[str, ...] = ()  # things the user should know once (e.g. SDPA turned off)
-    library: str = ""  # the inference library and its version, e.g. "exllamav3 1.6.5"
-    decode: str = ""  # how decode steps run where an engine has a choice: "eager", or "CUDA graphs, ..."
-
-    def line(self) -> str:
-        mem = f", {self.device_memory_bytes / 2**30:.2f} GiB on device" if self.device_memory_bytes else ""
-        if len(self.device_memory_per_gpu) > 1:
-            mem = ", " + memory_per_gpu_text(self.device_memory_per_gpu)
-        mode = "paged" if self.paged else "unpaged"
-        library = f" ({self.library})" if self.library else ""
-        decode = f" | decode: {self.decode}" if self.decode else ""
-        return (
-            f"{self.engine} engine{library} | {self.model} | {self.device} | {mode} ({self.attention}) | "
-            f"cache {self.cache_tokens} tokens {self.cache_dtype} | batch {self.max_batch_size}{mem}{decode}"
-        )
-
-
-class Tokenizer(Protocol):
-    """The slice of a tokenizer the kit needs; both engines hand out the same HF-backed one."""
-
-    eos_token_id: int
-    eos_token_ids: tuple[int, ...]  # every id that ends a turn (Llama 3 has two)
-    chat_template: str | None
-
-    def encode(self, text: str, *, special: bool = True) -> list[int]:
-        """Tokenise; with `special=True`, `<|im_start|>` and friends become their single ids."""
-        ...
-
-    def decode(self, ids: Sequence[int], *, special: bool = True) -> str: ...
-
-    def special_tokens(self) -> dict[str, int]: ...
-
-    def token_to_id(self, token: str) -> int | None: ...
-
-    def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
-        """The model's own chat template rendered to text (template "auto")."""
-        ...
 
 
 class SeparateGeneratorsRefused(RuntimeError):

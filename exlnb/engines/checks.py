@@ -1,4 +1,5 @@
-"""Checking values where they enter: types of dataclass fields, option names, text a tokenizer can take.
+"""Checking values where they enter: types of dataclass fields, option names, text a tokenizer can take, the limits
+of what a job asks and a prompt the cache can hold.
 
 A wrong value fails where the user passed it, in one line that names what was expected, instead of inside an
 engine step where it would take every running job down.
@@ -13,6 +14,8 @@ import types
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import fields
+
+from exlnb.engines.token_info import MAX_TOP_TOKENS
 
 
 def check_field_types(instance) -> None:
@@ -45,6 +48,7 @@ def _has_type(value, hint) -> bool:
 
 # exllamav2's C++ sampler functions take these counts as C ints
 INT_MAX = 2**31 - 1
+SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 
 
 def check_finite(instance) -> None:
@@ -103,3 +107,34 @@ def is_number(value: object, kind: type) -> bool:
     if kind is bool:
         return isinstance(value, bool)
     return isinstance(value, numbers.Integral if kind is int else numbers.Real) and not isinstance(value, bool)
+
+
+def check_job_limits(job) -> None:
+    """The limits of what one job asks, checked alike where a user gives them (`job` a `JobOptions`) and where a
+    job is made (a `JobSpec`), with one message each."""
+    if job.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={job.max_new_tokens} must be >= 1")
+    if job.seed is not None and not 0 <= job.seed <= SEED_MAX:
+        raise ValueError(f"seed={job.seed} is out of range: use 0 to {SEED_MAX}")
+    if not 0 <= job.min_new_tokens <= job.max_new_tokens:
+        raise ValueError(f"min_new_tokens={job.min_new_tokens} must be between 0 and max_new_tokens "
+                         f"({job.max_new_tokens})")
+    if isinstance(job.banned_strings, str) or not all(job.banned_strings):
+        raise ValueError(f"banned_strings={job.banned_strings!r} must be a list of non-empty strings")
+    if job.stop_on_loop is not None:
+        window, reps = job.stop_on_loop
+        # exllamav3's job asserts the same bounds
+        if not 1 < reps < window:
+            raise ValueError(f"stop_on_loop={job.stop_on_loop!r}: give (window, min_reps) with 1 < min_reps < window")
+    if not 0 <= job.top_tokens <= MAX_TOP_TOKENS:
+        raise ValueError(f"top_tokens={job.top_tokens} must be between 0 (off) and {MAX_TOP_TOKENS}")
+
+
+def check_prompt_fits(prompt_tokens: int, max_new_tokens: int, cache_tokens: int) -> None:
+    """Refuse a prompt that leaves no room in the cache for one new token: the one message for it, whichever
+    layer finds it first (the session, or an engine that lowers a job's answer to the room left)."""
+    if prompt_tokens + 1 > cache_tokens:
+        raise ValueError(
+            f"the prompt has {prompt_tokens} tokens but the cache holds {cache_tokens}: shorten the prompt "
+            f"or load with cache_tokens of at least {prompt_tokens + max_new_tokens}"
+        )

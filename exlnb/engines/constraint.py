@@ -73,7 +73,8 @@ class OutputConstraint:
             schema = _schema_file(Path(schema))
         elif not isinstance(schema, dict):
             raise TypeError(
-                f"json_schema={schema!r} has the wrong type: give a dict, a pydantic model class, or a .json file's path"
+                f"json_schema={schema!r} has the wrong type: give a dict, a pydantic model class, "
+                "or a .json file's path"
             )
         check_references_end(schema)
         try:

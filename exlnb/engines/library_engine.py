@@ -1,4 +1,4 @@
-"""What the two ExLlama engines share: importing a verified library, tracking its jobs, cancelling them, and
+"""What the ExLlama engines share: importing a verified library, tracking its jobs, cancelling them, and
 reading the job table and cache pages off its objects.
 
 exllamav2 0.3.2 and exllamav3 1.6.5 agree on these shapes: a generator with `enqueue`, `iterate`, `cancel` and
@@ -23,15 +23,16 @@ from exlnb.engines.base import (
     JobClock,
     JobInfo,
     JobSpec,
-    PageInfo,
     Stage,
     StreamEvent,
     job_event,
     one_line,
     wall_clock,
 )
+from exlnb.engines.checks import check_prompt_fits
 from exlnb.engines.device_sampling import DeviceDraws, JobDraw, Row
 from exlnb.engines.token_info import TokenInfo, token_info
+from exlnb.engines.views import PageInfo
 
 # the libraries' `eos_reason` strings; exllamav2 never reports a loop
 LIBRARY_EOS_REASONS = {
@@ -70,11 +71,7 @@ def installed_version(library: ModuleType, name: str) -> str:
 def max_new_tokens_within(spec: JobSpec, max_seq_len: int) -> int:
     """The job's token limit lowered to what the cache holds after its prompt; a prompt that fills it is refused."""
     prompt = len(spec.input_ids)
-    if prompt + 1 > max_seq_len:
-        raise ValueError(
-            f"the prompt has {prompt} tokens but the cache holds {max_seq_len}: shorten the prompt "
-            f"or load with cache_tokens of at least {prompt + spec.max_new_tokens}"
-        )
+    check_prompt_fits(prompt, spec.max_new_tokens, max_seq_len)
     return min(spec.max_new_tokens, max_seq_len - prompt)
 
 

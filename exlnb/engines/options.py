@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import os
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +24,29 @@ UNPAGED_ENGINES = engines_that("unpaged")  # the built-in engines that can also 
 GRAPH_MODES = ("auto", "off")  # CUDA-graph decode (the "graphs" engines): auto is on where the load check passes
 SERVER_APIS = ("chat", "completions")  # a server's endpoint (openai engine): its chat template, or exlnb's rendering
 
-# the model formats an engine can split with tensor parallelism, where it cannot split every format it loads
-TENSOR_PARALLEL_FORMATS = {"exllamav2": ("exl2",)}
 AUTO_SPLIT = "auto"  # gpu_split: the library fills the GPUs in turn (exllamav2's autosplit, exllamav3's default)
 DEFAULT_CACHE_TOKENS = 8192
 DEFAULT_MAX_BATCH_SIZE = 16
 PAGE_TOKENS = 256  # exllamav2's page size; the CPU engine uses the same, so grids and counts read alike
+
+
+def parse_gpu_split(text: str) -> list[float] | str:
+    """`--gpu-split` as typed: '20,24' -> [20.0, 24.0] (GiB per GPU); 'auto' -> 'auto' (the library fills the GPUs
+    in turn)."""
+    if text == AUTO_SPLIT:
+        return AUTO_SPLIT
+    try:
+        return [float(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--gpu-split {text!r}: give {AUTO_SPLIT}, or GiB per GPU separated by commas, "
+                         "e.g. 20,24") from None
+
+
+def parse_paged(text: str) -> str | bool:
+    """`--paged` as typed: auto, on or off."""
+    if text not in PAGED_MODES:
+        raise ValueError(f"--paged {text!r}: give {', '.join(PAGED_MODES)}")
+    return PAGED_MODES[text]
 
 
 def check_display(display: str) -> str:
@@ -77,42 +95,13 @@ class EngineOptions:
         api: str = "chat",
         served_model: str | None = None,
     ) -> EngineOptions:
-        if engine != "auto":
-            engine_spec(engine)  # an unknown name fails here, naming every registered engine
-        if cache_dtype not in CACHE_DTYPES:
-            raise ValueError(f"unknown cache type {cache_dtype!r}: choose one of {', '.join(CACHE_DTYPES)}")
-        if api not in SERVER_APIS:
-            raise ValueError(f"api={api!r}: choose one of {', '.join(SERVER_APIS)}")
-        if url is not None:
-            check_server_url(url, api_key_env)
-        # a server is loaded by its url; the local folder only lends its tokenizer and chat template
-        fmt = "url" if url else model_format(model_dir)
-        if engine != "auto" and ("url" in engine_spec(engine).loads) != bool(url):
-            raise ValueError(f'the {engine} engine talks to a server: give its url, e.g. url="http://127.0.0.1:8000/v1"'
-                             if url is None else f"url={url!r} is for a server: load it with engine=\"auto\" or "
-                             f"{' or '.join(s.name for s in engines_loading('url'))}, not the {engine} engine")
-        if engine == "auto":
-            engine = engine_for(fmt, cuda=cuda_available())
-        check_engine_can_load(engine, fmt, model_dir)
-        if cache_dtype != "fp16" and not engine_spec(engine).can("quantized_cache"):
-            raise ValueError(
-                f"the {engine} engine keeps its cache in full precision; --cache {cache_dtype} needs "
-                f"{' or '.join(engines_that('quantized_cache'))}"
-            )
-        if cache_tokens is not None and cache_tokens < PAGE_TOKENS:
-            raise ValueError(f"cache_tokens={cache_tokens} is too small: give at least {PAGE_TOKENS} (one page)")
-        if max_batch_size is not None and max_batch_size < 1:
-            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
-        if paged not in PAGED_MODES.values():
-            raise ValueError(f'paged={paged!r} is not one of "auto", True, False')
-        if paged is False and not engine_spec(engine).can("unpaged"):
-            raise ValueError(f"the {engine} engine always pages: paged=False needs {' or '.join(engines_that('unpaged'))}")
-        if graphs not in GRAPH_MODES:
-            raise ValueError(f"graphs={graphs!r}: choose one of {', '.join(GRAPH_MODES)}")
-        if gpu_split or tensor_parallel:
-            check_gpu_split(engine, gpu_split, tensor_parallel, cuda_device_memory())
-        if tensor_parallel:
-            check_tensor_parallel_format(engine, fmt, Path(model_dir))
+        """The options an engine is built with, once every check that needs nothing loaded has passed: the values
+        themselves, the engine (`engine_for`'s choice for "auto") and what it can do with the folder's format."""
+        check_values(cache_tokens=cache_tokens, cache_dtype=cache_dtype, max_batch_size=max_batch_size, paged=paged,
+                     graphs=graphs, url=url, api_key_env=api_key_env, api=api)
+        engine, fmt = choose_engine(engine, Path(model_dir), url)
+        check_engine_offers(engine, fmt, Path(model_dir), cache_dtype=cache_dtype, paged=paged, gpu_split=gpu_split,
+                            tensor_parallel=tensor_parallel)
         return cls(
             engine=engine,
             model_dir=Path(model_dir).resolve(),
@@ -128,6 +117,72 @@ class EngineOptions:
             api=api,
             served_model=served_model,
         )
+
+
+def check_values(*, cache_tokens: int | None, cache_dtype: str, max_batch_size: int | None, paged: str | bool,
+                 graphs: str, url: str | None, api_key_env: str | None, api: str) -> None:
+    """Refuse a value no engine takes: a choice outside its list, a count too small, a server's url that cannot be
+    one (`check_server_url`)."""
+    if cache_dtype not in CACHE_DTYPES:
+        raise ValueError(f"unknown cache type {cache_dtype!r}: choose one of {', '.join(CACHE_DTYPES)}")
+    if api not in SERVER_APIS:
+        raise ValueError(f"api={api!r}: choose one of {', '.join(SERVER_APIS)}")
+    if url is not None:
+        check_server_url(url, api_key_env)
+    if cache_tokens is not None and cache_tokens < PAGE_TOKENS:
+        raise ValueError(f"cache_tokens={cache_tokens} is too small: give at least {PAGE_TOKENS} (one page)")
+    if max_batch_size is not None and max_batch_size < 1:
+        raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+    if paged not in PAGED_MODES.values():
+        raise ValueError(f'paged={paged!r} is not one of "auto", True, False')
+    if graphs not in GRAPH_MODES:
+        raise ValueError(f"graphs={graphs!r}: choose one of {', '.join(GRAPH_MODES)}")
+
+
+def choose_engine(engine: str, model_dir: Path, url: str | None) -> tuple[str, str]:
+    """The engine to load and the format it loads: a server by its url ("url"), else the folder's format; "auto"
+    picks by that format and whether CUDA is here. An unknown engine, or a url given to an engine that loads
+    folders (or none to one that loads a url), is refused."""
+    if engine != "auto" and ("url" in engine_spec(engine).loads) != bool(url):  # an unknown name fails here
+        raise ValueError(f'the {engine} engine talks to a server: give its url, e.g. url="http://127.0.0.1:8000/v1"'
+                         if url is None else f"url={url!r} is for a server: load it with engine=\"auto\" or "
+                         f"{' or '.join(s.name for s in engines_loading('url'))}, not the {engine} engine")
+    # a server is loaded by its url; the local folder only lends its tokenizer and chat template
+    fmt = "url" if url else model_format(model_dir)
+    if engine == "auto":
+        engine = engine_for(fmt, cuda=cuda_available())
+    check_engine_can_load(engine, fmt, model_dir)
+    return engine, fmt
+
+
+def check_engine_offers(engine: str, fmt: str, model_dir: Path, *, cache_dtype: str, paged: str | bool,
+                        gpu_split: Sequence[float] | str | None, tensor_parallel: bool) -> None:
+    """Refuse what the engine's declaration does not offer: a quantized cache, an unpaged one, a split over GPUs
+    (or one the machine's GPUs cannot hold), tensor parallelism over weights its library cannot split."""
+    if cache_dtype != "fp16" and not engine_spec(engine).can("quantized_cache"):
+        raise ValueError(
+            f"the {engine} engine keeps its cache in full precision; --cache {cache_dtype} needs "
+            f"{' or '.join(engines_that('quantized_cache'))}"
+        )
+    if paged is False and not engine_spec(engine).can("unpaged"):
+        raise ValueError(f"the {engine} engine always pages: paged=False needs {' or '.join(engines_that('unpaged'))}")
+    if gpu_split or tensor_parallel:
+        check_gpu_split(engine, gpu_split, tensor_parallel, cuda_device_memory())
+    if tensor_parallel:
+        check_tensor_parallel_format(engine, fmt, model_dir)
+
+
+def check_engine_runs_here(engine: str) -> None:
+    """Refuse, before anything is unloaded, an engine this machine cannot run: one that needs a CUDA GPU where
+    there is none, one whose library is not installed."""
+    spec = engine_spec(engine)
+    if spec.needs_cuda and not cuda_available():
+        able = [s.name for s in engines_loading("hf") if not s.needs_cuda]
+        instead = f' (engine="{able[0]}" runs unquantized models here)' if able else ""
+        raise ValueError(f"the {engine} engine needs a CUDA GPU, and this machine has none{instead}")
+    if spec.library and importlib.util.find_spec(spec.library) is None:
+        raise ValueError(f"the {engine} engine runs on {spec.library}, which is not installed here: install it "
+                         f"(pip install {spec.library}) or load another engine")
 
 
 def check_server_url(url: str, api_key_env: str | None) -> None:
@@ -165,8 +220,8 @@ def shown_url(url: str) -> str:
     return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
-# bytes per cached key or value element, by cache type (exllamav2's quantized caches keep scales besides)
-_CACHE_ELEMENT_BYTES = {"fp16": 2.0, "q8": 1.0, "q6": 0.75, "q4": 0.5}
+# bytes per cached key or value element, by precision (exllamav2's quantized caches keep scales besides)
+_CACHE_ELEMENT_BYTES = {"fp32": 4.0, "fp16": 2.0, "q8": 1.0, "q6": 0.75, "q4": 0.5}
 
 
 def kv_cache_bytes(model_dir: Path, cache_tokens: int, element_bytes: float) -> int:
@@ -181,10 +236,12 @@ def kv_cache_bytes(model_dir: Path, cache_tokens: int, element_bytes: float) -> 
 
 
 def check_cache_fits(options: EngineOptions) -> None:
-    """Refuse a cache larger than the device's whole memory before anything is unloaded or allocated."""
-    if options.url:
+    """Refuse a cache larger than the device's whole memory before anything is unloaded or allocated, sized as the
+    engine's declaration says it keeps its cache (`kv_cache`)."""
+    sizing = engine_spec(options.engine).kv_cache
+    if sizing == "elsewhere":
         return  # a server's cache is on the server
-    element = 4.0 if options.engine == "cpu" else _CACHE_ELEMENT_BYTES[options.cache_dtype]
+    element = _CACHE_ELEMENT_BYTES[options.cache_dtype if sizing == "as_asked" else sizing]
     try:
         needed = kv_cache_bytes(options.model_dir, options.cache_tokens, element)
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
@@ -241,13 +298,15 @@ def check_gpu_split(
 
 
 def check_tensor_parallel_format(engine: str, fmt: str, model_dir: Path) -> None:
-    """Refuse tensor parallelism over weights the engine's library cannot split, before anything is unloaded:
-    exllamav2 0.3.2's `load_tp` splits quantized tensors only (an fp16 7B-shaped model failed on four H100s
-    with "Can only split quantized tensor."); exllamav3 splits fp16 and EXL3 weights alike."""
-    formats = TENSOR_PARALLEL_FORMATS.get(engine)
-    if formats and fmt not in formats:
-        raise ValueError(f"the {engine} engine splits only {' or '.join(formats).upper()} weights with tensor parallelism; "
-                         f"{model_dir.name} is {fmt.upper()}: use --gpu-split for a layer split, or the exllamav3 engine")
+    """Refuse tensor parallelism over weights the engine's library cannot split (its declaration's
+    `tensor_parallel_loads`), before anything is unloaded."""
+    spec = engine_spec(engine)
+    if not spec.splits(fmt):
+        formats = " or ".join(spec.tensor_parallel_loads or spec.loads).upper()
+        able = [s.name for s in engines_loading(fmt) if s.splits(fmt)]
+        instead = f", or the {' or '.join(able)} engine" if able else ""
+        raise ValueError(f"the {engine} engine splits only {formats} weights with tensor parallelism; "
+                         f"{model_dir.name} is {fmt.upper()}: use --gpu-split for a layer split{instead}")
 
 
 def _gpu_list(devices: Sequence[int]) -> str:

@@ -1,9 +1,11 @@
-"""Every engine, declared once: its name, the model formats it loads, what it can do and where its class lives.
+"""Every engine, declared once: its name, its library, the model formats it loads, what it can do, how its cache is
+sized, where its results are published and where its class lives.
 
-`engine="auto"`, the unknown-engine and cannot-load errors, `%exl_load --engine`'s choices and docs/engines.md's
-table all read this table, so adding an engine is its class and one `register_engine` call (at the end of this
-module for a built-in; docs/architecture.md, "A new engine"). The class is named by a string and imported only when the engine is chosen: exllamav2 and
-exllamav3 build their CUDA extensions on import (minutes the first time).
+`engine="auto"`, the load's checks and errors, `%exl_load --engine`'s choices, docs/engines.md's table, the
+versions every result records (experiments' and benchmarks' alike) and `report --publish`'s folders all read this
+table, so adding an engine is its class and one `register_engine` call (at the end of this module for a built-in;
+docs/architecture.md, "A new engine"). The class is named by a string and imported only when the engine is
+chosen: exllamav2 and exllamav3 build their CUDA extensions on import (minutes the first time).
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ CAPABILITIES = {
 }
 
 
+# how an engine's KV cache is sized in memory, for the check that it fits the device before anything is loaded
+KV_CACHE_SIZING = {
+    "as_asked": "in the precision `cache_dtype` asks for",
+    "fp32": "in fp32, whatever `cache_dtype` asks",
+    "elsewhere": "not here: on the server the engine talks to",
+}
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """One engine's declaration. `loads` holds model formats (formats.py's "hf", "exl2", "exl3") or "url" for an
@@ -47,6 +57,13 @@ class EngineSpec:
     engine_class: str  # "package.module:Class", called with (options, progress=progress)
     needs_cuda: bool = False
     auto_rank: int | None = None
+    # the Python package the engine drives: its version is in every result's record, and a load is refused where
+    # it is not installed (None: exlnb's own code over the kit's dependencies)
+    library: str | None = None
+    # the formats tensor parallelism can split, where not every format the engine loads (None: all it loads)
+    tensor_parallel_loads: tuple[str, ...] | None = None
+    kv_cache: str = "as_asked"  # a key of KV_CACHE_SIZING
+    results_folder: str | None = None  # `report --publish` writes to data/results/<this>/ (None: the engine's name)
 
     def __post_init__(self) -> None:
         unknown = sorted(self.capabilities - CAPABILITIES.keys())
@@ -55,6 +72,17 @@ class EngineSpec:
                              f"choose from {', '.join(CAPABILITIES)}")
         if ":" not in self.engine_class:
             raise ValueError(f"engine_class={self.engine_class!r}: write it as 'package.module:Class'")
+        if self.kv_cache not in KV_CACHE_SIZING:
+            raise ValueError(f"kv_cache={self.kv_cache!r}: choose one of {', '.join(KV_CACHE_SIZING)}")
+
+    @property
+    def published_under(self) -> str:
+        """The folder under data/results/ that `report --publish` copies this engine's results to."""
+        return self.results_folder or self.name
+
+    def splits(self, fmt: str) -> bool:
+        """Whether tensor parallelism can split weights of format `fmt` on this engine."""
+        return self.can("tensor_parallel") and fmt in (self.tensor_parallel_loads or self.loads)
 
     def can(self, capability: str) -> bool:
         if capability not in CAPABILITIES:
@@ -97,6 +125,12 @@ def engines_loading(fmt: str) -> tuple[EngineSpec, ...]:
     return tuple(spec for spec in _ENGINES.values() if fmt in spec.loads)
 
 
+def engine_libraries() -> tuple[str, ...]:
+    """The libraries the registered engines drive, in registration order: the packages whose versions every
+    result records beside the kit's own."""
+    return tuple(dict.fromkeys(spec.library for spec in _ENGINES.values() if spec.library))
+
+
 class EngineChoices(Sequence[str]):
     """"auto" and every registered engine, read afresh on each use: argparse's `choices` and help text and the
     API's checks hold this one object, so an engine registered after import is a valid choice everywhere."""
@@ -127,20 +161,31 @@ def engines_table() -> str:
     """The registered engines and what each capability means, as Markdown: docs/engines.md holds this text
     (a test compares them; `write_engines_doc()` writes it there)."""
     rows = [
-        "| Engine | Loads | Needs CUDA | `auto` order | Can | What it is |",
-        "|---|---|---|---|---|---|",
+        "| Engine | Library | Loads | Needs CUDA | `auto` order | Can | Cache | Results | What it is |",
+        "|---|---|---|---|---|---|---|---|---|",
         *(
-            f"| `{s.name}` | {', '.join(s.loads)} | {'yes' if s.needs_cuda else 'no'} | "
+            f"| `{s.name}` | {s.library or 'exlnb'} | {_loads(s)} | {'yes' if s.needs_cuda else 'no'} | "
             f"{'never' if s.auto_rank is None else s.auto_rank} | "
-            f"{', '.join(f'`{c}`' for c in CAPABILITIES if c in s.capabilities)} | {s.summary} |"
+            f"{', '.join(f'`{c}`' for c in CAPABILITIES if c in s.capabilities)} | {s.kv_cache} | "
+            f"data/results/{s.published_under}/ | {s.summary} |"
             for s in _ENGINES.values()
         ),
         "",
         "| Capability | Means |",
         "|---|---|",
         *(f"| `{name}` | {meaning} |" for name, meaning in CAPABILITIES.items()),
+        "",
+        "| Cache | Sized |",
+        "|---|---|",
+        *(f"| {name} | {meaning} |" for name, meaning in KV_CACHE_SIZING.items()),
     ]
     return "\n".join(rows) + "\n"
+
+
+def _loads(spec: EngineSpec) -> str:
+    """The formats an engine loads, and those tensor parallelism can split where that is fewer."""
+    split = f" (tensor parallel: {', '.join(spec.tensor_parallel_loads)})" if spec.tensor_parallel_loads else ""
+    return ", ".join(spec.loads) + split
 
 
 # The built-in engines. Their capabilities are what each engine's code does: exllamav3 refuses, by name, the
@@ -157,6 +202,11 @@ register_engine(EngineSpec(
     engine_class="exlnb.engines.exllamav2.engine:ExLlamaV2Engine",
     needs_cuda=True,
     auto_rank=1,
+    library="exllamav2",
+    # exllamav2 0.3.2's load_tp splits quantized tensors only: an fp16 7B-shaped model failed on four H100s with
+    # "Can only split quantized tensor."
+    tensor_parallel_loads=("exl2",),
+    results_folder="gpu",  # the kit's first GPU engine: its results were published there before there were others
 ))
 register_engine(EngineSpec(
     name="exllamav3",
@@ -170,10 +220,12 @@ register_engine(EngineSpec(
     engine_class="exlnb.engines.exllamav3.engine:ExLlamaV3Engine",
     needs_cuda=True,
     auto_rank=2,
+    library="exllamav3",
 ))
 register_engine(EngineSpec(
     name="cpu",
-    summary="exlnb's own engine in PyTorch on the CPU: unquantized models, a paged cache, exllamav2's whole sampler",
+    summary="exlnb's own engine in PyTorch on the CPU: unquantized models, a paged cache, "
+            "exllamav2's whole sampler",
     loads=("hf",),
     capabilities=frozenset({
         "paged", "page_map", "dry", "xtc", "sampler_all", "constraints", "token_view", "separate_generators",
@@ -181,14 +233,18 @@ register_engine(EngineSpec(
     }),
     engine_class="exlnb.engines.cpu:CpuEngine",
     auto_rank=3,
+    kv_cache="fp32",
 ))
 register_engine(EngineSpec(
     name="openai",
-    summary="an OpenAI-compatible server (TabbyAPI, vLLM, SGLang, llama.cpp) by its url: streams, cancels by disconnecting",
+    summary="an OpenAI-compatible server (TabbyAPI, vLLM, SGLang, llama.cpp) by its url: streams, "
+            "cancels by disconnecting",
     loads=("url",),
     capabilities=frozenset({"token_view", "server_metrics"}),
     engine_class="exlnb.engines.remote.engine:RemoteEngine",
     auto_rank=1,
+    library="httpx",
+    kv_cache="elsewhere",
 ))
 
 
@@ -196,7 +252,10 @@ TABLE_START = "<!-- engines table: written by exlnb.engines.registry.write_engin
 TABLE_END = "<!-- end of engines table -->"
 
 
-def write_engines_doc(doc: Path = Path(__file__).resolve().parents[2] / "docs" / "engines.md") -> None:
+ENGINES_DOC = Path(__file__).resolve().parents[2] / "docs" / "engines.md"
+
+
+def write_engines_doc(doc: Path = ENGINES_DOC) -> None:
     """Put `engines_table()` between docs/engines.md's markers, after an engine's declaration changed."""
     text = doc.read_text()
     start, end = text.index(TABLE_START) + len(TABLE_START), text.index(TABLE_END)

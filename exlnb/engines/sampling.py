@@ -153,3 +153,20 @@ class SamplerSettings:
         names = self.option_names()
         check_option_names(options, valid=names)
         return replace(self, **{names[k]: v for k, v in options.items()})
+
+
+def sampled_option_names(cls: type) -> list[str]:
+    """Every keyword a declared class that carries a `sampler` (`JobOptions`, `GenerationRequest`) takes: its own
+    options, `sampler`, and every name of a sampler setting."""
+    return [*(o.keyword for o in declared(cls)), "sampler", *SamplerSettings.option_names()]
+
+
+def build_sampled(cls: type, options: Mapping[str, object], **given: object):
+    """`cls` from keyword options as a user writes them: its own by keyword, a whole `sampler=SamplerSettings(...)`
+    to start from, and sampler settings by their exllamav2 or short name (`temperature=0.7`, `rep_penalty=1.1`)
+    folded into it; a misspelt name is refused naming every valid one. `given` are taken as they are."""
+    check_option_names(options, valid=sampled_option_names(cls))
+    own = {o.keyword: o.name for o in declared(cls)}
+    settings = {name: value for name, value in options.items() if name not in own and name != "sampler"}
+    sampler = (options.get("sampler") or SamplerSettings()).with_options(**settings)
+    return cls(**given, **{own[k]: v for k, v in options.items() if k in own}, sampler=sampler)

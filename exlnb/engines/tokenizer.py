@@ -1,6 +1,7 @@
-"""One tokenizer for both engines: Hugging Face's, loaded from the model folder.
+"""One tokenizer for every engine: Hugging Face's, loaded from the model folder, and the `Tokenizer` protocol the
+kit reads it through.
 
-Sharing it means a template renders to the same ids on either engine, so experiments compare like with
+Sharing it means a template renders to the same ids on every engine, so experiments compare like with
 like. Special tokens written in text (`<|im_start|>`) become their single ids only with `special=True`;
 field report 4 is what happens otherwise.
 """
@@ -10,12 +11,35 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 from exlnb.engines.checks import check_text
 
 
 # Text whose tokens exercise what llguidance must read as the tokenizer does: spaces inside, JSON, non-ASCII
 GRAMMAR_PROBE = 'A {"name": "Ana", "tags": [1, 2]}\n\tcafé, 東京!'
+
+
+class Tokenizer(Protocol):
+    """The slice of a tokenizer the kit needs; every engine hands out the same HF-backed one."""
+
+    eos_token_id: int
+    eos_token_ids: tuple[int, ...]  # every id that ends a turn (Llama 3 has two)
+    chat_template: str | None
+
+    def encode(self, text: str, *, special: bool = True) -> list[int]:
+        """Tokenise; with `special=True`, `<|im_start|>` and friends become their single ids."""
+        ...
+
+    def decode(self, ids: Sequence[int], *, special: bool = True) -> str: ...
+
+    def special_tokens(self) -> dict[str, int]: ...
+
+    def token_to_id(self, token: str) -> int | None: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+        """The model's own chat template rendered to text (template "auto")."""
+        ...
 
 
 class HfTokenizer:

@@ -51,7 +51,7 @@ def run(
     runs, outputs = [], []
     solo = []
     refusal = None  # the library's own refusal of the generator-per-request pattern, where it has one
-    for i, spec in enumerate(specs):
+    for spec in specs:
         start = wall_clock()
         solo.append(session.submit(spec).result().token_ids)
         runs.append(_run_row("solo", 1, [solo[-1]], wall_clock() - start))

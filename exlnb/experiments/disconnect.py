@@ -25,6 +25,7 @@ import seaborn as sns
 from exlnb.analysis import median_interval, ratio_of_medians
 from exlnb.datasets import filler_ids
 from exlnb.engines.base import SamplerSettings, wall_clock
+from exlnb.engines.job_options import JobOptions
 from exlnb.engines.registry import engine_spec
 from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.session import Session
@@ -95,8 +96,8 @@ class _Measure:
     def _spec(self, length: int, max_new_tokens: int, stop_at_eos: bool):
         self.count += 1  # every prompt its own: no server reuses a cached prefix between them
         ids = filler_ids(self.session.tokenizer, length, label=f"Request {self.count} of {self.name}")
-        return self.session.job_spec(ids, max_new_tokens=max_new_tokens, sampler=SamplerSettings.greedy(),
-                                     stop_at_eos=stop_at_eos)
+        options = JobOptions(max_new_tokens=max_new_tokens, sampler=SamplerSettings.greedy(), stop_at_eos=stop_at_eos)
+        return self.session.spec_for(ids, options)
 
     def probe(self) -> tuple[float, float]:
         """One probe, the short prompt and two tokens: when it was sent, and its time to first token."""

@@ -275,7 +275,8 @@ def _effects(tables: dict[str, pd.DataFrame], parameters: dict, who: str) -> lis
         ),
         # the mean, not the median: the symptom is the occasional request that waits for whole jobs to finish
         Effect(
-            name=f"{who}request latency (time to {parameters['tokens_read']} tokens), mean of {n} requests x {trials} trials",
+            name=f"{who}request latency (time to {parameters['tokens_read']} tokens), "
+            f"mean of {n} requests x {trials} trials",
             symptom=mean_interval(latency["un-cancelled"], "s"),
             fix=mean_interval(latency["cancelled"], "s"),
             symptom_label="un-cancelled",

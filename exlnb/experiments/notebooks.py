@@ -45,5 +45,6 @@ def check_parameters(name: str, parameters: Iterable[str]) -> None:
     unknown = [p for p in parameters if p not in valid]
     if unknown:
         raise ValueError(
-            f"the {name} notebook has no parameter {', '.join(map(repr, unknown))}: its parameters are {', '.join(valid)}"
+            f"the {name} notebook has no parameter {', '.join(map(repr, unknown))}: "
+            f"its parameters are {', '.join(valid)}"
         )

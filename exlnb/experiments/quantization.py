@@ -19,7 +19,7 @@ import pandas as pd
 import seaborn as sns
 
 from exlnb.analysis import mean_interval, median_interval, rate_interval, ratio_of_medians
-from exlnb.engines.base import SamplerSettings
+from exlnb.engines.base import SamplerSettings, one_line
 from exlnb.engines.options import cuda_available
 from exlnb.datasets import filler_ids, load_questions
 from exlnb.divergence import compare
@@ -28,7 +28,7 @@ from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.models import BUNDLED_MODEL, resolve_model
 from exlnb.quantize import quantize
 from exlnb.scoring import score
-from exlnb.session import Session, one_line
+from exlnb.session import Session
 
 CONDITION_COLUMNS = ["condition", "format", "bits", "engine", "perplexity", "kl_mean", "kl_median", "kl_p90",
                      "top1_agreement", "weights_gib", "device_memory_gib"]

@@ -1,7 +1,8 @@
 """What every investigation hands back and how it is kept: tables, effects, environment, files.
 
 A result is written as `<name>-<table>.csv` per raw table, `<name>.json` (the summary: effects with their
-intervals, parameters, engine, model, device, versions, notes) and `<name>.png` (the figure).
+intervals, parameters, engine, model, device, versions, notes) and `<name>.png` (the figure). `environment()` is
+the one record of where numbers come from, the benchmarks' too.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from pathlib import Path
 import pandas as pd
 
 from exlnb.analysis import Estimate
+from exlnb.engines.registry import engine_libraries
 from exlnb.session import Session
 
-VERSIONED_PACKAGES = ("exlnb", "torch", "transformers", "exllamav2", "exllamav3", "numpy", "pandas")
+# the kit's own packages whose versions decide its numbers; each registered engine's library is recorded besides
+KIT_PACKAGES = ("exlnb", "torch", "triton", "transformers", "numpy", "pandas")
 # what each field report (docs/field-reports.md, whose headings these are) is about, for a reader who has not read it
 FIELD_REPORTS = {
     1: "Latency that grows from seconds to minutes",
@@ -155,31 +158,60 @@ def read_summary(path: Path) -> tuple[dict | None, str | None]:
         return None, f"{path} is not valid JSON ({error})"
 
 
-def environment(session: Session) -> dict:
-    """Engine, model, device and versions: what every summary says about where its numbers come from."""
-    status = session.status()
-    versions = {}
-    for name in VERSIONED_PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return {
-        "engine": status.engine,
-        "model": status.model,
-        "device": status.device,
-        "paged": status.paged,
-        "attention": status.attention,
-        "cache_tokens": status.cache_tokens,
-        "max_batch_size": status.max_batch_size,
-        "engine_notes": list(status.notes),
+def environment(session: Session | None = None) -> dict:
+    """Where numbers come from, as every summary and benchmark record says it: the date, Python, the versions of
+    the kit's packages and of every registered engine's library, the commit, the machine's device and driver and
+    how busy it was (a busy 2-core machine halves what torch gets); with a session, what it has loaded (engine,
+    model, the device it runs on, attention, cache, notes)."""
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
-        "versions": versions,
+        "versions": {name: _version(name) for name in dict.fromkeys([*KIT_PACKAGES, *engine_libraries()])},
         "exlnb_commit": git_commit(),
         "cpu_count": os.cpu_count(),
-        "load_average_1min": os.getloadavg()[0],  # a busy 2-core machine halves what torch gets
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "load_average_1min": os.getloadavg()[0],
+        **_device_and_driver(),
     }
+    if session is not None:
+        status = session.status()
+        record |= {
+            "engine": status.engine,
+            "model": status.model,
+            "device": status.device,
+            "paged": status.paged,
+            "attention": status.attention,
+            "cache_tokens": status.cache_tokens,
+            "max_batch_size": status.max_batch_size,
+            "engine_notes": list(status.notes),
+        }
+    return record
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _device_and_driver() -> dict:
+    """The machine's GPU and its driver, or its CPU and the threads torch uses."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"device": f"cpu: {_cpu_model()}, {torch.get_num_threads()} threads", "driver": None}
+    driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                            capture_output=True, text=True).stdout.strip()
+    return {"device": torch.cuda.get_device_name(), "driver": driver}
+
+
+def _cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def _short(estimate: Estimate) -> str:

@@ -127,7 +127,8 @@ def findings(outputs: pd.DataFrame, comparisons: dict[str, dict[str, Estimate]],
         settings = ", ".join(f"{k} {v:g}" for k, v in remedy.sampler_options) or f"stop_on_loop={remedy.stop_on_loop}"
         lines.append(
             f"{remedy.name} ({settings}; {remedy.source}): loop rate {_pct(c['loop_rate'])} against "
-            f"{_pct(c['loop_rate_no_penalty'])} with no penalty, paired difference {_points(c['loop_rate_minus_no_penalty'])}; "
+            f"{_pct(c['loop_rate_no_penalty'])} with no penalty, paired difference "
+            f"{_points(c['loop_rate_minus_no_penalty'])}; "
             f"distinct-2 {_points(c['distinct_2_minus_no_penalty'])}; length "
             f"{c['new_tokens_minus_no_penalty'].value:+.1f} tokens [{c['new_tokens_minus_no_penalty'].low:+.1f} to "
             f"{c['new_tokens_minus_no_penalty'].high:+.1f}] (n = {c['loop_rate'].n} pairs)."
@@ -136,7 +137,8 @@ def findings(outputs: pd.DataFrame, comparisons: dict[str, dict[str, Estimate]],
     if LOOP_DETECTOR.name in comparisons:
         ended, window = detector[detector.ended_by_detector], LOOP_DETECTOR.stop_on_loop[0]
         lines.append(
-            f"The loop detector ended {len(ended)} of {len(detector)} jobs ({_pct(comparisons[LOOP_DETECTOR.name]['ended_by_detector'])}); "
+            f"The loop detector ended {len(ended)} of {len(detector)} jobs "
+            f"({_pct(comparisons[LOOP_DETECTOR.name]['ended_by_detector'])}); "
             f"it does not pull a job out of its loop, it stops it, saving {int(ended.tokens_saved.sum())} of the "
             f"{len(ended) * max_new_tokens} tokens those jobs would have run to max_new_tokens. It fires once its "
             f"{window}-token window holds nothing but the loop: at max_new_tokens={max_new_tokens}, only a loop that "

@@ -25,6 +25,7 @@ from exlnb.analysis import (
     tail_repeated_fraction,
 )
 from exlnb.engines.base import EosReason, SamplerSettings
+from exlnb.engines.job_options import JobOptions
 from exlnb.datasets import load_prompts
 from exlnb.experiments import remedies
 from exlnb.experiments.record import Effect, ExperimentResult, environment
@@ -76,7 +77,8 @@ def run(
     for rep, freq in (NO_PENALTY, REPORTED_DEFAULT, REPORTED_SUGGESTION):
         if rep not in repetition_penalties or freq not in frequency_penalties:
             raise ValueError(
-                f"the grid must hold no penalty and field report 1's two settings (penalty {rep}, frequency {freq}) to compare them: "
+                f"the grid must hold no penalty and field report 1's two settings (penalty {rep}, frequency {freq}) "
+                "to compare them: "
                 f"got repetition_penalties={repetition_penalties}, frequency_penalties={frequency_penalties}"
             )
     texts = load_prompts("loop_inviting")[:prompts]
@@ -137,8 +139,9 @@ def _runnable_remedies(session: Session, prompt: str) -> tuple[list[Remedy], lis
     """The remedies this engine can run, and for each it refuses, why (the ExLlamaV2 engine has no loop detector)."""
     runnable, refused = [], []
     for remedy in REMEDIES:
-        spec = session.job_spec(
-            prompt, max_new_tokens=1, sampler=remedy.sampler(SamplerSettings()), stop_on_loop=remedy.stop_on_loop
+        spec = session.spec_for(
+            prompt, JobOptions(max_new_tokens=1, sampler=remedy.sampler(SamplerSettings()),
+                               stop_on_loop=remedy.stop_on_loop)
         )
         missing = session.run_on_engine(lambda engine: engine.unsupported(spec))
         if missing:

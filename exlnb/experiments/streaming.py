@@ -341,8 +341,8 @@ def _findings(runs: pd.DataFrame, d: int) -> list[str]:
     nested, collector = by.loc["nested"], by.loc["collector queue"]
     lines.append(
         f"Total time (request to last chunk) at {d} passes: nested {nested.last_arrival_s:.2f} s, collector queue "
-        f"{collector.last_arrival_s:.2f} s, exlnb session {by.loc['exlnb session', 'last_arrival_s']:.2f} s; the report "
-        "says the total is unchanged by the burst."
+        f"{collector.last_arrival_s:.2f} s, exlnb session {by.loc['exlnb session', 'last_arrival_s']:.2f} s; "
+        "the report says the total is unchanged by the burst."
     )
     if collector.final_burst_chunks >= 0.5 * nested.final_burst_chunks > 1:
         lines.append(

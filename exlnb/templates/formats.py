@@ -75,7 +75,8 @@ class TurnFormat:
         return tuple(dict.fromkeys(p for p in parts if p))
 
 
-# field report 4's correct form: <|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n
+# field report 4's correct form:
+# <|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n
 CHATML = TurnFormat("chatml", "", "<|im_start|>", "\n", "<|im_end|>", "\n")
 # Meta's Llama 3 instruct format: a header per turn, two newlines after it, no separator between turns
 LLAMA3 = TurnFormat("llama3", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>\n\n", "<|eot_id|>", "")

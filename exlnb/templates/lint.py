@@ -184,7 +184,8 @@ def _check_header(report: _Reporter, fmt: TurnFormat, after_tag: int) -> tuple[s
     if leading:
         report.add(
             LintKind.MISPLACED_NEWLINE, after_tag,
-            f"{text[after_tag:after_tag + leading]!r} after {fmt.turn_start}: the role name must follow the tag directly",
+            f"{text[after_tag:after_tag + leading]!r} after {fmt.turn_start}: "
+            "the role name must follow the tag directly",
         )
     role_match = re.compile(r"\w*").match(text, after_tag + leading)
     role, role_end_at = role_match.group(), role_match.end()

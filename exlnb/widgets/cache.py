@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import html
 
-from exlnb.engines.base import CacheView, PageInfo, memory_per_gpu_text, wall_clock
+from exlnb.engines.base import wall_clock
+from exlnb.engines.views import CacheView, PageInfo, memory_per_gpu_text
 from exlnb.engines.options import check_display
 from exlnb.session import JobRow, Session, get_session
 from exlnb.widgets.frontend import widget_frontend
@@ -126,12 +127,14 @@ def jobs_summary(rows: list[JobRow], view: CacheView | None = None) -> str:
 
 def jobs_html(rows: list[JobRow], now: float, view: CacheView | None = None) -> str:
     """The job table's markup: a row per job with its colour and a Cancel button, and Cancel all."""
-    body = "".join(
-        f'<tr><td>{page_square(f"--exlnb-owner:{job_color(r.info.job_id)};background:{job_color(r.info.job_id)}", "", "used")}'
-        + "</td><td>".join(html.escape(c) for c in job_cells(r, now))
-        + f'</td><td><button class="exlnb-cancel" data-action="cancel" data-job="{r.info.job_id}">Cancel</button></td></tr>'
-        for r in rows
-    )
+    def row(r: JobRow) -> str:
+        colour = job_color(r.info.job_id)
+        cancel = f'<button class="exlnb-cancel" data-action="cancel" data-job="{r.info.job_id}">Cancel</button>'
+        cells = "</td><td>".join(html.escape(c) for c in job_cells(r, now))
+        square = page_square(f"--exlnb-owner:{colour};background:{colour}", "", "used")
+        return f"<tr><td>{square}{cells}</td><td>{cancel}</td></tr>"
+
+    body = "".join(row(r) for r in rows)
     header = "".join(f"<th>{c}</th>" for c in JOB_COLUMNS)
     table = f"<table><thead><tr>{header}<th></th></tr></thead><tbody>{body}</tbody></table>" if rows else ""
     cancel_all = '<button class="exlnb-cancel-all" data-action="cancel_all">Cancel all</button>' if rows else ""

@@ -43,7 +43,8 @@ def server_text(session: Session, rows: list[JobRow]) -> str:
 
 
 class ServerView(JobTable):
-    """The server's gauges over this kernel's in-flight jobs, refreshed while visible; Cancel buttons as in %exl_jobs."""
+    """The server's gauges over this kernel's in-flight jobs, refreshed while visible; Cancel buttons as in
+    %exl_jobs."""
 
     def draw(self, rows: list[JobRow]) -> tuple[str, str]:
         status = self.session.status()

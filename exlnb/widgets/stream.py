@@ -15,14 +15,16 @@ import math
 import threading
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from exlnb.engines.base import DEFAULT_MAX_NEW_TOKENS, StreamEvent, wall_clock
 from exlnb.engines.checks import check_option_names
-from exlnb.engines.options import check_display
+from exlnb.engines.declaration import declared, option, takes_options
+from exlnb.engines.options import DISPLAY_HELP, DISPLAY_MODES, check_display
 from exlnb.generation import (
     Generation, Sample, as_request, astart, astart_branch, branch_result, start, start_branch,
 )
-from exlnb.request import GenerationRequest
+from exlnb.request import GenerationRequest, takes_request_options
 from exlnb.session import Session
 from exlnb.streaming import GenerationResult
 from exlnb.widgets.branches import BranchChoices
@@ -33,6 +35,20 @@ from exlnb.widgets.figures import (
 from exlnb.widgets.frontend import widget_frontend
 from exlnb.widgets.record import RecordedView
 
+@dataclass(frozen=True)
+class ShowOptions:
+    """How a generation is shown: `generate_live`'s own keywords, and `%%exl_generate`'s (and `--display` of every
+    magic that shows something)."""
+
+    display: str = option("auto", group="display", choices=DISPLAY_MODES, help=DISPLAY_HELP)
+    background: bool = option(False, group="display", help="return at once; the widget keeps streaming")
+    show_prompt: bool = option(False, group="display", help="show the exact tokens, special tokens highlighted")
+
+    def __post_init__(self) -> None:
+        check_display(self.display)
+
+
+SHOW_OPTIONS = tuple(o.keyword for o in declared(ShowOptions))
 FRAME_S = 1 / 30  # redraws per second at most: smooth to the eye, cheap on the comm channel
 POLL_S = 0.02  # how often an awaiting cell looks whether its samples have ended
 CANCEL_SETTLE_S = 5.0  # how long an interrupted cell waits for its cancelled samples' last events
@@ -147,12 +163,11 @@ def interrupted_words(generation: Generation) -> str:
     return f"interrupted: job{plural} {jobs} cancelled after {tokens} tokens"
 
 
+@takes_options(ShowOptions)
+@takes_request_options
 def generate_live(
     request: GenerationRequest | str,
     *,
-    background: bool = False,
-    show_prompt: bool = False,
-    display: str = "auto",
     owner: Hashable | None = None,
     session: Session | None = None,
     **options,
@@ -168,21 +183,20 @@ def generate_live(
     A cell blocked in this call cannot hear the Stop button (ipykernel handles widget messages only while
     a cell awaits): in a notebook, `await agenerate_live(...)`, which is what `%%exl_generate` does.
     """
-    request, use_widget = _entrance(request, options), _wants_widget(display)
-    shown = _show(start(request, owner=owner, session=session), background, show_prompt, use_widget, owner)
-    if not background:
+    request, show = _entrance(request, options)
+    shown = _show(start(request, owner=owner, session=session), show, owner)
+    if not show.background:
         with _cancel_on_exit(shown.generation, wait=True):
             shown.wait()
         _raise_failure(shown.generation)
     return shown.generation
 
 
+@takes_options(ShowOptions)
+@takes_request_options
 async def agenerate_live(
     request: GenerationRequest | str,
     *,
-    background: bool = False,
-    show_prompt: bool = False,
-    display: str = "auto",
     owner: Hashable | None = None,
     session: Session | None = None,
     **options,
@@ -191,10 +205,9 @@ async def agenerate_live(
     and its event loop never waits for an engine step. Interrupting the kernel cancels the cell's task and
     with it the samples; the cell's error is one line, `Interrupted` ("interrupted: job 12 cancelled after
     18 tokens")."""
-    request, use_widget = _entrance(request, options), _wants_widget(display)
-    shown = _show(await astart(request, owner=owner, session=session), background, show_prompt, use_widget,
-                  owner)
-    if not background:
+    request, show = _entrance(request, options)
+    shown = _show(await astart(request, owner=owner, session=session), show, owner)
+    if not show.background:
         await _await_shown(shown)
     return shown.generation
 
@@ -213,8 +226,8 @@ async def _await_shown(shown: _Shown) -> None:
 def branch_live(result: GenerationResult, *, at: int, token: int | str | None = None, display: str = "auto",
                 owner: Hashable | None = None) -> GenerationResult:
     """`result.branch(at, token)` shown as it runs, as `generate_live` shows a generation; the branch's result."""
-    use_widget = _wants_widget(display)
-    shown = _show(start_branch(result, at=at, token=token, owner=owner), False, False, use_widget, owner)
+    show = ShowOptions(display=display)
+    shown = _show(start_branch(result, at=at, token=token, owner=owner), show, owner)
     with _cancel_on_exit(shown.generation, wait=True):
         shown.wait()
     _raise_failure(shown.generation)
@@ -224,9 +237,8 @@ def branch_live(result: GenerationResult, *, at: int, token: int | str | None = 
 async def abranch_live(result: GenerationResult, *, at: int, token: int | str | None = None, display: str = "auto",
                        owner: Hashable | None = None) -> GenerationResult:
     """`branch_live` for a notebook cell: awaits the branch, so the Stop button and an interrupt are heard."""
-    use_widget = _wants_widget(display)
-    shown = _show(await astart_branch(result, at=at, token=token, owner=owner), False, False, use_widget,
-                  owner)
+    show = ShowOptions(display=display)
+    shown = _show(await astart_branch(result, at=at, token=token, owner=owner), show, owner)
     await _await_shown(shown)
     return branch_result(shown.generation)
 
@@ -288,13 +300,12 @@ def _cancel_on_exit(generation: Generation, *, wait: bool) -> Iterator[None]:
         raise
 
 
-SHOW_OPTIONS = ("background", "show_prompt", "display", "owner", "session")
-
-
-def _entrance(request: GenerationRequest | str, options: dict) -> GenerationRequest:
-    """The request, checked where the user enters; a misspelt option names the valid ones, display's too."""
-    check_option_names(options, valid=[*GenerationRequest.option_names(), *SHOW_OPTIONS])
-    return as_request(request, options)
+def _entrance(request: GenerationRequest | str, options: dict) -> tuple[GenerationRequest, ShowOptions]:
+    """The request and how to show it, checked where the user enters; a misspelt option names the valid ones,
+    display's too."""
+    check_option_names(options, valid=[*GenerationRequest.option_names(), *SHOW_OPTIONS, "owner", "session"])
+    show = ShowOptions(**{name: options.pop(name) for name in SHOW_OPTIONS if name in options})
+    return as_request(request, options), show
 
 
 def _raise_failure(generation: Generation) -> None:
@@ -303,15 +314,13 @@ def _raise_failure(generation: Generation) -> None:
 
 
 def _wants_widget(display: str) -> bool:
-    check_display(display)
     return display == "widget" or (display == "auto" and widget_frontend())
 
 
-def _show(generation: Generation, background: bool, show_prompt: bool, use_widget: bool,
-          owner: Hashable | None = None) -> _Shown:
+def _show(generation: Generation, show: ShowOptions, owner: Hashable | None = None) -> _Shown:
     with _cancel_on_exit(generation, wait=False):
-        pieces = prompt_pieces(generation.prompt_ids, generation.session.tokenizer) if show_prompt else None
-        if use_widget:
+        pieces = prompt_pieces(generation.prompt_ids, generation.session.tokenizer) if show.show_prompt else None
+        if _wants_widget(show.display):
             choices = BranchChoices.offer(generation, owner)  # before the view can draw its end, which then can branch
             view = StreamView(generation, max_new_tokens=generation.request.max_new_tokens, prompt=pieces)
             view.show()
@@ -325,7 +334,7 @@ def _show(generation: Generation, background: bool, show_prompt: bool, use_widge
         if pieces:
             print(prompt_text(pieces))
         print(settings_words(generation))
-        if background:
+        if show.background:
             jobs = ", ".join(str(s.stream.job_id) for s in generation.samples)
             print(f"{len(generation.samples)} sample(s) running in the background (jobs {jobs}); wait() for the results")
         return _Shown(generation, None, PlainPrinter(generation))

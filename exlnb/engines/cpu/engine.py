@@ -22,7 +22,6 @@ from exlnb.engines.base import (
     JobFailed,
     JobInfo,
     JobSpec,
-    PageInfo,
     Stage,
     StreamEvent,
     job_event,
@@ -37,7 +36,9 @@ from exlnb.engines.cpu.scheduler import CpuJob, Scheduler
 from exlnb.engines.cpu.weights import keep_fp16_weights
 from exlnb.engines.grammar import GrammarMatcher
 from exlnb.engines.text import BannedStrings, IncrementalDecoder, Rewind, StopStringFilter
+from exlnb.engines.checks import check_prompt_fits
 from exlnb.engines.token_info import TokenInfo, token_info
+from exlnb.engines.views import PageInfo
 from exlnb.engines.tokenizer import HfTokenizer
 
 PAGE_SIZE = PAGE_TOKENS
@@ -96,11 +97,7 @@ class CpuEngine(Engine):
 
     def enqueue(self, spec: JobSpec) -> int:
         prompt = len(spec.input_ids)
-        if prompt + 1 > self.max_seq_len:
-            raise ValueError(
-                f"the prompt has {prompt} tokens but the cache holds {self.max_seq_len}: shorten the prompt "
-                f"or load with cache_tokens of at least {prompt + spec.max_new_tokens}"
-            )
+        check_prompt_fits(prompt, spec.max_new_tokens, self.max_seq_len)
         spec.check_vocabulary(self._vocab_size)
         self.refuse_unsupported(spec)
         job_id = next(self._ids)

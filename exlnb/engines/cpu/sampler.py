@@ -1,4 +1,4 @@
-"""Token sampling with exllamav2 0.3.2's semantics, so an experiment means the same on either engine.
+"""Token sampling with exllamav2 0.3.2's semantics, so an experiment means the same here as on ExLlamaV2.
 
 Mirrors `ExLlamaV2Sampler.sample` and the C++ it calls, in its order: on the raw logits, the penalties
 (`apply_rep_penalty_cpu`), blocked tokens, token bias and DRY, then a constraint's mask (exllamav2 evaluates
