@@ -28,6 +28,7 @@ from exlnb.engines.base import (
     JobInfo,
     JobSpec,
     SamplerSettings,
+    StreamEvent,
     Tokenizer,
     one_line,
 )
@@ -471,6 +472,10 @@ class Session:
         last published them (`EngineThread.views`), so a view waits for no step unless a command was queued
         before it (a cancel asked for without waiting), which it shows."""
         return self._rows(self._views().jobs)
+
+    def ended(self, job_id: int) -> StreamEvent | None:
+        """The last event of a job that has ended lately: how a job table that saw it running says it ended."""
+        return self._deliveries.ended(job_id)
 
     async def ajobs(self) -> list[JobRow]:
         """`jobs` for a coroutine."""

@@ -27,8 +27,8 @@ from exlnb.session import Session
 from exlnb.streaming import GenerationResult
 from exlnb.widgets.branches import BranchChoices
 from exlnb.widgets.figures import (
-    generation_html, generation_text, prompt_html, prompt_pieces, prompt_text, sample_text, settings_words, status_line,
-    template_warning, token_line,
+    finding_lines, generation_html, generation_text, prompt_html, prompt_pieces, prompt_text, sample_text,
+    settings_words, status_line, template_warning, token_line,
 )
 from exlnb.widgets.frontend import widget_frontend
 from exlnb.widgets.record import RecordedView
@@ -321,7 +321,7 @@ def _show(generation: Generation, background: bool, show_prompt: bool, use_widge
         warning = template_warning(generation)
         if warning:
             print(f"warning: {warning}")
-            print("\n".join(str(f) for f in generation.prompt_findings))
+            print("\n".join(finding_lines(generation)))
         if pieces:
             print(prompt_text(pieces))
         print(settings_words(generation))
