@@ -50,10 +50,6 @@ class Dialect:
     # owned_by in /v1/models, which identifies the server at load
     owners: tuple[str, ...] = ()
 
-    def describe(self) -> str:
-        returns = "returns logprobs" if self.logprobs else "returns no logprobs"
-        return f"{self.name} dialect ({returns})"
-
 
 DIALECTS = {d.name: d for d in (
     Dialect("vllm", _VLLM, "min_tokens", "ignore_eos", True, owners=("vllm",)),
