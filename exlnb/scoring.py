@@ -37,8 +37,10 @@ def score(session: Session, token_ids: Sequence[int], *, noise_eps: float = 0.0)
     `noise_eps`, from a pass with that much noise after every layer (`Engine.score`)."""
     engine = session.options.engine if session.options else None
     if engine and not engine_spec(engine).can("scoring"):
-        raise ValueError(f"the {engine} engine returns no logits to score: load the model with "
-                         f"{' or '.join(engines_that('scoring'))}")
+        raise ValueError(
+            f"the {engine} engine returns no logits to score: load the model with "
+            f"{' or '.join(engines_that('scoring'))}"
+        )
 
     def run(e) -> torch.Tensor:
         check_sequence(token_ids, e.max_seq_len)
@@ -52,8 +54,15 @@ def text_ids(session: Session, tokens: int = DEFAULT_TOKENS) -> list[int]:
     return filler_ids(session.tokenizer, tokens, label="divergence")
 
 
-def reference(model: str | Path, token_ids: Sequence[int], *, engine: str = "auto", dtype: str = "float32",
-              cache_dir: Path | None = None, cache_tokens: int | None = None) -> Reference:
+def reference(
+    model: str | Path,
+    token_ids: Sequence[int],
+    *,
+    engine: str = "auto",
+    dtype: str = "float32",
+    cache_dir: Path | None = None,
+    cache_tokens: int | None = None,
+) -> Reference:
     """`model`'s logits over `token_ids`, from the cache, else computed in a session of its own and kept, with
     its noise floor where the engine can inject noise (`Engine.scores_with_noise`: the cpu engine)."""
     folder = resolve_model(str(model))
@@ -75,16 +84,26 @@ def divergence(session: Session, against: Reference, *, noise_floor: bool = True
     vocab_size = session.tokenizer.vocab_size  # NoModelLoaded, in a line, when nothing is loaded
     against.check_tokenizer(tokenizer_identity(session.options.model_dir), vocab_size)
     logits = score(session, against.token_ids)
-    return compare(against.logits.float(), logits, against.token_ids,
-                   noise_kl=against.noise_kl if noise_floor else None)
+    return compare(
+        against.logits.float(), logits, against.token_ids, noise_kl=against.noise_kl if noise_floor else None
+    )
 
 
-def divergence_from(session: Session, against: str | Path, *, tokens: int = DEFAULT_TOKENS, engine: str = "auto",
-                    dtype: str = "float32", noise_floor: bool = True, progress: bool = False) -> Divergence:
+def divergence_from(
+    session: Session,
+    against: str | Path,
+    *,
+    tokens: int = DEFAULT_TOKENS,
+    engine: str = "auto",
+    dtype: str = "float32",
+    noise_floor: bool = True,
+    progress: bool = False,
+) -> Divergence:
     """The loaded model against a reference model folder (over `text_ids(session, tokens)`, its logits cached) or
     a reference file kept by `exlnb.divergence` (over its own tokens): what `%exl_divergence` prints, the file
     the reference is kept in among it. With `progress`, a line as each step starts: computing a reference loads
     its model in a session of its own and scores it twice (the bundled model over 512 tokens: 8.5 s)."""
+
     def say(words: str) -> None:
         if progress:
             print(words, flush=True)
@@ -96,8 +115,10 @@ def divergence_from(session: Session, against: str | Path, *, tokens: int = DEFA
         ids = text_ids(session, tokens)
         path = reference_path(resolve_model(str(against)), ids, dtype)
         if not path.is_file():
-            say(f"the reference's logits: scoring {against} over {len(ids)} tokens in a session of its own, and again "
-                "with noise for the floor where its engine can ...")
+            say(
+                f"the reference's logits: scoring {against} over {len(ids)} tokens in a session of its own, and again "
+                "with noise for the floor where its engine can ..."
+            )
         kept = reference(against, ids, engine=engine, dtype=dtype)
     say(f"the loaded model: scoring it over {len(kept.token_ids)} tokens ...")
     return replace(divergence(session, kept, noise_floor=noise_floor), reference_file=str(path))

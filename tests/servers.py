@@ -42,8 +42,13 @@ def server_process(argv: list[str], port: int, log: Path) -> Iterator[str]:
     """Run a server until its /v1/models answers; yield its API base; stop it (and say why if it never came up)."""
     url = f"http://127.0.0.1:{port}/v1"
     with log.open("w") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        process = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        )
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -72,8 +77,19 @@ def transformers_server(tmp_path_factory) -> Iterator[str]:
     folder = resolve_model(BUNDLED_MODEL, progress=False)
     port = free_port()
     cli = Path(sys.executable).with_name("transformers")
-    argv = [str(cli), "serve", str(folder), "--device", "cpu", "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "float32"]
+    argv = [
+        str(cli),
+        "serve",
+        str(folder),
+        "--device",
+        "cpu",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+    ]
     with server_process(argv, port, tmp_path_factory.mktemp("transformers") / "server.log") as url:
         yield url
 
@@ -88,9 +104,29 @@ def llama_cpp_server(tmp_path_factory) -> Iterator[str]:
     import torch
 
     port = free_port()
-    argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(bundled_gguf()), "--model_alias", BUNDLED_MODEL,
-            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--n_threads", str(torch.get_num_threads()),
-            "--n_threads_batch", str(torch.get_num_threads()), "--interrupt_requests", "False", "--verbose", "False"]
+    argv = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(bundled_gguf()),
+        "--model_alias",
+        BUNDLED_MODEL,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        "2048",
+        "--n_threads",
+        str(torch.get_num_threads()),
+        "--n_threads_batch",
+        str(torch.get_num_threads()),
+        "--interrupt_requests",
+        "False",
+        "--verbose",
+        "False",
+    ]
     with server_process(argv, port, tmp_path_factory.mktemp("llama_cpp") / "server.log") as url:
         yield url
 
@@ -119,8 +155,16 @@ BAD_SHAPES = {
     "content-number": {"choices": [{"index": 0, "delta": {"content": 42}, "finish_reason": None}]},
     "usage-words": {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": "lots"}},
     "finish-list": {"choices": [{"index": 0, "delta": {"content": " x"}, "finish_reason": ["stop"]}]},
-    "logprob-text": {"choices": [{"index": 0, "delta": {"content": " x"}, "finish_reason": None, "logprobs": {
-        "content": [{"token": " x", "logprob": "abc", "top_logprobs": []}]}}]},
+    "logprob-text": {
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"content": " x"},
+                "finish_reason": None,
+                "logprobs": {"content": [{"token": " x", "logprob": "abc", "top_logprobs": []}]},
+            }
+        ]
+    },
 }
 PACKED_WORDS = " the cat sat on the mat and the dog sat on the rug"  # one token a word in SmolLM2's tokenizer
 
@@ -154,8 +198,15 @@ class FakeHandler(BaseHTTPRequestHandler):
             return self.end_headers()
         if self.path in ("/v1/models", "/len-5/v1/models"):
             length = -5 if self.path.startswith("/len-5") else 2048
-            return self._send(200, json.dumps({"object": "list", "data": [
-                {"id": FAKE_MODEL, "object": "model", "owned_by": "vllm", "max_model_len": length}]}))
+            return self._send(
+                200,
+                json.dumps(
+                    {
+                        "object": "list",
+                        "data": [{"id": FAKE_MODEL, "object": "model", "owned_by": "vllm", "max_model_len": length}],
+                    }
+                ),
+            )
         return self._send(404, json.dumps({"detail": "Not Found"}))
 
     def do_POST(self) -> None:
@@ -164,7 +215,9 @@ class FakeHandler(BaseHTTPRequestHandler):
             return None
         content = body["messages"][-1]["content"] if "messages" in body else body["prompt"]
         if body.get("model") != FAKE_MODEL:
-            return self._send(404, json.dumps({"error": {"message": f"The model `{body.get('model')}` does not exist."}}))
+            return self._send(
+                404, json.dumps({"error": {"message": f"The model `{body.get('model')}` does not exist."}})
+            )
         taken = self.server.take_fault()
         fault = taken or content
         if fault in ("429", "503"):
@@ -252,12 +305,23 @@ class FakeHandler(BaseHTTPRequestHandler):
         words = PACKED_WORDS.split(" ")[1:]
         for pair in range(0, len(words), 2):
             time.sleep(0.01)
-            self._chunk(_sse_chunk("".join(" " + w for w in words[pair:pair + 2])))
+            self._chunk(_sse_chunk("".join(" " + w for w in words[pair : pair + 2])))
         self._finish("stop", len(words))
 
-    _ANSWERS = {"malformed": _malformed, "die": _die, "slow": _slow, "endless": _slow, "stall": _stall,
-                "shape": _bad_shape, "no-choices": _no_choices, "no-finish": _no_finish, "big-event": _big_event,
-                "long-line": _long_line, "chatter": _chatter, "packed": _packed}
+    _ANSWERS = {
+        "malformed": _malformed,
+        "die": _die,
+        "slow": _slow,
+        "endless": _slow,
+        "stall": _stall,
+        "shape": _bad_shape,
+        "no-choices": _no_choices,
+        "no-finish": _no_finish,
+        "big-event": _big_event,
+        "long-line": _long_line,
+        "chatter": _chatter,
+        "packed": _packed,
+    }
 
     def _finish(self, reason: str = "stop", tokens: int | None = None) -> None:
         self._chunk(_sse_chunk("", finish=reason))
@@ -298,7 +362,9 @@ class FakeHandler(BaseHTTPRequestHandler):
     def _authorised(self) -> bool:
         if self.headers.get("Authorization") == f"Bearer {FAKE_KEY}":
             return True
-        self._send(401, json.dumps({"error": {"message": "Incorrect API key provided", "type": "invalid_request_error"}}))
+        self._send(
+            401, json.dumps({"error": {"message": "Incorrect API key provided", "type": "invalid_request_error"}})
+        )
         return False
 
     def _chunk(self, text: str) -> None:
@@ -317,8 +383,11 @@ class FakeHandler(BaseHTTPRequestHandler):
 
 def _sse_chunk(text: str | None, finish: str | None = None, role: str | None = None) -> str:
     delta = {"role": role} if role else {} if text is None else {"content": text}
-    chunk = {"object": "chat.completion.chunk", "model": FAKE_MODEL,
-             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    chunk = {
+        "object": "chat.completion.chunk",
+        "model": FAKE_MODEL,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
     return f"data: {json.dumps(chunk)}\n\n"
 
 

@@ -19,9 +19,21 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "disconnect.ipynb
 
 def test_the_disconnect_notebook_measures_a_server_beside_the_control(transformers_server, tmp_path):
     papermill.execute_notebook(
-        str(NOTEBOOK), str(tmp_path / "disconnect.ipynb"), kernel_name="python3", progress_bar=False,
-        parameters=dict(engine="cpu", cache_tokens=2048, output_dir=str(tmp_path), url=transformers_server,
-                        abandoned=1, probes=1, max_new_tokens=48, prefill_prompt_tokens=256, settle_timeout_s=20.0),
+        str(NOTEBOOK),
+        str(tmp_path / "disconnect.ipynb"),
+        kernel_name="python3",
+        progress_bar=False,
+        parameters=dict(
+            engine="cpu",
+            cache_tokens=2048,
+            output_dir=str(tmp_path),
+            url=transformers_server,
+            abandoned=1,
+            probes=1,
+            max_new_tokens=48,
+            prefill_prompt_tokens=256,
+            settle_timeout_s=20.0,
+        ),
     )
     phases = pd.read_csv(tmp_path / "disconnect-phases.csv")
     targets = ["exlnb cpu", "transformers server"]

@@ -32,12 +32,15 @@ def test_a_server_is_loaded_by_its_url_and_streams(fake_session):
     assert len(gen.samples[0].events) >= 4  # word by word, not in one piece
 
 
-@pytest.mark.parametrize("prompt, words", [
-    ("malformed", "sent a malformed event (not a JSON object): {not json"),
-    ("429", "429 Too Many Requests: Too many requests: rate limit of 2 per second"),
-    ("503", "503 Service Unavailable: Server overloaded, retry later"),
-    ("die", "closed the connection mid-answer"),
-])
+@pytest.mark.parametrize(
+    "prompt, words",
+    [
+        ("malformed", "sent a malformed event (not a JSON object): {not json"),
+        ("429", "429 Too Many Requests: Too many requests: rate limit of 2 per second"),
+        ("503", "503 Service Unavailable: Server overloaded, retry later"),
+        ("die", "closed the connection mid-answer"),
+    ],
+)
 def test_a_bad_answer_fails_its_job_in_one_line_naming_the_server(fake_session, prompt, words):
     gen = run(fake_session, prompt)
     [error] = gen.errors
@@ -82,7 +85,8 @@ def test_a_servers_status_line_says_what_a_server_has(fake_session, fake_server)
     8192 tokens server's | batch 16 | decode: prompts: ..."."""
     assert fake_session.status().line() == (
         f"openai engine | fake-model | server {fake_server.url}, vllm dialect "
-        "| API /v1/chat/completions (the server's chat template) | logprobs yes | context 2048 tokens")
+        "| API /v1/chat/completions (the server's chat template) | logprobs yes | context 2048 tokens"
+    )
 
 
 def test_branching_on_a_chat_server_is_refused_saying_it_needs_completions(fake_session):
@@ -91,8 +95,11 @@ def test_branching_on_a_chat_server_is_refused_saying_it_needs_completions(fake_
 
     gen = run(fake_session, "one two three")
     [result] = gen.results
-    with pytest.raises(ValueError, match=r"^branching on a server needs --api completions: with api='chat' the server "
-                                         r"applies its own chat template .* --api completions \(api='completions'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^branching on a server needs --api completions: with api='chat' the server "
+        r"applies its own chat template .* --api completions \(api='completions'\)",
+    ):
         result.branch(at=1, token=result.token_ids[1])
     viewed = generation.start("one two", session=fake_session, max_new_tokens=4, tokens=2)
     assert BranchChoices.offer(viewed) is None and viewed.branch_refusal.startswith("branching on a server needs")

@@ -20,8 +20,8 @@ from IPython.utils.capture import capture_output
 from exlnb import EosReason
 from exlnb.engines.base import DecodeSpan
 from exlnb.generation import start
-from exlnb.widgets.figures import generation_text
 from exlnb.widgets.cache import CacheInspector, JobTable, jobs_html, jobs_summary
+from exlnb.widgets.figures import generation_text
 from exlnb.widgets.loadtest import abench
 from exlnb.widgets.stream import StreamView
 
@@ -126,8 +126,12 @@ def test_cached_prefill_says_what_was_computed(idle):
 
 def test_an_interrupted_cell_prints_one_line_and_no_traceback(idle, shell, capsys):
     async def interrupt_cell():
-        code = f"from exlnb import agenerate_live\nawait agenerate_live({PROMPT!r}, max_new_tokens=400, display='widget')"
-        task = asyncio.ensure_future(shell.run_cell_async(code, store_history=False, transformed_cell=shell.transform_cell(code)))
+        code = (
+            f"from exlnb import agenerate_live\nawait agenerate_live({PROMPT!r}, max_new_tokens=400, display='widget')"
+        )
+        task = asyncio.ensure_future(
+            shell.run_cell_async(code, store_history=False, transformed_cell=shell.transform_cell(code))
+        )
         while not any(row.info.new_tokens for row in idle.jobs()):
             assert not task.done(), task.result().error_in_exec
             await asyncio.sleep(0.01)
@@ -286,8 +290,16 @@ def test_end_reasons_are_plain_words_not_the_libraries_names(idle):
 
 
 def test_the_settings_in_effect_are_shown_with_the_answer(idle):
-    generation = start("Name a fruit.", max_new_tokens=3, dry_multiplier=0.8, xtc_probability=0.5, xtc_threshold=0.2,
-                       banned_strings=["apple"], stop=["\n\n"], seed=1)
+    generation = start(
+        "Name a fruit.",
+        max_new_tokens=3,
+        dry_multiplier=0.8,
+        xtc_probability=0.5,
+        xtc_threshold=0.2,
+        banned_strings=["apple"],
+        stop=["\n\n"],
+        seed=1,
+    )
     generation.wait(60)
     view = StreamView(generation, max_new_tokens=3)
     line = view.text().splitlines()[0]
@@ -311,7 +323,9 @@ def test_samples_that_did_different_prompt_work_show_their_own_ttft(idle):
     # the second sample found the prompt cached, as a sample started after the first one's prefill does
     first = generation.samples[0].last
     generation.samples[1].last = dataclasses.replace(
-        first, job_id=generation.samples[1].last.job_id, cached_tokens=first.prompt_tokens - 1,
+        first,
+        job_id=generation.samples[1].last.job_id,
+        cached_tokens=first.prompt_tokens - 1,
         time_to_first_token_s=first.time_to_first_token_s / 10,
     )
     apart = StreamView(generation, max_new_tokens=2).html
@@ -325,8 +339,9 @@ def test_the_status_says_when_a_ban_took_text_back(idle):
     plain = start("The capital of France is", max_new_tokens=4, temperature=0, min_new_tokens=4)
     plain.wait(60)
     banned = plain.samples[0].text.split()[0]  # the word the model says first, then banned
-    generation = start("The capital of France is", max_new_tokens=4, temperature=0, min_new_tokens=4,
-                       banned_strings=[banned])
+    generation = start(
+        "The capital of France is", max_new_tokens=4, temperature=0, min_new_tokens=4, banned_strings=[banned]
+    )
     generation.wait(60)
     view = StreamView(generation, max_new_tokens=4)
 
@@ -340,8 +355,13 @@ def serial_events(generation, starts_s: list[float], tokens: int, decode_s: floa
     at `starts_s[i]`, then `tokens - 1` more over `decode_s`."""
     for sample, start_s in zip(generation.samples, starts_s):
         enqueued = sample.last.time_enqueued
-        sample.last = dataclasses.replace(sample.last, new_tokens=tokens, time_to_first_token_s=start_s,
-                                          time_produced=enqueued + start_s + decode_s, decode_tokens_per_s=(tokens - 1) / decode_s)
+        sample.last = dataclasses.replace(
+            sample.last,
+            new_tokens=tokens,
+            time_to_first_token_s=start_s,
+            time_produced=enqueued + start_s + decode_s,
+            decode_tokens_per_s=(tokens - 1) / decode_s,
+        )
 
 
 def test_several_samples_decode_rate_is_their_tokens_over_the_time_any_was_decoding(idle):
@@ -359,8 +379,12 @@ def test_several_samples_decode_rate_is_their_tokens_over_the_time_any_was_decod
     assert "decode 12.8 tok/s (4 samples together: 100 tokens over the 7.8 s" in view.text()  # and the plain record
 
     overlapping = [(0.2, 3.0), (1.0, 2.0), (2.5, 4.0)]  # one interval inside another, one running past the first
-    events = [dataclasses.replace(generation.samples[0].last, time_enqueued=0.0, time_to_first_token_s=first,
-                                  time_produced=end, new_tokens=11) for first, end in overlapping]
+    events = [
+        dataclasses.replace(
+            generation.samples[0].last, time_enqueued=0.0, time_to_first_token_s=first, time_produced=end, new_tokens=11
+        )
+        for first, end in overlapping
+    ]
     assert DecodeSpan.of(events) == DecodeSpan(30, pytest.approx(3.8), 3)
 
 
@@ -371,8 +395,9 @@ def test_samples_decoding_side_by_side_share_the_time_their_rate_is_taken_over(i
     span = DecodeSpan.of(events)
     head = re.search(r'<div class="exlnb-head">(.*?)</div>', StreamView(generation, max_new_tokens=12).html).group(1)
 
-    assert span.tokens == 33 and span.seconds < sum(e.time_produced - e.time_enqueued - e.time_to_first_token_s
-                                                  for e in events)
+    assert span.tokens == 33 and span.seconds < sum(
+        e.time_produced - e.time_enqueued - e.time_to_first_token_s for e in events
+    )
     assert f"decode <b>{span.tokens_per_s:.1f} tok/s</b>" in head
     # decoded in one batch, they share the time: together about the three rates summed (in turn, it was not)
     assert span.tokens_per_s == pytest.approx(sum(e.decode_tokens_per_s for e in events), rel=0.15)
@@ -391,7 +416,10 @@ def test_a_sample_that_waited_for_another_samples_prefill_says_so_not_a_prefill_
     shared = second.cached_tokens - first.cached_tokens
     assert shared >= 256 and first.cached_tokens == 0  # a page or more that sample 0 computed
     assert f"prefill {first.computed_prompt_tokens} tokens in " in computed and "waited" not in computed
-    assert f"waited for sample 0's prefill of {shared} prompt tokens · prefill {second.computed_prompt_tokens} tokens ·" in waited
+    assert (
+        f"waited for sample 0's prefill of {shared} prompt tokens · prefill {second.computed_prompt_tokens} tokens ·"
+        in waited
+    )
     assert "tok/s) ·" not in waited.split("decode")[0]  # no prefill rate: the time was mostly the wait
     assert f"waited for <b>sample 0&#x27;s prefill of {shared} prompt tokens</b>" in view.html
 
@@ -402,9 +430,13 @@ def test_a_ttft_says_how_long_its_job_waited_before_its_prefill(idle):
     generation.wait(60)
     last = generation.samples[0].last
     generation.samples[0].last = dataclasses.replace(
-        last, time_to_first_token_s=1.196, prefill_tokens_per_s=last.computed_prompt_tokens / 0.216)
+        last, time_to_first_token_s=1.196, prefill_tokens_per_s=last.computed_prompt_tokens / 0.216
+    )
     status = StreamView(generation, max_new_tokens=2).text().splitlines()[-1]
-    assert f"TTFT 1196 ms (980 ms before its prefill began) · prefill {last.computed_prompt_tokens} tokens in 216 ms" in status
+    assert (
+        f"TTFT 1196 ms (980 ms before its prefill began) · prefill {last.computed_prompt_tokens} tokens in 216 ms"
+        in status
+    )
 
 
 def test_another_templates_tags_are_one_finding_naming_the_models_own_template(idle):
@@ -448,8 +480,9 @@ def test_the_job_table_says_what_its_stream_read_column_means(idle):
         assert '<th title="whether something still reads the job&#x27;s stream' in page
         assert "stream read: whether something still reads the job&#x27;s answer as it comes" in page
         unread = [dataclasses.replace(row, consumed=False) for row in rows * 2]
-        assert jobs_summary(unread) == ("2 jobs, 2 with nobody reading its stream (they still hold cache pages and "
-                                        "a batch slot)")
+        assert jobs_summary(unread) == (
+            "2 jobs, 2 with nobody reading its stream (they still hold cache pages and a batch slot)"
+        )
     finally:
         generation.cancel()
         generation.wait(30)

@@ -56,8 +56,9 @@ def run(
     server = None
     if url is not None:
         server = Session()
-        server.load(session.options.model_dir, url=url, served_model=served_model, api_key_env=api_key_env,
-                    progress=False)
+        server.load(
+            session.options.model_dir, url=url, served_model=served_model, api_key_env=api_key_env, progress=False
+        )
         targets.append((f"{server.status().library} server", server))
     rows, probe_rows = [], []
     try:
@@ -66,20 +67,33 @@ def run(
             idle = measure.idle_probes()
             probe_rows += [{"target": name, "phase": "idle", "ttft_s": t} for t in idle]
             for phase in PHASES:
-                row, after = measure.abandon_then_probe(phase, abandoned, tokens_read, statistics.median(idle),
-                                                        settle_timeout_s)
+                row, after = measure.abandon_then_probe(
+                    phase, abandoned, tokens_read, statistics.median(idle), settle_timeout_s
+                )
                 rows.append(row)
                 probe_rows += after
     finally:
         if server is not None:
             server.unload()
     table = pd.DataFrame(rows)
-    parameters = dict(url=url, served_model=served_model, abandoned=abandoned, prompt_tokens=prompt_tokens,
-                      prefill_prompt_tokens=prefill_prompt_tokens, max_new_tokens=max_new_tokens,
-                      tokens_read=tokens_read, probes=probes, settle_timeout_s=settle_timeout_s)
+    parameters = dict(
+        url=url,
+        served_model=served_model,
+        abandoned=abandoned,
+        prompt_tokens=prompt_tokens,
+        prefill_prompt_tokens=prefill_prompt_tokens,
+        max_new_tokens=max_new_tokens,
+        tokens_read=tokens_read,
+        probes=probes,
+        settle_timeout_s=settle_timeout_s,
+    )
     return ExperimentResult(
-        name="disconnect", field_reports=(1,), tables={"phases": table, "probes": pd.DataFrame(probe_rows)},
-        effects=_effects(pd.DataFrame(probe_rows)), parameters=parameters, environment=environment(session),
+        name="disconnect",
+        field_reports=(1,),
+        tables={"phases": table, "probes": pd.DataFrame(probe_rows)},
+        effects=_effects(pd.DataFrame(probe_rows)),
+        parameters=parameters,
+        environment=environment(session),
         findings=[_finding(r) for r in rows],
     )
 
@@ -87,8 +101,9 @@ def run(
 class _Measure:
     """Probes and abandonments on one target, every request built from the target's own tokenizer."""
 
-    def __init__(self, session: Session, name: str, prompt_tokens: int, prefill_tokens: int, max_new_tokens: int,
-                 probes: int) -> None:
+    def __init__(
+        self, session: Session, name: str, prompt_tokens: int, prefill_tokens: int, max_new_tokens: int, probes: int
+    ) -> None:
         self.session, self.name, self.probes = session, name, probes
         self.prompt_tokens, self.prefill_tokens, self.max_new_tokens = prompt_tokens, prefill_tokens, max_new_tokens
         self.count = 0
@@ -109,8 +124,9 @@ class _Measure:
         self.probe()  # the first request may load or warm the model: not an idle figure
         return [self.probe()[1] for _ in range(self.probes)]
 
-    def abandon_then_probe(self, phase: str, count: int, tokens_read: int, idle_ttft: float,
-                           settle_timeout_s: float) -> tuple[dict, list[dict]]:
+    def abandon_then_probe(
+        self, phase: str, count: int, tokens_read: int, idle_ttft: float, settle_timeout_s: float
+    ) -> tuple[dict, list[dict]]:
         length = self.prefill_tokens if phase == "prefill" else self.prompt_tokens
         # no end of sequence: an abandoned job that runs on runs its whole max_new_tokens, as a load test's do
         streams = self.session.submit_together([self._spec(length, self.max_new_tokens, False) for _ in range(count)])
@@ -128,13 +144,21 @@ class _Measure:
         sent, probe = self.probe()
         after = [{"target": self.name, "phase": phase, "ttft_s": probe}]
         recovered_s = self._settle(idle_ttft, sent, probe, left_at, settle_timeout_s, after)
-        row = {"target": self.name, "phase": phase, "abandoned": count, "idle_ttft_s": idle_ttft, "probe_ttft_s": probe,
-               "slowdown": probe / idle_ttft, "server_running_after": None if metrics is None else metrics.running,
-               "idle_again_after_s": recovered_s}
+        row = {
+            "target": self.name,
+            "phase": phase,
+            "abandoned": count,
+            "idle_ttft_s": idle_ttft,
+            "probe_ttft_s": probe,
+            "slowdown": probe / idle_ttft,
+            "server_running_after": None if metrics is None else metrics.running,
+            "idle_again_after_s": recovered_s,
+        }
         return row, after
 
-    def _settle(self, idle_ttft: float, sent: float, probe: float, left_at: float, timeout_s: float,
-                after: list[dict]) -> float | None:
+    def _settle(
+        self, idle_ttft: float, sent: float, probe: float, left_at: float, timeout_s: float, after: list[dict]
+    ) -> float | None:
         """Probe until one is near the idle figure (bounded by `timeout_s`); seconds from leaving to sending it."""
         while probe > RECOVERED * idle_ttft:
             if wall_clock() - left_at > timeout_s:
@@ -155,25 +179,42 @@ def _effects(probes: pd.DataFrame) -> list[Effect]:
     for target, rows in probes.groupby("target", sort=False):
         idle, decode = rows[rows.phase == "idle"].ttft_s, rows[rows.phase == "decode"].ttft_s
         if len(idle) and len(decode):
-            effects.append(Effect(
-                name=f"{target}: probe time to first token", symptom=median_interval(decode.tolist(), "s"),
-                fix=median_interval(idle.tolist(), "s"), symptom_label="after leaving in decode", fix_label="idle",
-                ratio=ratio_of_medians(decode.tolist(), idle.tolist()),
-            ))
+            effects.append(
+                Effect(
+                    name=f"{target}: probe time to first token",
+                    symptom=median_interval(decode.tolist(), "s"),
+                    fix=median_interval(idle.tolist(), "s"),
+                    symptom_label="after leaving in decode",
+                    fix_label="idle",
+                    ratio=ratio_of_medians(decode.tolist(), idle.tolist()),
+                )
+            )
     return effects
 
 
 def _finding(row: dict) -> str:
     worked_on = row["slowdown"] > SLOWED or (row["server_running_after"] or 0) > 0
-    running = ("" if row["server_running_after"] is None
-               else f"; its /metrics counted {row['server_running_after']:.0f} running right after")
-    recovered = ("not idle again within the settle timeout" if row["idle_again_after_s"] is None
-                 else f"idle again {row['idle_again_after_s']:.1f} s after the client left")
-    verdict = ("kept working for the client that left" if worked_on
-               else "unclear: the probes stayed slow, though not past the threshold" if row["idle_again_after_s"] is None
-               else "stopped when the client left")
-    return (f"{row['target']}, abandoned while {row['phase']}: {verdict} (probe TTFT {row['probe_ttft_s'] * 1000:.0f} ms "
-            f"against {row['idle_ttft_s'] * 1000:.0f} ms idle, {row['slowdown']:.1f}x{running}; {recovered})")
+    running = (
+        ""
+        if row["server_running_after"] is None
+        else f"; its /metrics counted {row['server_running_after']:.0f} running right after"
+    )
+    recovered = (
+        "not idle again within the settle timeout"
+        if row["idle_again_after_s"] is None
+        else f"idle again {row['idle_again_after_s']:.1f} s after the client left"
+    )
+    verdict = (
+        "kept working for the client that left"
+        if worked_on
+        else "unclear: the probes stayed slow, though not past the threshold"
+        if row["idle_again_after_s"] is None
+        else "stopped when the client left"
+    )
+    return (
+        f"{row['target']}, abandoned while {row['phase']}: {verdict} (probe TTFT {row['probe_ttft_s'] * 1000:.0f} ms "
+        f"against {row['idle_ttft_s'] * 1000:.0f} ms idle, {row['slowdown']:.1f}x{running}; {recovered})"
+    )
 
 
 def plot(result: ExperimentResult):
@@ -182,9 +223,20 @@ def plot(result: ExperimentResult):
     if probes.empty:
         return None
     figure, axis = plt.subplots(figsize=(8, 3.5))
-    sns.stripplot(data=probes[probes.phase != "settling"], x="phase", y="ttft_s", hue="target",
-                  order=["idle", *PHASES], dodge=True, ax=axis)
-    axis.set(yscale="log", ylabel="probe time to first token (s)", xlabel="abandoned while",
-             title="Does the server stop when the client leaves?")
+    sns.stripplot(
+        data=probes[probes.phase != "settling"],
+        x="phase",
+        y="ttft_s",
+        hue="target",
+        order=["idle", *PHASES],
+        dodge=True,
+        ax=axis,
+    )
+    axis.set(
+        yscale="log",
+        ylabel="probe time to first token (s)",
+        xlabel="abandoned while",
+        title="Does the server stop when the client leaves?",
+    )
     figure.tight_layout()
     return figure

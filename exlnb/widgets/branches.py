@@ -58,8 +58,10 @@ class BranchTree:
         """The tree `result` belongs to, from its first answer; `running`: its branches still running, as far as
         they have got (a sample's `result()`), after those that have ended."""
         if result.origin is None:
-            raise ValueError(f"job {result.job_id}'s result does not keep its request, so it has no branches: "
-                             "branch a result of a generation (exlnb.generate_live, %%exl_generate --out)")
+            raise ValueError(
+                f"job {result.job_id}'s result does not keep its request, so it has no branches: "
+                "branch a result of a generation (exlnb.generate_live, %%exl_generate --out)"
+            )
         root = result
         while root.origin.parent is not None:
             root = root.origin.parent
@@ -67,8 +69,9 @@ class BranchTree:
         return cls(tuple(_node(i, member, members) for i, member in enumerate(members)))
 
     def text(self) -> str:
-        return "\n".join(f"#{n.index} job {n.job_id}{_branched_words(n)} [{n.end}]: {_text_words(n)}"
-                         for n in self.nodes)
+        return "\n".join(
+            f"#{n.index} job {n.job_id}{_branched_words(n)} [{n.end}]: {_text_words(n)}" for n in self.nodes
+        )
 
     def html(self) -> str:
         rows = "".join(
@@ -77,8 +80,10 @@ class BranchTree:
             f'<td class="exlnb-text">{_text_html(n)}</td><td class="exlnb-muted">{html.escape(n.end)}</td></tr>'
             for n in self.nodes
         )
-        return ('<table class="exlnb-branches"><tr><th>branch</th><th>of</th><th>at</th><th>forced token</th>'
-                f"<th>text</th><th>ended</th></tr>{rows}</table>")
+        return (
+            '<table class="exlnb-branches"><tr><th>branch</th><th>of</th><th>at</th><th>forced token</th>'
+            f"<th>text</th><th>ended</th></tr>{rows}</table>"
+        )
 
     def _repr_mimebundle_(self, **kwargs) -> dict[str, str]:
         return {"text/html": record_html(self.html()), "text/plain": self.text()}
@@ -101,8 +106,10 @@ def shown_kept(kept: str) -> str:
 def _branched_words(node: BranchNode) -> str:
     if node.parent is None:
         return ""
-    return (f" ← #{node.parent} at {node.position}, forced {node.forced_text!r} ({node.forced_token})"
-            f" in place of {node.replaced!r}")
+    return (
+        f" ← #{node.parent} at {node.position}, forced {node.forced_text!r} ({node.forced_token})"
+        f" in place of {node.replaced!r}"
+    )
 
 
 def _text_words(node: BranchNode) -> str:
@@ -112,17 +119,21 @@ def _text_words(node: BranchNode) -> str:
 def _forced_html(node: BranchNode) -> str:
     if node.forced_token is None:
         return ""
-    return (f"<code>{html.escape(repr(node.forced_text))}</code> ({node.forced_token})"
-            f'<div class="exlnb-muted">in place of <code>{html.escape(repr(node.replaced))}</code></div>')
+    return (
+        f"<code>{html.escape(repr(node.forced_text))}</code> ({node.forced_token})"
+        f'<div class="exlnb-muted">in place of <code>{html.escape(repr(node.replaced))}</code></div>'
+    )
 
 
 def _text_html(node: BranchNode) -> str:
     """A branch's text after the end of what it kept of its parent's, its forced token marked."""
     if node.parent is None:
         return html.escape(node.text)
-    rest = node.text[len(node.forced_text):]
-    return (f'<span class="exlnb-kept exlnb-muted">{html.escape(shown_kept(node.kept))}</span>'
-            f'<span class="exlnb-forced">{html.escape(node.forced_text)}</span>{html.escape(rest)}')
+    rest = node.text[len(node.forced_text) :]
+    return (
+        f'<span class="exlnb-kept exlnb-muted">{html.escape(shown_kept(node.kept))}</span>'
+        f'<span class="exlnb-forced">{html.escape(node.forced_text)}</span>{html.escape(rest)}'
+    )
 
 
 def _node(index: int, member: GenerationResult, members: list[GenerationResult]) -> BranchNode:
@@ -130,10 +141,16 @@ def _node(index: int, member: GenerationResult, members: list[GenerationResult])
     if lineage.parent is not None:  # the first answer may be a copy (each `Generation.results` makes new ones)
         parent = 0 if lineage.parent.origin.parent is None else members.index(lineage.parent)
     return BranchNode(
-        index=index, job_id=member.job_id, parent=parent, position=lineage.at,
-        forced_token=lineage.lead[0] if lineage.lead else None, forced_text=lineage.lead_text if lineage.lead else None,
-        text=member.text, end=member.eos_reason.words if member.eos_reason else "running",
-        kept=lineage.kept_text, replaced=lineage.replaced_text if lineage.lead else None,
+        index=index,
+        job_id=member.job_id,
+        parent=parent,
+        position=lineage.at,
+        forced_token=lineage.lead[0] if lineage.lead else None,
+        forced_text=lineage.lead_text if lineage.lead else None,
+        text=member.text,
+        end=member.eos_reason.words if member.eos_reason else "running",
+        kept=lineage.kept_text,
+        replaced=lineage.replaced_text if lineage.lead else None,
     )
 
 
@@ -200,8 +217,12 @@ class BranchChoices(anywidget.AnyWidget):
         messages arrive, must never do."""
         if message.get("type") == "branch" and message.get("answer") in self._samples:
             at, token = int(message["at"]), int(message["token"])
-            threading.Thread(target=self._branch, args=(self._samples[message["answer"]], at, token),
-                             name="exlnb-branch", daemon=True).start()
+            threading.Thread(
+                target=self._branch,
+                args=(self._samples[message["answer"]], at, token),
+                name="exlnb-branch",
+                daemon=True,
+            ).start()
 
     def _branch(self, sample: Sample, at: int, token: int) -> None:
         try:
@@ -244,15 +265,21 @@ class BranchChoices(anywidget.AnyWidget):
         several = len(self.generation.samples) > 1
         html_parts, text_parts = [], []
         for sample, tree in self.trees():
-            label_html, label_text = (f'<div class="exlnb-label">sample {sample.index}</div>',
-                                      f"sample {sample.index}:\n") if several else ("", "")
+            label_html, label_text = (
+                (f'<div class="exlnb-label">sample {sample.index}</div>', f"sample {sample.index}:\n")
+                if several
+                else ("", "")
+            )
             html_parts.append(label_html + tree.html())
             text_parts.append(label_text + tree.text())
         if self._refused:
             html_parts.append(f'<div class="exlnb-warning">{html.escape(self._refused)}</div>')
             text_parts.append(self._refused)
-        update_display({"text/html": record_html("".join(html_parts)), "text/plain": "\n".join(text_parts)},
-                       raw=True, display_id=self.display_id)
+        update_display(
+            {"text/html": record_html("".join(html_parts)), "text/plain": "\n".join(text_parts)},
+            raw=True,
+            display_id=self.display_id,
+        )
 
     def close(self) -> None:
         for sample in self._samples.values():

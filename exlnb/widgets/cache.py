@@ -10,8 +10,8 @@ import html
 from collections.abc import Mapping
 
 from exlnb.engines.base import StreamEvent, wall_clock
-from exlnb.engines.views import CacheView, PageInfo, memory_per_gpu_text
 from exlnb.engines.options import check_display
+from exlnb.engines.views import CacheView, PageInfo, memory_per_gpu_text
 from exlnb.session import JobRow, Session, get_session
 from exlnb.widgets.frontend import widget_frontend
 from exlnb.widgets.live import LiveView
@@ -78,12 +78,17 @@ def job_label(row: JobRow) -> str:
 def inspector_html(view: CacheView, rows: list[JobRow]) -> str:
     """The inspector's markup: summary, one square per page, and a legend naming each job's colour."""
     grid = "".join(page_square(*page_cell(p, view.page_size)) for p in view.pages)
-    swatches = [(f"--exlnb-owner:{job_color(r.info.job_id)};background:{job_color(r.info.job_id)}", "used",
-                 f"{job_label(r)} ({r.info.stage.value}, {r.info.pages} pages{'' if r.consumed else ', nobody reading'})")
-                for r in rows]
+    swatches = [
+        (
+            f"--exlnb-owner:{job_color(r.info.job_id)};background:{job_color(r.info.job_id)}",
+            "used",
+            f"{job_label(r)} ({r.info.stage.value}, {r.info.pages} pages{'' if r.consumed else ', nobody reading'})",
+        )
+        for r in rows
+    ]
     swatches += [("", "free", "free"), ("", "cached", "free, keeps a reusable prefix")]
     legend = "".join(f"<span>{page_square(s, t, k)}{html.escape(t)}</span>" for s, k, t in swatches)
-    legend += f'<span>{page_square("--exlnb-owner:transparent", "shared", "shared")}shared by several jobs</span>'
+    legend += f"<span>{page_square('--exlnb-owner:transparent', 'shared', 'shared')}shared by several jobs</span>"
     return (
         f'<div class="exlnb-cache"><div class="exlnb-summary">{html.escape(cache_summary(view))}</div>'
         f'<div class="exlnb-grid">{grid}</div><div class="exlnb-legend">{legend}</div></div>'
@@ -92,6 +97,7 @@ def inspector_html(view: CacheView, rows: list[JobRow]) -> str:
 
 def cache_text(view: CacheView, rows: list[JobRow]) -> str:
     """The inspector as plain text: one character per page (job id's last digit, * shared, . free)."""
+
     def mark(p: PageInfo) -> str:
         return "." if p.ref_count == 0 else "*" if p.shared else str(p.owners[0] % 10)
 
@@ -114,10 +120,12 @@ JOB_HEADINGS = {
     "age": "time since the job was submitted (for a job that has ended: how long it ran)",
     "pages": "KV-cache pages the job holds now",
     "stream read": "whether something still reads the job's stream (a widget, a loop over it): a job nobody reads "
-                   "still holds its pages and a batch slot until it ends or is cancelled (field report 1)",
+    "still holds its pages and a batch slot until it ends or is cancelled (field report 1)",
 }
-STREAM_READ_LEGEND = ("stream read: whether something still reads the job's answer as it comes; a job nobody reads "
-                      "still holds its pages and a batch slot")
+STREAM_READ_LEGEND = (
+    "stream read: whether something still reads the job's answer as it comes; a job nobody reads "
+    "still holds its pages and a batch slot"
+)
 Ended = Mapping[int, StreamEvent]  # the last events of jobs that have ended, by job id
 
 
@@ -128,11 +136,23 @@ def job_cells(row: JobRow, now: float, ended: StreamEvent | None = None) -> list
     read = "yes" if row.consumed else ("no (runs on by request)" if row.abandoned_ok else "no")
     if ended is not None:
         stage = f"ended: {ended.eos_reason.words}" if ended.eos_reason else "ended"
-        return [job_label(row), stage, f"{ended.time_produced - info.time_enqueued:.0f} s", str(info.prompt_tokens),
-                f"{ended.new_tokens} / {info.max_new_tokens}", "freed", read]
+        return [
+            job_label(row),
+            stage,
+            f"{ended.time_produced - info.time_enqueued:.0f} s",
+            str(info.prompt_tokens),
+            f"{ended.new_tokens} / {info.max_new_tokens}",
+            "freed",
+            read,
+        ]
     return [
-        job_label(row), info.stage.value, f"{now - info.time_enqueued:.0f} s", str(info.prompt_tokens),
-        f"{info.new_tokens} / {info.max_new_tokens}", str(info.pages), read,
+        job_label(row),
+        info.stage.value,
+        f"{now - info.time_enqueued:.0f} s",
+        str(info.prompt_tokens),
+        f"{info.new_tokens} / {info.max_new_tokens}",
+        str(info.pages),
+        read,
     ]
 
 

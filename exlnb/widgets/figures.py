@@ -57,13 +57,26 @@ class PromptWork:
         prefill_ms = 1000 * event.computed_prompt_tokens / rate if rate else None
         ttft_ms = None if event.time_to_first_token_s is None else 1000 * event.time_to_first_token_s
         queued = ttft_ms - prefill_ms if ttft_ms is not None and prefill_ms is not None else None
-        return cls(event.prompt_tokens, ttft_ms, queued if queued and queued >= QUEUED_SHARE * ttft_ms else None,
-                   cached, waited_for if shared else None, shared, event.computed_prompt_tokens, prefill_ms, rate)
+        return cls(
+            event.prompt_tokens,
+            ttft_ms,
+            queued if queued and queued >= QUEUED_SHARE * ttft_ms else None,
+            cached,
+            waited_for if shared else None,
+            shared,
+            event.computed_prompt_tokens,
+            prefill_ms,
+            rate,
+        )
 
     def same_work(self, other: PromptWork) -> bool:
         """Whether two samples did the same prompt work (then their figures are said once, above them)."""
         return (self.cached, self.waited_for, self.shared, self.computed) == (
-            other.cached, other.waited_for, other.shared, other.computed)
+            other.cached,
+            other.waited_for,
+            other.shared,
+            other.computed,
+        )
 
     def figures(self) -> list[tuple[str, str, str]]:
         """(name, value, the words of the plain-text status) of each figure known: the TTFT (with how long the job
@@ -105,8 +118,11 @@ def decode_together(generation: Generation) -> tuple[str, str] | None:
     if span.tokens_per_s is None:
         return None
     samples = len(generation.samples)
-    how = (f"({samples} samples together: {span.tokens} tokens over the {span.seconds:.1f} s while any was decoding)"
-           if samples > 1 else "")
+    how = (
+        f"({samples} samples together: {span.tokens} tokens over the {span.seconds:.1f} s while any was decoding)"
+        if samples > 1
+        else ""
+    )
     return f"{span.tokens_per_s:.1f} tok/s", how
 
 
@@ -161,8 +177,10 @@ def template_warning(generation: Generation) -> str | None:
     findings = generation.prompt_findings
     if not findings:
         return None
-    return (f"the prompt does not follow the template: {len(findings)} finding{'s' if len(findings) > 1 else ''}, "
-            f"the answer may be garbage (--show-prompt shows the tokens)")
+    return (
+        f"the prompt does not follow the template: {len(findings)} finding{'s' if len(findings) > 1 else ''}, "
+        f"the answer may be garbage (--show-prompt shows the tokens)"
+    )
 
 
 def finding_lines(generation: Generation) -> list[str]:
@@ -191,8 +209,11 @@ def special_ids(generation: Generation) -> set[int]:
 def generation_text(generation: Generation) -> str:
     warning = template_warning(generation)
     decode = decode_together(generation) if len(generation.samples) > 1 else None
-    blocks = ([settings_words(generation)] + ([f"decode {' '.join(decode)}"] if decode else [])
-              + [sample_text(s, generation) for s in generation.samples])
+    blocks = (
+        [settings_words(generation)]
+        + ([f"decode {' '.join(decode)}"] if decode else [])
+        + [sample_text(s, generation) for s in generation.samples]
+    )
     return "\n".join(([f"warning: {warning}"] if warning else []) + blocks)
 
 
@@ -224,8 +245,10 @@ def header_html(generation: Generation) -> str:
     figures.append(figure("elapsed", f"{max(s.elapsed_s() for s in generation.samples):.1f} s"))
     if decode := decode_together(generation):  # last: what it divides is said beside it, and may wrap
         rate, how = decode
-        figures.append(f'<span class="exlnb-figure exlnb-figure-named">decode <b>{rate}</b> '
-                       f'<span class="exlnb-muted">{html.escape(how)}</span></span>')
+        figures.append(
+            f'<span class="exlnb-figure exlnb-figure-named">decode <b>{rate}</b> '
+            f'<span class="exlnb-muted">{html.escape(how)}</span></span>'
+        )
     settings = html.escape(settings_words(generation))
     return f'<div class="exlnb-head">{"".join(figures)}</div><div class="exlnb-settings exlnb-muted">{settings}</div>'
 
@@ -282,12 +305,23 @@ def sample_html(sample: Sample, generation: Generation, max_new_tokens: int) -> 
         parts.append(f"<span>{html.escape(loop_words(sample))}</span>")
     label = f'<div class="exlnb-label">sample {sample.index}</div>' if len(generation.samples) > 1 else ""
     records, request = sample_token_records(sample), generation.request
-    body = (tokens_html(records, special_ids(generation), request.show_whitespace, request.token_colour,
-                        branch_key(sample), generation.branch_refusal) if records
-            else f'<div class="exlnb-text">{html.escape(sample.text)}</div>')
-    return (f'<div class="exlnb-sample exlnb-{state}">{label}{body}'
-            f'<div class="exlnb-bar"><span style="width:{share:.1%}"></span></div>'
-            f'<div class="exlnb-status">{"".join(parts)}</div></div>')
+    body = (
+        tokens_html(
+            records,
+            special_ids(generation),
+            request.show_whitespace,
+            request.token_colour,
+            branch_key(sample),
+            generation.branch_refusal,
+        )
+        if records
+        else f'<div class="exlnb-text">{html.escape(sample.text)}</div>'
+    )
+    return (
+        f'<div class="exlnb-sample exlnb-{state}">{label}{body}'
+        f'<div class="exlnb-bar"><span style="width:{share:.1%}"></span></div>'
+        f'<div class="exlnb-status">{"".join(parts)}</div></div>'
+    )
 
 
 def warning_html(generation: Generation) -> str:
@@ -305,8 +339,10 @@ def generation_html(generation: Generation, max_new_tokens: int, prompt: str = "
     """A template warning first, then the prompt (`prompt_html`), the shared figures and the samples."""
     columns = f"repeat({min(len(generation.samples), 4)}, minmax(0, 1fr))"
     samples = "".join(sample_html(s, generation, max_new_tokens) for s in generation.samples)
-    return (f'<div class="exlnb-generation">{warning_html(generation)}{prompt}{header_html(generation)}'
-            f'<div class="exlnb-samples" style="grid-template-columns: {columns}">{samples}</div></div>')
+    return (
+        f'<div class="exlnb-generation">{warning_html(generation)}{prompt}{header_html(generation)}'
+        f'<div class="exlnb-samples" style="grid-template-columns: {columns}">{samples}</div></div>'
+    )
 
 
 def prompt_pieces(ids: Sequence[int], tokenizer: Tokenizer) -> list[tuple[str, bool]]:
@@ -318,12 +354,14 @@ def prompt_pieces(ids: Sequence[int], tokenizer: Tokenizer) -> list[tuple[str, b
 def prompt_html(pieces: list[tuple[str, bool]]) -> str:
     spans = "".join(
         f'<span class="exlnb-token{" exlnb-special" if special else ""}" title="token {i}">'
-        f'{html.escape(text).replace(chr(10), "↵" + chr(10))}</span>'
+        f"{html.escape(text).replace(chr(10), '↵' + chr(10))}</span>"
         for i, (text, special) in enumerate(pieces)
     )
     specials = sum(special for _, special in pieces)
-    return (f'<details class="exlnb-prompt" open><summary>prompt: {len(pieces)} tokens, {specials} special</summary>'
-            f'<div class="exlnb-tokens">{spans}</div></details>')
+    return (
+        f'<details class="exlnb-prompt" open><summary>prompt: {len(pieces)} tokens, {specials} special</summary>'
+        f'<div class="exlnb-tokens">{spans}</div></details>'
+    )
 
 
 def prompt_text(pieces: list[tuple[str, bool]]) -> str:

@@ -39,8 +39,10 @@ def delivery_line(session: Session) -> str:
 
 def server_text(session: Session, rows: list[JobRow], ended: Ended | None = None) -> str:
     status = session.status()
-    return (f"{status.model} at {status.device}\n{server_line(session)}\n{delivery_line(session)}\n"
-            f"{jobs_text(rows, ended=ended)}")
+    return (
+        f"{status.model} at {status.device}\n{server_line(session)}\n{delivery_line(session)}\n"
+        f"{jobs_text(rows, ended=ended)}"
+    )
 
 
 class ServerView(JobTable):
@@ -50,8 +52,9 @@ class ServerView(JobTable):
     def draw(self, rows: list[JobRow], ended: Ended | None = None) -> tuple[str, str]:
         status = self.session.status()
         head = f"{status.model} at {status.device} · {server_line(self.session)}"
-        lines = "".join(f'<div class="exlnb-summary">{html.escape(line)}</div>'
-                        for line in (head, delivery_line(self.session)))
+        lines = "".join(
+            f'<div class="exlnb-summary">{html.escape(line)}</div>' for line in (head, delivery_line(self.session))
+        )
         body = f"{lines}{jobs_html(rows, wall_clock(), ended=ended)}"
         return f'<div class="exlnb-server">{body}</div>', server_text(self.session, rows, ended)
 
