@@ -19,6 +19,7 @@ from exlnb.branching import plan_branch
 from exlnb.chat import Chat, get_chat
 from exlnb.engines.base import LOOP_DETECTOR, EosReason, JobSpec, StreamEvent, wall_clock
 from exlnb.engines.options import EngineOptions
+from exlnb.engines.token_info import TokenInfo
 from exlnb.request import GenerationRequest, takes_request_options
 from exlnb.session import Session, get_session
 from exlnb.streaming import Delivered, GenerationResult, JobError, JobStream, reading
@@ -79,6 +80,9 @@ class Lineage:
     at: int | None = None  # the position in the parent's tokens where the branch left it
     lead: tuple[int, ...] = ()  # the forced token
     lead_text: str = ""
+    lead_info: tuple[TokenInfo, ...] = ()  # its record, where the parent recorded its alternatives there
+    kept_text: str = ""  # the parent's tokens before `at`, as text
+    replaced_text: str = ""  # the parent's token at `at`, which the forced token replaced
     family: list[GenerationResult] = field(default_factory=list, repr=False, compare=False)
 
     def branch(self, result: GenerationResult, at: int, token: int | str | None) -> GenerationResult:
@@ -106,6 +110,7 @@ class Generation:
         self.prompt_text = prompt.text
         self.prompt_ids = prompt.ids
         self.prompt_findings = prompt.findings  # template mistakes in the prompt as the model gets it
+        self.branch_refusal = session.engine.branch_refusal  # why its answers cannot branch here, if they cannot
         self.samples = [Sample(i, s, lineage=lineage) for i, (s, lineage) in enumerate(zip(streams, lineages))]
         for sample in self.samples:  # a branch's view starts with its forced token
             sample.text, sample.token_ids = sample.lineage.lead_text, list(sample.lineage.lead)
@@ -393,6 +398,8 @@ def _prepare_branch(result: GenerationResult, at: int, token: int | str | None) 
             f"job {result.job_id} ran on {lineage.model.model_dir.name} ({lineage.model.engine}), but "
             f"{now} is loaded now: load that model again to branch it"
         )
+    if session.engine.branch_refusal is not None:
+        raise ValueError(session.engine.branch_refusal)
     plan = plan_branch(
         result,
         at,
@@ -416,6 +423,9 @@ def _prepare_branch(result: GenerationResult, at: int, token: int | str | None) 
         at=at,
         lead=(plan.forced,),
         lead_text=plan.forced_text,
+        lead_info=(plan.forced_info,) if plan.forced_info else (),
+        kept_text=plan.kept_text,
+        replaced_text=plan.replaced_text,
         family=lineage.family,
     )
     return session, plan, prompt, specs, child

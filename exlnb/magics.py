@@ -46,7 +46,7 @@ from exlnb.widgets.branches import BranchTree
 from exlnb.widgets.cache import show_jobs
 from exlnb.widgets.loadtest import abench, shows_widget
 from exlnb.widgets.server import show_cache_or_server
-from exlnb.widgets.stream import abranch_live, agenerate_live, branch_live, generate_live
+from exlnb.widgets.stream import Interrupted, abranch_live, agenerate_live, branch_live, generate_live
 from exlnb.workload import DEFAULT_REQUESTS, Workload, length_argument, rates_argument, slo_argument
 
 # what IPython's magic transforms make of a %%exl_generate cell and of an %exl_bench line
@@ -89,6 +89,7 @@ class ExlnbMagics(Magics):
         if before is not None and session.options != before:
             print(f"replaced {before.model_dir.name} ({before.engine} engine)")
         print(status.line())
+        print(f"model folder: {session.options.model_dir}")  # what a server of the same model is started on
         for note in status.notes:
             print(note)
 
@@ -110,8 +111,12 @@ class ExlnbMagics(Magics):
         args, request, show = self._generate_call(line, cell)
         if args is None:
             return
-        with usage_errors():
-            generation = await agenerate_live(request, **show)
+        try:
+            with usage_errors():
+                generation = await agenerate_live(request, **show)
+        except Interrupted as interrupted:  # the samples as they ended, as after Stop
+            self._store(args, interrupted.generation)
+            raise
         self._store(args, generation)
 
     def _generate_call(self, line: str, cell: str | None) -> tuple:
@@ -299,7 +304,11 @@ class ExlnbMagics(Magics):
         default="float32",
         help="how the reference's logits are kept on disk (default: float32)",
     )
-    @argument("--no-noise-floor", action="store_true", help="leave out the fp16 noise floor")
+    @argument(
+        "--no-noise-floor",
+        action="store_true",
+        help="leave out the noise floor (the reference scored again with bf16 rounding's noise)",
+    )
     @out_argument("the Divergence")
     @help_argument
     @line_magic
@@ -316,6 +325,7 @@ class ExlnbMagics(Magics):
                 engine=args.engine,
                 dtype=args.dtype,
                 noise_floor=not args.no_noise_floor,
+                progress=True,
             )
         print(result.table())
         if args.out:
