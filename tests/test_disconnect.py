@@ -146,6 +146,7 @@ def run_against(server: LocalServer, session: Session) -> tuple[pd.DataFrame, pd
     assert (on_server["mode"] == server.mode).all() and on_server.server_cpu_after_left_s.notna().all()
     assert list(control.request) == ["streaming"] * len(PHASES) and control.server_cpu_after_left_s.isna().all()
     assert (control["mode"] == "exlnb's cpu engine in the kernel").all()
+    assert (phases.abandoned + phases.answered_before_leaving == SMALL["abandoned"]).all()
     assert len(result.findings) == len(phases)
     return control, on_server
 

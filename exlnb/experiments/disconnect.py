@@ -221,6 +221,8 @@ class _Measure:
         return quiet
 
     def _abandon_streams(self, specs, phase: str) -> int:
+        """Left at once, half-way through the idle long prompt's time to first token, or once every stream has
+        `tokens_read` tokens: how many had ended by then."""
         sent = wall_clock()
         streams = self.session.submit_together(specs)
         if phase == "prefill":
@@ -231,9 +233,9 @@ class _Measure:
                 while next(reader).new_tokens < self.sizes.tokens_read:
                     pass
         self.left_after[phase] = wall_clock() - sent
-        for stream in streams:
-            stream.cancel()  # on a server: the connection closes, all the server is told
-        return 0
+        # on a server: the connection closes, all the server is told; a stream whose job had ended was answered
+        # (one generate() at a time, a second stream's first tokens come after the first has finished)
+        return sum(not stream.cancel() for stream in streams)
 
     def _abandon_whole_answers(self, specs, phase: str) -> int:
         """Left when the streaming requests of the same phase were (at once while queued)."""
@@ -262,22 +264,25 @@ class _Measure:
         return sent - left_at, count
 
     def _server_side(self, left_at: float, cpu_left, probes_sent: int) -> dict:
-        """The `/metrics` running count and the CPU used for nobody, read once a delayed abort has had its time."""
+        """The `/metrics` running count and the CPU used for nobody (with what was taken off it: the probes' idle
+        cost and the idle rate), read once a delayed abort has had its time."""
         cpu = self.target.cpu
+        read = {"server_running_after_wait": None, "server_cpu_after_left_s": None, "server_quiet_after_s": None,
+                "server_idle_cores": None, "probe_cpu_s": None, "probes_sent": probes_sent}
         if not self.metrics and cpu is None:
-            return {"server_running_after_wait": None, "server_cpu_after_left_s": None, "server_quiet_after_s": None}
+            return read
         self.bar.set_postfix_str(f"waiting {ABORT_WAIT_S:g} s for a delayed abort")
         time.sleep(max(0.0, left_at + ABORT_WAIT_S - wall_clock()))
-        running = self._running()
-        cpu_s = quiet_s = None
+        read["server_running_after_wait"] = self._running()
         if cpu is not None:
             self.bar.set_postfix_str("watching the server's CPU until it is quiet")
             quiet, went_quiet = cpu.until_quiet(self.idle_cores, left_at + self.sizes.settle_timeout_s)
-            cpu_s = (quiet.cpu_s - cpu_left.cpu_s - probes_sent * self.probe_cpu_s
-                     - self.idle_cores * (quiet.at - cpu_left.at))
-            quiet_s = quiet.at - left_at if went_quiet else None
+            read |= {"server_cpu_after_left_s": quiet.cpu_s - cpu_left.cpu_s - probes_sent * self.probe_cpu_s
+                     - self.idle_cores * (quiet.at - cpu_left.at),
+                     "server_quiet_after_s": quiet.at - left_at if went_quiet else None,
+                     "server_idle_cores": self.idle_cores, "probe_cpu_s": self.probe_cpu_s}
         self.bar.set_postfix_str("")
-        return {"server_running_after_wait": running, "server_cpu_after_left_s": cpu_s, "server_quiet_after_s": quiet_s}
+        return read
 
     def _running(self) -> float | None:
         if not self.metrics:
