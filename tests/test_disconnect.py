@@ -37,7 +37,7 @@ def stopped_row(**changes) -> dict:
     """A row in which every signal saw the server stop; `changes` make one signal see otherwise."""
     return {"target": "transformers server", "mode": "transformers serve --continuous-batching",
             "request": "non-streaming", "phase": "decode", "abandoned": 2, "answered_before_leaving": 0, "quiet_before": True,
-            "left_after_s": 1.0, "idle_ttft_s": 0.16, "probe_ttft_s": 0.18, "slowdown": 1.1,
+            "left_after_s": 1.0, "idle_ttft_s": 0.16, "probe_ttft_s": 0.18, "probe_error": None, "slowdown": 1.1,
             "idle_again_after_s": 0.1, "server_running_after": None, "server_running_after_wait": None,
             "server_cpu_after_left_s": 0.1, "server_quiet_after_s": 3.0} | changes
 
@@ -60,6 +60,13 @@ def test_the_verdict_is_stopped_only_where_every_available_signal_agrees():
     assert both == "kept working (the next request waited 9.6x its idle time; 1.3 s of CPU after the client left, busy for about 6 s)"
     unclear = verdict(stopped_row(slowdown=1.8, idle_again_after_s=None, server_cpu_after_left_s=None))
     assert unclear["verdict"].startswith("unclear")
+
+
+def test_a_probe_that_failed_behind_the_work_for_nobody_says_the_server_kept_working():
+    stalled = "job failed inside the engine: ServerError: the server sent nothing for 60 s (read timeout)"
+    said = verdict(stopped_row(probe_ttft_s=60.2, slowdown=376.2, idle_again_after_s=None, probe_error=stalled))
+    assert said["probe_says"] == WORKED
+    assert said["verdict"] == f"kept working (the next request waited 376.2x its idle time and failed ({stalled}))"
 
 
 def test_each_row_says_which_signals_it_could_not_read():

@@ -41,6 +41,7 @@ from exlnb.experiments import whole_answers
 from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.experiments.server_cpu import SAMPLE_S, ServerCpu
 from exlnb.session import Session
+from exlnb.streaming import JobError
 
 PHASES = ("queued", "prefill", "decode")
 REQUESTS = ("streaming", "non-streaming")
@@ -168,6 +169,15 @@ class _Measure:
         sent = wall_clock()
         return sent, self.session.submit(spec).result().time_to_first_token_s
 
+    def probe_after_leaving(self) -> tuple[float, float, str | None]:
+        """A probe of a server that may still be busy. One whose job fails (its stream sent nothing for the remote
+        engine's read timeout, behind work for nobody) counts as waiting until it failed, and its error is kept."""
+        started = wall_clock()
+        try:
+            return (*self.probe(), None)
+        except JobError as error:
+            return started, wall_clock() - started, str(error)
+
     def idle(self) -> list[dict]:
         """The idle target's probe times (its reference), its time to first token on the prefill phase's long
         prompt, and where its CPU is read, its idle rate and what a probe costs it."""
@@ -199,13 +209,13 @@ class _Measure:
         left_at = wall_clock()
         cpu_left = self.target.cpu.now() if self.target.cpu else None
         running = self._running()
-        probe_sent, probe = self.probe()
+        probe_sent, probe, probe_error = self.probe_after_leaving()
         after = [{"target": self.target.name, "request": request, "phase": phase, "ttft_s": probe}]
         recovered_s, probes_sent = self._settle(probe_sent, probe, left_at, after)
         row = {"target": self.target.name, "mode": self.target.mode, "request": request, "phase": phase,
                "abandoned": len(specs) - answered, "answered_before_leaving": answered, "quiet_before": quiet_before,
                "left_after_s": left_at - sent, "idle_ttft_s": self.idle_ttft,
-               "idle_prefill_ttft_s": self.prefill_ttft, "probe_ttft_s": probe,
+               "idle_prefill_ttft_s": self.prefill_ttft, "probe_ttft_s": probe, "probe_error": probe_error,
                "slowdown": probe / self.idle_ttft, "idle_again_after_s": recovered_s,
                "server_running_after": running, **self._server_side(left_at, cpu_left, probes_sent)}
         return row | verdict(row), after
@@ -256,7 +266,7 @@ class _Measure:
             if wall_clock() - left_at > self.sizes.settle_timeout_s:
                 return None, count
             self.bar.set_postfix_str(f"probe {count + 1}: {probe / self.idle_ttft:.1f}x idle")
-            sent, probe = self.probe()
+            sent, probe, _ = self.probe_after_leaving()
             count += 1
             after.append({"target": self.target.name, "request": after[0]["request"], "phase": "settling",
                           "ttft_s": probe})
@@ -327,7 +337,8 @@ def _worked_details(row: dict) -> tuple[str, str, str]:
     busy = ("" if cpu_s is None else " and still busy at the settle timeout" if quiet_s is None
             else f", busy for about {quiet_s:.0f} s" if quiet_s > ABORT_WAIT_S + SAMPLE_S
             else f", quiet by {ABORT_WAIT_S:g} s after")
-    return (f"the next request waited {row['slowdown']:.1f}x its idle time",
+    failed = f" and failed ({row['probe_error']})" if row["probe_error"] else ""
+    return (f"the next request waited {row['slowdown']:.1f}x its idle time{failed}",
             f"/metrics counted {row['server_running_after_wait'] or 0:.0f} running {ABORT_WAIT_S:g} s after it left",
             f"{cpu_s or 0:.1f} s of CPU after the client left{busy}")
 
