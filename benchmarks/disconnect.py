@@ -1,12 +1,13 @@
 """The disconnect notebook against each server this machine can start, every mode, one after the other.
 
-    python -m benchmarks disconnect --out benchmarks/results/disconnect-<device>-<date> [--only NAME ...]
+    python -m benchmarks disconnect --out benchmarks/results/disconnect-<device>-<date> [--only NAME ...] [--repeats N]
 
 Each server is started on 127.0.0.1 and a free port on the bundled model (`local_servers.py`, as the tests start
 it), the notebook runs under papermill against it with exlnb's CPU engine as the control, given the server's PID
-(so its CPU time is read) and its mode, and the server is stopped. `summary.json` gets each run's rows, findings,
-parameters and environment, and one verdict per server, mode, request kind and phase; each run's figure goes
-beside it. The executed notebooks, CSVs and server logs stay under `raw/` (not kept in git).
+(so its CPU time is read) and its mode, and the server is stopped; with `--repeats N`, N times, the servers
+taken in turns. `summary.json` gets each run's rows, findings, parameters and environment, and per server, mode,
+request kind and phase every run's verdict and the one they all give (or that they disagree); each run's figure
+goes beside it. The executed notebooks, CSVs and server logs stay under `raw/` (not kept in git).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import papermill
 
 from benchmarks import local_servers
 from benchmarks.harness import write_json
+from exlnb.experiments.disconnect import verdict_kind
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "disconnect.ipynb"
 THREADS = 1  # each server's threads: on two cores beside the notebook's kernel, two threads of a server wait for
@@ -39,27 +41,46 @@ SERVERS = {  # name -> how to start it (a context manager yielding a LocalServer
                   f"--port PORT --n_ctx 2048 --n_threads {THREADS} --n_threads_batch {THREADS} "
                   "--interrupt_requests False --verbose False"),
 }
-VERDICT_COLUMNS = ["target", "mode", "request", "phase", "probe_says", "metrics_says", "cpu_says", "verdict"]
+ROW_COLUMNS = ["slowdown", "server_cpu_after_left_s", "probe_says", "metrics_says", "cpu_says", "verdict"]
 
 
-def run_one(name: str, out: Path, parameters: dict) -> dict:
+def run_one(name: str, repeat: int, out: Path, parameters: dict) -> dict:
     """One server started, measured by the notebook and stopped: its record for the summary."""
-    raw = out / "raw" / name
+    raw = out / "raw" / f"{name}-{repeat}"
     raw.mkdir(parents=True, exist_ok=True)
     start, command = SERVERS[name]
     with start(raw) as server:
-        print(f"{name}: {server.mode} at {server.url} (pid {server.pid})", flush=True)
+        print(f"{name}, run {repeat}: {server.mode} at {server.url} (pid {server.pid})", flush=True)
         papermill.execute_notebook(
             str(NOTEBOOK), str(raw / "disconnect.ipynb"), kernel_name="python3", progress_bar=False,
             parameters=dict(engine="cpu", output_dir=str(raw), url=server.url, server_pid=server.pid,
                             server_mode=server.mode, **parameters),
         )
-    shutil.copyfile(raw / "disconnect.png", out / f"{name}.png")
+    figure = f"{name}-{repeat}.png"
+    shutil.copyfile(raw / "disconnect.png", out / figure)
     summary = json.loads((raw / "disconnect.json").read_text())
     phases = pd.read_csv(raw / "disconnect-phases.csv")
-    return {"mode": server.mode, "server_command": command, "figure": f"{name}.png", "findings": summary["findings"],
+    return {"run": repeat, "mode": server.mode, "server_command": command, "figure": figure,
+            "findings": summary["findings"],
             "parameters": summary["parameters"] | {"url": "http://127.0.0.1:PORT/v1", "server_pid": "PID"},
             "phases": [_plain(row) for row in phases.to_dict("records")], "environment": summary["environment"]}
+
+
+def verdicts(runs: dict[str, list[dict]]) -> list[dict]:
+    """One entry per server, target, request kind and phase: each run's signals and verdict, and the verdict
+    every run gives ("stopped", "kept working", "unclear"), or "runs disagree"."""
+    cells: dict[tuple, list[dict]] = {}
+    for name, repeats in runs.items():
+        for repeat in repeats:
+            for row in repeat["phases"]:
+                cells.setdefault((name, row["target"], row["mode"], row["request"], row["phase"]), []).append(row)
+    entries = []
+    for (name, target, mode, request, phase), rows in cells.items():
+        kinds = {verdict_kind(row["verdict"]) for row in rows}
+        entries.append({"server": name, "target": target, "mode": mode, "request": request, "phase": phase,
+                        "verdict": kinds.pop() if len(kinds) == 1 else "runs disagree",
+                        "runs": [{column: row[column] for column in ROW_COLUMNS} for row in rows]})
+    return entries
 
 
 def _plain(row: dict) -> dict:
@@ -71,17 +92,19 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(prog="python -m benchmarks disconnect", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="the run's folder, e.g. benchmarks/results/disconnect-cpu-...")
     parser.add_argument("--only", nargs="+", choices=list(SERVERS), default=list(SERVERS))
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every server, taken in turns")
     parser.add_argument("--set", nargs="*", default=[], metavar="PARAMETER=VALUE",
                         help="a notebook parameter other than its default, e.g. abandoned=1 (read as JSON)")
     args = parser.parse_args(argv)
     parameters = {key: json.loads(value) for key, value in (item.split("=", 1) for item in args.set)}
     path = args.out / "summary.json"
-    record = json.loads(path.read_text()) if path.exists() else {"runs": {}}  # a run with --only adds to it
-    for name in args.only:
-        record["runs"][name] = run_one(name, args.out, parameters)
-        record["verdicts"] = [{"server": name, **{c: row[c] for c in VERDICT_COLUMNS}}
-                              for name, run in record["runs"].items() for row in run["phases"]]
-        write_json(path, record, indent=1)
+    record = json.loads(path.read_text()) if path.exists() else {"runs": {}}  # a later call adds runs to it
+    for _ in range(args.repeats):
+        for name in args.only:
+            runs = record["runs"].setdefault(name, [])
+            runs.append(run_one(name, len(runs) + 1, args.out, parameters))
+            record["verdicts"] = verdicts(record["runs"])
+            write_json(path, record, indent=1)
     print(f"wrote {path}")
     return path
 

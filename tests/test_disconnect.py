@@ -16,6 +16,7 @@ import pandas as pd
 import papermill
 import pytest
 
+from benchmarks.disconnect import verdicts as benchmark_verdicts
 from benchmarks.local_servers import LocalServer, free_port, server_process
 from exlnb.datasets import filler_ids
 from exlnb.experiments import disconnect, whole_answers
@@ -67,6 +68,20 @@ def test_a_probe_that_failed_behind_the_work_for_nobody_says_the_server_kept_wor
     said = verdict(stopped_row(probe_ttft_s=60.2, slowdown=376.2, idle_again_after_s=None, probe_error=stalled))
     assert said["probe_says"] == WORKED
     assert said["verdict"] == f"kept working (the next request waited 376.2x its idle time and failed ({stalled}))"
+
+
+def test_the_runs_verdict_is_stated_only_where_every_run_gives_it():
+    def run(*texts: str) -> dict:
+        rows = [stopped_row(phase=phase) for phase in PHASES]
+        return {"phases": [row | verdict(row) | {"verdict": text} for row, text in zip(rows, texts)]}
+
+    runs = {"transformers-cb": [run("stopped", "kept working (1.3 s of CPU after the client left)", "stopped"),
+                                run("stopped", "stopped", "unclear: the probes stayed slow")]}
+    table = {entry["phase"]: entry for entry in benchmark_verdicts(runs)}
+    assert {phase: entry["verdict"] for phase, entry in table.items()} == {
+        "queued": "stopped", "prefill": "runs disagree", "decode": "runs disagree"}
+    assert [r["verdict"] for r in table["prefill"]["runs"]] == ["kept working (1.3 s of CPU after the client left)",
+                                                                "stopped"]
 
 
 def test_each_row_says_which_signals_it_could_not_read():

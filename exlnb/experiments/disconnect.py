@@ -315,6 +315,14 @@ def verdict(row: dict) -> dict:
     return says | {"verdict": text}
 
 
+VERDICT_KINDS = ("stopped", "kept working", "unclear")  # how every verdict begins
+
+
+def verdict_kind(text: str) -> str:
+    """"kept working" of "kept working (9.2 s of CPU ...)": the verdict without what each signal saw."""
+    return next(kind for kind in VERDICT_KINDS if text.startswith(kind))
+
+
 def _probe_says(row: dict) -> str:
     if row["slowdown"] > SLOWED:
         return WORKED
