@@ -41,7 +41,7 @@ SERVERS = {  # name -> how to start it (a context manager yielding a LocalServer
                   f"--port PORT --n_ctx 2048 --n_threads {THREADS} --n_threads_batch {THREADS} "
                   "--interrupt_requests False --verbose False"),
 }
-ROW_COLUMNS = ["slowdown", "server_cpu_after_left_s", "probe_says", "metrics_says", "cpu_says", "verdict"]
+ROW_COLUMNS = ["abandoned", "slowdown", "server_cpu_after_left_s", "probe_says", "metrics_says", "cpu_says", "verdict"]
 
 
 def run_one(name: str, repeat: int, out: Path, parameters: dict) -> dict:
@@ -68,7 +68,8 @@ def run_one(name: str, repeat: int, out: Path, parameters: dict) -> dict:
 
 def verdicts(runs: dict[str, list[dict]]) -> list[dict]:
     """One entry per server, target, request kind and phase: each run's signals and verdict, and the verdict
-    every run gives ("stopped", "kept working", "unclear"), or "runs disagree"."""
+    every run that abandoned a request gives ("stopped", "kept working", "unclear"), or "runs disagree"; a run in
+    which every request was answered before its client left has nothing to say about it."""
     cells: dict[tuple, list[dict]] = {}
     for name, repeats in runs.items():
         for repeat in repeats:
@@ -76,9 +77,10 @@ def verdicts(runs: dict[str, list[dict]]) -> list[dict]:
                 cells.setdefault((name, row["target"], row["mode"], row["request"], row["phase"]), []).append(row)
     entries = []
     for (name, target, mode, request, phase), rows in cells.items():
-        kinds = {verdict_kind(row["verdict"]) for row in rows}
+        kinds = {verdict_kind(row["verdict"]) for row in rows} - {"nothing abandoned"}
+        agreed = "nothing abandoned" if not kinds else kinds.pop() if len(kinds) == 1 else "runs disagree"
         entries.append({"server": name, "target": target, "mode": mode, "request": request, "phase": phase,
-                        "verdict": kinds.pop() if len(kinds) == 1 else "runs disagree",
+                        "verdict": agreed, "runs_abandoning": sum(row["abandoned"] > 0 for row in rows),
                         "runs": [{column: row[column] for column in ROW_COLUMNS} for row in rows]})
     return entries
 

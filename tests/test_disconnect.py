@@ -72,16 +72,26 @@ def test_a_probe_that_failed_behind_the_work_for_nobody_says_the_server_kept_wor
 
 def test_the_runs_verdict_is_stated_only_where_every_run_gives_it():
     def run(*texts: str) -> dict:
-        rows = [stopped_row(phase=phase) for phase in PHASES]
+        rows = [stopped_row(phase=phase, abandoned=0 if text.startswith("nothing") else 2)
+                for phase, text in zip(PHASES, texts)]
         return {"phases": [row | verdict(row) | {"verdict": text} for row, text in zip(rows, texts)]}
 
+    nothing = "nothing abandoned: every request was answered before its client left"
     runs = {"transformers-cb": [run("stopped", "kept working (1.3 s of CPU after the client left)", "stopped"),
-                                run("stopped", "stopped", "unclear: the probes stayed slow")]}
+                                run("stopped", "stopped", "unclear: the probes stayed slow"),
+                                run(nothing, "stopped", nothing)]}
     table = {entry["phase"]: entry for entry in benchmark_verdicts(runs)}
     assert {phase: entry["verdict"] for phase, entry in table.items()} == {
         "queued": "stopped", "prefill": "runs disagree", "decode": "runs disagree"}
     assert [r["verdict"] for r in table["prefill"]["runs"]] == ["kept working (1.3 s of CPU after the client left)",
-                                                                "stopped"]
+                                                                "stopped", "stopped"]
+    assert table["queued"]["runs_abandoning"] == 2  # the run that abandoned nothing has no say
+
+
+def test_a_row_in_which_every_request_was_answered_says_nothing_was_abandoned():
+    said = verdict(stopped_row(abandoned=0, answered_before_leaving=2, server_cpu_after_left_s=9.0))
+    assert said["cpu_says"] == WORKED  # the CPU went to requests whose clients were still there
+    assert said["verdict"] == "nothing abandoned: every request was answered before its client left"
 
 
 def test_each_row_says_which_signals_it_could_not_read():

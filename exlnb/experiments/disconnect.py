@@ -51,6 +51,8 @@ SLOWED = 2.0  # a probe slower than this factor of the idle one: the server was 
 ABORT_WAIT_S = 3.0  # the server-side signals are read this long after the client left: SGLang aborts a request
 # whose client has gone about 2 s later (its watchdog polls the connection), and an abort that comes late is
 # still a stop
+SETTLE_PAUSE_S = 1.0  # between probes while the server settles: probes sent back to back kept a busy server busier,
+# and each one's idle CPU cost is taken off the CPU for nobody (44 of them, 14 s, in one continuous-batching row)
 WARM_UPS = 2  # probes before the idle ones: a server's first requests may load, compile or warm the model
 IDLE_CPU_WINDOW_S = 2.0  # the idle server's own CPU use (poll loops, heartbeats) is measured over this long
 CPU_WORK_S = 0.5  # CPU seconds beyond the probes' own and the idle rate: work for a client that had left (a
@@ -266,6 +268,7 @@ class _Measure:
             if wall_clock() - left_at > self.sizes.settle_timeout_s:
                 return None, count
             self.bar.set_postfix_str(f"probe {count + 1}: {probe / self.idle_ttft:.1f}x idle")
+            time.sleep(SETTLE_PAUSE_S)
             sent, probe, _ = self.probe_after_leaving()
             count += 1
             after.append({"target": self.target.name, "request": after[0]["request"], "phase": "settling",
@@ -303,10 +306,14 @@ class _Measure:
 
 def verdict(row: dict) -> dict:
     """What each signal says about one row, and the verdict: "stopped" only where every available signal
-    agrees; "kept working (...)" where any one saw work for nobody, with what it saw; "unclear" otherwise."""
+    agrees; "kept working (...)" where any one saw work for nobody, with what it saw; "unclear" otherwise; and
+    "nothing abandoned" where every request was answered before its client left (a server that runs one request
+    at a time can finish the first while the second is still being read)."""
     says = {"probe_says": _probe_says(row), "metrics_says": _metrics_says(row), "cpu_says": _cpu_says(row)}
     worked = [detail for detail, said in zip(_worked_details(row), says.values()) if said == WORKED]
-    if worked:
+    if not row["abandoned"]:
+        text = "nothing abandoned: every request was answered before its client left"
+    elif worked:
         text = f"kept working ({'; '.join(worked)})"
     elif all(said in (STOPPED, UNAVAILABLE) for said in says.values()):
         text = "stopped"
@@ -315,7 +322,7 @@ def verdict(row: dict) -> dict:
     return says | {"verdict": text}
 
 
-VERDICT_KINDS = ("stopped", "kept working", "unclear")  # how every verdict begins
+VERDICT_KINDS = ("stopped", "kept working", "unclear", "nothing abandoned")  # how every verdict begins
 
 
 def verdict_kind(text: str) -> str:
