@@ -420,4 +420,4 @@ def plot(result: ExperimentResult):
 
 
 def _condition(request: str, phase: str) -> str:
-    return phase if request in ("streaming", "idle") else f"{phase}, whole answer"
+    return phase if request in ("streaming", "idle") else f"{phase}, non-streaming"
