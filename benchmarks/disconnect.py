@@ -23,7 +23,7 @@ import papermill
 
 from benchmarks import local_servers
 from benchmarks.harness import write_json
-from exlnb.experiments.disconnect import verdict_kind
+from exlnb.experiments.disconnect_signals import verdict_kind
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "disconnect.ipynb"
 THREADS = 1  # each server's threads: on two cores beside the notebook's kernel, two threads of a server wait for

@@ -20,7 +20,8 @@ from benchmarks.disconnect import verdicts as benchmark_verdicts
 from benchmarks.local_servers import LocalServer, free_port, server_process
 from exlnb.datasets import filler_ids
 from exlnb.experiments import disconnect, whole_answers
-from exlnb.experiments.disconnect import PHASES, REQUESTS, STOPPED, UNAVAILABLE, WORKED, finding, verdict
+from exlnb.experiments.disconnect import PHASES, REQUESTS
+from exlnb.experiments.disconnect_signals import ABORT_WAIT_S, STOPPED, UNAVAILABLE, WORKED, finding, verdict
 from exlnb.experiments.server_cpu import process_cpu_s
 from exlnb.models import BUNDLED_MODEL, resolve_model
 from exlnb.session import Session
@@ -55,7 +56,7 @@ def test_the_verdict_is_stopped_only_where_every_available_signal_agrees():
     assert verdict(stopped_row())["verdict"] == "stopped"
     assert verdict(stopped_row(server_running_after_wait=0.0))["verdict"] == "stopped"
     assert verdict(stopped_row(server_running_after_wait=2.0))["verdict"] == (
-        f"kept working (/metrics counted 2 running {disconnect.ABORT_WAIT_S:g} s after it left)")
+        f"kept working (/metrics counted 2 running {ABORT_WAIT_S:g} s after it left)")
     assert verdict(stopped_row(slowdown=9.6))["verdict"] == "kept working (the next request waited 9.6x its idle time)"
     both = verdict(stopped_row(slowdown=9.6, server_cpu_after_left_s=1.3, server_quiet_after_s=6.2))["verdict"]
     assert both == "kept working (the next request waited 9.6x its idle time; 1.3 s of CPU after the client left, busy for about 6 s)"

@@ -15,8 +15,9 @@ Three signals say whether the server went on working for nobody, each where it i
 - the server's `/metrics` count of running requests, read once the wait for a delayed abort is over;
 - the server process's CPU time (`server_cpu.py`) from the client leaving until it is quiet again, less what
   the probes cost it when idle: only where the server runs on this machine and `server_pid` names it.
-A row's verdict is "stopped" only where every available signal agrees, "kept working (...)" where any one
-saw work for nobody, naming what it saw. The mode the server was started in (`server_mode`) goes with each row.
+A row's verdict (`disconnect_signals.py`) is "stopped" only where every available signal agrees, "kept working
+(...)" where any one saw work for nobody, naming what it saw. The mode the server was started in (`server_mode`)
+goes with each row.
 
 exlnb's own engine, loaded in the notebook, is the control: its session cancels an abandoned job at once. A job
 in the kernel has no connection to lose, so the control runs the streaming phases only.
@@ -38,26 +39,18 @@ from exlnb.datasets import filler_ids
 from exlnb.engines.base import SamplerSettings, wall_clock
 from exlnb.engines.registry import engine_spec
 from exlnb.experiments import whole_answers
+from exlnb.experiments.disconnect_signals import ABORT_WAIT_S, CPU_WORK_S, RECOVERED, finding, verdict
 from exlnb.experiments.record import Effect, ExperimentResult, environment
-from exlnb.experiments.server_cpu import SAMPLE_S, ServerCpu
+from exlnb.experiments.server_cpu import ServerCpu
 from exlnb.session import Session
 from exlnb.streaming import JobError
 
 PHASES = ("queued", "prefill", "decode")
 REQUESTS = ("streaming", "non-streaming")
-RECOVERED = 1.5  # a probe within this factor of the idle probe: the server is idle again
-SLOWED = 2.0  # a probe slower than this factor of the idle one: the server was still working for nobody
-# (between RECOVERED and SLOWED, a probe alone does not tell: the finding then says so)
-ABORT_WAIT_S = 3.0  # the server-side signals are read this long after the client left: SGLang aborts a request
-# whose client has gone about 2 s later (its watchdog polls the connection), and an abort that comes late is
-# still a stop
 SETTLE_PAUSE_S = 1.0  # between probes while the server settles: probes sent back to back kept a busy server busier,
 # and each one's idle CPU cost is taken off the CPU for nobody (44 of them, 14 s, in one continuous-batching row)
 WARM_UPS = 2  # probes before the idle ones: a server's first requests may load, compile or warm the model
 IDLE_CPU_WINDOW_S = 2.0  # the idle server's own CPU use (poll loops, heartbeats) is measured over this long
-CPU_WORK_S = 0.5  # CPU seconds beyond the probes' own and the idle rate: work for a client that had left (a
-# probe of the bundled model costs a CPU server 0.1-0.3 s, and its cost varies by about as much)
-WORKED, STOPPED, UNCLEAR, UNAVAILABLE = "worked on", "stopped", "unclear", "not available"
 
 
 def run(
@@ -302,79 +295,6 @@ class _Measure:
             return None
         metrics = self.session.run_on_engine(lambda engine: engine.server_metrics())
         return None if metrics is None else metrics.running
-
-
-def verdict(row: dict) -> dict:
-    """What each signal says about one row, and the verdict: "stopped" only where every available signal
-    agrees; "kept working (...)" where any one saw work for nobody, with what it saw; "unclear" otherwise; and
-    "nothing abandoned" where every request was answered before its client left (a server that runs one request
-    at a time can finish the first while the second is still being read)."""
-    says = {"probe_says": _probe_says(row), "metrics_says": _metrics_says(row), "cpu_says": _cpu_says(row)}
-    worked = [detail for detail, said in zip(_worked_details(row), says.values()) if said == WORKED]
-    if not row["abandoned"]:
-        text = "nothing abandoned: every request was answered before its client left"
-    elif worked:
-        text = f"kept working ({'; '.join(worked)})"
-    elif all(said in (STOPPED, UNAVAILABLE) for said in says.values()):
-        text = "stopped"
-    else:
-        text = "unclear: the probes stayed slow, though not past the threshold, and no other signal saw work"
-    return says | {"verdict": text}
-
-
-VERDICT_KINDS = ("stopped", "kept working", "unclear", "nothing abandoned")  # how every verdict begins
-
-
-def verdict_kind(text: str) -> str:
-    """"kept working" of "kept working (9.2 s of CPU ...)": the verdict without what each signal saw."""
-    return next(kind for kind in VERDICT_KINDS if text.startswith(kind))
-
-
-def _probe_says(row: dict) -> str:
-    if row["slowdown"] > SLOWED:
-        return WORKED
-    return UNCLEAR if row["idle_again_after_s"] is None else STOPPED
-
-
-def _metrics_says(row: dict) -> str:
-    running = row["server_running_after_wait"]
-    return UNAVAILABLE if running is None else WORKED if running > 0 else STOPPED
-
-
-def _cpu_says(row: dict) -> str:
-    cpu_s = row["server_cpu_after_left_s"]
-    return UNAVAILABLE if cpu_s is None else WORKED if cpu_s > CPU_WORK_S or row["server_quiet_after_s"] is None else STOPPED
-
-
-def _worked_details(row: dict) -> tuple[str, str, str]:
-    """How each signal words work for nobody, in the order of `verdict`'s signals."""
-    cpu_s, quiet_s = row["server_cpu_after_left_s"], row["server_quiet_after_s"]
-    busy = ("" if cpu_s is None else " and still busy at the settle timeout" if quiet_s is None
-            else f", busy for about {quiet_s:.0f} s" if quiet_s > ABORT_WAIT_S + SAMPLE_S
-            else f", quiet by {ABORT_WAIT_S:g} s after")
-    failed = f" and failed ({row['probe_error']})" if row["probe_error"] else ""
-    return (f"the next request waited {row['slowdown']:.1f}x its idle time{failed}",
-            f"/metrics counted {row['server_running_after_wait'] or 0:.0f} running {ABORT_WAIT_S:g} s after it left",
-            f"{cpu_s or 0:.1f} s of CPU after the client left{busy}")
-
-
-def finding(row: dict) -> str:
-    """The row in one sentence: its verdict, then every signal's reading (or that it was not available)."""
-    probe = (f"probe TTFT {row['probe_ttft_s'] * 1000:.0f} ms against {row['idle_ttft_s'] * 1000:.0f} ms idle, "
-             f"{row['slowdown']:.1f}x, " + ("not idle again within the settle timeout" if row["idle_again_after_s"] is None
-                                            else f"idle again {row['idle_again_after_s']:.1f} s after the client left"))
-    running = row["server_running_after_wait"]
-    metrics = ("/metrics: not available" if running is None else
-               f"/metrics: {row['server_running_after'] or 0:.0f} running right after, {running:.0f} after {ABORT_WAIT_S:g} s")
-    cpu_s = row["server_cpu_after_left_s"]
-    cpu = ("server CPU: not available (exlnb did not start this server here, or it is the control)" if cpu_s is None
-           else f"server CPU: {cpu_s:.1f} s for nobody")
-    answered = (f"; {row['answered_before_leaving']} answered before the client left"
-                if row["answered_before_leaving"] else "")
-    busy = ("; the server was still busy from the phase before when this one began"
-            if row["quiet_before"] is False else "")
-    return (f"{row['target']} ({row['mode']}), {row['request']} request abandoned while {row['phase']}: "
-            f"{row['verdict']} ({probe}; {metrics}; {cpu}{answered}{busy})")
 
 
 def _effects(probes: pd.DataFrame) -> list[Effect]:
