@@ -39,12 +39,16 @@ ABANDONED_PROMPT = chatml("List every prime number you know, one per line.")
 
 def start_jobs(session: Session, max_new_tokens: int) -> list:
     """Six jobs decoding at once; returns their streams (the abandoned one already left by its reader)."""
-    streams = [session.generate(SHARED_PROMPT, max_new_tokens=max_new_tokens, sampler=GREEDY, stop_at_eos=False)
-               for _ in range(3)]
-    streams += [session.generate(p, max_new_tokens=max_new_tokens, sampler=GREEDY, stop_at_eos=False)
-                for p in OTHER_PROMPTS]
-    abandoned = session.generate(ABANDONED_PROMPT, max_new_tokens=max_new_tokens, sampler=GREEDY,
-                                 stop_at_eos=False, cancel_when_abandoned=False)
+    streams = [
+        session.generate(SHARED_PROMPT, max_new_tokens=max_new_tokens, sampler=GREEDY, stop_at_eos=False)
+        for _ in range(3)
+    ]
+    streams += [
+        session.generate(p, max_new_tokens=max_new_tokens, sampler=GREEDY, stop_at_eos=False) for p in OTHER_PROMPTS
+    ]
+    abandoned = session.generate(
+        ABANDONED_PROMPT, max_new_tokens=max_new_tokens, sampler=GREEDY, stop_at_eos=False, cancel_when_abandoned=False
+    )
     for _ in zip(range(2), abandoned):  # read two tokens, then leave without cancelling
         pass
     return streams + [abandoned]
@@ -62,8 +66,10 @@ def wait_until_all_decode(session: Session, count: int, timeout_s: float = 60.0)
 
 def snapshot_html(view, rows, title: str) -> str:
     """The inspector as a static page: the widget's own record of this state, under a title."""
-    return (f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title><style>body{{margin:12px}}</style>"
-            f"<h3 class='exlnb'>{html.escape(title)}</h3>{record_html(inspector_html(view, rows))}")
+    return (
+        f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title><style>body{{margin:12px}}</style>"
+        f"<h3 class='exlnb'>{html.escape(title)}</h3>{record_html(inspector_html(view, rows))}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,8 +98,11 @@ def main(argv: list[str] | None = None) -> None:
         "environment": env,
         "status": status.line(),
         "while_running": {"cache": dataclasses.asdict(view), "jobs": [dataclasses.asdict(r) for r in rows]},
-        "after_cancel_all": {"free_pages": idle.free_pages, "total_pages": idle.total_pages,
-                             "defrag_count": idle.defrag_count},
+        "after_cancel_all": {
+            "free_pages": idle.free_pages,
+            "total_pages": idle.total_pages,
+            "defrag_count": idle.defrag_count,
+        },
     }
     (args.out / f"{slug}.json").write_text(json.dumps(record, indent=2, default=str))
     print(cache_summary(view))

@@ -70,7 +70,9 @@ class TokenClock:
 def session_decode(session: Session, prompt: list[int], new_tokens: int, top_tokens: int = 0) -> Run:
     """Consume a stream as the widget does (iterate the JobStream's events) and time it on the consumer's side."""
     timer = TokenClock(len(prompt))
-    stream = session.generate(prompt, max_new_tokens=new_tokens, sampler=GREEDY, stop_at_eos=False, top_tokens=top_tokens)
+    stream = session.generate(
+        prompt, max_new_tokens=new_tokens, sampler=GREEDY, stop_at_eos=False, top_tokens=top_tokens
+    )
     for event in stream:
         timer.arrived(len(event.token_ids))
     return timer.run()
@@ -124,8 +126,12 @@ def library_job(library: str, prompt: list[int], new_tokens: int):
     if library == "exllamav2":
         from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
 
-        return ExLlamaV2DynamicJob(input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens,
-                                   gen_settings=ExLlamaV2Sampler.Settings.greedy(), stop_conditions=[])
+        return ExLlamaV2DynamicJob(
+            input_ids=torch.tensor([prompt]),
+            max_new_tokens=new_tokens,
+            gen_settings=ExLlamaV2Sampler.Settings.greedy(),
+            stop_conditions=[],
+        )
     from exllamav3 import ArgmaxSampler, Job
 
     return Job(input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens, sampler=ArgmaxSampler(), stop_conditions=[])
@@ -135,7 +141,11 @@ def exllamav3_peer_available(session: Session) -> bool:
     """exllamav3 is the peer of another engine on a CUDA machine where it is installed."""
     import importlib.util
 
-    return torch.cuda.is_available() and session.status().engine != "exllamav3" and bool(importlib.util.find_spec("exllamav3"))
+    return (
+        torch.cuda.is_available()
+        and session.status().engine != "exllamav3"
+        and bool(importlib.util.find_spec("exllamav3"))
+    )
 
 
 def load_exllamav3_peer(model_dir, cache_tokens: int = 8192):
@@ -173,8 +183,12 @@ def load_exllamav2_peer(model_dir, cache_tokens: int = 8192):
     model = ExLlamaV2(config)
     cache = ExLlamaV2Cache(model, max_seq_len=cache_tokens, lazy=True)
     model.load_autosplit(cache, progress=False)
-    return ExLlamaV2DynamicGenerator(model=model, cache=cache, tokenizer=ExLlamaV2Tokenizer(config),
-                                     paged=importlib.util.find_spec("flash_attn") is not None)
+    return ExLlamaV2DynamicGenerator(
+        model=model,
+        cache=cache,
+        tokenizer=ExLlamaV2Tokenizer(config),
+        paged=importlib.util.find_spec("flash_attn") is not None,
+    )
 
 
 def exllamav3_by_hand(generator, prompt: list[int], new_tokens: int) -> Run:
@@ -196,7 +210,9 @@ def magic_ttft(session: Session, text: str) -> tuple[float, float]:
     shell.extension_manager.load_extension("exlnb")
     shell.user_ns["benchmark_prompt"] = text
     start = clock()
-    shell.run_cell_magic("exl_generate", "--max-new-tokens 1 --template raw --out benchmark_result", "{benchmark_prompt}")
+    shell.run_cell_magic(
+        "exl_generate", "--max-new-tokens 1 --template raw --out benchmark_result", "{benchmark_prompt}"
+    )
     while session.jobs():  # a magic that streams in the background returns before its job ends
         time.sleep(0.0005)
     return clock() - start, shell.user_ns["benchmark_result"].time_to_first_token_s

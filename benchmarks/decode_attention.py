@@ -31,8 +31,12 @@ from exlnb.random_model import LLAMA_7B
 PAGE = 256
 SHAPES = {  # heads, key/value heads, head size, layers
     "bundled": (9, 3, 64, 30),
-    "7b-shaped": (LLAMA_7B["num_attention_heads"], LLAMA_7B["num_key_value_heads"],
-                  LLAMA_7B["hidden_size"] // LLAMA_7B["num_attention_heads"], LLAMA_7B["num_hidden_layers"]),
+    "7b-shaped": (
+        LLAMA_7B["num_attention_heads"],
+        LLAMA_7B["num_key_value_heads"],
+        LLAMA_7B["hidden_size"] // LLAMA_7B["num_attention_heads"],
+        LLAMA_7B["num_hidden_layers"],
+    ),
 }
 CONTEXTS = (128, 256, 1024, 2048, 4096)
 BATCHES = (1, 8)
@@ -52,13 +56,19 @@ def decode_inputs(heads: int, kv_heads: int, dim: int, context: int, batch: int)
     parts = {"k_cache": [], "v_cache": [], "q": [], "k": [], "v": []}
     for sequence in range(batch):
         generator = torch.Generator(device="cuda").manual_seed(sequence)
-        for name, shape in (("k_cache", (pages, PAGE, kv_heads, dim)), ("v_cache", (pages, PAGE, kv_heads, dim)),
-                            ("q", (1, 1, heads, dim)), ("k", (1, 1, kv_heads, dim)), ("v", (1, 1, kv_heads, dim))):
+        for name, shape in (
+            ("k_cache", (pages, PAGE, kv_heads, dim)),
+            ("v_cache", (pages, PAGE, kv_heads, dim)),
+            ("q", (1, 1, heads, dim)),
+            ("k", (1, 1, kv_heads, dim)),
+            ("v", (1, 1, kv_heads, dim)),
+        ):
             parts[name].append(torch.randn(*shape, generator=generator, device="cuda", dtype=torch.float16))
     block_table = torch.arange(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
     seqlens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
-    return {name: torch.cat(tensors) for name, tensors in parts.items()} | dict(cache_seqlens=seqlens,
-                                                                               block_table=block_table)
+    return {name: torch.cat(tensors) for name, tensors in parts.items()} | dict(
+        cache_seqlens=seqlens, block_table=block_table
+    )
 
 
 def one_token(inputs: dict, layers: int) -> torch.Tensor:
@@ -66,8 +76,15 @@ def one_token(inputs: dict, layers: int) -> torch.Tensor:
     out = None
     for _ in range(layers):
         out = paged_attention.flash_attn_with_kvcache(
-            inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["k"], inputs["v"],
-            cache_seqlens=inputs["cache_seqlens"], block_table=inputs["block_table"], causal=True)
+            inputs["q"],
+            inputs["k_cache"],
+            inputs["v_cache"],
+            inputs["k"],
+            inputs["v"],
+            cache_seqlens=inputs["cache_seqlens"],
+            block_table=inputs["block_table"],
+            causal=True,
+        )
     return out
 
 
@@ -101,8 +118,15 @@ def measure(shape: str, context: int, batch: int, form: str) -> dict:
         alone = graph_ms(decode_inputs(heads, kv_heads, dim, context, 1), layers)[1] if batch > 1 else out
     finally:
         paged_attention._attend_block, paged_attention.TRITON_DECODE = original, switch
-    return {"model": shape, "context": context, "batch": batch, "form": form, "ms_per_token": ms,
-            "sequence_0_same_alone_and_in_batch": bool(torch.equal(out[:1], alone)), "_out": out}
+    return {
+        "model": shape,
+        "context": context,
+        "batch": batch,
+        "form": form,
+        "ms_per_token": ms,
+        "sequence_0_same_alone_and_in_batch": bool(torch.equal(out[:1], alone)),
+        "_out": out,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:

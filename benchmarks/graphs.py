@@ -40,8 +40,12 @@ CHECK_TOKENS = 64  # greedy tokens compared between eager and graphs
 
 
 def plan(quick: bool) -> dict:
-    return {"warmup": 1 if quick else 2, "repeats": 2 if quick else 5, "new_tokens": 16 if quick else 128,
-            "batch_new_tokens": 16 if quick else 64}
+    return {
+        "warmup": 1 if quick else 2,
+        "repeats": 2 if quick else 5,
+        "new_tokens": 16 if quick else 128,
+        "batch_new_tokens": 16 if quick else 64,
+    }
 
 
 @contextlib.contextmanager
@@ -84,12 +88,21 @@ def engine_rows(folder: Path, p: dict, engine: str) -> dict:
         for session in sessions.values():
             session.unload()
     key = f"aggregate_tokens_per_s_{BATCH}_jobs"
-    rows = {"eager" if mode == "off" else "graphs": {
-        "status_at_load": status[mode], "status_after": after[mode].line(), "notes": list(after[mode].notes),
-        "warmup_ms_per_token": ms[mode][: p["warmup"]], "ms_per_token": summarise(ms[mode][p["warmup"]:]),
-        key: summarise(batched[mode][p["warmup"]:])} for mode in sessions}
-    rows["same_greedy_tokens"] = {"alone": tokens["off"][0] == tokens["auto"][0],
-                                  f"{BATCH}_together": tokens["off"][1:] == tokens["auto"][1:]}
+    rows = {
+        "eager" if mode == "off" else "graphs": {
+            "status_at_load": status[mode],
+            "status_after": after[mode].line(),
+            "notes": list(after[mode].notes),
+            "warmup_ms_per_token": ms[mode][: p["warmup"]],
+            "ms_per_token": summarise(ms[mode][p["warmup"] :]),
+            key: summarise(batched[mode][p["warmup"] :]),
+        }
+        for mode in sessions
+    }
+    rows["same_greedy_tokens"] = {
+        "alone": tokens["off"][0] == tokens["auto"][0],
+        f"{BATCH}_together": tokens["off"][1:] == tokens["auto"][1:],
+    }
     rows["speedup_batch_1"] = rows["eager"]["ms_per_token"]["median"] / rows["graphs"]["ms_per_token"]["median"]
     rows[f"speedup_batch_{BATCH}"] = rows["graphs"][key]["median"] / rows["eager"][key]["median"]
     return rows
@@ -113,8 +126,15 @@ def hf_generate_decode(model, prompt: list[int], new_tokens: int, **options) -> 
     """Decode tokens/s of one `generate` call: tokens after the first over the time after the first."""
     ids = torch.tensor([prompt], device=model.device)
     times = _TokenTimes()
-    model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                   streamer=times, **options)
+    model.generate(
+        ids,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        streamer=times,
+        **options,
+    )
     produced = times.times[1:]  # times[0]: the prompt
     return (len(produced) - 1) / (produced[-1] - produced[0])
 
@@ -129,10 +149,16 @@ def transformers_peer(folder: Path, p: dict) -> dict:
             decode_rates, seconds = [], []
             for run in range(p["warmup"] + p["repeats"]):
                 start = clock()
-                decode_rates.append(hf_generate_decode(model, decode.random_prompt(32, 500 + run), p["new_tokens"], **options))
+                decode_rates.append(
+                    hf_generate_decode(model, decode.random_prompt(32, 500 + run), p["new_tokens"], **options)
+                )
                 seconds.append(clock() - start)
-            out[name] = {"tokens_per_s": summarise(decode_rates[p["warmup"]:]), "first_call_s": seconds[0],
-                         "all_calls_s": sum(seconds), "warmup_tokens_per_s": decode_rates[: p["warmup"]]}
+            out[name] = {
+                "tokens_per_s": summarise(decode_rates[p["warmup"] :]),
+                "first_call_s": seconds[0],
+                "all_calls_s": sum(seconds),
+                "warmup_tokens_per_s": decode_rates[: p["warmup"]],
+            }
     finally:
         del model
         torch.cuda.empty_cache()
@@ -151,8 +177,11 @@ def measure(model: str, p: dict, engines: list[str]) -> dict:
     if weight_bytes:
         bandwidth = copy_bandwidth()
         floor_ms = 1000 * weight_bytes / bandwidth
-        row |= {"copy_bandwidth_bytes_per_s": bandwidth, "weight_bytes_read_per_token": weight_bytes,
-                "floor_ms_per_token": floor_ms}
+        row |= {
+            "copy_bandwidth_bytes_per_s": bandwidth,
+            "weight_bytes_read_per_token": weight_bytes,
+            "floor_ms_per_token": floor_ms,
+        }
         for engine in engines:
             for mode in ("eager", "graphs"):
                 if mode in row[engine]:
@@ -164,7 +193,8 @@ def measure(model: str, p: dict, engines: list[str]) -> dict:
             for mode in ("eager", "graphs"):
                 if mode in row[engine]:
                     row[engine][f"{mode}_over_transformers_best"] = (
-                        1000 / row[engine][mode]["ms_per_token"]["median"]) / best
+                        1000 / row[engine][mode]["ms_per_token"]["median"]
+                    ) / best
     return row
 
 
@@ -210,10 +240,13 @@ def main(argv: list[str] | None = None) -> Path:
             if "error" in row:
                 print(f"{model} on {engine}: {row['error']}", flush=True)
                 continue
-            print(f"{model} on {engine}: eager {row['eager']['ms_per_token']['median']:.2f} ms/token, graphs "
-                  f"{row['graphs']['ms_per_token']['median']:.2f} ({row['speedup_batch_1']:.2f}x); batch {BATCH} "
-                  f"{row[f'speedup_batch_{BATCH}']:.2f}x; same greedy tokens {row['same_greedy_tokens']}; "
-                  f"{row['graphs']['status_after']}", flush=True)
+            print(
+                f"{model} on {engine}: eager {row['eager']['ms_per_token']['median']:.2f} ms/token, graphs "
+                f"{row['graphs']['ms_per_token']['median']:.2f} ({row['speedup_batch_1']:.2f}x); batch {BATCH} "
+                f"{row[f'speedup_batch_{BATCH}']:.2f}x; same greedy tokens {row['same_greedy_tokens']}; "
+                f"{row['graphs']['status_after']}",
+                flush=True,
+            )
     result = {"environment": env, "plan": p, "cache_tokens": CACHE_TOKENS, "models": rows, "goals": goals(rows)}
     path = new_result_path(args.out, f"graphs-{device_slug(env)}-{env['date'][:10]}")
     write_json(path, result, indent=2)

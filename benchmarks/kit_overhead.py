@@ -50,8 +50,10 @@ def measure(step_ms: float, tokens: int, repeats: int) -> dict:
         session.run_on_engine(lambda engine: fixed_cost_forward(engine, step_ms / 1000))
         samples = {"session": [], "by_hand": []}
         for run in range(repeats + 1):  # the first pair warms up
-            pair = (decode.session_decode(session, decode.random_prompt(16, run), tokens),
-                    decode.raw_decode(session, decode.random_prompt(16, 1000 + run), tokens))
+            pair = (
+                decode.session_decode(session, decode.random_prompt(16, run), tokens),
+                decode.raw_decode(session, decode.random_prompt(16, 1000 + run), tokens),
+            )
             if run:
                 for side, result in zip(samples, pair):
                     samples[side].append(1000 / result.decode_tokens_per_s)
@@ -74,12 +76,19 @@ def main(argv: list[str] | None = None) -> Path:
     results = [measure(step, args.tokens, args.repeats) for step in args.step_ms]
     for r in results:
         m = r["ms_per_token"]
-        print(f"step {r['step_ms']:g} ms: session {m['session']['median']:.3f} ms/token, by hand "
-              f"{m['by_hand']['median']:.3f}: the session adds {1000 * m['session_cost_per_token_ms']:.0f} us a token "
-              f"(ratio {m['ratio_decode_session_over_by_hand']:.3f})")
+        print(
+            f"step {r['step_ms']:g} ms: session {m['session']['median']:.3f} ms/token, by hand "
+            f"{m['by_hand']['median']:.3f}: the session adds {1000 * m['session_cost_per_token_ms']:.0f} us a token "
+            f"(ratio {m['ratio_decode_session_over_by_hand']:.3f})"
+        )
     path = new_result_path(args.out, f"kit-overhead-{device_slug(env)}-{env['date'][:10]}")
-    payload = {"benchmark": "kit_overhead", "environment": env, "tokens": args.tokens, "repeats": args.repeats,
-               "results": results}
+    payload = {
+        "benchmark": "kit_overhead",
+        "environment": env,
+        "tokens": args.tokens,
+        "repeats": args.repeats,
+        "results": results,
+    }
     write_json(path, payload, indent=2)
     print(f"wrote {path}")
     return path

@@ -40,14 +40,20 @@ def free_port() -> int:
 
 
 @contextmanager
-def server_process(argv: list[str], port: int, log: Path, mode: str, env: dict[str, str] | None = None
-                   ) -> Iterator[LocalServer]:
+def server_process(
+    argv: list[str], port: int, log: Path, mode: str, env: dict[str, str] | None = None
+) -> Iterator[LocalServer]:
     """Run a server until its /v1/models answers; yield it; stop it (and say why if it never came up). `env` is
     added to this process's environment for it."""
     url = f"http://127.0.0.1:{port}/v1"
     with log.open("w") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+        process = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})},
+        )
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -70,8 +76,9 @@ def server_process(argv: list[str], port: int, log: Path, mode: str, env: dict[s
             process.wait(timeout=STOP_TIMEOUT_S)
 
 
-def transformers_serve(log_dir: Path, *, continuous_batching: bool = False, threads: int | None = None
-                       ) -> AbstractContextManager[LocalServer]:
+def transformers_serve(
+    log_dir: Path, *, continuous_batching: bool = False, threads: int | None = None
+) -> AbstractContextManager[LocalServer]:
     """`transformers serve`, pinned to the bundled model's folder, on the CPU in fp32; it serves the model by
     that path. With `continuous_batching`, its paged continuous-batching generator instead of one `generate()`
     at a time. `threads` sets its torch threads (OMP_NUM_THREADS; None: as this process has it): on two cores
@@ -81,10 +88,27 @@ def transformers_serve(log_dir: Path, *, continuous_batching: bool = False, thre
     port = free_port()
     cli = Path(sys.executable).with_name("transformers")
     flags = ["--continuous-batching"] if continuous_batching else []
-    argv = [str(cli), "serve", str(folder), "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "float32", *flags]
-    return server_process(argv, port, log_dir / "server.log", " ".join(["transformers serve", *flags]),
-                          None if threads is None else {"OMP_NUM_THREADS": str(threads)})
+    argv = [
+        str(cli),
+        "serve",
+        str(folder),
+        "--device",
+        "cpu",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        *flags,
+    ]
+    return server_process(
+        argv,
+        port,
+        log_dir / "server.log",
+        " ".join(["transformers serve", *flags]),
+        None if threads is None else {"OMP_NUM_THREADS": str(threads)},
+    )
 
 
 def llama_cpp_server(log_dir: Path, *, threads: int) -> AbstractContextManager[LocalServer]:
@@ -92,7 +116,27 @@ def llama_cpp_server(log_dir: Path, *, threads: int) -> AbstractContextManager[L
     default a new request aborts the one running: `interrupt_requests False` queues it instead, as load tests
     need. llama.cpp reads no OMP_NUM_THREADS: `threads` sets its threads for prompt and decode alike."""
     port = free_port()
-    argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(bundled_gguf()), "--model_alias", BUNDLED_MODEL,
-            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--n_threads", str(threads),
-            "--n_threads_batch", str(threads), "--interrupt_requests", "False", "--verbose", "False"]
+    argv = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(bundled_gguf()),
+        "--model_alias",
+        BUNDLED_MODEL,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        "2048",
+        "--n_threads",
+        str(threads),
+        "--n_threads_batch",
+        str(threads),
+        "--interrupt_requests",
+        "False",
+        "--verbose",
+        "False",
+    ]
     return server_process(argv, port, log_dir / "server.log", "python -m llama_cpp.server --interrupt_requests False")

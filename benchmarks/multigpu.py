@@ -67,8 +67,7 @@ def measure_layout(folder: Path, engine: str, load_options: dict, repeats: int) 
     session = get_session()
     row: dict = {"load_options": dict(load_options)}
     start = time.perf_counter()
-    session.load(str(folder), engine=engine, cache_tokens=8192, max_batch_size=BATCH, progress=False,
-                 **load_options)
+    session.load(str(folder), engine=engine, cache_tokens=8192, max_batch_size=BATCH, progress=False, **load_options)
     row["load_s"] = time.perf_counter() - start
     row["status"] = session.status().line()
     row["memory_gib_per_gpu"] = memory_per_gpu()
@@ -77,8 +76,10 @@ def measure_layout(folder: Path, engine: str, load_options: dict, repeats: int) 
         result = session.complete(prompt, max_new_tokens=GREEDY_TOKENS, sampler=GREEDY, stop_at_eos=False)
         row["greedy_tokens"] = list(result.token_ids)
         session_decode(session, random_prompt(64, seed=2), 16)  # warm-up: graphs captured, kernels tuned
-        batch1 = [session_decode(session, random_prompt(64, seed=10 + i), DECODE_TOKENS).decode_tokens_per_s
-                  for i in range(repeats)]
+        batch1 = [
+            session_decode(session, random_prompt(64, seed=10 + i), DECODE_TOKENS).decode_tokens_per_s
+            for i in range(repeats)
+        ]
         batch8 = [aggregate_throughput(session, BATCH, DECODE_TOKENS, seed=20 + i) for i in range(repeats)]
         row["batch1_tokens_per_s_samples"] = batch1
         row["batch8_tokens_per_s_samples"] = batch8
@@ -112,29 +113,36 @@ def measure_larger_model(engines: list[str], card_bytes: int, gpus: int) -> dict
         shell.extension_manager.load_extension("exlnb")
         ways = (("split", dict(gpu_split=None)), *((("tp4", dict(tensor_parallel=True)),) if gpus >= 4 else ()))
         for engine, (name, options) in ((engine, way) for engine in engines for way in ways):
-            out = outs.setdefault(engine, {"shape": shape, "weights_bytes": weight_bytes,
-                                           "ratio_to_one_card": weight_bytes / card_bytes})
+            out = outs.setdefault(
+                engine, {"shape": shape, "weights_bytes": weight_bytes, "ratio_to_one_card": weight_bytes / card_bytes}
+            )
             say(f"{engine}: larger model, {name}")
             row: dict = {}
             out[name] = row
             try:
                 start = time.perf_counter()
-                session.load(str(folder), engine=engine, cache_tokens=4096, max_batch_size=BATCH, progress=False,
-                             **options)
+                session.load(
+                    str(folder), engine=engine, cache_tokens=4096, max_batch_size=BATCH, progress=False, **options
+                )
                 row["load_s"] = time.perf_counter() - start
                 row["status"] = session.status().line()
                 row["memory_gib_per_gpu"] = memory_per_gpu()
-                answer = session.complete("The capital of France is", max_new_tokens=16, sampler=GREEDY,
-                                          stop_at_eos=False)
+                answer = session.complete(
+                    "The capital of France is", max_new_tokens=16, sampler=GREEDY, stop_at_eos=False
+                )
                 row["answer_tokens"] = answer.new_tokens
                 row["answer_decode_tokens_per_s"] = answer.decode_tokens_per_s
                 shell.user_ns.pop("streamed", None)
-                shell.run_cell_magic("exl_generate", "--max-new-tokens 16 --display text --template raw "
-                                     "--out streamed", "The capital of France is")
+                shell.run_cell_magic(
+                    "exl_generate",
+                    "--max-new-tokens 16 --display text --template raw --out streamed",
+                    "The capital of France is",
+                )
                 streamed = shell.user_ns.get("streamed")
                 row["magic_new_tokens"] = streamed.new_tokens if streamed is not None else 0
-                row["batch1_tokens_per_s"] = session_decode(session, random_prompt(64, seed=3),
-                                                            DECODE_TOKENS).decode_tokens_per_s
+                row["batch1_tokens_per_s"] = session_decode(
+                    session, random_prompt(64, seed=3), DECODE_TOKENS
+                ).decode_tokens_per_s
             except Exception as error:  # one layout failing says why and leaves the others to run
                 row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             finally:
@@ -155,7 +163,9 @@ def goals_from(engines: dict[str, dict], gpus: int) -> dict:
         answered = split.get("answer_tokens", 0) > 0 and split.get("magic_new_tokens", 0) > 0
         candidates.setdefault("split_model_larger_than_one_card_answers", {})[engine] = (
             {"ratio": ratio, "met": answered and ratio is not None and ratio >= LARGER_THAN_CARD}
-            if ratio is not None else {"ratio": None, "met": False, "why": split.get("error", "not run")})
+            if ratio is not None
+            else {"ratio": None, "met": False, "why": split.get("error", "not run")}
+        )
         for name, (layout, key, least) in GOALS.items():
             if layout == "tp4" and gpus < 4:
                 continue
@@ -164,12 +174,17 @@ def goals_from(engines: dict[str, dict], gpus: int) -> dict:
                 value = other[key] / one[key]
                 candidates.setdefault(name, {})[engine] = {"ratio": value, "met": value >= least}
             else:
-                candidates.setdefault(name, {})[engine] = {"ratio": None, "met": False,
-                                                           "why": other.get("error") or one.get("error")}
+                candidates.setdefault(name, {})[engine] = {
+                    "ratio": None,
+                    "met": False,
+                    "why": other.get("error") or one.get("error"),
+                }
         agreed = data.get("agreement", {}).get("split2")
         candidates.setdefault("split_greedy_matches_one_card", {})[engine] = (
             {"ratio": agreed["equal_positions"] / agreed["of"], "met": agreed["equal_positions"] == agreed["of"]}
-            if agreed else {"ratio": None, "met": False, "why": "no split run to compare"})
+            if agreed
+            else {"ratio": None, "met": False, "why": "no split run to compare"}
+        )
     goals = {}
     for name, by_engine in candidates.items():
         measured = {e: g for e, g in by_engine.items() if g["ratio"] is not None}
@@ -215,8 +230,10 @@ def main(argv: list[str] | None = None) -> Path:
     env = environment()
     result: dict = {
         "environment": env,
-        "gpus": [{"name": torch.cuda.get_device_name(i),
-                  "memory_bytes": torch.cuda.get_device_properties(i).total_memory} for i in range(gpus)],
+        "gpus": [
+            {"name": torch.cuda.get_device_name(i), "memory_bytes": torch.cuda.get_device_properties(i).total_memory}
+            for i in range(gpus)
+        ],
         "engines": {},
     }
     engines = [name for name in args.engines.split(",") if name]
@@ -232,8 +249,15 @@ def main(argv: list[str] | None = None) -> Path:
                 except Exception as error:
                     data["layouts"][name] = {"load_options": options, "error": f"{type(error).__name__}: {error}"}
                     say(f"{engine} {name}: {data['layouts'][name]['error']}")
-                say(json.dumps({k: v for k, v in data["layouts"][name].items() if not k.endswith("samples")
-                                and k != "greedy_tokens"}))
+                say(
+                    json.dumps(
+                        {
+                            k: v
+                            for k, v in data["layouts"][name].items()
+                            if not k.endswith("samples") and k != "greedy_tokens"
+                        }
+                    )
+                )
             reference = data["layouts"].get("one_card", {}).get("greedy_tokens")
             for name, row in data["layouts"].items():
                 if reference and name != "one_card" and "greedy_tokens" in row:

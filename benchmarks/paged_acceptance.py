@@ -138,8 +138,12 @@ def main(argv: list[str] | None = None) -> Path:
             "max_new_tokens": new_tokens,
             "equal": sum(a.token_ids == t.token_ids for a, t in zip(alone, together)),
             "rows": [
-                {"question": q, "alone_unpaged": a.text, "together_paged": t.text,
-                 "first_different_token": first_difference(a.token_ids, t.token_ids)}
+                {
+                    "question": q,
+                    "alone_unpaged": a.text,
+                    "together_paged": t.text,
+                    "first_different_token": first_difference(a.token_ids, t.token_ids),
+                }
                 for q, a, t in zip(questions, alone, together)
             ],
         },
@@ -150,9 +154,15 @@ def main(argv: list[str] | None = None) -> Path:
             "paged": rates,
             "unpaged": unpaged_rates,
             "ratio_8_over_1_paged": rates["8"]["median"] / rates["1"]["median"] if "8" in rates else None,
-            "ratio_8_paged_over_1_unpaged": rates["8"]["median"] / unpaged_rates["1"]["median"] if "8" in rates else None,
+            "ratio_8_paged_over_1_unpaged": rates["8"]["median"] / unpaged_rates["1"]["median"]
+            if "8" in rates
+            else None,
         },
-        "idle_cache": {"free_pages": idle.free_pages, "total_pages": idle.total_pages, "defrag_count": idle.defrag_count},
+        "idle_cache": {
+            "free_pages": idle.free_pages,
+            "total_pages": idle.total_pages,
+            "defrag_count": idle.defrag_count,
+        },
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"paged-{paged.engine}-{device_slug(summary['environment'])}-{datetime.date.today()}"

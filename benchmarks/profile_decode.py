@@ -75,17 +75,29 @@ def _gpu_summary(prof, wall: float, steps: int) -> dict:
         "gpu_kernel_ms_per_step": kernel_us / 1000 / steps,
         "kernel_launches_per_step": len(kernels) / steps,
         "gpu_busy_fraction": (kernel_us / 1e6) / wall,
-        "top_kernels": [{"name": e.key[:80], "ms_per_step": e.self_device_time_total / 1000 / steps,
-                         "calls_per_step": e.count / steps} for e in top],
+        "top_kernels": [
+            {
+                "name": e.key[:80],
+                "ms_per_step": e.self_device_time_total / 1000 / steps,
+                "calls_per_step": e.count / steps,
+            }
+            for e in top
+        ],
     } | _cpu_summary(prof, wall, steps)  # where the host's time goes: decode of small models is host-bound
 
 
 def _cpu_summary(prof, wall: float, steps: int) -> dict:
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
     return {
-        "top_operators": [{"name": e.key[:80], "self_ms_per_step": e.self_cpu_time_total / 1000 / steps,
-                           "share_of_wall": e.self_cpu_time_total / 1e6 / wall,
-                           "calls_per_step": e.count / steps} for e in events],
+        "top_operators": [
+            {
+                "name": e.key[:80],
+                "self_ms_per_step": e.self_cpu_time_total / 1000 / steps,
+                "share_of_wall": e.self_cpu_time_total / 1e6 / wall,
+                "calls_per_step": e.count / steps,
+            }
+            for e in events
+        ],
     }
 
 
@@ -104,11 +116,12 @@ def main(argv: list[str] | None = None) -> None:
         else:
             folder = BUNDLED_MODEL
         session.load(str(folder), engine=args.engine, cache_tokens=2048, progress=False)
-        result = {"environment": environment(), "model": args.model,
-                  **profile_steps(session, args.tokens, args.batch)}
+        result = {"environment": environment(), "model": args.model, **profile_steps(session, args.tokens, args.batch)}
         session.unload()
     engine = result["engine"]
-    path = new_result_path(args.out, f"profile-decode-{engine}-{args.model}-batch{args.batch}-{result['environment']['date'][:10]}")
+    path = new_result_path(
+        args.out, f"profile-decode-{engine}-{args.model}-batch{args.batch}-{result['environment']['date'][:10]}"
+    )
     write_json(path, result, indent=2)
     print(json.dumps({k: v for k, v in result.items() if k != "environment"}, indent=2))
     print(f"wrote {path}")

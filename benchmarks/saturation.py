@@ -46,7 +46,7 @@ def saturation(result: BenchResult) -> dict:
     the engine completed at any rate (its capacity, usually at inf)."""
     rates = [rate_summary(run) for run in result.runs]
     kept = [i for i, r in enumerate(rates) if r["kept_up"]]
-    above = rates[kept[-1] + 1:] if kept else rates
+    above = rates[kept[-1] + 1 :] if kept else rates
     missed = [r["request_rate"] for r in above if r["kept_up"] is False]
     return {
         "kept_up_fraction": KEPT_UP,
@@ -64,8 +64,11 @@ def figure(setups: list[dict], title: str = ""):
 
     order = list(dict.fromkeys(r["request_rate"] for s in setups for r in s["saturation"]["rates"]))
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    panels = (("request_throughput", "completed requests per second"), ("ttft_p99_ms", "p99 TTFT (ms)"),
-              ("tpot_median_ms", "median TPOT (ms)"))
+    panels = (
+        ("request_throughput", "completed requests per second"),
+        ("ttft_p99_ms", "p99 TTFT (ms)"),
+        ("tpot_median_ms", "median TPOT (ms)"),
+    )
     offered = [(i, float(r)) for i, r in enumerate(order) if r != "inf"]
     if offered:
         axes[0].plot(*zip(*offered), linestyle="--", color="grey", label="offered")
@@ -74,8 +77,12 @@ def figure(setups: list[dict], title: str = ""):
             rates = setup["saturation"]["rates"]
             where = setup["saturation"]["saturates_at_req_s"]
             name = f"{setup['setup']} (saturates at {where} req/s)" if where else setup["setup"]
-            ax.plot([order.index(r["request_rate"]) for r in rates], [_number(r[key]) for r in rates], marker="o",
-                    label=name)
+            ax.plot(
+                [order.index(r["request_rate"]) for r in rates],
+                [_number(r[key]) for r in rates],
+                marker="o",
+                label=name,
+            )
         ax.set(xticks=range(len(order)), xticklabels=order, xlabel="offered request rate (req/s)", ylabel=label)
         if key == "ttft_p99_ms":
             ax.set_yscale("log")

@@ -37,8 +37,13 @@ def finished(gen: generation.Generation) -> generation.Generation:
 def answer(session: Session) -> dict:
     gen = finished(generation.start(PROMPT, session=session, max_new_tokens=24, temperature=0))
     [sample] = gen.samples
-    return {"text": sample.text, "pieces": sum(bool(e.text) for e in sample.events), "errors": gen.errors,
-            "end": sample.eos_reason.words, "ttft_s": sample.last.time_to_first_token_s}
+    return {
+        "text": sample.text,
+        "pieces": sum(bool(e.text) for e in sample.events),
+        "errors": gen.errors,
+        "end": sample.eos_reason.words,
+        "ttft_s": sample.last.time_to_first_token_s,
+    }
 
 
 def samples(session: Session) -> dict:
@@ -52,21 +57,29 @@ def token_view(session: Session) -> dict:
     except ValueError as refusal:
         return {"refused": str(refusal)}
     records = gen.results[0].tokens()
-    return {"tokens": [{"text": row.text, "probability": row.probability, "alternatives": len(row.alternatives)}
-                       for _, row in records.iterrows()], "text_matches": "".join(records.text) == gen.texts[0]}
+    return {
+        "tokens": [
+            {"text": row.text, "probability": row.probability, "alternatives": len(row.alternatives)}
+            for _, row in records.iterrows()
+        ],
+        "text_matches": "".join(records.text) == gen.texts[0],
+    }
 
 
 def stop(session: Session) -> dict:
-    gen = generation.start("Write a long story about a lighthouse.", session=session, max_new_tokens=400,
-                           temperature=0)
+    gen = generation.start("Write a long story about a lighthouse.", session=session, max_new_tokens=400, temperature=0)
     deadline = time.monotonic() + WAIT_S
     while not gen.samples[0].token_ids and time.monotonic() < deadline:
         time.sleep(0.02)
     pressed = time.perf_counter()
     gen.cancel("stop button")
     finished(gen)
-    return {"tokens_before_stop": len(gen.samples[0].token_ids), "end": gen.samples[0].eos_reason.words,
-            "ended_after_stop_s": time.perf_counter() - pressed, "jobs_left": len(session.jobs())}
+    return {
+        "tokens_before_stop": len(gen.samples[0].token_ids),
+        "end": gen.samples[0].eos_reason.words,
+        "ended_after_stop_s": time.perf_counter() - pressed,
+        "jobs_left": len(session.jobs()),
+    }
 
 
 def metrics(session: Session) -> dict:
@@ -87,9 +100,18 @@ def main(argv: list[str] | None = None) -> Path:
     record = {"benchmark": "server-check", "url": args.url, "environment": environment(), "apis": {}}
     for api in ("chat", "completions"):
         session = Session()
-        loaded = _or_its_error(lambda: {"status": session.load(
-            BUNDLED_MODEL, url=args.url, served_model=args.served_model, api_key_env=args.api_key_env, api=api,
-            progress=False).line()})
+        loaded = _or_its_error(
+            lambda: {
+                "status": session.load(
+                    BUNDLED_MODEL,
+                    url=args.url,
+                    served_model=args.served_model,
+                    api_key_env=args.api_key_env,
+                    api=api,
+                    progress=False,
+                ).line()
+            }
+        )
         steps = record["apis"][api] = {"load": loaded}
         if "error" not in loaded:
             for name, step in STEPS.items():

@@ -55,21 +55,37 @@ def choices_argument(choices):
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks serving", description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", type=choices_argument(ENGINE_NAMES), default=["auto"],
-                        help=f"engines, comma separated: {', '.join(ENGINE_NAMES)} (default auto)")
-    parser.add_argument("--paged", type=choices_argument(tuple(PAGED_MODES)), default=["auto"],
-                        help=f"{', '.join(PAGED_MODES)}, comma separated: each mode a setup, for "
-                             f"{', '.join(UNPAGED_ENGINES)} (the other engines always page; default auto)")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"a short run: rates {_rates(QUICK)}, {QUICK['requests']} requests of "
-                             f"{QUICK['prompt_len']} + {QUICK['output_len']} tokens")
-    parser.add_argument("--rates", type=rates_argument,
-                        help=f"requests per second, comma separated; inf sends all at once (default {_rates(SWEEP)})")
+    parser.add_argument(
+        "--engine",
+        type=choices_argument(ENGINE_NAMES),
+        default=["auto"],
+        help=f"engines, comma separated: {', '.join(ENGINE_NAMES)} (default auto)",
+    )
+    parser.add_argument(
+        "--paged",
+        type=choices_argument(tuple(PAGED_MODES)),
+        default=["auto"],
+        help=f"{', '.join(PAGED_MODES)}, comma separated: each mode a setup, for "
+        f"{', '.join(UNPAGED_ENGINES)} (the other engines always page; default auto)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a short run: rates {_rates(QUICK)}, {QUICK['requests']} requests of "
+        f"{QUICK['prompt_len']} + {QUICK['output_len']} tokens",
+    )
+    parser.add_argument(
+        "--rates",
+        type=rates_argument,
+        help=f"requests per second, comma separated; inf sends all at once (default {_rates(SWEEP)})",
+    )
     parser.add_argument("--requests", type=int, help=f"requests per rate (default {SWEEP['requests']})")
-    parser.add_argument("--prompt-len", type=length_argument,
-                        help=f"tokens, or a range such as 64-256 (default {SWEEP['prompt_len']})")
-    parser.add_argument("--output-len", type=length_argument,
-                        help=f"exact output tokens, or a range (default {SWEEP['output_len']})")
+    parser.add_argument(
+        "--prompt-len", type=length_argument, help=f"tokens, or a range such as 64-256 (default {SWEEP['prompt_len']})"
+    )
+    parser.add_argument(
+        "--output-len", type=length_argument, help=f"exact output tokens, or a range (default {SWEEP['output_len']})"
+    )
     parser.add_argument("--max-concurrency", type=int, help="most requests in flight (default: no limit)")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 is Poisson")
     parser.add_argument("--seed", type=int, default=0)
@@ -86,8 +102,10 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     if args.url and args.engine == ["auto"]:
         args.engine = servers[:1]
     if any(engine in servers for engine in args.engine) != bool(args.url):
-        parser.error(f"--engine {' or '.join(servers)} and --url go together: the {servers[0]} engine measures "
-                     "the server at --url")
+        parser.error(
+            f"--engine {' or '.join(servers)} and --url go together: the {servers[0]} engine measures "
+            "the server at --url"
+        )
     for key, value in (QUICK if args.quick else SWEEP).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -102,8 +120,9 @@ def setups(engines: list[str], modes: list[str]) -> list[tuple[str, str]]:
     """(engine, paged mode) pairs: an engine with an unpaged mode in each mode asked for, any other once."""
     chosen = []
     for name in engines:
-        engine = name if name != "auto" else engine_for(model_format(resolve_model(BUNDLED_MODEL)),
-                                                        cuda=cuda_available())
+        engine = (
+            name if name != "auto" else engine_for(model_format(resolve_model(BUNDLED_MODEL)), cuda=cuda_available())
+        )
         if engine in UNPAGED_ENGINES:
             chosen += [(engine, mode) for mode in modes]
         elif modes == ["off"]:
@@ -126,8 +145,14 @@ def main(argv: list[str] | None = None) -> Path:
         "quick": args.quick,
         "setups": [],
     }
-    options = dict(burstiness=args.burstiness, max_concurrency=args.max_concurrency, prompt_len=args.prompt_len,
-                   output_len=args.output_len, seed=args.seed, slos=dict(args.slo) or None)
+    options = dict(
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        seed=args.seed,
+        slos=dict(args.slo) or None,
+    )
     for engine, mode in args.setups:
         record["setups"].append(run_setup(engine, mode, args, options))
         record["environment"]["load_average_1min_at_end"] = os.getloadavg()[0]
@@ -141,16 +166,28 @@ def run_setup(engine: str, mode: str, args: argparse.Namespace, options: dict) -
     started = time.perf_counter()
     remote = dict(url=args.url, served_model=args.served_model, api_key_env=args.api_key_env, api=args.api)
     serves = args.url is not None and "url" in engine_spec(engine).loads
-    status = get_session().load(BUNDLED_MODEL, engine=engine, cache_tokens=args.cache_tokens, progress=False,
-                                **(remote if serves else {"paged": PAGED_MODES[mode]}))
+    status = get_session().load(
+        BUNDLED_MODEL,
+        engine=engine,
+        cache_tokens=args.cache_tokens,
+        progress=False,
+        **(remote if serves else {"paged": PAGED_MODES[mode]}),
+    )
     name = f"{status.engine} at {args.url}" if serves else f"{status.engine} {'paged' if status.paged else 'unpaged'}"
     print(status.line(), flush=True)
     bench(num_requests=1, progress=False, **options)  # warm-up, as vLLM's initial test request
     result = bench(args.rates, num_requests=args.requests, **options)
     print(result.table(), flush=True)
-    return plain_json({"setup": name, "paged": status.paged, "notes": list(status.notes),
-                       "elapsed_s": time.perf_counter() - started, "saturation": saturation(result),
-                       **result.as_dict()})
+    return plain_json(
+        {
+            "setup": name,
+            "paged": status.paged,
+            "notes": list(status.notes),
+            "elapsed_s": time.perf_counter() - started,
+            "saturation": saturation(result),
+            **result.as_dict(),
+        }
+    )
 
 
 def write(path: Path, record: dict) -> None:

@@ -38,8 +38,17 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import device_slug, environment, new_result_path, write_json
-from benchmarks.speed_setups import (BATCH, BATCHED, CACHE_TOKENS, copy_bandwidth, free_memory, measure, profile,
-                                     setup, weight_bytes_read_per_token)
+from benchmarks.speed_setups import (
+    BATCH,
+    BATCHED,
+    CACHE_TOKENS,
+    copy_bandwidth,
+    free_memory,
+    measure,
+    profile,
+    setup,
+    weight_bytes_read_per_token,
+)
 from benchmarks.suites import _or_its_error
 from exlnb.models import BUNDLED_MODEL, cache_root, resolve_model
 from exlnb.quantize import DEFAULT_HEAD_BITS, QuantizedModel
@@ -50,17 +59,32 @@ TTFT_PROMPT = 2048
 BITS = 4.0
 LAYERS = LLAMA_7B["num_hidden_layers"]  # --layers makes the 7B shape shallower, for a quantization that must fit
 QUANTIZED = {"7b-exl3": "exl3", "7b-exl2": "exl2"}
-RUNNER_LIBRARY = {"kit-exllamav2": "exllamav2", "raw-exllamav2": "exllamav2", "kit-exllamav3": "exllamav3",
-                  "raw-exllamav3": "exllamav3", "profile-exllamav2": "exllamav2", "profile-exllamav3": "exllamav3",
-                  "transformers": "transformers", "kit-cpu": None}
+RUNNER_LIBRARY = {
+    "kit-exllamav2": "exllamav2",
+    "raw-exllamav2": "exllamav2",
+    "kit-exllamav3": "exllamav3",
+    "raw-exllamav3": "exllamav3",
+    "profile-exllamav2": "exllamav2",
+    "profile-exllamav3": "exllamav3",
+    "transformers": "transformers",
+    "kit-cpu": None,
+}
 TIMED = ("kit-exllamav2", "raw-exllamav2", "kit-exllamav3", "raw-exllamav3", "transformers")
 PARTS = (  # the goals' parts first (7B-shaped fp16, then EXL3), so that a short lease measures them; setups a goal
     # compares are one part, timed in turns
-    ["bandwidth", "floor@7b-fp16", "kit-exllamav2+kit-exllamav3+transformers@7b-fp16",
-     "raw-exllamav2+raw-exllamav3@7b-fp16"]
+    [
+        "bandwidth",
+        "floor@7b-fp16",
+        "kit-exllamav2+kit-exllamav3+transformers@7b-fp16",
+        "raw-exllamav2+raw-exllamav3@7b-fp16",
+    ]
     + ["quantize@7b-exl3", "floor@7b-exl3", "kit-exllamav3+raw-exllamav3@7b-exl3"]
-    + ["floor@bundled", "kit-cpu@bundled", "kit-exllamav2+kit-exllamav3+transformers@bundled",
-       "raw-exllamav2+raw-exllamav3@bundled"]
+    + [
+        "floor@bundled",
+        "kit-cpu@bundled",
+        "kit-exllamav2+kit-exllamav3+transformers@bundled",
+        "raw-exllamav2+raw-exllamav3@bundled",
+    ]
     + ["quantize@7b-exl2", "floor@7b-exl2", "kit-exllamav2+raw-exllamav2@7b-exl2"]
 )
 PROFILE_PARTS = ("profile-exllamav2@7b-fp16", "profile-exllamav3@7b-fp16", "profile-exllamav3@7b-exl3")
@@ -99,8 +123,11 @@ MS, TOKENS_S = "ms_per_token_256", "tokens_per_s_256"
 GOALS = (
     Goal("v3_fp16_7b_batch1_over_floor_at_most_1.5", (V3, MS), FLOOR),
     Goal("v2_fp16_7b_batch1_over_floor_at_most_1.3", (V2, MS), FLOOR),
-    Goal("v3_exl3_7b_kit_over_raw_exllamav3_batch1_at_least_1.15", ("kit-exllamav3@7b-exl3", TOKENS_S),
-         ("raw-exllamav3@7b-exl3", TOKENS_S)),
+    Goal(
+        "v3_exl3_7b_kit_over_raw_exllamav3_batch1_at_least_1.15",
+        ("kit-exllamav3@7b-exl3", TOKENS_S),
+        ("raw-exllamav3@7b-exl3", TOKENS_S),
+    ),
     Goal("over_transformers_compiled_7b_batch1_at_least_1.2_v2", (V2, TOKENS_S), (HF, TOKENS_S)),
     Goal("over_transformers_compiled_7b_batch1_at_least_1.2_v3", (V3, TOKENS_S), (HF, TOKENS_S)),
     Goal("over_transformers_compiled_7b_batch8_at_least_1.2_v2", (V2, BATCHED), (HF, BATCHED)),
@@ -135,24 +162,33 @@ def goals(parts: dict) -> dict:
             if metric in record.get("metrics", {}):
                 values.append(record["metrics"][metric])
             else:
-                reason = record.get("why") or record.get("error") or (
-                    f"{metric} is not in this plan (--quick)" if "metrics" in record else "not run yet")
+                reason = (
+                    record.get("why")
+                    or record.get("error")
+                    or (f"{metric} is not in this plan (--quick)" if "metrics" in record else "not run yet")
+                )
                 why.append(f"{part}: {reason}")
         if why:
             out[goal.name] = {"ratio": None, "met": False, "why": "; ".join(dict.fromkeys(why))}
             continue
         ratio = values[0] / values[1] if len(values) == 2 else values[0]
-        result = out[goal.name] = {"ratio": ratio,
-                                   "met": ratio <= goal.threshold if goal.at_most else ratio >= goal.threshold,
-                                   "calls": sorted({parts[p]["call"] for p, _ in goal.sides()})}
+        result = out[goal.name] = {
+            "ratio": ratio,
+            "met": ratio <= goal.threshold if goal.at_most else ratio >= goal.threshold,
+            "calls": sorted({parts[p]["call"] for p, _ in goal.sides()}),
+        }
         if (peer := against_a_peer(goal)) is not None:  # a ratio against another setup counts only timed in turns
             result["timed_in_turns"] = peer in parts[goal.numerator[0]].get("timed_with", ())
             if not result["timed_in_turns"]:
-                result |= {"met": False, "why": f"{goal.numerator[0]} and {goal.denominator[0]} were not timed in turns"}
+                result |= {
+                    "met": False,
+                    "why": f"{goal.numerator[0]} and {goal.denominator[0]} were not timed in turns",
+                }
     return out
 
 
 # -- what can run here ------------------------------------------------------------------------------------------
+
 
 def runners(part: str) -> list[str]:
     """The setups a part times: one, or several in turns (`a+b@model`)."""
@@ -187,6 +223,7 @@ def select(only: str | None, profile: bool) -> list[str]:
         return PARTS + (list(PROFILE_PARTS) if profile else [])
     every = PARTS + list(PROFILE_PARTS)
     wanted = set(only.split(","))
+
     def names(part: str) -> set[str]:
         model = part.partition("@")[2]
         return {part, model, *runners(part), *(f"{r}@{model}" for r in runners(part))}
@@ -206,6 +243,7 @@ def select(only: str | None, profile: bool) -> list[str]:
 
 
 # -- models -----------------------------------------------------------------------------------------------------
+
 
 def speed_cache() -> Path:
     """Where the suite keeps its models between calls: $EXLNB_SPEED_CACHE, else the exlnb cache."""
@@ -241,19 +279,23 @@ def model_folder(model: str, layers: int) -> Path:
         return seven_b_fp16(layers)
     output = QuantizedModel(seven_b_folder(layers), QUANTIZED[model], BITS, DEFAULT_HEAD_BITS).output
     if not (output / "config.json").is_file():
-        raise NotReady(f"its {QUANTIZED[model].upper()} quantization has not finished: run quantize@{model} "
-                       "(it resumes where it stopped)")
+        raise NotReady(
+            f"its {QUANTIZED[model].upper()} quantization has not finished: run quantize@{model} "
+            "(it resumes where it stopped)"
+        )
     return output
 
 
 # -- one part ---------------------------------------------------------------------------------------------------
 
+
 def quantize_within(source: Path, model: str, deadline: float, before: dict) -> dict:
     """`exlnb.quantize` in a process of its own, stopped at `deadline` (a `perf_counter` time): the converter
     resumes from its work folder on the next run."""
     target = QuantizedModel(source, QUANTIZED[model], BITS, DEFAULT_HEAD_BITS)
-    code = (f"from exlnb.quantize import quantize; "
-            f"quantize({str(source)!r}, {QUANTIZED[model]!r}, {BITS}, progress=False)")
+    code = (
+        f"from exlnb.quantize import quantize; quantize({str(source)!r}, {QUANTIZED[model]!r}, {BITS}, progress=False)"
+    )
     start = time.perf_counter()
     spent = before.get("seconds_so_far", 0.0)
     with subprocess.Popen([sys.executable, "-c", code], start_new_session=True) as process:
@@ -262,11 +304,15 @@ def quantize_within(source: Path, model: str, deadline: float, before: dict) -> 
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGTERM)  # the converter too: it is in this process group
             process.wait()
-            return {"why": f"stopped by the budget after {spent + time.perf_counter() - start:.0f} s in all; "
-                           "it resumes on the next run", "seconds_so_far": spent + time.perf_counter() - start}
+            return {
+                "why": f"stopped by the budget after {spent + time.perf_counter() - start:.0f} s in all; "
+                "it resumes on the next run",
+                "seconds_so_far": spent + time.perf_counter() - start,
+            }
     if process.returncode:
-        raise RuntimeError(f"quantize exited with status {process.returncode}; the converter's log: "
-                           f"{target.folder / 'convert.log'}")
+        raise RuntimeError(
+            f"quantize exited with status {process.returncode}; the converter's log: {target.folder / 'convert.log'}"
+        )
     return {"metrics": {"seconds": spent + time.perf_counter() - start}, "folder": str(target.output)}
 
 
@@ -297,8 +343,13 @@ def run_part(part: str, record: dict, p: dict, layers: int, deadline: float) -> 
     if runner == "floor":
         weights = weight_bytes_read_per_token(folder)
         bandwidth = record["parts"]["bandwidth"]["metrics"]["copy_bandwidth_bytes_per_s"]
-        return {"metrics": {"weight_bytes_read_per_token": weights, "copy_bandwidth_bytes_per_s": bandwidth,
-                            "ms_per_token": 1000 * weights / bandwidth}}
+        return {
+            "metrics": {
+                "weight_bytes_read_per_token": weights,
+                "copy_bandwidth_bytes_per_s": bandwidth,
+                "ms_per_token": 1000 * weights / bandwidth,
+            }
+        }
     if runner.startswith("profile-"):
         return profile(runner, folder)
     # transformers compiles anew for each length: it is timed at the shortest context alone
@@ -313,6 +364,7 @@ def run_part(part: str, record: dict, p: dict, layers: int, deadline: float) -> 
 
 # -- the record -------------------------------------------------------------------------------------------------
 
+
 def open_record(out: Path, env: dict, p: dict, layers: int, fresh: bool) -> tuple[Path, dict]:
     """Today's record on this device with the same plan and shape, to resume; else a new one."""
     stem = f"speed-{device_slug(env)}-{env['date'][:10]}"
@@ -323,16 +375,28 @@ def open_record(out: Path, env: dict, p: dict, layers: int, fresh: bool) -> tupl
                 return path, record
     shape = dict(LLAMA_7B, num_hidden_layers=layers)
     return new_result_path(out, stem), {
-        "environment": env, "plan": p, "layers": layers, "shape_7b": shape, "cache_tokens": CACHE_TOKENS,
-        "bits": BITS, "batch": BATCH, "goal_definitions": {goal.name: goal.how() for goal in GOALS},
-        "calls": [], "parts": {}, "goals": {}}
+        "environment": env,
+        "plan": p,
+        "layers": layers,
+        "shape_7b": shape,
+        "cache_tokens": CACHE_TOKENS,
+        "bits": BITS,
+        "batch": BATCH,
+        "goal_definitions": {goal.name: goal.how() for goal in GOALS},
+        "calls": [],
+        "parts": {},
+        "goals": {},
+    }
 
 
 def save(path: Path, record: dict) -> None:
     """The record with its goals and what it still lacks that some machine could run (`complete` once nothing)."""
     record["goals"] = goals(record["parts"])
-    record["remaining"] = [part for part in record["parts_asked"] if "metrics" not in record["parts"].get(part, {})
-                           and not record["parts"].get(part, {}).get("cannot_run")]
+    record["remaining"] = [
+        part
+        for part in record["parts_asked"]
+        if "metrics" not in record["parts"].get(part, {}) and not record["parts"].get(part, {}).get("cannot_run")
+    ]
     record["complete"] = not record["remaining"]
     write_json(path, record, indent=2)
 
@@ -367,8 +431,9 @@ def figure(path: Path, record: dict) -> Path | None:
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(prog="python -m benchmarks speed", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short runs, to check that every part runs")
-    parser.add_argument("--only", help="comma separated parts, runners or models (e.g. 7b-exl3, transformers, "
-                        "kit-exllamav2@7b-fp16)")
+    parser.add_argument(
+        "--only", help="comma separated parts, runners or models (e.g. 7b-exl3, transformers, kit-exllamav2@7b-fp16)"
+    )
     parser.add_argument("--profile", action="store_true", help="also profile one 7B-shaped decode token per engine")
     parser.add_argument("--layers", type=int, default=LAYERS, help="layers of the 7B shape (32: Llama-2-7B's)")
     parser.add_argument("--budget-s", type=float, default=540, help="start no part after this many seconds")
@@ -394,8 +459,11 @@ def main(argv: list[str] | None = None) -> Path:
     run_call(path, record, [part for part in parts if not reasons[part]], env, args)
     png = figure(path, record)
     for name, goal in record["goals"].items():
-        said = f"{goal['ratio']:.3f} ({'met' if goal['met'] else 'missed'})" if goal["ratio"] is not None else (
-            f"not measured ({goal['why']})")
+        said = (
+            f"{goal['ratio']:.3f} ({'met' if goal['met'] else 'missed'})"
+            if goal["ratio"] is not None
+            else (f"not measured ({goal['why']})")
+        )
         print(f"  {name}: {said}")
     if record["remaining"]:
         print(f"not done yet (run again to resume): {', '.join(record['remaining'])}")
@@ -415,7 +483,9 @@ def run_call(path: Path, record: dict, parts: list[str], env: dict, args: argpar
             break  # the next call resumes here; each call runs at least one part
         print(f"speed: {part} ...", flush=True)
         record["parts"][part] = record["parts"].get(part, {}) | {  # what a call killed at its time limit leaves
-            "why": f"started in call {call}, which ended before it did", "call": call}
+            "why": f"started in call {call}, which ended before it did",
+            "call": call,
+        }
         save(path, record)
         begin = time.perf_counter()
         result = _or_its_error(lambda: run_part(part, record, record["plan"], args.layers, started + args.budget_s))
@@ -426,11 +496,13 @@ def run_call(path: Path, record: dict, parts: list[str], env: dict, args: argpar
         if "error" in result and len(runners(part)) > 1:  # each setup says why it has no numbers
             setups = {r: {"why": f"{part} failed: {result['error']}"} for r in runners(part)}
         for runner, measured in setups.items():  # each setup's record, as a goal reads it
-            record["parts"][f"{runner}@{model}"] = measured | stamp | {
-                "timed_with": [other for other in setups if other != runner]}
+            record["parts"][f"{runner}@{model}"] = (
+                measured | stamp | {"timed_with": [other for other in setups if other != runner]}
+            )
         done.append(part)
         save(path, record)
     save(path, record)
+
 
 if __name__ == "__main__":
     main()

@@ -26,6 +26,7 @@ BATCHED = f"batch{BATCH}_tokens_per_s"
 
 # -- a model's floor --------------------------------------------------------------------------------------------
 
+
 def weight_bytes_read_per_token(folder: Path) -> int:
     """Every tensor of the folder's safetensors files, read from their headers, except the embedding where an
     output head of its own exists (decode reads one embedding row, and a tied embedding is the head)."""
@@ -56,6 +57,7 @@ def copy_bandwidth() -> float:
 
 # -- the setups -------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Timed:
     """One loaded setup: a batch-1 generation as its consumer sees it, and the aggregate of several together."""
@@ -79,8 +81,11 @@ def setup(runner: str, folder: Path) -> Iterator[Timed]:
         engine = runner.removeprefix("kit-")
         status = session.load(str(folder), engine=engine, cache_tokens=CACHE_TOKENS, progress=False)
         try:
-            yield Timed(lambda p, n: decode.session_decode(session, p, n),
-                        lambda ps, n: decode.session_aggregate(session, ps, n), status.line())
+            yield Timed(
+                lambda p, n: decode.session_decode(session, p, n),
+                lambda ps, n: decode.session_aggregate(session, ps, n),
+                status.line(),
+            )
         finally:
             session.unload()
     elif runner.startswith("raw-"):
@@ -88,8 +93,10 @@ def setup(runner: str, folder: Path) -> Iterator[Timed]:
         load = decode.load_exllamav2_peer if library == "exllamav2" else decode.load_exllamav3_peer
         generator = load(folder, CACHE_TOKENS)
         try:
-            yield Timed(lambda p, n: decode.library_by_hand(generator, decode.library_job(library, p, n), len(p)),
-                        lambda ps, n: decode.library_aggregate(generator, library, ps, n))
+            yield Timed(
+                lambda p, n: decode.library_by_hand(generator, decode.library_job(library, p, n), len(p)),
+                lambda ps, n: decode.library_aggregate(generator, library, ps, n),
+            )
         finally:
             if library == "exllamav3":
                 generator.close()
@@ -98,8 +105,9 @@ def setup(runner: str, folder: Path) -> Iterator[Timed]:
     else:
         model = decode.load_hf_peer(folder)
         try:
-            yield Timed(lambda p, n: hf_static_generate(model, [p], n)[0],
-                        lambda ps, n: hf_static_generate(model, ps, n)[1])
+            yield Timed(
+                lambda p, n: hf_static_generate(model, [p], n)[0], lambda ps, n: hf_static_generate(model, ps, n)[1]
+            )
         finally:
             del model
 
@@ -112,8 +120,15 @@ def hf_static_generate(model, prompts: list[list[int]], new_tokens: int) -> tupl
 
     times = _TokenTimes()
     start = clock()
-    model.generate(torch.tensor(prompts, device=model.device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                   do_sample=False, pad_token_id=0, streamer=times, cache_implementation="static")
+    model.generate(
+        torch.tensor(prompts, device=model.device),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        streamer=times,
+        cache_implementation="static",
+    )
     seconds = clock() - start
     steps = times.times[1:]  # times[0]: the prompt, handed over before the first step
     rate = (len(steps) - 1) / (steps[-1] - steps[0]) if len(steps) > 1 else float("nan")
@@ -138,8 +153,10 @@ def measure(timed: dict[str, Timed], p: dict, contexts: dict[str, list[int]]) ->
     def ttft_ms(t: Timed, seed: int) -> float:
         return 1000 * t.generate(decode.random_prompt(p["ttft_prompt"], seed), 1).ttft_s
 
-    measurements = [(f"ms_per_token_{c}", ms_per_token(c), [r for r in timed if c in contexts[r]])
-                    for c in sorted({c for cs in contexts.values() for c in cs})]
+    measurements = [
+        (f"ms_per_token_{c}", ms_per_token(c), [r for r in timed if c in contexts[r]])
+        for c in sorted({c for cs in contexts.values() for c in cs})
+    ]
     measurements += [(BATCHED, batched, list(timed)), (f"ttft_{p['ttft_prompt']}_ms", ttft_ms, list(timed))]
     samples: dict[str, dict[str, list[float]]] = {runner: {} for runner in timed}
     seeds = iter(range(1, 10**6))
@@ -158,8 +175,7 @@ def _summary(runs: dict[str, list[float]], warmup: int, status: str) -> dict:
         context = name.removeprefix("ms_per_token_")
         metrics[f"tokens_per_s_{context}"] = 1000 / metrics[name]
         metrics[f"{name}_spread"] = max(kept[name]) / min(kept[name])  # the slowest repeat over the fastest
-    return {"metrics": metrics, "samples": {name: summarise(values) for name, values in kept.items()},
-            "status": status}
+    return {"metrics": metrics, "samples": {name: summarise(values) for name, values in kept.items()}, "status": status}
 
 
 # -- the kernels of one token (--profile) ---------------------------------------------------------------------
@@ -188,8 +204,11 @@ def kernels_by_kind(prof, wall_s: float, steps: int) -> dict:
         busy_us += max(0.0, end - max(begin, reach))
         reach = max(reach, end)
     busy_ms = busy_us / 1000 / steps
-    return {"kernel_ms_per_step_by_kind": by_kind, "gpu_busy_ms_per_step": busy_ms,
-            "host_gap_ms_per_step": 1000 * wall_s / steps - busy_ms}
+    return {
+        "kernel_ms_per_step_by_kind": by_kind,
+        "gpu_busy_ms_per_step": busy_ms,
+        "host_gap_ms_per_step": 1000 * wall_s / steps - busy_ms,
+    }
 
 
 def profile(runner: str, folder: Path) -> dict:

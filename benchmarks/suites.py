@@ -32,13 +32,26 @@ class Plan:
     @classmethod
     def for_mode(cls, quick: bool, cuda: bool) -> Plan:
         if quick:
-            return cls(repeats=2, warmup=1, new_tokens=8, prompt_tokens=32, context_lengths=(128, 512),
-                       context_new_tokens=4, concurrency=(1, 2), concurrency_new_tokens=8)
+            return cls(
+                repeats=2,
+                warmup=1,
+                new_tokens=8,
+                prompt_tokens=32,
+                context_lengths=(128, 512),
+                context_new_tokens=4,
+                concurrency=(1, 2),
+                concurrency_new_tokens=8,
+            )
         # 2 CPU cores prefill about 400 tokens/s and decode about 13 tokens/s: fewer repeats, shorter runs
         return cls(
-            repeats=5 if cuda else 3, warmup=2 if cuda else 1, new_tokens=128 if cuda else 64, prompt_tokens=128,
-            context_lengths=(128, 256, 512, 1024, 2048, 4096, 8160), context_new_tokens=32 if cuda else 16,
-            concurrency=(1, 2, 4, 8), concurrency_new_tokens=64,
+            repeats=5 if cuda else 3,
+            warmup=2 if cuda else 1,
+            new_tokens=128 if cuda else 64,
+            prompt_tokens=128,
+            context_lengths=(128, 256, 512, 1024, 2048, 4096, 8160),
+            context_new_tokens=32 if cuda else 16,
+            concurrency=(1, 2, 4, 8),
+            concurrency_new_tokens=64,
         )
 
 
@@ -79,7 +92,9 @@ def token_view(session: Session, plan: Plan) -> dict:
     rates: dict[str, list[float]] = {"off": [], "on": []}
     for run in range(plan.warmup + plan.repeats):
         for side, k in (("off", 0), ("on", TOKEN_VIEW_K)):
-            result = decode.session_decode(session, decode.random_prompt(plan.prompt_tokens, 2000 + run), plan.new_tokens, k)
+            result = decode.session_decode(
+                session, decode.random_prompt(plan.prompt_tokens, 2000 + run), plan.new_tokens, k
+            )
             if run >= plan.warmup:
                 rates[side].append(result.decode_tokens_per_s)
     out = {side: summarise(values) for side, values in rates.items()}
@@ -92,8 +107,9 @@ def magic(session: Session, plan: Plan) -> dict:
     length that differ: exllamav2 copies even a partial page's keys from an earlier job with the same
     prompt, so the second of two runs of one prompt skips its prefill (a 71 ms "overhead" on an H100)."""
     try:
-        import exlnb.magics  # noqa: F401 - only to learn whether this build has the magics
         from IPython.core.error import UsageError
+
+        import exlnb.magics  # noqa: F401 - only to learn whether this build has the magics
     except ImportError as missing:
         # a GPU machine often has no IPython at all; the magic's cost does not depend on the device
         return {"skipped": f"the %%exl_generate magic cannot run here: {missing}"}
@@ -131,7 +147,9 @@ def peer(session: Session, plan: Plan) -> dict:
             "hf_prefill": decode.hf_prefill(model, long_prompt),
         }
         if exllamav3 is not None:
-            result["exllamav3_decode"] = decode.exllamav3_by_hand(exllamav3, prompt, plan.new_tokens).decode_tokens_per_s
+            result["exllamav3_decode"] = decode.exllamav3_by_hand(
+                exllamav3, prompt, plan.new_tokens
+            ).decode_tokens_per_s
             result["exllamav3_prefill"] = decode.exllamav3_by_hand(exllamav3, long_prompt, 1).prefill_tokens_per_s
         if run >= plan.warmup:
             for key, value in result.items():
@@ -140,14 +158,17 @@ def peer(session: Session, plan: Plan) -> dict:
     if exllamav3 is not None:
         exllamav3.model.unload()
         del exllamav3
-    v3_engine = (_or_its_error(lambda: _exllamav3_engine_throughput(model_dir, plan))
-                 if decode.exllamav3_peer_available(session) else None)
+    v3_engine = (
+        _or_its_error(lambda: _exllamav3_engine_throughput(model_dir, plan))
+        if decode.exllamav3_peer_available(session)
+        else None
+    )
     profile = profile_steps(session, tokens=max(plan.new_tokens // 4, 2))
     out = {f"{key}_tokens_per_s": summarise(values) for key, values in rows.items()}
     out |= {
         "prefill_prompt_tokens": prefill_tokens,
         "prefill_method": "engine: submit to first token through the session; transformers: one forward pass; "
-                          "exllamav3: its generator's submit to first token",
+        "exllamav3: its generator's submit to first token",
         "hf_dtype": "float16" if torch.cuda.is_available() else "float32",
         "engine_profile": profile,
     }
@@ -177,12 +198,22 @@ def _exllamav3_engine_throughput(model_dir, plan: Plan) -> dict:
     status = v3.load(str(model_dir), engine="exllamav3", progress=False)
     try:
         decode.aggregate_throughput(v3, 1, plan.concurrency_new_tokens, seed=999)  # warm-up
-        rows = {n: summarise([decode.aggregate_throughput(v3, n, plan.concurrency_new_tokens, seed=run)
-                              for run in range(plan.repeats)]) for n in (1, 8)}
+        rows = {
+            n: summarise(
+                [
+                    decode.aggregate_throughput(v3, n, plan.concurrency_new_tokens, seed=run)
+                    for run in range(plan.repeats)
+                ]
+            )
+            for n in (1, 8)
+        }
     finally:
         v3.unload()
-    return {"status": status.line(), "aggregate_tokens_per_s": {str(n): row for n, row in rows.items()},
-            "ratio_8_over_1": rows[8]["median"] / rows[1]["median"]}
+    return {
+        "status": status.line(),
+        "aggregate_tokens_per_s": {str(n): row for n, row in rows.items()},
+        "ratio_8_over_1": rows[8]["median"] / rows[1]["median"],
+    }
 
 
 def context(session: Session, plan: Plan) -> dict:
@@ -192,21 +223,29 @@ def context(session: Session, plan: Plan) -> dict:
     lengths = [n for n in plan.context_lengths if n + plan.context_new_tokens <= cache]
     rows = []
     for length in lengths:
-        runs = [decode.session_decode(session, decode.random_prompt(length, length * 10 + run), plan.context_new_tokens)
-                for run in range(plan.repeats)]
-        rows.append({
-            "context_tokens": length,
-            "decode_tokens_per_s": summarise([r.decode_tokens_per_s for r in runs]),
-            "prefill_tokens_per_s": summarise([r.prefill_tokens_per_s for r in runs]),
-        })
+        runs = [
+            decode.session_decode(session, decode.random_prompt(length, length * 10 + run), plan.context_new_tokens)
+            for run in range(plan.repeats)
+        ]
+        rows.append(
+            {
+                "context_tokens": length,
+                "decode_tokens_per_s": summarise([r.decode_tokens_per_s for r in runs]),
+                "prefill_tokens_per_s": summarise([r.prefill_tokens_per_s for r in runs]),
+            }
+        )
     return {"rows": rows, "new_tokens_per_run": plan.context_new_tokens}
 
 
 def concurrency(session: Session, plan: Plan) -> dict:
     """Aggregate new tokens/s with 1, 2, 4, 8 jobs submitted together (continuous batching)."""
     rows = {
-        n: summarise([decode.aggregate_throughput(session, n, plan.concurrency_new_tokens, seed=run)
-                      for run in range(plan.repeats)])
+        n: summarise(
+            [
+                decode.aggregate_throughput(session, n, plan.concurrency_new_tokens, seed=run)
+                for run in range(plan.repeats)
+            ]
+        )
         for n in plan.concurrency
     }
     out = {"aggregate_tokens_per_s": {str(n): row for n, row in rows.items()}}
@@ -260,14 +299,19 @@ def _decode_7b(
     session = Session()
     status = session.load(folder, engine=engine, cache_tokens=2048, paged=paged, progress=False)
     try:
-        runs = [decode.raw_decode(session, decode.random_prompt(32, run), plan.new_tokens)
-                for run in range(plan.warmup + plan.repeats)]
+        runs = [
+            decode.raw_decode(session, decode.random_prompt(32, run), plan.new_tokens)
+            for run in range(plan.warmup + plan.repeats)
+        ]
         steps = profile_steps(session, tokens=32) if profile else None
     finally:
         session.unload()
     ms_per_token = [1000 / r.decode_tokens_per_s for r in runs]
-    measured = {"status": status.line(), "warmup_ms_per_token": ms_per_token[: plan.warmup],
-                "ms_per_token": summarise(ms_per_token[plan.warmup:])}
+    measured = {
+        "status": status.line(),
+        "warmup_ms_per_token": ms_per_token[: plan.warmup],
+        "ms_per_token": summarise(ms_per_token[plan.warmup :]),
+    }
     return measured, steps
 
 

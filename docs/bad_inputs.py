@@ -44,9 +44,11 @@ def generate(options: str, body: str = QUESTION) -> str:
 GREEDY = "max_new_tokens=8, sampler=SamplerSettings.greedy()"
 ANSWER = generate("--max-new-tokens 8 --temperature 0 --tokens 3 --display text --out answer")  # one to branch
 # a reference kept, as exlnb keeps one, from a model whose tokenizer is not the loaded model's (Llama 3's vocabulary)
-OTHER_TOKENIZER = ("import torch\nfrom exlnb.divergence import Reference\n"
-                   "torch.save(vars(Reference('llama-3-8b', 'model', 'tokenizer', tuple(range(16)), 'float32', "
-                   "torch.zeros(16, 128256), None)), 'llama-3-8b.pt')")
+OTHER_TOKENIZER = (
+    "import torch\nfrom exlnb.divergence import Reference\n"
+    "torch.save(vars(Reference('llama-3-8b', 'model', 'tokenizer', tuple(range(16)), 'float32', "
+    "torch.zeros(16, 128256), None)), 'llama-3-8b.pt')"
+)
 
 CASES = [
     Case("%exl_jobs  (before any %exl_load)", "%exl_jobs", loaded=False),
@@ -60,8 +62,11 @@ CASES = [
     Case("%exl_load --engine cpu --cache q4", "%exl_load --engine cpu --cache q4"),
     Case("%exl_load --engine tpu", "%exl_load --engine tpu"),
     Case("%exl_load --gpu-split x", "%exl_load --gpu-split x"),
-    Case("%exl_load --cache-tokens 1024  (another model while a job runs)", "%exl_load --engine cpu --cache-tokens 1024",
-         setup=generate("--background --max-new-tokens 200 --display text", "Count to one hundred.")),
+    Case(
+        "%exl_load --cache-tokens 1024  (another model while a job runs)",
+        "%exl_load --engine cpu --cache-tokens 1024",
+        setup=generate("--background --max-new-tokens 200 --display text", "Count to one hundred."),
+    ),
     Case("session.load(max_batch_size=1.5)", "get_session().load(engine='cpu', max_batch_size=1.5)"),
     Case("session.load(cache_tokens=1000.5)", "get_session().load(engine='cpu', cache_tokens=1000.5)"),
     Case("%exl_quantize /etc/passwd", "%exl_quantize /etc/passwd"),
@@ -80,16 +85,23 @@ CASES = [
     Case("%%exl_generate with only spaces and newlines in the cell", generate("", "   \n\t\n  ")),
     Case("%%exl_generate with {k[0]} in the cell (no k)", generate("", "Tell me about {k[0]}.")),
     Case("%%exl_generate with {d[missing]} in the cell (d = {})", generate("", "Tell me about {d[missing]}.")),
-    Case("%%exl_generate with {s} in the cell (s holds a lone surrogate, \\ud800)", generate("", "{s}"),
-         setup="s = 'Hello \\ud800 there'"),
+    Case(
+        "%%exl_generate with {s} in the cell (s holds a lone surrogate, \\ud800)",
+        generate("", "{s}"),
+        setup="s = 'Hello \\ud800 there'",
+    ),
     Case("%%exl_generate --json-schema person --regex '[0-9]+'", generate("--json-schema person --regex '[0-9]+'")),
     Case("%%exl_generate --json-schema nobody  (no such variable or file)", generate("--json-schema nobody")),
     Case('%%exl_generate --json-schema typo  (typo = {"type": "objec"})', generate("--json-schema typo")),
-    Case('session.complete(p, json_schema=refs)  (refs uses "$ref")',
-         f"print(repr(get_session().complete(Q, json_schema=refs, {GREEDY}).text))"),
+    Case(
+        'session.complete(p, json_schema=refs)  (refs uses "$ref")',
+        f"print(repr(get_session().complete(Q, json_schema=refs, {GREEDY}).text))",
+    ),
     Case("%%exl_generate --regex '(a'", generate("--regex '(a'")),
-    Case('session.generate(p, regex="[a-z]+", banned_strings=["x"])',
-         "get_session().generate(P, regex='[a-z]+', banned_strings=['x'])"),
+    Case(
+        'session.generate(p, regex="[a-z]+", banned_strings=["x"])',
+        "get_session().generate(P, regex='[a-z]+', banned_strings=['x'])",
+    ),
     Case("%exl_cancel  (no ids)", "%exl_cancel"),
     Case("session.generate(p, temprature=0.5)", "get_session().generate(P, temprature=0.5)"),
     Case("session.generate(p, max_new_tokens=1.5)", "get_session().generate(P, max_new_tokens=1.5)"),
@@ -101,37 +113,66 @@ CASES = [
     Case("session.generate(p, rep_decay=10**20)", "get_session().generate(P, rep_decay=10**20)"),
     Case("session.generate(p, freq_penalty=nan)", "get_session().generate(P, freq_penalty=float('nan'))"),
     Case("session.generate(p, presence_penalty=nan)", "get_session().generate(P, presence_penalty=float('nan'))"),
-    Case('session.complete(p, stop="Paris")  (one stop string, not five letters)',
-         f"print(repr(get_session().complete(Q, stop='Paris', {GREEDY}).text))"),
-    Case('session.complete(p, banned_strings="abc")  (one string, not three letters)',
-         f"print(repr(get_session().complete(Q, banned_strings='abc', {GREEDY}).text))"),
+    Case(
+        'session.complete(p, stop="Paris")  (one stop string, not five letters)',
+        f"print(repr(get_session().complete(Q, stop='Paris', {GREEDY}).text))",
+    ),
+    Case(
+        'session.complete(p, banned_strings="abc")  (one string, not three letters)',
+        f"print(repr(get_session().complete(Q, banned_strings='abc', {GREEDY}).text))",
+    ),
     Case("session.generate(a 50 MB prompt)", "get_session().generate('x' * 50_000_000)"),
     Case("generate_live(p, backgroud=True)", "generate_live(P, backgroud=True)"),
     Case("%exl_branch answer --at 99  (past the answer's end)", "%exl_branch answer --at 99", setup=ANSWER),
-    Case("%exl_branch answer --at 2 --token-id 99999999", "%exl_branch answer --at 2 --token-id 99999999",
-         setup=ANSWER),
-    Case("%exl_divergence llama-3-8b.pt  (a reference kept from a model with another tokenizer)",
-         "%exl_divergence llama-3-8b.pt", setup=OTHER_TOKENIZER),
+    Case(
+        "%exl_branch answer --at 2 --token-id 99999999", "%exl_branch answer --at 2 --token-id 99999999", setup=ANSWER
+    ),
+    Case(
+        "%exl_divergence llama-3-8b.pt  (a reference kept from a model with another tokenizer)",
+        "%exl_divergence llama-3-8b.pt",
+        setup=OTHER_TOKENIZER,
+    ),
     Case("exlnb.bench(request_rate=1e-6)", "exlnb.bench(1e-6)"),
-    *(Case(f"%%exl_generate  (the server sends {sent})", generate("--display text", f"shape:{fault}"), server=True)
-      for fault, sent in [("choices-text", '"choices": "abc"'), ("choice-number", '"choices": [5]'),
-                          ("content-number", '"content": 42'), ("usage-words", '"completion_tokens": "lots"'),
-                          ("finish-list", '"finish_reason": ["stop"]'), ("logprob-text", '"logprob": "abc"')]),
-    *(Case(f"%%exl_generate --max-new-tokens 4  (the server {does})",
-           generate("--max-new-tokens 4 --display text", fault), server=True)
-      for fault, does in [("cut", "cuts its close-delimited body mid-answer"),
-                          ("no-choices", "answers 200 with no choices"),
-                          ("no-finish", "sends [DONE] and no finish_reason"),
-                          ("endless", "keeps streaming"), ("big-event", "sends a 2 MiB event"),
-                          ("long-line", "sends a 200 MB line without a newline"),
-                          ("big-error", "answers 500 with a 200 MB body"),
-                          ("chatter", "sends frames with no token and no end")]),
+    *(
+        Case(f"%%exl_generate  (the server sends {sent})", generate("--display text", f"shape:{fault}"), server=True)
+        for fault, sent in [
+            ("choices-text", '"choices": "abc"'),
+            ("choice-number", '"choices": [5]'),
+            ("content-number", '"content": 42'),
+            ("usage-words", '"completion_tokens": "lots"'),
+            ("finish-list", '"finish_reason": ["stop"]'),
+            ("logprob-text", '"logprob": "abc"'),
+        ]
+    ),
+    *(
+        Case(
+            f"%%exl_generate --max-new-tokens 4  (the server {does})",
+            generate("--max-new-tokens 4 --display text", fault),
+            server=True,
+        )
+        for fault, does in [
+            ("cut", "cuts its close-delimited body mid-answer"),
+            ("no-choices", "answers 200 with no choices"),
+            ("no-finish", "sends [DONE] and no finish_reason"),
+            ("endless", "keeps streaming"),
+            ("big-event", "sends a 2 MiB event"),
+            ("long-line", "sends a 200 MB line without a newline"),
+            ("big-error", "answers 500 with a 200 MB body"),
+            ("chatter", "sends frames with no token and no end"),
+        ]
+    ),
     Case("%exl_load --url http://user:KEY@127.0.0.1:PORT/v1", "%exl_load --url http://user:KEY@{HOST}/v1", server=True),
     Case("%exl_load --url http://127.0.0.1:PORT/v1?key=KEY", "%exl_load --url http://{HOST}/v1?key=KEY", server=True),
-    Case("%exl_load --url ...  (the server says max_model_len is -5)",
-         "%exl_load --url http://{HOST}/len-5/v1 --api-key-env EXLNB_FAKE_KEY", server=True),
-    Case("%exl_load --url ...  (the server answers 307)",
-         "%exl_load --url http://{HOST}/moved/v1 --api-key-env EXLNB_FAKE_KEY", server=True),
+    Case(
+        "%exl_load --url ...  (the server says max_model_len is -5)",
+        "%exl_load --url http://{HOST}/len-5/v1 --api-key-env EXLNB_FAKE_KEY",
+        server=True,
+    ),
+    Case(
+        "%exl_load --url ...  (the server answers 307)",
+        "%exl_load --url http://{HOST}/moved/v1 --api-key-env EXLNB_FAKE_KEY",
+        server=True,
+    ),
 ]
 
 # the names the cases use, defined in the kernel before the first case
@@ -165,7 +206,7 @@ class Reply:
         what the cell printed."""
         if self.error is not None:
             return f"{self.error['ename']}: {self.error['evalue']}"
-        usage = self.stderr[self.stderr.find("UsageError:"):] if "UsageError:" in self.stderr else ""
+        usage = self.stderr[self.stderr.find("UsageError:") :] if "UsageError:" in self.stderr else ""
         return (usage or self.stdout).strip() or "(no error)"
 
 

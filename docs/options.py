@@ -46,8 +46,14 @@ def _rows(options: tuple[Option, ...], groups: dict[str, str], first: str | None
         if not members:
             continue
         heading = "| keyword | default | what it does |"
-        lines += [f"### {group}", "", f"{about[0].upper()}{about[1:]}.", "",
-                  f"| {first} {heading}" if first else heading, "|---|---|---|---|" if first else "|---|---|---|"]
+        lines += [
+            f"### {group}",
+            "",
+            f"{about[0].upper()}{about[1:]}.",
+            "",
+            f"| {first} {heading}" if first else heading,
+            "|---|---|---|---|" if first else "|---|---|---|",
+        ]
         for o in members:
             values = f" ({', '.join(o.choices)})" if o.choices else ""
             magic = f"| `{o.keyword if o.positional else o.flag}` " if first else ""
@@ -57,16 +63,26 @@ def _rows(options: tuple[Option, ...], groups: dict[str, str], first: str | None
 
 
 def _load_section() -> list[str]:
-    return ["## %exl_load", "", "Each option is the keyword of `get_session().load(...)` of the same name, and a field "
-            "of `LoadOptions` (`load(LoadOptions(...))` takes one whole).", "",
-            *_rows(declared(LoadOptions), LOAD_GROUPS, "argument")]
+    return [
+        "## %exl_load",
+        "",
+        "Each option is the keyword of `get_session().load(...)` of the same name, and a field "
+        "of `LoadOptions` (`load(LoadOptions(...))` takes one whole).",
+        "",
+        *_rows(declared(LoadOptions), LOAD_GROUPS, "argument"),
+    ]
 
 
 def _job_section() -> list[str]:
-    return ["## session.generate", "", "The keywords of `get_session().generate(prompt, ...)` and `complete(...)`, "
-            "besides every sampler setting above: the fields of `JobOptions`, which `spec_for(prompt, JobOptions(...))` "
-            "makes into the engine's job for `submit_together`.", "",
-            *_rows(declared(JobOptions), GROUPS, None)]
+    return [
+        "## session.generate",
+        "",
+        "The keywords of `get_session().generate(prompt, ...)` and `complete(...)`, "
+        "besides every sampler setting above: the fields of `JobOptions`, which `spec_for(prompt, JobOptions(...))` "
+        "makes into the engine's job for `submit_together`.",
+        "",
+        *_rows(declared(JobOptions), GROUPS, None),
+    ]
 
 
 def reference() -> str:

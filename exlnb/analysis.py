@@ -27,9 +27,7 @@ class Loop:
     period: int | None  # tokens per cycle where the tail is exactly periodic (None for a looser loop)
 
 
-def find_tail_loop(
-    tokens: Sequence[Hashable], *, window: int = 32, n: int = 4, threshold: float = 0.5
-) -> Loop | None:
+def find_tail_loop(tokens: Sequence[Hashable], *, window: int = 32, n: int = 4, threshold: float = 0.5) -> Loop | None:
     """A loop at the end of `tokens`: at least `threshold` of the last `window` tokens' n-grams occurred earlier.
 
     Repeated n-grams at the tail rather than an exact period, because small models loop loosely: two
@@ -203,7 +201,9 @@ def rate_interval(successes: int, trials: int) -> Estimate:
     centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
     half = z * np.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
     # at 0 of n or n of n the bound equals p in exact arithmetic; floating point can land it just past p
-    return Estimate(p, float(min(p, max(0.0, centre - half))), float(max(p, min(1.0, centre + half))), trials, "fraction")
+    return Estimate(
+        p, float(min(p, max(0.0, centre - half))), float(max(p, min(1.0, centre + half))), trials, "fraction"
+    )
 
 
 def _finite(samples: Sequence[float]) -> np.ndarray:

@@ -111,7 +111,7 @@ class BenchResult:
             return None
         last = self.runs[-1]
         words = f"stopped at {rate_label(last.request_rate)} req/s: {last.count_words()}"
-        not_run = [rate_label(rate) for rate in self.workload.request_rates[len(self.runs):]]
+        not_run = [rate_label(rate) for rate in self.workload.request_rates[len(self.runs) :]]
         if not_run:
             words += f"; rate{'s' if len(not_run) > 1 else ''} {', '.join(not_run)} not run"
         return words
@@ -123,25 +123,27 @@ class BenchResult:
             for record in run.records:
                 index = record.identifier[1]
                 itls = [1000 * gap for gap in record.itl_s]
-                rows.append({
-                    "rate": rate_label(run.request_rate),
-                    "request_rate": run.request_rate,
-                    "request": index,
-                    "job_id": record.job_id,
-                    "arrival_s": run.planned[index].arrival_s,
-                    "submitted_s": record.submitted_at - run.started_at,
-                    "prompt_tokens": record.prompt_tokens,
-                    "output_tokens": record.output_tokens,
-                    "ttft_ms": _ms(record.ttft_s),
-                    "tpot_ms": _ms(record.tpot_s),
-                    "itl_mean_ms": sum(itls) / len(itls) if itls else math.nan,
-                    "itl_count": len(itls),
-                    "e2el_ms": 1000 * record.e2e_latency_s,
-                    "eos_reason": record.eos_reason.value if record.eos_reason else None,
-                    "succeeded": record.succeeded,
-                    "error": record.error,
-                    **_delivery_columns(record),
-                })
+                rows.append(
+                    {
+                        "rate": rate_label(run.request_rate),
+                        "request_rate": run.request_rate,
+                        "request": index,
+                        "job_id": record.job_id,
+                        "arrival_s": run.planned[index].arrival_s,
+                        "submitted_s": record.submitted_at - run.started_at,
+                        "prompt_tokens": record.prompt_tokens,
+                        "output_tokens": record.output_tokens,
+                        "ttft_ms": _ms(record.ttft_s),
+                        "tpot_ms": _ms(record.tpot_s),
+                        "itl_mean_ms": sum(itls) / len(itls) if itls else math.nan,
+                        "itl_count": len(itls),
+                        "e2el_ms": 1000 * record.e2e_latency_s,
+                        "eos_reason": record.eos_reason.value if record.eos_reason else None,
+                        "succeeded": record.succeeded,
+                        "error": record.error,
+                        **_delivery_columns(record),
+                    }
+                )
         return pd.DataFrame(rows)
 
     @property
@@ -170,9 +172,13 @@ class BenchResult:
                 row["goodput_fraction"] = m.goodput.fraction
             if run.delivery is not None:
                 audit = run.delivery
-                row.update(chunks_per_token=audit.chunks_per_token, frames_per_s=audit.frames_per_s,
-                           tokens_per_s=audit.tokens_per_s, itl_per_token_median_ms=audit.itl_per_token_ms,
-                           first_frame_lead_median_ms=audit.first_frame_lead_ms)
+                row.update(
+                    chunks_per_token=audit.chunks_per_token,
+                    frames_per_s=audit.frames_per_s,
+                    tokens_per_s=audit.tokens_per_s,
+                    itl_per_token_median_ms=audit.itl_per_token_ms,
+                    first_frame_lead_median_ms=audit.first_frame_lead_ms,
+                )
             rows.append(row)
         return pd.DataFrame(rows).set_index("rate")
 
@@ -204,13 +210,17 @@ class BenchResult:
                 ax.set(ylabel=label, title="no request ran to its end")
             elif len(self.runs) > 1:
                 order = [rate_label(run.request_rate) for run in self.runs]
-                sns.pointplot(data=data, x="rate", y=column, order=order, estimator="median", errorbar=("pi", 80),
-                              ax=ax)
+                sns.pointplot(
+                    data=data, x="rate", y=column, order=order, estimator="median", errorbar=("pi", 80), ax=ax
+                )
                 ax.set(xlabel="request rate (req/s)", ylabel=label, title="median, 10th to 90th percentile")
             else:
                 sns.scatterplot(data=data, x="submitted_s", y=column, ax=ax)
-                ax.set(xlabel="submitted (s after the start)", ylabel=label,
-                       title=f"{label} at {rate_label(self.runs[0].request_rate)} req/s")
+                ax.set(
+                    xlabel="submitted (s after the start)",
+                    ylabel=label,
+                    title=f"{label} at {rate_label(self.runs[0].request_rate)} req/s",
+                )
             ax.set_ylim(bottom=0)
         fig.suptitle("\n".join(filter(None, [self.engine, self.stop_words()])), fontsize=9)
         fig.tight_layout()
@@ -218,37 +228,39 @@ class BenchResult:
 
     def as_dict(self) -> dict:
         """Settings, engine, and per rate the summary and every request's raw times, in plain JSON values."""
-        return plain_json({
-            "workload": self.workload.as_dict(),
-            "engine": self.engine,
-            "stopped": self.stop_words(),
-            "runs": [
-                {
-                    "request_rate": rate_label(run.request_rate),
-                    "stopped": run.stopped,
-                    "unsent_requests": run.unsent_requests,
-                    "metrics": run.metrics.as_dict(),
-                    "delivery": run.delivery.as_dict() if run.delivery else None,
-                    "requests": [
-                        {
-                            "request": r.identifier[1],
-                            "job_id": r.job_id,
-                            "arrival_s": run.planned[r.identifier[1]].arrival_s,
-                            "submitted_s": r.submitted_at - run.started_at,
-                            "prompt_tokens": r.prompt_tokens,
-                            "output_tokens": r.output_tokens,
-                            "token_times_s": list(r.token_times),
-                            "e2e_latency_s": r.e2e_latency_s,
-                            "eos_reason": r.eos_reason.value if r.eos_reason else None,
-                            "error": r.error,
-                            **_delivery_columns(r),
-                        }
-                        for r in run.records
-                    ],
-                }
-                for run in self.runs
-            ],
-        })
+        return plain_json(
+            {
+                "workload": self.workload.as_dict(),
+                "engine": self.engine,
+                "stopped": self.stop_words(),
+                "runs": [
+                    {
+                        "request_rate": rate_label(run.request_rate),
+                        "stopped": run.stopped,
+                        "unsent_requests": run.unsent_requests,
+                        "metrics": run.metrics.as_dict(),
+                        "delivery": run.delivery.as_dict() if run.delivery else None,
+                        "requests": [
+                            {
+                                "request": r.identifier[1],
+                                "job_id": r.job_id,
+                                "arrival_s": run.planned[r.identifier[1]].arrival_s,
+                                "submitted_s": r.submitted_at - run.started_at,
+                                "prompt_tokens": r.prompt_tokens,
+                                "output_tokens": r.output_tokens,
+                                "token_times_s": list(r.token_times),
+                                "e2e_latency_s": r.e2e_latency_s,
+                                "eos_reason": r.eos_reason.value if r.eos_reason else None,
+                                "error": r.error,
+                                **_delivery_columns(r),
+                            }
+                            for r in run.records
+                        ],
+                    }
+                    for run in self.runs
+                ],
+            }
+        )
 
     def __repr__(self) -> str:
         return self.table()
@@ -268,8 +280,11 @@ def _delivery_columns(record: RequestRecord) -> dict[str, object]:
     if d is None:
         return {}
     lead = d.first_frame_lead_s
-    return {"frames": d.frames, "server_tokens": d.server_tokens,
-            "first_frame_lead_ms": None if lead is None else 1000 * lead}
+    return {
+        "frames": d.frames,
+        "server_tokens": d.server_tokens,
+        "first_frame_lead_ms": None if lead is None else 1000 * lead,
+    }
 
 
 def _ms_cell(ms: float) -> str:

@@ -30,24 +30,42 @@ class BranchPlan:
         return (*self.prefix, self.forced)
 
 
-def plan_branch(result: GenerationResult, at: int, token: int | str | None, *, request: GenerationRequest,
-                prompt_ids: Sequence[int], lead: Sequence[int], seed: int | None, tokenizer: Tokenizer) -> BranchPlan:
+def plan_branch(
+    result: GenerationResult,
+    at: int,
+    token: int | str | None,
+    *,
+    request: GenerationRequest,
+    prompt_ids: Sequence[int],
+    lead: Sequence[int],
+    seed: int | None,
+    tokenizer: Tokenizer,
+) -> BranchPlan:
     """The branch of `result` (run by `request` after `prompt_ids`, starting with the given tokens `lead`) at `at`."""
     if request.constraint is not None:
-        raise ValueError(f"job {result.job_id} ran under a {request.constraint.describe()}, which would start again "
-                         "at the forced token: branch an unconstrained answer")
+        raise ValueError(
+            f"job {result.job_id} ran under a {request.constraint.describe()}, which would start again "
+            "at the forced token: branch an unconstrained answer"
+        )
     n = len(result.token_ids)
     if not 0 <= at < n:
-        raise ValueError(f"at={at} is not a position of job {result.job_id}'s answer: give 0 to {n - 1} "
-                         f"(it has {n} tokens)")
+        raise ValueError(
+            f"at={at} is not a position of job {result.job_id}'s answer: give 0 to {n - 1} (it has {n} tokens)"
+        )
     budget = request.max_new_tokens + len(lead)  # what the answer may hold in all, its given tokens included
     left = budget - at - 1
     if left < 1:
-        raise ValueError(f"at={at} leaves no token of the answer's {budget} (max_new_tokens) after the forced one: "
-                         f"branch at 0 to {budget - 2}")
+        raise ValueError(
+            f"at={at} leaves no token of the answer's {budget} (max_new_tokens) after the forced one: "
+            f"branch at 0 to {budget - 2}"
+        )
     forced = forced_token(result, at, token, tokenizer)
     branch_request = request.with_options(
-        n=1, chat=None, amnesia=False, max_new_tokens=left, seed=seed,
+        n=1,
+        chat=None,
+        amnesia=False,
+        max_new_tokens=left,
+        seed=seed,
         min_new_tokens=max(0, min(left, request.min_new_tokens + len(lead) - at - 1)),
     )
     return BranchPlan(branch_request, (*prompt_ids, *result.token_ids[:at]), forced, tokenizer.decode([forced]))
@@ -68,8 +86,9 @@ def forced_token(result: GenerationResult, at: int, token: int | str | None, tok
     ids = tokenizer.encode(token, special=True)
     if len(ids) != 1:
         pieces = [tokenizer.decode([i]) for i in ids]
-        raise ValueError(f"token={token!r} is {len(ids)} tokens {pieces}, not one: give the text of one token, "
-                         "or its id")
+        raise ValueError(
+            f"token={token!r} is {len(ids)} tokens {pieces}, not one: give the text of one token, or its id"
+        )
     return ids[0]
 
 
@@ -78,11 +97,15 @@ def top_alternative(result: GenerationResult, at: int) -> int:
     record = next((r for r in result.token_records if r.position == at), None)
     if record is None:
         why = "it was given, not generated" if result.token_records else "generate with tokens=N (--tokens N)"
-        raise ValueError(f"no alternatives were recorded at position {at} of job {result.job_id} ({why}): name the "
-                         "token to force (token=...)")
+        raise ValueError(
+            f"no alternatives were recorded at position {at} of job {result.job_id} ({why}): name the "
+            "token to force (token=...)"
+        )
     chosen = result.token_ids[at]
     others = [i for i, _text, _p in record.info.alternatives if i != chosen]
     if not others:
-        raise ValueError(f"the token view recorded no alternative to token {chosen} at position {at}: name the token "
-                         "to force (token=...), or generate with more alternatives (tokens=N)")
+        raise ValueError(
+            f"the token view recorded no alternative to token {chosen} at position {at}: name the token "
+            "to force (token=...), or generate with more alternatives (tokens=N)"
+        )
     return others[0]

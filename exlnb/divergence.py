@@ -68,8 +68,11 @@ class Divergence:
             f"perplexity           {self.perplexity:.4g} (reference {self.reference_perplexity:.4g})",
             "reference top-1 p    positions  KL mean   top-1 agreement",
         ]
-        lines += [f"{b.low:.2f}-{b.high:.2f}{'':10}{b.positions:>9}  {b.kl_mean:<10.4g}{b.top1_agreement:.2%}"
-                  for b in self.by_confidence if b.positions]
+        lines += [
+            f"{b.low:.2f}-{b.high:.2f}{'':10}{b.positions:>9}  {b.kl_mean:<10.4g}{b.top1_agreement:.2%}"
+            for b in self.by_confidence
+            if b.positions
+        ]
         return "\n".join(lines)
 
 
@@ -80,8 +83,10 @@ def check_vocabularies(reference_logits: torch.Tensor, logits: torch.Tensor) -> 
             "KL divergence compares distributions over one vocabulary; score a model with the reference's tokenizer"
         )
     if reference_logits.shape[0] != logits.shape[0]:
-        raise ValueError(f"the model gave {logits.shape[0]} positions and the reference {reference_logits.shape[0]}: "
-                         "score both on the same token ids")
+        raise ValueError(
+            f"the model gave {logits.shape[0]} positions and the reference {reference_logits.shape[0]}: "
+            "score both on the same token ids"
+        )
 
 
 def kl_per_position(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -103,13 +108,21 @@ def perplexity(logits: torch.Tensor, token_ids: Sequence[int]) -> float:
     check_sequence(token_ids)
     targets = torch.tensor(list(token_ids[1:]))
     if int(targets.max()) >= logits.shape[-1]:
-        raise ValueError(f"token id {int(targets.max())} is outside the vocabulary of {logits.shape[-1]} tokens: "
-                         "score token ids of the model's own tokenizer")
+        raise ValueError(
+            f"token id {int(targets.max())} is outside the vocabulary of {logits.shape[-1]} tokens: "
+            "score token ids of the model's own tokenizer"
+        )
     return math.exp(float(F.cross_entropy(logits[: len(targets)].float(), targets)))
 
 
-def compare(reference_logits: torch.Tensor, logits: torch.Tensor, token_ids: Sequence[int], *,
-            bins: Sequence[float] = CONFIDENCE_BINS, noise_kl: torch.Tensor | None = None) -> Divergence:
+def compare(
+    reference_logits: torch.Tensor,
+    logits: torch.Tensor,
+    token_ids: Sequence[int],
+    *,
+    bins: Sequence[float] = CONFIDENCE_BINS,
+    noise_kl: torch.Tensor | None = None,
+) -> Divergence:
     """Every measure of `logits` against `reference_logits`, both scored on `token_ids`; `noise_kl`, the
     reference's noisy rerun's KL per position, gives the noise floor."""
     kl = kl_per_position(reference_logits, logits)
@@ -119,8 +132,15 @@ def compare(reference_logits: torch.Tensor, logits: torch.Tensor, token_ids: Seq
     for low, high in zip(bins, bins[1:]):
         inside = (confidence >= low) & ((confidence < high) if high < bins[-1] else (confidence <= high))
         count = int(inside.sum())
-        by_confidence.append(ConfidenceBin(low, high, count, float(kl[inside].mean()) if count else math.nan,
-                                           float(agree[inside].float().mean()) if count else math.nan))
+        by_confidence.append(
+            ConfidenceBin(
+                low,
+                high,
+                count,
+                float(kl[inside].mean()) if count else math.nan,
+                float(agree[inside].float().mean()) if count else math.nan,
+            )
+        )
     return Divergence(
         positions=len(kl),
         kl_mean=float(kl.mean()),
@@ -138,11 +158,14 @@ def check_sequence(token_ids: Sequence[int], max_len: int | None = None) -> None
     if len(token_ids) < 2:
         raise ValueError(f"a sequence of {len(token_ids)} token(s) is too short to score: give at least 2")
     if max_len is not None and len(token_ids) > max_len:
-        raise ValueError(f"a sequence of {len(token_ids)} tokens is longer than the model's cache ({max_len} tokens): "
-                         "give fewer tokens, or load the model with a larger cache_tokens")
+        raise ValueError(
+            f"a sequence of {len(token_ids)} tokens is longer than the model's cache ({max_len} tokens): "
+            "give fewer tokens, or load the model with a larger cache_tokens"
+        )
 
 
 # -- the reference, kept on disk ---------------------------------------------------------------------------------
+
 
 def _digest(parts: Sequence[object]) -> str:
     return hashlib.sha256("\x00".join(map(str, parts)).encode()).hexdigest()[:16]
@@ -151,14 +174,19 @@ def _digest(parts: Sequence[object]) -> str:
 def model_identity(folder: Path) -> str:
     """Its config.json and its weight files' names, sizes and modification times: new weights, a new identity."""
     weights = sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)
-    return _digest([(folder / "config.json").read_text(), *((p.name, p.stat().st_size, p.stat().st_mtime_ns)
-                                                            for p in weights)])
+    return _digest(
+        [(folder / "config.json").read_text(), *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights)]
+    )
 
 
 def tokenizer_identity(folder: Path) -> str:
     """The tokenizer files' contents: two folders with one identity encode every text the same."""
-    return _digest([hashlib.sha256((folder / name).read_bytes()).hexdigest() if (folder / name).is_file() else ""
-                    for name in TOKENIZER_FILES])
+    return _digest(
+        [
+            hashlib.sha256((folder / name).read_bytes()).hexdigest() if (folder / name).is_file() else ""
+            for name in TOKENIZER_FILES
+        ]
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -182,7 +210,8 @@ class Reference:
         if tokenizer_id != self.tokenizer_id or vocab_size != self.vocab_size:
             raise ValueError(
                 f"the reference ({self.model}, {self.vocab_size} tokens) was computed with another tokenizer than the "
-                f"loaded model's ({vocab_size} tokens): compare models that share the reference's tokenizer")
+                f"loaded model's ({vocab_size} tokens): compare models that share the reference's tokenizer"
+            )
 
 
 def reference_path(folder: Path, token_ids: Sequence[int], dtype: str, cache_dir: Path | None = None) -> Path:
@@ -193,9 +222,14 @@ def reference_path(folder: Path, token_ids: Sequence[int], dtype: str, cache_dir
     return (cache_dir or cache_root() / "references") / f"{folder.name}-{key}.pt"
 
 
-def cached_reference(folder: Path, token_ids: Sequence[int],
-                     compute: Callable[[], tuple[torch.Tensor, torch.Tensor | None]], *,
-                     dtype: str = "float32", cache_dir: Path | None = None) -> Reference:
+def cached_reference(
+    folder: Path,
+    token_ids: Sequence[int],
+    compute: Callable[[], tuple[torch.Tensor, torch.Tensor | None]],
+    *,
+    dtype: str = "float32",
+    cache_dir: Path | None = None,
+) -> Reference:
     """The reference from the cache, else `compute()`d and kept there: its logits [positions, vocab] and those of
     its run with noise (for the floor), or None where the engine cannot inject noise."""
     path = reference_path(folder, token_ids, dtype, cache_dir)
@@ -204,8 +238,15 @@ def cached_reference(folder: Path, token_ids: Sequence[int],
     check_sequence(token_ids)
     logits, noisy = compute()
     noise_kl = None if noisy is None else kl_per_position(logits, noisy)
-    reference = Reference(str(folder), model_identity(folder), tokenizer_identity(folder), tuple(token_ids), dtype,
-                          logits.to(REFERENCE_DTYPES[dtype]), noise_kl)
+    reference = Reference(
+        str(folder),
+        model_identity(folder),
+        tokenizer_identity(folder),
+        tuple(token_ids),
+        dtype,
+        logits.to(REFERENCE_DTYPES[dtype]),
+        noise_kl,
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
     torch.save({**reference.__dict__}, partial)

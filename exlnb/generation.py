@@ -60,8 +60,9 @@ class Sample:
 
     def result(self) -> GenerationResult:
         error = None if self.error is None else str(self.error)
-        return GenerationResult.from_events(self.stream.job_id, self.events, self.stream.constraint, error,
-                                            self.lineage)
+        return GenerationResult.from_events(
+            self.stream.job_id, self.events, self.stream.constraint, error, self.lineage
+        )
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,15 @@ class Lineage:
 class Generation:
     """N samples of one prompt, consumed in the background on one thread; `wait()` for the results."""
 
-    def __init__(self, session: Session, request: GenerationRequest, prompt: PreparedPrompt,
-                 streams: list[JobStream], events: queue.SimpleQueue[Delivered], lineages: list[Lineage]) -> None:
+    def __init__(
+        self,
+        session: Session,
+        request: GenerationRequest,
+        prompt: PreparedPrompt,
+        streams: list[JobStream],
+        events: queue.SimpleQueue[Delivered],
+        lineages: list[Lineage],
+    ) -> None:
         self.session = session
         self.request = request
         self.prompt_text = prompt.text
@@ -292,7 +300,9 @@ def as_request(request: GenerationRequest | str, options: dict) -> GenerationReq
     return GenerationRequest.build(request, **options)
 
 
-def _prepare(request: GenerationRequest, session: Session, owner: Hashable | None) -> tuple[PreparedPrompt, list[JobSpec]]:
+def _prepare(
+    request: GenerationRequest, session: Session, owner: Hashable | None
+) -> tuple[PreparedPrompt, list[JobSpec]]:
     options = session.options
     if options is not None and request.n > options.max_batch_size:
         raise ValueError(
@@ -301,8 +311,11 @@ def _prepare(request: GenerationRequest, session: Session, owner: Hashable | Non
         )
     tokenizer = session.tokenizer
     conv = _conversation_for(request)
-    text = (conv.prompt(request.prompt, request.template, tokenizer) if conv
-            else render(request.template, conversation(request.prompt, request.system), tokenizer))
+    text = (
+        conv.prompt(request.prompt, request.template, tokenizer)
+        if conv
+        else render(request.template, conversation(request.prompt, request.system), tokenizer)
+    )
     session.check_text_fits(text)
     ids = tokenizer.encode(text, special=True)
     # a class attribute, read without the engine's thread: it never changes
@@ -317,12 +330,22 @@ def _prepare(request: GenerationRequest, session: Session, owner: Hashable | Non
     return prompt, specs
 
 
-def _launch(session: Session, request: GenerationRequest, prompt: PreparedPrompt, streams: list[JobStream],
-            events: queue.SimpleQueue[Delivered], owner: Hashable | None,
-            lineages: list[Lineage] | None = None) -> Generation:
+def _launch(
+    session: Session,
+    request: GenerationRequest,
+    prompt: PreparedPrompt,
+    streams: list[JobStream],
+    events: queue.SimpleQueue[Delivered],
+    owner: Hashable | None,
+    lineages: list[Lineage] | None = None,
+) -> Generation:
     if lineages is None:
-        lineages = [Lineage(session, request, tuple(prompt.ids), None if request.seed is None else request.seed + i,
-                            session.options) for i in range(len(streams))]
+        lineages = [
+            Lineage(
+                session, request, tuple(prompt.ids), None if request.seed is None else request.seed + i, session.options
+            )
+            for i in range(len(streams))
+        ]
     try:  # a Ctrl-C anywhere in here leaves no job behind
         generation = Generation(session, request, prompt, streams, events, lineages)
         if owner is not None:
@@ -336,8 +359,9 @@ def _launch(session: Session, request: GenerationRequest, prompt: PreparedPrompt
     return generation
 
 
-def start_branch(result: GenerationResult, *, at: int, token: int | str | None = None,
-                 owner: Hashable | None = None) -> Generation:
+def start_branch(
+    result: GenerationResult, *, at: int, token: int | str | None = None, owner: Hashable | None = None
+) -> Generation:
     """Start `result`'s branch at `at` (`GenerationResult.branch`) as a one-sample `Generation`, to watch."""
     session, plan, prompt, specs, child = _prepare_branch(result, at, token)
     events: queue.SimpleQueue[Delivered] = queue.SimpleQueue()
@@ -345,8 +369,9 @@ def start_branch(result: GenerationResult, *, at: int, token: int | str | None =
     return _launch(session, plan.request, prompt, streams, events, owner, [child])
 
 
-async def astart_branch(result: GenerationResult, *, at: int, token: int | str | None = None,
-                        owner: Hashable | None = None) -> Generation:
+async def astart_branch(
+    result: GenerationResult, *, at: int, token: int | str | None = None, owner: Hashable | None = None
+) -> Generation:
     """`start_branch` for a coroutine: the event loop runs on while the engine finishes its step."""
     session, plan, prompt, specs, child = _prepare_branch(result, at, token)
     events: queue.SimpleQueue[Delivered] = queue.SimpleQueue()
@@ -357,20 +382,42 @@ async def astart_branch(result: GenerationResult, *, at: int, token: int | str |
 def _prepare_branch(result: GenerationResult, at: int, token: int | str | None) -> tuple:
     lineage = result.origin
     if not isinstance(lineage, Lineage):
-        raise ValueError(f"job {result.job_id}'s result does not keep its request: only results of a generation "
-                         "(exlnb.generate_live, %%exl_generate --out) can branch")
+        raise ValueError(
+            f"job {result.job_id}'s result does not keep its request: only results of a generation "
+            "(exlnb.generate_live, %%exl_generate --out) can branch"
+        )
     session = lineage.session
     if session.options != lineage.model:
         now = "nothing" if session.options is None else f"{session.options.model_dir.name} ({session.options.engine})"
-        raise ValueError(f"job {result.job_id} ran on {lineage.model.model_dir.name} ({lineage.model.engine}), but "
-                         f"{now} is loaded now: load that model again to branch it")
-    plan = plan_branch(result, at, token, request=lineage.request, prompt_ids=lineage.prompt_ids, lead=lineage.lead,
-                       seed=lineage.seed, tokenizer=session.tokenizer)
+        raise ValueError(
+            f"job {result.job_id} ran on {lineage.model.model_dir.name} ({lineage.model.engine}), but "
+            f"{now} is loaded now: load that model again to branch it"
+        )
+    plan = plan_branch(
+        result,
+        at,
+        token,
+        request=lineage.request,
+        prompt_ids=lineage.prompt_ids,
+        lead=lineage.lead,
+        seed=lineage.seed,
+        tokenizer=session.tokenizer,
+    )
     by_engine = plan.request.loop_guard and session.engine.loop_guard_by_engine
     prompt = PreparedPrompt(session.tokenizer.decode(plan.input_ids), list(plan.input_ids), [], None, by_engine)
     specs = plan.request.job_specs(plan.input_ids, session.tokenizer, stop_on_loop=LOOP_DETECTOR if by_engine else None)
-    child = Lineage(session, plan.request, plan.prefix, plan.request.seed, session.options, parent=result, at=at,
-                    lead=(plan.forced,), lead_text=plan.forced_text, family=lineage.family)
+    child = Lineage(
+        session,
+        plan.request,
+        plan.prefix,
+        plan.request.seed,
+        session.options,
+        parent=result,
+        at=at,
+        lead=(plan.forced,),
+        lead_text=plan.forced_text,
+        family=lineage.family,
+    )
     return session, plan, prompt, specs, child
 
 

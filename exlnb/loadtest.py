@@ -15,8 +15,8 @@ import math
 import queue
 import threading
 from collections import deque
-from contextlib import ExitStack
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 
 from exlnb.bench_result import BenchResult, RateRun
 from exlnb.engines.base import SamplerSettings, wall_clock
@@ -137,10 +137,15 @@ class LoadRun:
         if not due:
             return
         specs = [
-            self.session.spec_for(r.prompt_ids, JobOptions(
-                max_new_tokens=r.output_tokens, sampler=SamplerSettings.greedy(), stop_at_eos=False,
-                identifier=(self.tag, r.index),
-            ))
+            self.session.spec_for(
+                r.prompt_ids,
+                JobOptions(
+                    max_new_tokens=r.output_tokens,
+                    sampler=SamplerSettings.greedy(),
+                    stop_at_eos=False,
+                    identifier=(self.tag, r.index),
+                ),
+            )
             for r in due
         ]
         submitted_at = wall_clock()
@@ -227,8 +232,15 @@ def bench(
     """
     rates = tuple(float(r) for r in request_rate) if isinstance(request_rate, Sequence) else (float(request_rate),)
     workload = Workload(
-        request_rates=rates, burstiness=burstiness, max_concurrency=max_concurrency, prompt_len=prompt_len,
-        output_len=output_len, dataset=dataset, num_requests=num_requests, duration_s=duration_s, seed=seed,
+        request_rates=rates,
+        burstiness=burstiness,
+        max_concurrency=max_concurrency,
+        prompt_len=prompt_len,
+        output_len=output_len,
+        dataset=dataset,
+        num_requests=num_requests,
+        duration_s=duration_s,
+        seed=seed,
         slos=slos,
     )
     session = session or get_session()
@@ -262,8 +274,15 @@ def run_rate(
     try:
         duration = load.run(workload.duration_s, on_finish or (lambda record: None))
         records = tuple(load.records[i] for i in sorted(load.records))
-        run = RateRun(request_rate, tuple(planned), records, load.started_at,
-                      serving_metrics(records, duration, workload.slos), load.stopped, requested)
+        run = RateRun(
+            request_rate,
+            tuple(planned),
+            records,
+            load.started_at,
+            serving_metrics(records, duration, workload.slos),
+            load.stopped,
+            requested,
+        )
     finally:
         progress.rate_ended(run)
     return run

@@ -33,8 +33,9 @@ from exlnb.widgets.stream import ShowOptions
 def variable_name(text: str) -> str:
     """`--out VAR` as every magic reads it: the name of a Python variable to store a result in."""
     if not text.isidentifier() or keyword.iskeyword(text):
-        raise ValueError(f"--out {text}: name a Python variable (letters, digits and _, not starting with a digit, "
-                         "not a keyword)")
+        raise ValueError(
+            f"--out {text}: name a Python variable (letters, digits and _, not starting with a digit, not a keyword)"
+        )
     return text
 
 
@@ -42,9 +43,13 @@ def variable_name(text: str) -> str:
 class CellOptions(ShowOptions):
     """What `%%exl_generate` adds to a `GenerationRequest`: how the answer is shown and where it is kept."""
 
-    out: str | None = option(None, group="output", metavar="VAR", parse=variable_name,
-                             help="store the result in this variable (a list for --n > 1; the running Generation "
-                                  "with --background)")
+    out: str | None = option(
+        None,
+        group="output",
+        metavar="VAR",
+        parse=variable_name,
+        help="store the result in this variable (a list for --n > 1; the running Generation with --background)",
+    )
 
 
 # every %%exl_generate option, as its declarations say
@@ -150,11 +155,15 @@ def fill_prompt(body: str, namespace: dict) -> str:
     try:
         parsed = [field for _, field, _, _ in formatter.parse(body) if field is not None]
     except ValueError as error:
-        raise UsageError(f"the prompt's braces do not parse ({error}): write {{{{ and }}}} for literal braces") from None
+        raise UsageError(
+            f"the prompt's braces do not parse ({error}): write {{{{ and }}}} for literal braces"
+        ) from None
     for field in parsed:
         variable = re.split(r"[.\[]", field, maxsplit=1)[0]
         if not variable or variable.isdigit():
-            raise UsageError(f"the prompt has {{{field}}}: name a notebook variable inside braces, or write {{{{ and }}}}")
+            raise UsageError(
+                f"the prompt has {{{field}}}: name a notebook variable inside braces, or write {{{{ and }}}}"
+            )
         if variable not in namespace:
             raise UsageError(
                 f"the prompt names {{{field}}} but no variable {variable!r} exists: define it, or write "
@@ -201,8 +210,7 @@ def declared_arguments(options: tuple[Option, ...], groups: dict[str, str], **ab
 
 
 # `%%exl_generate`'s options, examples first; `%exl_load`'s
-generation_arguments = declared_arguments(GENERATE_OPTIONS, GROUPS, usage=GENERATE_USAGE,
-                                          description=GENERATE_EXAMPLES)
+generation_arguments = declared_arguments(GENERATE_OPTIONS, GROUPS, usage=GENERATE_USAGE, description=GENERATE_EXAMPLES)
 load_arguments = declared_arguments(declared(LoadOptions), LOAD_GROUPS)
 
 
@@ -229,8 +237,9 @@ def option_argument(o: Option):
     if o.repeatable:  # one value per use
         return argument(o.flag, dest=o.keyword, action="append", type=escaped, metavar=o.metavar, help=help_text)
     kind = o.scalar or python_value  # anything richer is written as a Python literal
-    return argument(o.flag, dest=o.keyword, type=kind, metavar=o.metavar or _METAVARS.get(kind, "LITERAL"),
-                    help=help_text)
+    return argument(
+        o.flag, dest=o.keyword, type=kind, metavar=o.metavar or _METAVARS.get(kind, "LITERAL"), help=help_text
+    )
 
 
 def _read_by(parse):
@@ -248,8 +257,12 @@ def _read_by(parse):
 
 # `--display` and `--out` as the magics that show or keep something take them, from `%%exl_generate`'s declarations
 _DISPLAY, _OUT = (next(o for o in declared(CellOptions) if o.keyword == name) for name in ("display", "out"))
-display_argument = argument(_DISPLAY.flag, choices=_DISPLAY.choices, default=_DISPLAY.default,
-                            help=f"{_DISPLAY.help} (default: {_DISPLAY.default})")
+display_argument = argument(
+    _DISPLAY.flag,
+    choices=_DISPLAY.choices,
+    default=_DISPLAY.default,
+    help=f"{_DISPLAY.help} (default: {_DISPLAY.default})",
+)
 
 
 def out_argument(what: str):

@@ -21,8 +21,20 @@ from exlnb.engines.options import ENGINE_NAMES
 from exlnb.generation import Generation
 from exlnb.loadtest import bench
 from exlnb.magic_arguments import (
-    CELL_OPTIONS, CellOptions, display_argument, escaped, fill_prompt, generation_arguments, given_options,
-    help_argument, load_arguments, out_argument, parse_options, schema_from_notebook, tidy_help, usage_errors,
+    CELL_OPTIONS,
+    CellOptions,
+    display_argument,
+    escaped,
+    fill_prompt,
+    generation_arguments,
+    given_options,
+    help_argument,
+    load_arguments,
+    out_argument,
+    parse_options,
+    schema_from_notebook,
+    tidy_help,
+    usage_errors,
 )
 from exlnb.models import BUNDLED_MODEL
 from exlnb.quantize import BITS_RANGE, DEFAULT_BITS, DEFAULT_FORMAT, DEFAULT_HEAD_BITS, QUANT_FORMATS, quantize
@@ -106,16 +118,22 @@ class ExlnbMagics(Magics):
         if (args := parse_options(self.exl_generate, line)) is None:
             return None, None, None
         if cell is None:
-            raise UsageError("%%exl_generate is a cell magic: options on the first line, the prompt in the cell "
-                             "below (see %exl_generate? for the options)")
+            raise UsageError(
+                "%%exl_generate is a cell magic: options on the first line, the prompt in the cell "
+                "below (see %exl_generate? for the options)"
+            )
         given = given_options(args)
         if "json_schema" in given:
             given["json_schema"] = schema_from_notebook(given["json_schema"], self.shell.user_ns)
         with usage_errors():
             cell_options = CellOptions(**{k: given.pop(k) for k in CELL_OPTIONS if k in given})
             request = GenerationRequest.build(fill_prompt(cell.strip(), self.shell.user_ns), **given)
-        show = dict(background=cell_options.background, show_prompt=cell_options.show_prompt,
-                    display=cell_options.display, owner=self.cell_id)
+        show = dict(
+            background=cell_options.background,
+            show_prompt=cell_options.show_prompt,
+            display=cell_options.display,
+            owner=self.cell_id,
+        )
         return cell_options, request, show
 
     def _store(self, args: CellOptions, generation: Generation) -> None:
@@ -125,14 +143,21 @@ class ExlnbMagics(Magics):
             self.shell.user_ns[args.out] = generation if results is None else results[0] if one else results
 
     @magic_arguments()
-    @argument("result", metavar="RESULT_VAR",
-              help="a notebook variable (or expression, answers[1]) holding a result: %%%%exl_generate's --out, "
-                   "or a branch's")
-    @argument("--at", type=int, required=True, metavar="K",
-              help="the position (0 for the first answer token) to branch at")
-    @argument("--token", type=escaped, metavar="TEXT",
-              help="the text of the one token forced at K (default: the likeliest alternative the token view "
-                   "recorded there)")
+    @argument(
+        "result",
+        metavar="RESULT_VAR",
+        help="a notebook variable (or expression, answers[1]) holding a result: %%%%exl_generate's --out, "
+        "or a branch's",
+    )
+    @argument(
+        "--at", type=int, required=True, metavar="K", help="the position (0 for the first answer token) to branch at"
+    )
+    @argument(
+        "--token",
+        type=escaped,
+        metavar="TEXT",
+        help="the text of the one token forced at K (default: the likeliest alternative the token view recorded there)",
+    )
     @argument("--token-id", type=int, metavar="N", help="the id of the token forced at K, instead of --token")
     @display_argument
     @out_argument("the branch's result (branch it again with %%exl_branch VAR)")
@@ -164,11 +189,15 @@ class ExlnbMagics(Magics):
         try:  # a name, or an expression such as answers[1] (--n 4 stores a list)
             result = self.shell.ev(args.result)
         except Exception as error:
-            raise UsageError(f"{args.result} does not name a result in the notebook ({type(error).__name__}: "
-                             f"{error}): give the --out of an %%exl_generate, e.g. answer, or answers[1]") from None
+            raise UsageError(
+                f"{args.result} does not name a result in the notebook ({type(error).__name__}: "
+                f"{error}): give the --out of an %%exl_generate, e.g. answer, or answers[1]"
+            ) from None
         if not isinstance(result, GenerationResult):
-            raise UsageError(f"{args.result} is a {type(result).__name__}, not a result: give the --out of an "
-                             "%%exl_generate, e.g. answer, or answers[1] for one of several samples")
+            raise UsageError(
+                f"{args.result} is a {type(result).__name__}, not a result: give the --out of an "
+                "%%exl_generate, e.g. answer, or answers[1] for one of several samples"
+            )
         return args, result, args.token_id if args.token_id is not None else args.token
 
     def _show_branch(self, args, branched) -> None:
@@ -218,12 +247,21 @@ class ExlnbMagics(Magics):
             print(f"job {job_id}: {'cancelled' if session.cancel(job_id) else 'not running'}")
 
     @magic_arguments()
-    @argument("model", nargs="?", default=BUNDLED_MODEL,
-              help=f'an unquantized model folder, a hub repo id, or "{BUNDLED_MODEL}" (default)')
+    @argument(
+        "model",
+        nargs="?",
+        default=BUNDLED_MODEL,
+        help=f'an unquantized model folder, a hub repo id, or "{BUNDLED_MODEL}" (default)',
+    )
     @argument("--format", choices=QUANT_FORMATS, default=DEFAULT_FORMAT, help=f"the format (default {DEFAULT_FORMAT})")
-    @argument("--bits", type=float, default=DEFAULT_BITS,
-              help=f"bits per weight (default {DEFAULT_BITS:g}; " + ", ".join(
-                  f"{fmt.upper()} {low:g}-{high:g}" for fmt, (low, high) in BITS_RANGE.items()) + ")")
+    @argument(
+        "--bits",
+        type=float,
+        default=DEFAULT_BITS,
+        help=f"bits per weight (default {DEFAULT_BITS:g}; "
+        + ", ".join(f"{fmt.upper()} {low:g}-{high:g}" for fmt, (low, high) in BITS_RANGE.items())
+        + ")",
+    )
     @argument("--head-bits", type=int, help=f"bits per weight of the output layer (default {DEFAULT_HEAD_BITS})")
     @help_argument
     @line_magic
@@ -238,14 +276,29 @@ class ExlnbMagics(Magics):
         print(folder)
 
     @magic_arguments()
-    @argument("reference", help='the reference: a model folder (or "smollm2-135m-instruct"), or a .pt file of '
-                                "reference logits that exlnb kept")
-    @argument("--tokens", type=int, default=DEFAULT_TOKENS,
-              help=f"length of the fixed text scored, for a reference folder (default {DEFAULT_TOKENS})")
-    @argument("--engine", choices=ENGINE_NAMES, default="auto",
-              help="the engine that computes the reference's logits when they are not cached (default: auto)")
-    @argument("--dtype", choices=tuple(REFERENCE_DTYPES), default="float32",
-              help="how the reference's logits are kept on disk (default: float32)")
+    @argument(
+        "reference",
+        help='the reference: a model folder (or "smollm2-135m-instruct"), or a .pt file of '
+        "reference logits that exlnb kept",
+    )
+    @argument(
+        "--tokens",
+        type=int,
+        default=DEFAULT_TOKENS,
+        help=f"length of the fixed text scored, for a reference folder (default {DEFAULT_TOKENS})",
+    )
+    @argument(
+        "--engine",
+        choices=ENGINE_NAMES,
+        default="auto",
+        help="the engine that computes the reference's logits when they are not cached (default: auto)",
+    )
+    @argument(
+        "--dtype",
+        choices=tuple(REFERENCE_DTYPES),
+        default="float32",
+        help="how the reference's logits are kept on disk (default: float32)",
+    )
     @argument("--no-noise-floor", action="store_true", help="leave out the fp16 noise floor")
     @out_argument("the Divergence")
     @help_argument
@@ -256,28 +309,56 @@ class ExlnbMagics(Magics):
         if (args := parse_options(self.exl_divergence, line)) is None:
             return
         with usage_errors():
-            result = divergence_from(get_session(), args.reference, tokens=args.tokens, engine=args.engine,
-                                     dtype=args.dtype, noise_floor=not args.no_noise_floor)
+            result = divergence_from(
+                get_session(),
+                args.reference,
+                tokens=args.tokens,
+                engine=args.engine,
+                dtype=args.dtype,
+                noise_floor=not args.no_noise_floor,
+            )
         print(result.table())
         if args.out:
             self.shell.user_ns[args.out] = result
 
     @magic_arguments()
-    @argument("--request-rate", type=rates_argument, default=list(Workload.request_rates), metavar="RATES",
-              help="requests per second, comma separated to sweep, inf for all at once (default inf)")
-    @argument("--burstiness", type=float, default=Workload.burstiness,
-              help="gamma shape of the arrival gaps; 1 is Poisson")
+    @argument(
+        "--request-rate",
+        type=rates_argument,
+        default=list(Workload.request_rates),
+        metavar="RATES",
+        help="requests per second, comma separated to sweep, inf for all at once (default inf)",
+    )
+    @argument(
+        "--burstiness", type=float, default=Workload.burstiness, help="gamma shape of the arrival gaps; 1 is Poisson"
+    )
     @argument("--max-concurrency", type=int, metavar="N", help="most requests in flight (default: no limit)")
-    @argument("--prompt-len", type=length_argument, default=Workload.prompt_len, metavar="TOKENS",
-              help=f"prompt tokens, or a range such as 64-256 (default {Workload.prompt_len})")
-    @argument("--output-len", type=length_argument, default=Workload.output_len, metavar="TOKENS",
-              help=f"exact output tokens, or a range such as 8-64 (default {Workload.output_len})")
+    @argument(
+        "--prompt-len",
+        type=length_argument,
+        default=Workload.prompt_len,
+        metavar="TOKENS",
+        help=f"prompt tokens, or a range such as 64-256 (default {Workload.prompt_len})",
+    )
+    @argument(
+        "--output-len",
+        type=length_argument,
+        default=Workload.output_len,
+        metavar="TOKENS",
+        help=f"exact output tokens, or a range such as 8-64 (default {Workload.output_len})",
+    )
     @argument("--dataset", metavar="NAME", help="prompts from data/prompts/NAME.json instead of random tokens")
     @argument("--num-requests", type=int, metavar="N", help=f"requests per rate (default {DEFAULT_REQUESTS})")
     @argument("--duration", type=float, metavar="SECONDS", help="send for this long instead of --num-requests")
     @argument("--seed", type=int, default=Workload.seed, help="the same seed sends the same requests at the same times")
-    @argument("--slo", action="append", type=slo_argument, default=[], metavar="NAME=MS",
-              help="goodput objective, repeatable: ttft_ms=500, tpot_ms=50, e2el_ms=2000")
+    @argument(
+        "--slo",
+        action="append",
+        type=slo_argument,
+        default=[],
+        metavar="NAME=MS",
+        help="goodput objective, repeatable: ttft_ms=500, tpot_ms=50, e2el_ms=2000",
+    )
     @argument("--no-progress", action="store_true", help="nothing shown while it runs (no bar, no Stop button)")
     @display_argument
     @out_argument("the BenchResult (requests, summary, figure())")
@@ -307,9 +388,16 @@ class ExlnbMagics(Magics):
         if (args := parse_options(self.exl_bench, line)) is None:
             return None
         options = dict(
-            request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-            prompt_len=args.prompt_len, output_len=args.output_len, dataset=args.dataset,
-            num_requests=args.num_requests, duration_s=args.duration, seed=args.seed, slos=dict(args.slo) or None,
+            request_rate=args.request_rate,
+            burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency,
+            prompt_len=args.prompt_len,
+            output_len=args.output_len,
+            dataset=args.dataset,
+            num_requests=args.num_requests,
+            duration_s=args.duration,
+            seed=args.seed,
+            slos=dict(args.slo) or None,
         )
         return args, options
 
@@ -321,7 +409,15 @@ class ExlnbMagics(Magics):
             self.shell.user_ns[args.out] = result
 
 
-for _magic in (ExlnbMagics.exl_load, ExlnbMagics.exl_generate, ExlnbMagics.exl_branch, ExlnbMagics.exl_cache,
-               ExlnbMagics.exl_jobs, ExlnbMagics.exl_cancel, ExlnbMagics.exl_quantize, ExlnbMagics.exl_bench,
-               ExlnbMagics.exl_divergence):
+for _magic in (
+    ExlnbMagics.exl_load,
+    ExlnbMagics.exl_generate,
+    ExlnbMagics.exl_branch,
+    ExlnbMagics.exl_cache,
+    ExlnbMagics.exl_jobs,
+    ExlnbMagics.exl_cancel,
+    ExlnbMagics.exl_quantize,
+    ExlnbMagics.exl_bench,
+    ExlnbMagics.exl_divergence,
+):
     tidy_help(_magic)

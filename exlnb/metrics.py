@@ -79,7 +79,10 @@ class RequestRecord:
 
 
 def request_record(
-    events: Sequence[StreamEvent], *, submitted_at: float | None = None, identifier: Hashable | None = None,
+    events: Sequence[StreamEvent],
+    *,
+    submitted_at: float | None = None,
+    identifier: Hashable | None = None,
     error: str | None = None,
 ) -> RequestRecord:
     """A finished job's record from its stream's events (`JobStream.events`).

@@ -83,7 +83,9 @@ def check_model_folder(path: Path) -> Path:
     try:
         config = json.loads((path / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path / 'config.json'} is not valid JSON ({error}): the folder's config is damaged") from None
+        raise ValueError(
+            f"{path / 'config.json'} is not valid JSON ({error}): the folder's config is damaged"
+        ) from None
     if not isinstance(config, dict) or not (config.get("model_type") or config.get("architectures")):
         raise ValueError(f"{path / 'config.json'} names no model_type or architectures: it is not a model's config")
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):

@@ -40,7 +40,10 @@ DEFAULT_HEAD_BITS = 6  # both converters' default for the output layer
 EXL2_HEAD_BITS = (2, 3, 4, 5, 6, 8)  # exllamav2 0.3.2 conversion/qparams.py: qparams_headoptions
 EXL3_CONVERTER = "exlnb.engines.exllamav3.compat"  # exllamav3's convert_model, with exlnb's fix for padded MLPs
 EXL3_HEAD_BITS = (1, 2, 3, 4, 5, 6, 7, 8, 16)  # exllamav3 1.6.5 convert_model.prepare: 1-8, or 16 unquantized
-BITS_RANGE = {"exl2": (2.0, 8.0), "exl3": (1.0, 8.0)}  # convert_exl2 warns outside 2-8; convert_model refuses outside 1-8
+BITS_RANGE = {
+    "exl2": (2.0, 8.0),
+    "exl3": (1.0, 8.0),
+}  # convert_exl2 warns outside 2-8; convert_model refuses outside 1-8
 ERROR_LINE = re.compile(r"^\s*(##|!! Error|\*\* Error)")
 EXL2_STATUS = re.compile(r"\[STATUS\](.*)\[/STATUS\]")  # convert_exl2 -so (bot_status.print_stage)
 EXL3_MODULE = re.compile(r"Loading unquantized module: \S*layers\.(\d+)")
@@ -94,7 +97,9 @@ def check_arguments(format: str, bits: float, head_bits: int | None) -> int:
     head = DEFAULT_HEAD_BITS if head_bits is None else head_bits
     allowed = EXL2_HEAD_BITS if format == "exl2" else EXL3_HEAD_BITS
     if head not in allowed:
-        raise ValueError(f"head_bits={head} is not one {format.upper()} offers: choose one of {', '.join(map(str, allowed))}")
+        raise ValueError(
+            f"head_bits={head} is not one {format.upper()} offers: choose one of {', '.join(map(str, allowed))}"
+        )
     return head
 
 
@@ -143,7 +148,9 @@ def _check_converter(format: str) -> None:
     needed = [library] + (["fastparquet"] if format == "exl2" else [])  # convert_exl2 imports fastparquet
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
-        raise RuntimeError(f"quantizing to {format.upper()} needs {' and '.join(missing)}: pip install {' '.join(missing)}")
+        raise RuntimeError(
+            f"quantizing to {format.upper()} needs {' and '.join(missing)}: pip install {' '.join(missing)}"
+        )
 
 
 def converter_command(target: QuantizedModel) -> list[str]:
@@ -151,14 +158,38 @@ def converter_command(target: QuantizedModel) -> list[str]:
     if target.format == "exl2":
         reuse = ["-m", str(target.measurement)] if target.measurement.is_file() else []
         return [
-            sys.executable, "-m", "exllamav2.conversion.convert_exl2", "-i", str(target.source), "-o", str(target.work),
-            "-cf", str(target.partial), "-b", f"{target.bits:g}", "-hb", str(target.head_bits), "-so", *reuse,
+            sys.executable,
+            "-m",
+            "exllamav2.conversion.convert_exl2",
+            "-i",
+            str(target.source),
+            "-o",
+            str(target.work),
+            "-cf",
+            str(target.partial),
+            "-b",
+            f"{target.bits:g}",
+            "-hb",
+            str(target.head_bits),
+            "-so",
+            *reuse,
         ]
     if (target.work / "args.json").is_file():
         return [sys.executable, "-m", EXL3_CONVERTER, "-w", str(target.work), "-r"]
     return [
-        sys.executable, "-m", EXL3_CONVERTER, "-i", str(target.source), "-o", str(target.partial),
-        "-w", str(target.work), "-b", f"{target.bits:g}", "-hb", str(target.head_bits),
+        sys.executable,
+        "-m",
+        EXL3_CONVERTER,
+        "-i",
+        str(target.source),
+        "-o",
+        str(target.partial),
+        "-w",
+        str(target.work),
+        "-b",
+        f"{target.bits:g}",
+        "-hb",
+        str(target.head_bits),
     ]
 
 
@@ -198,10 +229,17 @@ def _run_converter(target: QuantizedModel, *, progress: bool) -> None:
     tail: collections.deque[str] = collections.deque(maxlen=30)
     errors = []
     log_path = target.folder / "convert.log"
-    with log_path.open("a") as log, subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    ) as process:
+    with (
+        log_path.open("a") as log,
+        subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        ) as process,
+    ):
         for line in process.stdout:
             log.write(line)
             tail.append(line.rstrip())

@@ -84,8 +84,10 @@ def cannot_make_here() -> str | None:
         return "the 7B-shaped model is made and run on CUDA: this machine has none"
     free, _ = torch.cuda.mem_get_info()
     if free < DEVICE_BYTES_NEEDED:
-        return (f"the 7B-shaped model needs about {DEVICE_BYTES_NEEDED / 2**30:.0f} GiB of free GPU memory, "
-                f"{free / 2**30:.1f} GiB are free")
+        return (
+            f"the 7B-shaped model needs about {DEVICE_BYTES_NEEDED / 2**30:.0f} GiB of free GPU memory, "
+            f"{free / 2**30:.1f} GiB are free"
+        )
     return None
 
 
@@ -136,8 +138,9 @@ def copy_tokenizer(source: Path, folder: Path) -> None:
             shutil.copy(source / name, folder / name)
 
 
-def make_random_llama(folder: Path, tokenizer_dir: Path, shape: dict = LLAMA_7B, *,
-                      distinct_layers: bool = True) -> int:
+def make_random_llama(
+    folder: Path, tokenizer_dir: Path, shape: dict = LLAMA_7B, *, distinct_layers: bool = True
+) -> int:
     """Write a Llama of `shape` with random fp16 weights; returns the bytes of weights read per token.
 
     `distinct_layers=False` writes one layer's random weights into every layer: the same work per token,
@@ -148,17 +151,31 @@ def make_random_llama(folder: Path, tokenizer_dir: Path, shape: dict = LLAMA_7B,
     copy_tokenizer(tokenizer_dir, folder)
     vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
     config = dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, rms_norm_eps=1e-5,
-        rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float16", bos_token_id=1, eos_token_id=2,
-        hidden_act="silu", **shape,
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=vocab,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        torch_dtype="float16",
+        bos_token_id=1,
+        eos_token_id=2,
+        hidden_act="silu",
+        **shape,
     )
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     h, i = shape["hidden_size"], shape["intermediate_size"]
     kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
     layer_shapes = {
-        "self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
-        "self_attn.o_proj.weight": (h, h), "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
-        "mlp.down_proj.weight": (h, i), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (h, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, h),
+        "mlp.gate_proj.weight": (i, h),
+        "mlp.up_proj.weight": (i, h),
+        "mlp.down_proj.weight": (h, i),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
     }
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CUDA draws 13 GB of weights in seconds
     generator = torch.Generator(device=device).manual_seed(0)
@@ -174,8 +191,14 @@ def make_random_llama(folder: Path, tokenizer_dir: Path, shape: dict = LLAMA_7B,
         save_file(shard, folder / name)
         weight_map.update(dict.fromkeys(shard, name))
 
-    save({"model.embed_tokens.weight": tensor((vocab, h)), "model.norm.weight": tensor((h,)),
-          "lm_head.weight": tensor((vocab, h))}, "model-head.safetensors")
+    save(
+        {
+            "model.embed_tokens.weight": tensor((vocab, h)),
+            "model.norm.weight": tensor((h,)),
+            "lm_head.weight": tensor((vocab, h)),
+        },
+        "model-head.safetensors",
+    )
     shared = None if distinct_layers else {k: tensor(dims) for k, dims in layer_shapes.items()}
     for layer in range(shape["num_hidden_layers"]):
         weights = shared or {k: tensor(dims) for k, dims in layer_shapes.items()}

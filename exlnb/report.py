@@ -104,18 +104,40 @@ def chosen_engine(engine: str) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m exlnb.report", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m exlnb.report",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--engine", default="auto", choices=ENGINE_NAMES,
-                        help="auto: ExLlamaV2 where CUDA is available, else the CPU engine")
+    parser.add_argument(
+        "--engine",
+        default="auto",
+        choices=ENGINE_NAMES,
+        help="auto: ExLlamaV2 where CUDA is available, else the CPU engine",
+    )
     parser.add_argument("--out", type=Path, default=Path("reports"), help="where reports go (default: reports)")
-    parser.add_argument("--only", nargs="+", default=list(NOTEBOOKS), choices=NOTEBOOKS, metavar="NAME",
-                        help=f"run only these notebooks ({', '.join(NOTEBOOKS)})")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=list(NOTEBOOKS),
+        choices=NOTEBOOKS,
+        metavar="NAME",
+        help=f"run only these notebooks ({', '.join(NOTEBOOKS)})",
+    )
     parser.add_argument("--preset", choices=sorted(PRESETS), help="larger parameters for real runs")
-    parser.add_argument("--set", action="append", default=[], metavar="NAME.PARAMETER=VALUE",
-                        help="override one notebook parameter, e.g. --set latency.requests=24 (a Python literal)")
-    parser.add_argument("--publish", nargs="?", const="auto", metavar="DIR",
-                        help="copy summaries, CSVs and figures to DIR (default: the engine's folder under data/results)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME.PARAMETER=VALUE",
+        help="override one notebook parameter, e.g. --set latency.requests=24 (a Python literal)",
+    )
+    parser.add_argument(
+        "--publish",
+        nargs="?",
+        const="auto",
+        metavar="DIR",
+        help="copy summaries, CSVs and figures to DIR (default: the engine's folder under data/results)",
+    )
     return parser
 
 
@@ -171,7 +193,9 @@ def run_notebook(name: str, out: Path, *, engine: str, parameters: dict, progres
             parameters={"engine": engine, "output_dir": ".", **parameters},
             cwd=str(running),
             kernel_name="python3",
-            progress_bar={"desc": f"{progress} cells", "file": sys.stdout, "ascii": True, "leave": False} if progress else False,
+            progress_bar={"desc": f"{progress} cells", "file": sys.stdout, "ascii": True, "leave": False}
+            if progress
+            else False,
             config=_kernel_config(),
         )
     except papermill.PapermillExecutionError as failure:
@@ -264,7 +288,9 @@ def summary_markdown(runs: list[NotebookRun]) -> str:
             lines.append(f"- FAILED: {run.error}")
             continue
         # quantization answers none
-        lines += [f"Field report {n} (docs/field-reports.md): {FIELD_REPORTS[n]}." for n in run.summary["field_reports"]]
+        lines += [
+            f"Field report {n} (docs/field-reports.md): {FIELD_REPORTS[n]}." for n in run.summary["field_reports"]
+        ]
         lines += [""] if run.summary["field_reports"] else []
         lines += [f"- {effect['line']}" for effect in run.summary["effects"]]
         lines += ["", *[f"- {finding}" for finding in run.summary["findings"]]]
@@ -290,7 +316,9 @@ def publish(runs: list[NotebookRun], out: Path, target: Path | None) -> Path:
     if target is None:
         engines = {run.summary["environment"]["engine"] for run in done}
         if len(engines) != 1:
-            raise SystemExit(f"--publish needs results from one engine to choose its folder under data/results/; got {engines}")
+            raise SystemExit(
+                f"--publish needs results from one engine to choose its folder under data/results/; got {engines}"
+            )
         target = RESULTS_DIR / engine_spec(engines.pop()).published_under
     target.mkdir(parents=True, exist_ok=True)
     for run in done:

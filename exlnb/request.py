@@ -34,37 +34,57 @@ class GenerationRequest:
 
     prompt: str
     system: str | None = option(None, group="prompt", metavar="TEXT", help="system prompt")
-    template: str = option("auto", group="prompt", choices=tuple(TEMPLATES),
-                           help="prompt format; auto: the model's own chat template")
-    chat: str | None = option(None, group="prompt", metavar="NAME",
-                              help="keep this conversation's turns in the session and answer after them")
-    amnesia: bool = option(False, group="prompt", help="forget the chat's earlier turns before this one, so each "
-                                                       "answer costs what the first did")
+    template: str = option(
+        "auto", group="prompt", choices=tuple(TEMPLATES), help="prompt format; auto: the model's own chat template"
+    )
+    chat: str | None = option(
+        None, group="prompt", metavar="NAME", help="keep this conversation's turns in the session and answer after them"
+    )
+    amnesia: bool = option(
+        False,
+        group="prompt",
+        help="forget the chat's earlier turns before this one, so each answer costs what the first did",
+    )
     n: int = option(1, group="samples", help="samples run concurrently (batched by the engine), shown side by side")
     max_new_tokens: int = same_option(JobOptions, "max_new_tokens")
     min_new_tokens: int = same_option(JobOptions, "min_new_tokens")
     stop: tuple[str | int, ...] = same_option(JobOptions, "stop")
     seed: int | None = option(None, group="samples", help="sample i uses seed + i")
-    loop_guard: bool = option(False, group="samples",
-                              help="end a sample caught in a repetition loop (ExLlamaV3: its own loop detector)")
+    loop_guard: bool = option(
+        False, group="samples", help="end a sample caught in a repetition loop (ExLlamaV3: its own loop detector)"
+    )
     sampler: SamplerSettings = field(default_factory=SamplerSettings)  # its fields are options of their own
     json_schema: dict | str | Path | type | None = same_option(JobOptions, "json_schema")
     regex: str | None = same_option(JobOptions, "regex")
     banned_strings: tuple[str, ...] = same_option(JobOptions, "banned_strings")
-    tokens: int = option(0, group="display",  # JobSpec.top_tokens: none computed at 0
-                         help="show the answer as tokens coloured by the model's probability, each with the N likeliest "
-                         "alternatives in a popover (0: off)")
-    show_whitespace: bool = option(False, group="display",
-                                   help="in the token view, draw spaces, tabs and newlines as marks (· → ↵)")
-    token_colour: str = option("probability", group="display", choices=TOKEN_COLOURS,
-                               help="shade the token view by probability, or by latency (time since the previous token)")
+    tokens: int = option(
+        0,
+        group="display",  # JobSpec.top_tokens: none computed at 0
+        help="show the answer as tokens coloured by the model's probability, each with the N likeliest "
+        "alternatives in a popover (0: off)",
+    )
+    show_whitespace: bool = option(
+        False, group="display", help="in the token view, draw spaces, tabs and newlines as marks (· → ↵)"
+    )
+    token_colour: str = option(
+        "probability",
+        group="display",
+        choices=TOKEN_COLOURS,
+        help="shade the token view by probability, or by latency (time since the previous token)",
+    )
     # what every sample's job asks, checked once (a bad schema or pattern fails here, before any job)
     job: JobOptions = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        job = JobOptions(max_new_tokens=self.max_new_tokens, min_new_tokens=self.min_new_tokens, stop=self.stop,
-                         banned_strings=self.banned_strings, json_schema=self.json_schema, regex=self.regex,
-                         sampler=self.sampler)
+        job = JobOptions(
+            max_new_tokens=self.max_new_tokens,
+            min_new_tokens=self.min_new_tokens,
+            stop=self.stop,
+            banned_strings=self.banned_strings,
+            json_schema=self.json_schema,
+            regex=self.regex,
+            sampler=self.sampler,
+        )
         object.__setattr__(self, "job", job)
         object.__setattr__(self, "stop", job.stop)
         object.__setattr__(self, "banned_strings", job.banned_strings)
@@ -79,7 +99,9 @@ class GenerationRequest:
         if self.n < 1:
             raise ValueError(f"n={self.n} must be >= 1")
         if not 0 <= self.tokens <= MAX_TOP_TOKENS:
-            raise ValueError(f"tokens={self.tokens} must be between 0 (off) and {MAX_TOP_TOKENS} alternatives per token")
+            raise ValueError(
+                f"tokens={self.tokens} must be between 0 (off) and {MAX_TOP_TOKENS} alternatives per token"
+            )
         if self.show_whitespace and not self.tokens:
             raise ValueError("show_whitespace marks whitespace in the token view: ask for the view too (tokens=5)")
         if self.token_colour not in TOKEN_COLOURS:
@@ -89,20 +111,26 @@ class GenerationRequest:
         if self.amnesia and self.chat is None:
             raise ValueError("amnesia forgets a chat's history: name the chat too (chat=...)")
         if self.seed is not None and not 0 <= self.seed <= SEED_MAX - (self.n - 1):
-            raise ValueError(f"seed={self.seed} is out of range: use 0 to {SEED_MAX - (self.n - 1)} (sample i uses seed + i)")
+            raise ValueError(
+                f"seed={self.seed} is out of range: use 0 to {SEED_MAX - (self.n - 1)} (sample i uses seed + i)"
+            )
 
     @property
     def constraint(self) -> OutputConstraint | None:
         return self.job.constraint
 
-    def job_specs(self, prompt_ids: Sequence[int], tokenizer: Tokenizer, *,
-                  stop_on_loop: tuple[int, int] | None = None) -> list[JobSpec]:
+    def job_specs(
+        self, prompt_ids: Sequence[int], tokenizer: Tokenizer, *, stop_on_loop: tuple[int, int] | None = None
+    ) -> list[JobSpec]:
         """The request's `n` jobs over one rendered prompt, sample i seeded `seed + i`: what the engine gets,
         read from this request's fields, already checked."""
         spec = replace(self.job.make_spec(prompt_ids, tokenizer), top_tokens=self.tokens, stop_on_loop=stop_on_loop)
         return [
-            replace(spec, seed=None if self.seed is None else self.seed + i,
-                    identifier=f"sample {i}" if self.n > 1 else None)
+            replace(
+                spec,
+                seed=None if self.seed is None else self.seed + i,
+                identifier=f"sample {i}" if self.n > 1 else None,
+            )
             for i in range(self.n)
         ]
 
@@ -131,6 +159,7 @@ class GenerationRequest:
 # `func(request, ..., **options)` with a signature that names every option with its type and default, read from the
 # declarations, so `help()` and a notebook's `func?` and tab completion show them
 takes_request_options = takes_options(
-    GenerationRequest, SamplerSettings,
+    GenerationRequest,
+    SamplerSettings,
     leading=[inspect.Parameter("sampler", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=SamplerSettings)],
 )

@@ -35,8 +35,10 @@ def score(session: Session, token_ids: Sequence[int], *, noise_eps: float = 0.0)
     `noise_eps`, from a pass with that much noise after every layer (`Engine.score`)."""
     engine = session.options.engine if session.options else None
     if engine and not engine_spec(engine).can("scoring"):
-        raise ValueError(f"the {engine} engine returns no logits to score: load the model with "
-                         f"{' or '.join(engines_that('scoring'))}")
+        raise ValueError(
+            f"the {engine} engine returns no logits to score: load the model with "
+            f"{' or '.join(engines_that('scoring'))}"
+        )
 
     def run(e) -> torch.Tensor:
         check_sequence(token_ids, e.max_seq_len)
@@ -50,8 +52,15 @@ def text_ids(session: Session, tokens: int = DEFAULT_TOKENS) -> list[int]:
     return filler_ids(session.tokenizer, tokens, label="divergence")
 
 
-def reference(model: str | Path, token_ids: Sequence[int], *, engine: str = "auto", dtype: str = "float32",
-              cache_dir: Path | None = None, cache_tokens: int | None = None) -> Reference:
+def reference(
+    model: str | Path,
+    token_ids: Sequence[int],
+    *,
+    engine: str = "auto",
+    dtype: str = "float32",
+    cache_dir: Path | None = None,
+    cache_tokens: int | None = None,
+) -> Reference:
     """`model`'s logits over `token_ids`, from the cache, else computed in a session of its own and kept, with
     its noise floor where the engine can inject noise (`Engine.scores_with_noise`: the cpu engine)."""
     folder = resolve_model(str(model))
@@ -73,12 +82,20 @@ def divergence(session: Session, against: Reference, *, noise_floor: bool = True
     vocab_size = session.tokenizer.vocab_size  # NoModelLoaded, in a line, when nothing is loaded
     against.check_tokenizer(tokenizer_identity(session.options.model_dir), vocab_size)
     logits = score(session, against.token_ids)
-    return compare(against.logits.float(), logits, against.token_ids,
-                   noise_kl=against.noise_kl if noise_floor else None)
+    return compare(
+        against.logits.float(), logits, against.token_ids, noise_kl=against.noise_kl if noise_floor else None
+    )
 
 
-def divergence_from(session: Session, against: str | Path, *, tokens: int = DEFAULT_TOKENS, engine: str = "auto",
-                    dtype: str = "float32", noise_floor: bool = True) -> Divergence:
+def divergence_from(
+    session: Session,
+    against: str | Path,
+    *,
+    tokens: int = DEFAULT_TOKENS,
+    engine: str = "auto",
+    dtype: str = "float32",
+    noise_floor: bool = True,
+) -> Divergence:
     """The loaded model against a reference model folder (over `text_ids(session, tokens)`, its logits cached) or
     a reference file kept by `exlnb.divergence` (over its own tokens): what `%exl_divergence` prints."""
     path = Path(str(against)).expanduser()

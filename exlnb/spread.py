@@ -36,7 +36,7 @@ class Measured:
 
 
 def verdict(effect: dict) -> str:
-    """"higher" or "lower" where the two 95% intervals do not overlap, else "overlap"."""
+    """ "higher" or "lower" where the two 95% intervals do not overlap, else "overlap"."""
     (s_low, s_high), (f_low, f_high) = effect["symptom"]["ci95"], effect["fix"]["ci95"]
     if s_low > f_high:
         return "higher"
@@ -63,8 +63,10 @@ def summaries(run: Path) -> dict[str, dict]:
                     found[name] = summary
                 break
     if not found:
-        raise FileNotFoundError(f"{run} holds no investigation summary (<notebook>.json): give a --publish folder "
-                                "or a report's --out folder")
+        raise FileNotFoundError(
+            f"{run} holds no investigation summary (<notebook>.json): give a --publish folder "
+            "or a report's --out folder"
+        )
     return found
 
 
@@ -90,17 +92,19 @@ def spread(runs: list[Path]) -> list[dict]:
                 continue
             verdicts = [m.verdict for m in measured]
             ratios = [m.ratio for m in measured if m.ratio is not None]
-            rows.append({
-                "notebook": name,
-                "effect": effect_name,
-                "runs": len(measured),
-                "symptom": [min(m.symptom for m in measured), max(m.symptom for m in measured)],
-                "fix": [min(m.fix for m in measured), max(m.fix for m in measured)],
-                "ratio": [min(ratios), max(ratios)] if ratios else None,
-                "verdicts": verdicts,
-                "agree": len(set(verdicts)) == 1,
-                "mixed_setups": len(environments) > 1,  # engine, model or device differ between the runs
-            })
+            rows.append(
+                {
+                    "notebook": name,
+                    "effect": effect_name,
+                    "runs": len(measured),
+                    "symptom": [min(m.symptom for m in measured), max(m.symptom for m in measured)],
+                    "fix": [min(m.fix for m in measured), max(m.fix for m in measured)],
+                    "ratio": [min(ratios), max(ratios)] if ratios else None,
+                    "verdicts": verdicts,
+                    "agree": len(set(verdicts)) == 1,
+                    "mixed_setups": len(environments) > 1,  # engine, model or device differ between the runs
+                }
+            )
     return rows
 
 

@@ -83,8 +83,10 @@ class GenerationResult:
         token; default: the likeliest alternative the token view recorded at `at`) in place of token `at`, then on
         with the same settings; the prompt's cached pages are reused. The branch's text starts with `token`."""
         if self.origin is None:
-            raise ValueError(f"job {self.job_id}'s result does not keep its request: only results of a generation "
-                             "(exlnb.generate_live, %%exl_generate --out) can branch")
+            raise ValueError(
+                f"job {self.job_id}'s result does not keep its request: only results of a generation "
+                "(exlnb.generate_live, %%exl_generate --out) can branch"
+            )
         return self.origin.branch(self, at, token)
 
     def tokens(self):
@@ -103,13 +105,19 @@ class GenerationResult:
         except ValueError as error:
             ended = self.eos_reason.words if self.eos_reason else "no event"
             first = str(error).splitlines()[0]
-            raise ValueError(f"job {self.job_id}'s answer does not satisfy its {self.constraint.describe()} "
-                             f"(it ended: {ended}): {first}") from None
+            raise ValueError(
+                f"job {self.job_id}'s answer does not satisfy its {self.constraint.describe()} "
+                f"(it ended: {ended}): {first}"
+            ) from None
 
     @classmethod
     def from_events(
-        cls, job_id: int, events: list[StreamEvent], constraint: OutputConstraint | None = None,
-        error: str | None = None, origin: Origin | None = None,
+        cls,
+        job_id: int,
+        events: list[StreamEvent],
+        constraint: OutputConstraint | None = None,
+        error: str | None = None,
+        origin: Origin | None = None,
     ) -> GenerationResult:
         last = events[-1] if events else None
         lead, lead_text = (origin.lead, origin.lead_text) if origin else ((), "")
@@ -210,8 +218,12 @@ class Deliveries:
         with self._lock:
             last = self._last.get(job_id)
         now = wall_clock()
-        final = last.ended(reason, now) if last else StreamEvent(
-            job_id=job_id, stage=Stage.DONE, time_produced=now, eos=True, eos_reason=reason, time_enqueued=now
+        final = (
+            last.ended(reason, now)
+            if last
+            else StreamEvent(
+                job_id=job_id, stage=Stage.DONE, time_produced=now, eos=True, eos_reason=reason, time_enqueued=now
+            )
         )
         self.deliver([final])
 
@@ -309,8 +321,11 @@ class JobStream:
     def failed_end(self) -> StreamEvent:
         """The last event of a job that failed: its counts and timings so far (none before its first event)."""
         now = wall_clock()
-        last = self._events[-1] if self._events else StreamEvent(
-            job_id=self.job_id, stage=Stage.PENDING, time_produced=now, time_enqueued=now)
+        last = (
+            self._events[-1]
+            if self._events
+            else StreamEvent(job_id=self.job_id, stage=Stage.PENDING, time_produced=now, time_enqueued=now)
+        )
         return last.ended(EosReason.FAILED, now)
 
     def receive(self, item: Delivered) -> StreamEvent:

@@ -13,7 +13,14 @@ from exlnb.engines.base import StreamEvent
 from exlnb.engines.token_info import TokenInfo
 
 COLUMNS = (
-    "position", "token_id", "text", "probability", "sampled_probability", "alternatives", "arrival_s", "latency_s",
+    "position",
+    "token_id",
+    "text",
+    "probability",
+    "sampled_probability",
+    "alternatives",
+    "arrival_s",
+    "latency_s",
 )
 
 
@@ -47,7 +54,18 @@ def token_frame(records: Sequence[TokenRecord]):
     if not records:
         raise ValueError("this result has no per-token data: generate with tokens=N (--tokens N) to record it")
     return pd.DataFrame(
-        [(r.position, r.info.token_id, r.info.text, r.info.probability, r.info.sampled_probability, r.info.alternatives,
-          r.arrival_s, r.latency_s) for r in records],
+        [
+            (
+                r.position,
+                r.info.token_id,
+                r.info.text,
+                r.info.probability,
+                r.info.sampled_probability,
+                r.info.alternatives,
+                r.arrival_s,
+                r.latency_s,
+            )
+            for r in records
+        ],
         columns=list(COLUMNS),
     )

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from exlnb.engines.base import Tokenizer
 from exlnb.datasets import DATA_DIR, load_prompts
+from exlnb.engines.base import Tokenizer
 from exlnb.metrics import check_slos
 from exlnb.templates import conversation, render
 
@@ -67,8 +67,10 @@ class Workload:
             if not (self.duration_s > 0 and math.isfinite(self.duration_s)):
                 raise ValueError(f"duration_s={self.duration_s!r} must be a positive number of seconds")
             if self.duration_s > MAX_SEND_S:
-                raise ValueError(f"duration_s={self.duration_s:g} is longer than a rate may send for "
-                                 f"({_in_words(MAX_SEND_S)}): give at most {MAX_SEND_S:g} seconds")
+                raise ValueError(
+                    f"duration_s={self.duration_s:g} is longer than a rate may send for "
+                    f"({_in_words(MAX_SEND_S)}): give at most {MAX_SEND_S:g} seconds"
+                )
             if math.inf in self.request_rates and self.max_concurrency is None:
                 raise ValueError(
                     "duration_s with request_rate=inf would send every request at once: set max_concurrency "

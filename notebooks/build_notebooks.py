@@ -280,7 +280,9 @@ print(session.load(engine=engine, cache_tokens=cache_tokens, progress=False).lin
 for name, table in result.tables.items():
     display(Markdown(f"**{{name}}**: {{len(table)}} rows"), table.head())"""
         ),
-        new_code_cell("figure = experiment.plot(result)  # None where nothing measured could be drawn: the findings say why"),
+        new_code_cell(
+            "figure = experiment.plot(result)  # None where nothing measured could be drawn: the findings say why"
+        ),
         new_markdown_cell("## What the data say"),
         new_code_cell("display(Markdown(result.markdown()))"),
         new_code_cell("for path in result.save(output_dir, figure):\n    print(path)"),

@@ -25,7 +25,6 @@ from exlnb.session import Session
 from tests.helpers import skip_without_library
 
 
-
 def pytest_runtest_logreport(report) -> None:
     """With EXLNB_FAILURE_LOG set, each failure's traceback goes there as it happens, so a run cut off before
     pytest's own summary (a GPU machine handed back mid-run) still says why each test failed."""

@@ -69,13 +69,18 @@ class FakeLlmHandler(StandInHandler):
 
     def do_GET(self) -> None:
         if self.path == "/v1/models":
-            return self._json({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "vllm",
-                                                            "max_model_len": 8192}]})
+            return self._json(
+                {
+                    "object": "list",
+                    "data": [{"id": MODEL, "object": "model", "owned_by": "vllm", "max_model_len": 8192}],
+                }
+            )
         if self.path == "/metrics":
             with self.server.lock:
                 running = sum(not entry["finished"] for entry in self.server.log)
-            return self._send(200, f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running {running}\n",
-                              "text/plain")
+            return self._send(
+                200, f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running {running}\n", "text/plain"
+            )
         if self.path == "/fake/log":
             with self.server.lock:
                 return self._json(self.server.log)
@@ -87,8 +92,13 @@ class FakeLlmHandler(StandInHandler):
         if tokens > MAX_TOKENS:
             return self._send(400, json.dumps({"error": {"message": f"max_tokens above {MAX_TOKENS}"}}))
         prompt = body["messages"][-1]["content"] if "messages" in body else body["prompt"]
-        entry = {"stream": bool(body.get("stream")), "max_tokens": tokens, "tokens": 0, "client_left": False,
-                 "finished": False}
+        entry = {
+            "stream": bool(body.get("stream")),
+            "max_tokens": tokens,
+            "tokens": 0,
+            "client_left": False,
+            "finished": False,
+        }
         with self.server.lock:
             self.server.log.append(entry)
         try:
@@ -108,20 +118,37 @@ class FakeLlmHandler(StandInHandler):
             _burn(TOKEN_CPU_S)
             entry["tokens"] += 1
             if stream and not entry["client_left"]:
-                self._write_event(entry, {"choices": [{"index": 0, "delta": {"content": " tok"}, "finish_reason": None}]})
+                self._write_event(
+                    entry, {"choices": [{"index": 0, "delta": {"content": " tok"}, "finish_reason": None}]}
+                )
             if self._left(entry) and not self.server.work_on:
                 return None
         if entry["client_left"]:
             return None
         usage = {"prompt_tokens": prompt_chars // 4, "completion_tokens": tokens}
         if stream:
-            self._write_event(entry, {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "usage": usage})
+            self._write_event(
+                entry, {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "usage": usage}
+            )
             self._chunk("data: [DONE]\n\n")
             self._chunk("")
             return None
-        return self._json({"id": "fake", "object": "chat.completion", "created": int(time.time()), "model": MODEL,
-                           "usage": usage, "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": " tok" * tokens}, "finish_reason": "length"}]})
+        return self._json(
+            {
+                "id": "fake",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": MODEL,
+                "usage": usage,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": " tok" * tokens},
+                        "finish_reason": "length",
+                    }
+                ],
+            }
+        )
 
     def _left(self, entry: dict) -> bool:
         """Whether the client has gone: its socket readable with nothing to read (a closed connection), or a

@@ -28,6 +28,7 @@ from benchmarks.local_servers import LocalServer, free_port
 from exlnb.session import Session
 from tests.fake_llm_server import StandInHandler
 
+
 @pytest.fixture(scope="session")
 def transformers_server_process(tmp_path_factory) -> Iterator[LocalServer]:
     """`transformers serve` on the bundled model's folder, on the CPU, one `generate()` at a time."""
@@ -43,7 +44,9 @@ def transformers_server(transformers_server_process) -> str:
 @pytest.fixture(scope="session")
 def transformers_batching_server_process(tmp_path_factory) -> Iterator[LocalServer]:
     """`transformers serve --continuous-batching`: the same model through its paged continuous-batching generator."""
-    with local_servers.transformers_serve(tmp_path_factory.mktemp("transformers-cb"), continuous_batching=True) as server:
+    with local_servers.transformers_serve(
+        tmp_path_factory.mktemp("transformers-cb"), continuous_batching=True
+    ) as server:
         yield server
 
 
@@ -55,7 +58,9 @@ def llama_cpp_server_process(tmp_path_factory) -> Iterator[LocalServer]:
     25 s and 4 s with one)."""
     import torch
 
-    with local_servers.llama_cpp_server(tmp_path_factory.mktemp("llama_cpp"), threads=torch.get_num_threads()) as server:
+    with local_servers.llama_cpp_server(
+        tmp_path_factory.mktemp("llama_cpp"), threads=torch.get_num_threads()
+    ) as server:
         yield server
 
 
@@ -88,8 +93,16 @@ BAD_SHAPES = {
     "content-number": {"choices": [{"index": 0, "delta": {"content": 42}, "finish_reason": None}]},
     "usage-words": {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": "lots"}},
     "finish-list": {"choices": [{"index": 0, "delta": {"content": " x"}, "finish_reason": ["stop"]}]},
-    "logprob-text": {"choices": [{"index": 0, "delta": {"content": " x"}, "finish_reason": None, "logprobs": {
-        "content": [{"token": " x", "logprob": "abc", "top_logprobs": []}]}}]},
+    "logprob-text": {
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"content": " x"},
+                "finish_reason": None,
+                "logprobs": {"content": [{"token": " x", "logprob": "abc", "top_logprobs": []}]},
+            }
+        ]
+    },
 }
 PACKED_WORDS = " the cat sat on the mat and the dog sat on the rug"  # one token a word in SmolLM2's tokenizer
 
@@ -118,8 +131,15 @@ class FakeHandler(StandInHandler):
             return self.end_headers()
         if self.path in ("/v1/models", "/len-5/v1/models"):
             length = -5 if self.path.startswith("/len-5") else 2048
-            return self._send(200, json.dumps({"object": "list", "data": [
-                {"id": FAKE_MODEL, "object": "model", "owned_by": "vllm", "max_model_len": length}]}))
+            return self._send(
+                200,
+                json.dumps(
+                    {
+                        "object": "list",
+                        "data": [{"id": FAKE_MODEL, "object": "model", "owned_by": "vllm", "max_model_len": length}],
+                    }
+                ),
+            )
         return self._send(404, json.dumps({"detail": "Not Found"}))
 
     def do_POST(self) -> None:
@@ -128,7 +148,9 @@ class FakeHandler(StandInHandler):
             return None
         content = body["messages"][-1]["content"] if "messages" in body else body["prompt"]
         if body.get("model") != FAKE_MODEL:
-            return self._send(404, json.dumps({"error": {"message": f"The model `{body.get('model')}` does not exist."}}))
+            return self._send(
+                404, json.dumps({"error": {"message": f"The model `{body.get('model')}` does not exist."}})
+            )
         taken = self.server.take_fault()
         fault = taken or content
         if fault in ("429", "503"):
@@ -213,12 +235,23 @@ class FakeHandler(StandInHandler):
         words = PACKED_WORDS.split(" ")[1:]
         for pair in range(0, len(words), 2):
             time.sleep(0.01)
-            self._chunk(_sse_chunk("".join(" " + w for w in words[pair:pair + 2])))
+            self._chunk(_sse_chunk("".join(" " + w for w in words[pair : pair + 2])))
         self._finish("stop", len(words))
 
-    _ANSWERS = {"malformed": _malformed, "die": _die, "slow": _slow, "endless": _slow, "stall": _stall,
-                "shape": _bad_shape, "no-choices": _no_choices, "no-finish": _no_finish, "big-event": _big_event,
-                "long-line": _long_line, "chatter": _chatter, "packed": _packed}
+    _ANSWERS = {
+        "malformed": _malformed,
+        "die": _die,
+        "slow": _slow,
+        "endless": _slow,
+        "stall": _stall,
+        "shape": _bad_shape,
+        "no-choices": _no_choices,
+        "no-finish": _no_finish,
+        "big-event": _big_event,
+        "long-line": _long_line,
+        "chatter": _chatter,
+        "packed": _packed,
+    }
 
     def _finish(self, reason: str = "stop", tokens: int | None = None) -> None:
         self._chunk(_sse_chunk("", finish=reason))
@@ -259,14 +292,19 @@ class FakeHandler(StandInHandler):
     def _authorised(self) -> bool:
         if self.headers.get("Authorization") == f"Bearer {FAKE_KEY}":
             return True
-        self._send(401, json.dumps({"error": {"message": "Incorrect API key provided", "type": "invalid_request_error"}}))
+        self._send(
+            401, json.dumps({"error": {"message": "Incorrect API key provided", "type": "invalid_request_error"}})
+        )
         return False
 
 
 def _sse_chunk(text: str | None, finish: str | None = None, role: str | None = None) -> str:
     delta = {"role": role} if role else {} if text is None else {"content": text}
-    chunk = {"object": "chat.completion.chunk", "model": FAKE_MODEL,
-             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    chunk = {
+        "object": "chat.completion.chunk",
+        "model": FAKE_MODEL,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
     return f"data: {json.dumps(chunk)}\n\n"
 
 

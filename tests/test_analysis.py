@@ -9,11 +9,11 @@ from exlnb.analysis import (
     describe,
     distinct_n,
     find_tail_loop,
-    tail_period,
     median_interval,
     rate_interval,
     ratio_of_medians,
     repeated_ngram_fraction,
+    tail_period,
 )
 
 

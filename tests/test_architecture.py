@@ -21,20 +21,57 @@ ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 # included, are engines, and the shared vocabulary beside them is named one by one. A module no entry covers
 # fails the test: it must be placed, not assumed.
 LAYERS = (
-    ("engine vocabulary", ("exlnb.engines", "exlnb.engines.base", "exlnb.engines.checks", "exlnb.engines.sampling",
-                           "exlnb.engines.declaration", "exlnb.engines.constraint", "exlnb.engines.schema_refs",
-                           "exlnb.engines.grammar", "exlnb.engines.tokenizer", "exlnb.engines.text",
-                           "exlnb.engines.vocab", "exlnb.engines.token_info", "exlnb.engines.registry",
-                           "exlnb.engines.formats", "exlnb.engines.options", "exlnb.engines.delivery",
-                           "exlnb.engines.job_options", "exlnb.engines.views")),
+    (
+        "engine vocabulary",
+        (
+            "exlnb.engines",
+            "exlnb.engines.base",
+            "exlnb.engines.checks",
+            "exlnb.engines.sampling",
+            "exlnb.engines.declaration",
+            "exlnb.engines.constraint",
+            "exlnb.engines.schema_refs",
+            "exlnb.engines.grammar",
+            "exlnb.engines.tokenizer",
+            "exlnb.engines.text",
+            "exlnb.engines.vocab",
+            "exlnb.engines.token_info",
+            "exlnb.engines.registry",
+            "exlnb.engines.formats",
+            "exlnb.engines.options",
+            "exlnb.engines.delivery",
+            "exlnb.engines.job_options",
+            "exlnb.engines.views",
+        ),
+    ),
     ("engines", ("exlnb.engines.*",)),  # cpu/, exllamav2*, exllamav3*, library_engine, remote/, ...
-    ("prompts, measures and model folders", ("exlnb.templates.*", "exlnb.analysis", "exlnb.models", "exlnb.quantize",
-                                              "exlnb.random_model", "exlnb.datasets", "exlnb.metrics",
-                                              "exlnb.divergence")),
+    (
+        "prompts, measures and model folders",
+        (
+            "exlnb.templates.*",
+            "exlnb.analysis",
+            "exlnb.models",
+            "exlnb.quantize",
+            "exlnb.random_model",
+            "exlnb.datasets",
+            "exlnb.metrics",
+            "exlnb.divergence",
+        ),
+    ),
     ("session", ("exlnb.streaming", "exlnb.token_records", "exlnb.engine_thread", "exlnb.session.*")),
-    ("generation", ("exlnb.chat", "exlnb.request", "exlnb.generation", "exlnb.workload", "exlnb.loadtest",
-                    "exlnb.bench_result", "exlnb.scoring",
-                    "exlnb.branching")),
+    (
+        "generation",
+        (
+            "exlnb.chat",
+            "exlnb.request",
+            "exlnb.generation",
+            "exlnb.workload",
+            "exlnb.loadtest",
+            "exlnb.bench_result",
+            "exlnb.scoring",
+            "exlnb.branching",
+        ),
+    ),
     ("widgets and magics", ("exlnb.widgets.*", "exlnb.magic_arguments", "exlnb.magics")),
     ("experiments and notebooks", ("exlnb.experiments.*", "exlnb.report", "exlnb.spread")),
     ("the package's front door", ("exlnb",)),
@@ -73,8 +110,12 @@ def covers(entry: str, name: str) -> bool:
 
 def layer_of(name: str) -> int:
     """The layer of the entry that names `name` itself, else of the innermost package entry that holds it."""
-    matches = [(entry == name, len(entry), index)
-               for index, (_, entries) in enumerate(LAYERS) for entry in entries if covers(entry, name)]
+    matches = [
+        (entry == name, len(entry), index)
+        for index, (_, entries) in enumerate(LAYERS)
+        for entry in entries
+        if covers(entry, name)
+    ]
     if not matches:
         raise AssertionError(f"{name} is in no layer: place it in LAYERS here and in docs/architecture.md")
     best = max(matches)
@@ -99,7 +140,12 @@ def test_a_module_left_out_of_the_layers_fails_rather_than_landing_on_top():
 def test_a_module_is_placed_by_its_own_entry_before_its_package_s():
     names = ("exlnb.engines.registry", "exlnb.engines.newcomer", "exlnb.engines", "exlnb.widgets.newcomer", "exlnb")
     assert [LAYERS[layer_of(name)][0] for name in names] == [
-        "engine vocabulary", "engines", "engine vocabulary", "widgets and magics", "the package's front door"]
+        "engine vocabulary",
+        "engines",
+        "engine vocabulary",
+        "widgets and magics",
+        "the package's front door",
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
@@ -180,7 +226,7 @@ def test_importing_exlnb_in_a_script_does_not_load_the_widget_libraries():
 def documented_layers() -> dict[str, list[str]]:
     """docs/architecture.md's layer table: each layer's name and the paths its row names, in its order."""
     text = ARCHITECTURE.read_text()
-    table = text[text.index("| Layer | Modules | Owns |"):].split("\n\n", 1)[0]
+    table = text[text.index("| Layer | Modules | Owns |") :].split("\n\n", 1)[0]
     rows = [line.split(" | ") for line in table.splitlines()[2:]]
     return {row[0].removeprefix("| "): re.findall(r"`([^`]+)`", row[1]) for row in rows}
 

@@ -22,6 +22,9 @@ def test_every_bad_input_in_a_real_kernel_gets_what_the_committed_table_says_and
     assert not stale and generated == committed, (
         "docs/bad-inputs.md is out of date (run python docs/bad_inputs.py); rows that changed:\n" + "\n".join(stale)
     )
-    harmful = [(shown, seen, usable) for shown, seen, usable in results
-               if seen.startswith("TRACEBACK") or seen == "(no error)" or not usable.startswith("yes")]
+    harmful = [
+        (shown, seen, usable)
+        for shown, seen, usable in results
+        if seen.startswith("TRACEBACK") or seen == "(no error)" or not usable.startswith("yes")
+    ]
     assert not harmful, harmful

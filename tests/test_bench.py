@@ -207,14 +207,22 @@ def test_the_serving_script_refuses_an_unpaged_engine_that_always_pages(capsys):
 
 def test_the_magic_runs_and_stores_its_result(shell, idle_session, capsys):
     shell.run_line_magic(
-        "exl_bench", "--request-rate 20,inf --num-requests 2 --prompt-len 8-16 --output-len 2 --max-concurrency 2 "
-                     "--slo ttft_ms=60000 --seed 4 --no-progress --out load",
+        "exl_bench",
+        "--request-rate 20,inf --num-requests 2 --prompt-len 8-16 --output-len 2 --max-concurrency 2 "
+        "--slo ttft_ms=60000 --seed 4 --no-progress --out load",
     )
     result = shell.user_ns.pop("load")
 
     assert isinstance(result, BenchResult)
-    assert result.workload == Workload(request_rates=(20.0, math.inf), max_concurrency=2, prompt_len=(8, 16),
-                                       output_len=2, num_requests=2, seed=4, slos={"ttft_ms": 60000.0})
+    assert result.workload == Workload(
+        request_rates=(20.0, math.inf),
+        max_concurrency=2,
+        prompt_len=(8, 16),
+        output_len=2,
+        num_requests=2,
+        seed=4,
+        slos={"ttft_ms": 60000.0},
+    )
     assert list(result.summary.successful_requests) == [2, 2]
     assert "Request goodput (req/s):" in capsys.readouterr().out
     assert_idle(idle_session)
@@ -260,20 +268,24 @@ def run_bench_cell(shell, line: str, monkeypatch, act) -> tuple:
     return result, view
 
 
-def test_the_stop_button_ends_exl_bench_with_no_job_left_and_counts_that_add_up(shell, idle_session, monkeypatch,
-                                                                                 capsys):
+def test_the_stop_button_ends_exl_bench_with_no_job_left_and_counts_that_add_up(
+    shell, idle_session, monkeypatch, capsys
+):
     async def press_stop_mid_run(task, view):
         # two requests in flight at a time: once the first two have finished and the next two decode,
         # two are still to send
-        while not (view.rates and len(view.rates[0].records) >= 2
-                   and any(row.info.new_tokens for row in idle_session.jobs())):
+        while not (
+            view.rates and len(view.rates[0].records) >= 2 and any(row.info.new_tokens for row in idle_session.jobs())
+        ):
             assert not task.done(), task.result().error_in_exec
             await asyncio.sleep(0.01)
         view.handle({"type": "stop"})  # what the widget's Stop button sends
 
     cell, view = run_bench_cell(
-        shell, "--request-rate inf,20 --num-requests 6 --max-concurrency 2 --prompt-len 8 --output-len 16 --out load",
-        monkeypatch, press_stop_mid_run,
+        shell,
+        "--request-rate inf,20 --num-requests 6 --max-concurrency 2 --prompt-len 8 --output-len 16 --out load",
+        monkeypatch,
+        press_stop_mid_run,
     )
     assert cell.success
     result = shell.user_ns.pop("load")
@@ -289,8 +301,10 @@ def test_the_stop_button_ends_exl_bench_with_no_job_left_and_counts_that_add_up(
     assert result.summary.loc["inf", ["stopped", "unsent_requests"]].tolist() == [True, run.unsent_requests]
     assert_idle(idle_session)
 
-    words = (f"stopped at inf req/s: {m.successful_requests} of 6 requests finished, {m.failed_requests} cancelled "
-             f"in flight, {run.unsent_requests} never sent; rate 20 not run")
+    words = (
+        f"stopped at inf req/s: {m.successful_requests} of 6 requests finished, {m.failed_requests} cancelled "
+        f"in flight, {run.unsent_requests} never sent; rate 20 not run"
+    )
     assert result.stop_words() == words and words in view.record()["text/html"]  # in the folded printout
     assert "stopped (stop button)" in view.text() and "20 req/s · not run" in view.text()
     assert run.count_words() in view.record()["text/plain"]
@@ -304,13 +318,17 @@ def test_a_kernel_interrupt_stops_exl_bench_with_one_line_and_no_job_left(shell,
             await asyncio.sleep(0.01)
         task.cancel()  # what ipykernel does on an interrupt while a cell awaits
 
-    cell, view = run_bench_cell(shell, "--num-requests 4 --prompt-len 8 --output-len 16", monkeypatch,
-                                interrupt_once_tokens_flow)
+    cell, view = run_bench_cell(
+        shell, "--num-requests 4 --prompt-len 8 --output-len 16", monkeypatch, interrupt_once_tokens_flow
+    )
 
     assert type(cell.error_in_exec).__name__ == "Interrupted"
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 1 and re.fullmatch(r"interrupted: stopped at inf req/s: \d of 4 requests finished, "
-                                            r"\d cancelled in flight", lines[0]), lines
+    assert len(lines) == 1 and re.fullmatch(
+        r"interrupted: stopped at inf req/s: \d of 4 requests finished, "
+        r"\d cancelled in flight",
+        lines[0],
+    ), lines
     assert "stopped (interrupt)" in view.text()
     assert_idle(idle_session)
 
@@ -341,8 +359,15 @@ def test_a_stop_cancels_every_request_in_flight_in_one_engine_command(idle_sessi
             stop.set()
 
     # seed 5 draws output lengths from 1 to 40: one request ends early, the other 23 are still in flight
-    result = bench(num_requests=24, prompt_len=8, output_len=(1, 40), seed=5, on_finish=stop_at_the_first_end,
-                   stop=stop, progress=False)
+    result = bench(
+        num_requests=24,
+        prompt_len=8,
+        output_len=(1, 40),
+        seed=5,
+        on_finish=stop_at_the_first_end,
+        stop=stop,
+        progress=False,
+    )
 
     [run] = result.runs
     assert run.stopped and run.metrics.failed_requests >= 10
@@ -366,8 +391,11 @@ def test_requests_in_flight_are_read_without_a_thread_each(idle_session):
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        (dict(request_rates=(1e-6,)), r"request_rate=1e-06 would take about 174 days to send 16 requests, and a "
-                                      r"rate may take at most 1 hour"),
+        (
+            dict(request_rates=(1e-6,)),
+            r"request_rate=1e-06 would take about 174 days to send 16 requests, and a "
+            r"rate may take at most 1 hour",
+        ),
         (dict(request_rates=(2.0, 0.001), num_requests=10), r"request_rate=0\.001 would take about 2\.5 hours"),
         (dict(duration_s=7200, max_concurrency=2), r"duration_s=7200 is longer than a rate may send for \(1 hour\)"),
     ],
@@ -390,15 +418,18 @@ def test_ctrl_c_on_an_awaited_abench_in_terminal_ipython_stops_the_test_and_its_
     loop = asyncio.new_event_loop()
     try:
         with ctrl_c_once_tokens_flow(idle_session):
-            loop.run_until_complete(abench(num_requests=6, prompt_len=8, output_len=400, display="text", progress=False))
+            loop.run_until_complete(
+                abench(num_requests=6, prompt_len=8, output_len=400, display="text", progress=False)
+            )
     except BaseException as error:  # noqa: BLE001 - a KeyboardInterrupt that escaped is the failure looked for
         raised = error
     finally:
         loop.close()
 
     assert isinstance(raised, Interrupted), repr(raised)  # not a KeyboardInterrupt out of the loop's select
-    assert re.fullmatch(r"interrupted: stopped at inf req/s: \d of 6 requests finished, \d cancelled in flight",
-                        str(raised))
+    assert re.fullmatch(
+        r"interrupted: stopped at inf req/s: \d of 6 requests finished, \d cancelled in flight", str(raised)
+    )
     assert not [t for t in threading.enumerate() if t.name.startswith("exlnb-bench")]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert_idle(idle_session)
@@ -407,12 +438,16 @@ def test_ctrl_c_on_an_awaited_abench_in_terminal_ipython_stops_the_test_and_its_
 # -- what the widget leaves (issue 29, item 4) -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("ttft_ms", "state", "words"), [
-    (0.001, "error", "SLO met by 0% (0 of 3)"),
-    (60_000, "done", "SLO met by 100% (3 of 3)"),
-])
-def test_each_rate_line_says_what_share_met_the_slo_and_a_miss_is_in_the_error_colour(idle_session, ttft_ms, state,
-                                                                                      words):
+@pytest.mark.parametrize(
+    ("ttft_ms", "state", "words"),
+    [
+        (0.001, "error", "SLO met by 0% (0 of 3)"),
+        (60_000, "done", "SLO met by 100% (3 of 3)"),
+    ],
+)
+def test_each_rate_line_says_what_share_met_the_slo_and_a_miss_is_in_the_error_colour(
+    idle_session, ttft_ms, state, words
+):
     view = BenchView(threading.Event())
     result = bench(num_requests=3, prompt_len=8, output_len=3, slos={"ttft_ms": ttft_ms}, progress=view)
     view.finish(result)
@@ -423,13 +458,18 @@ def test_each_rate_line_says_what_share_met_the_slo_and_a_miss_is_in_the_error_c
     assert ("exlnb-slo-missed" in view.html) == (state == "error")
 
 
-def test_exl_bench_under_the_widget_leaves_one_compact_table_with_the_printout_folded(shell, idle_session,
-                                                                                    monkeypatch, capsys):
+def test_exl_bench_under_the_widget_leaves_one_compact_table_with_the_printout_folded(
+    shell, idle_session, monkeypatch, capsys
+):
     async def watch(task, view):
         """Nothing to press: the test runs to its end."""
 
-    cell, view = run_bench_cell(shell, "--request-rate inf,20 --num-requests 2 --prompt-len 8 --output-len 3 "
-                                       "--slo ttft_ms=60000 --out load", monkeypatch, watch)
+    cell, view = run_bench_cell(
+        shell,
+        "--request-rate inf,20 --num-requests 2 --prompt-len 8 --output-len 3 --slo ttft_ms=60000 --out load",
+        monkeypatch,
+        watch,
+    )
     assert cell.success
     result = shell.user_ns.pop("load")
     record = view.record()

@@ -84,8 +84,13 @@ def test_performance_table_reads_every_full_run_ratios_first(tmp_path):
 
 
 def _benchmarks(*arguments: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks", *arguments], capture_output=True, text=True,
-                          cwd=Path(__file__).parent.parent, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks", *arguments],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+        timeout=120,
+    )
 
 
 def test_one_entry_names_every_suite_and_refuses_an_unknown_one_in_one_line():
@@ -94,7 +99,8 @@ def test_one_entry_names_every_suite_and_refuses_an_unknown_one_in_one_line():
 
     assert listed.returncode == 0 and all(f"  {suite} " in listed.stdout for suite in SUITES)
     assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
-        f"python -m benchmarks: no suite 'graph_probe'; choose one of {', '.join(SUITES)}"]
+        f"python -m benchmarks: no suite 'graph_probe'; choose one of {', '.join(SUITES)}"
+    ]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the suite runs instead of refusing")
@@ -112,13 +118,22 @@ def test_the_graph_benchmark_judges_each_goal_of_issue_17_by_its_own_threshold()
     from benchmarks.graphs import goals
 
     def rows(over_floor, speedup, over_transformers):
-        return {"7b-shaped": {"exllamav2": {"graphs_over_floor": over_floor}},
-                "bundled": {"exllamav2": {"speedup_batch_1": speedup, "graphs_over_transformers_best": over_transformers}}}
+        return {
+            "7b-shaped": {"exllamav2": {"graphs_over_floor": over_floor}},
+            "bundled": {"exllamav2": {"speedup_batch_1": speedup, "graphs_over_transformers_best": over_transformers}},
+        }
 
     met = goals(rows(1.5, 3.0, 2.0))
     missed = goals(rows(1.51, 2.99, 1.99))
-    assert set(met) == set(missed) == {"7b_batch_1_over_floor_at_most_1.5", "bundled_batch_1_speedup_at_least_3",
-                                       "engine_over_transformers_best_at_least_2"}
+    assert (
+        set(met)
+        == set(missed)
+        == {
+            "7b_batch_1_over_floor_at_most_1.5",
+            "bundled_batch_1_speedup_at_least_3",
+            "engine_over_transformers_best_at_least_2",
+        }
+    )
     assert all(goal["met"] for goal in met.values())
     assert not any(goal["met"] for goal in missed.values())
     assert missed["7b_batch_1_over_floor_at_most_1.5"]["ratio"] == 1.51
@@ -130,8 +145,14 @@ RESULTS_BUDGET_BYTES = 3 * 1024 * 1024  # what a clone carries; raw logs and not
 
 def test_the_results_git_carries_stay_under_3_mb():
     root = Path(__file__).parent.parent
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "benchmarks/results"],
-                            capture_output=True, text=True, cwd=root, check=True, timeout=60).stdout.splitlines()
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "benchmarks/results"],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        check=True,
+        timeout=60,
+    ).stdout.splitlines()
     files = [root / name for name in listed if (root / name).is_file()]
     assert files, "benchmarks/results holds no result"
     sizes = sorted(((f.stat().st_size, f) for f in files), reverse=True)

@@ -15,11 +15,15 @@ import exlnb
 from benchmarks import speed, speed_setups
 
 ISSUE_GOALS = {  # issue 42's names, which the table must keep
-    "v3_fp16_7b_batch1_over_floor_at_most_1.5", "v2_fp16_7b_batch1_over_floor_at_most_1.3",
+    "v3_fp16_7b_batch1_over_floor_at_most_1.5",
+    "v2_fp16_7b_batch1_over_floor_at_most_1.3",
     "v3_exl3_7b_kit_over_raw_exllamav3_batch1_at_least_1.15",
-    "over_transformers_compiled_7b_batch1_at_least_1.2_v2", "over_transformers_compiled_7b_batch1_at_least_1.2_v3",
-    "over_transformers_compiled_7b_batch8_at_least_1.2_v2", "over_transformers_compiled_7b_batch8_at_least_1.2_v3",
-    "v3_fp16_7b_repeat_spread_at_most_1.1", "context_4096_over_256_per_token_at_most_1.15",
+    "over_transformers_compiled_7b_batch1_at_least_1.2_v2",
+    "over_transformers_compiled_7b_batch1_at_least_1.2_v3",
+    "over_transformers_compiled_7b_batch8_at_least_1.2_v2",
+    "over_transformers_compiled_7b_batch8_at_least_1.2_v3",
+    "v3_fp16_7b_repeat_spread_at_most_1.1",
+    "context_4096_over_256_per_token_at_most_1.15",
     "batch8_aggregate_over_batch1_at_least_5",
 }
 
@@ -45,7 +49,9 @@ def test_quick_cpu_run_measures_the_bundled_model_resumes_and_accounts_for_every
         assert math.isfinite(kit[name]) and kit[name] > 0, name
     assert len(record["parts"]["kit-cpu@bundled"]["samples"]["ms_per_token_64"]["samples"]) == record["plan"]["repeats"]
     floor = record["parts"]["floor@bundled"]["metrics"]
-    assert floor["ms_per_token"] == pytest.approx(1000 * floor["weight_bytes_read_per_token"] / floor["copy_bandwidth_bytes_per_s"])
+    assert floor["ms_per_token"] == pytest.approx(
+        1000 * floor["weight_bytes_read_per_token"] / floor["copy_bandwidth_bytes_per_s"]
+    )
     assert record["parts"]["kit-exllamav2@7b-fp16"]["why"] == "no CUDA here"
 
     assert set(record["goals"]) == ISSUE_GOALS == set(record["goal_definitions"])
@@ -84,17 +90,25 @@ def test_goals_table_names_each_goal_once_and_its_threshold_is_its_name():
                 parts.setdefault(bottom, {"metrics": {}, "call": 0})["metrics"][y] = scale = 10.0
             parts[top]["metrics"][x] = scale * goal.threshold * factor
             result = speed.goals(parts)[goal.name]
-            assert result["ratio"] == pytest.approx(goal.threshold * factor) and result["met"] is met, (goal.name, factor)
+            assert result["ratio"] == pytest.approx(goal.threshold * factor) and result["met"] is met, (
+                goal.name,
+                factor,
+            )
 
     missing = speed.goals({"floor@7b-fp16": {"why": "no CUDA here"}})["v2_fp16_7b_batch1_over_floor_at_most_1.3"]
-    assert missing == {"ratio": None, "met": False,
-                       "why": "kit-exllamav2@7b-fp16: not run yet; floor@7b-fp16: no CUDA here"}
+    assert missing == {
+        "ratio": None,
+        "met": False,
+        "why": "kit-exllamav2@7b-fp16: not run yet; floor@7b-fp16: no CUDA here",
+    }
 
 
 def test_a_ratio_against_a_peer_counts_only_where_the_two_were_timed_in_turns():
     goal = "over_transformers_compiled_7b_batch1_at_least_1.2_v3"
-    parts = {"kit-exllamav3@7b-fp16": {"metrics": {"tokens_per_s_256": 300.0}, "call": 0, "timed_with": []},
-             "transformers@7b-fp16": {"metrics": {"tokens_per_s_256": 100.0}, "call": 1}}
+    parts = {
+        "kit-exllamav3@7b-fp16": {"metrics": {"tokens_per_s_256": 300.0}, "call": 0, "timed_with": []},
+        "transformers@7b-fp16": {"metrics": {"tokens_per_s_256": 100.0}, "call": 1},
+    }
     apart = speed.goals(parts)[goal]
     parts["kit-exllamav3@7b-fp16"]["timed_with"] = ["kit-exllamav2", "transformers"]
     together = speed.goals(parts)[goal]
@@ -120,8 +134,13 @@ def test_exlnb_s_own_triton_kernels_are_counted_as_attention():
     """The profile knows a kernel only by its function's name: the Triton decode kernels were once counted as
     "other" (speed-nvidia-h100-80gb-hbm3-2026-11-26-one-start). Read from the source, so triton need not be here."""
     source = (Path(exlnb.__file__).parent / "engines" / "exllamav2" / "triton_decode.py").read_text()
-    kernels = [node.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)
-               and node.name.endswith("_kernel") and any("jit" in ast.unparse(d) for d in node.decorator_list)]
+    kernels = [
+        node.name
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef)
+        and node.name.endswith("_kernel")
+        and any("jit" in ast.unparse(d) for d in node.decorator_list)
+    ]
     assert len(kernels) == 2
     assert {name: speed_setups.kernel_kind(name) for name in kernels} == dict.fromkeys(kernels, "attention")
 
@@ -130,10 +149,17 @@ def test_the_floor_reads_each_weight_once_and_no_embedding_beside_an_output_head
     tied, untied = tmp_path / "tied", tmp_path / "untied"
     for folder in (tied, untied):
         folder.mkdir()
-        save_file({"model.embed_tokens.weight": torch.zeros(100, 8, dtype=torch.float16),
-                   "model.norm.weight": torch.zeros(8, dtype=torch.float16)}, folder / "model-head.safetensors")
-        save_file({"model.layers.0.mlp.up_proj.weight": torch.zeros(16, 8, dtype=torch.float16)},
-                  folder / "model-layer000.safetensors")
+        save_file(
+            {
+                "model.embed_tokens.weight": torch.zeros(100, 8, dtype=torch.float16),
+                "model.norm.weight": torch.zeros(8, dtype=torch.float16),
+            },
+            folder / "model-head.safetensors",
+        )
+        save_file(
+            {"model.layers.0.mlp.up_proj.weight": torch.zeros(16, 8, dtype=torch.float16)},
+            folder / "model-layer000.safetensors",
+        )
     save_file({"lm_head.weight": torch.zeros(100, 8, dtype=torch.float16)}, untied / "model-lm-head.safetensors")
 
     assert speed_setups.weight_bytes_read_per_token(tied) == 2 * (800 + 8 + 128)  # the tied embedding is the head
@@ -142,12 +168,21 @@ def test_the_floor_reads_each_weight_once_and_no_embedding_beside_an_output_head
 
 def test_only_accepts_parts_runners_and_models_and_names_the_choices_when_wrong():
     assert speed.select("7b-exl3", profile=False) == [
-        "bandwidth", "quantize@7b-exl3", "floor@7b-exl3", "kit-exllamav3+raw-exllamav3@7b-exl3"]
+        "bandwidth",
+        "quantize@7b-exl3",
+        "floor@7b-exl3",
+        "kit-exllamav3+raw-exllamav3@7b-exl3",
+    ]
     assert speed.select("7b-exl3", profile=True)[-1] == "profile-exllamav3@7b-exl3"
-    assert speed.select("profile-exllamav3", profile=False) == ["profile-exllamav3@7b-fp16", "profile-exllamav3@7b-exl3"]
+    assert speed.select("profile-exllamav3", profile=False) == [
+        "profile-exllamav3@7b-fp16",
+        "profile-exllamav3@7b-exl3",
+    ]
     # a setup timed in turns with others is run as the part it is in
     assert speed.select("transformers", profile=False) == [
-        "kit-exllamav2+kit-exllamav3+transformers@7b-fp16", "kit-exllamav2+kit-exllamav3+transformers@bundled"]
+        "kit-exllamav2+kit-exllamav3+transformers@7b-fp16",
+        "kit-exllamav2+kit-exllamav3+transformers@bundled",
+    ]
     assert speed.select("raw-exllamav3@7b-exl3", profile=False) == ["kit-exllamav3+raw-exllamav3@7b-exl3"]
     with pytest.raises(ValueError, match="--only 7b-gguf: not a part, runner or model; parts: bandwidth, "):
         speed.select("7b-gguf", profile=False)
@@ -160,8 +195,14 @@ def test_a_random_llama_loads_whole_in_transformers_and_its_floor_counts_what_de
 
     from exlnb.random_model import BUNDLED_VOCAB, LLAMA_7B, make_random_llama, tokenizer_folder, weights_bytes
 
-    shape = dict(LLAMA_7B, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                 num_hidden_layers=2)
+    shape = dict(
+        LLAMA_7B,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+    )
     read = make_random_llama(tmp_path / "model", tokenizer_folder(), shape)
     model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "model", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and model.config.num_hidden_layers == 2

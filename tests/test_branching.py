@@ -77,13 +77,16 @@ def test_branches_form_a_tree(cpu_session):
     assert html.count("<tr>") == 5 and "exlnb-branches" in html and "&#x27; blue&#x27;" in html
 
 
-@pytest.mark.parametrize("at, token, message", [
-    (24, None, "at=24 is not a position of job"),
-    (-1, None, "at=-1 is not a position of job"),
-    (AT, 10**7, "token=10000000 is not in the vocabulary: give an id from 0 to"),
-    (AT, " rainbow colours", "is 2 tokens"),
-    (AT, "", "is 0 tokens"),
-])
+@pytest.mark.parametrize(
+    "at, token, message",
+    [
+        (24, None, "at=24 is not a position of job"),
+        (-1, None, "at=-1 is not a position of job"),
+        (AT, 10**7, "token=10000000 is not in the vocabulary: give an id from 0 to"),
+        (AT, " rainbow colours", "is 2 tokens"),
+        (AT, "", "is 0 tokens"),
+    ],
+)
 def test_bad_branch_input_is_refused_in_one_line(greedy_answer, at, token, message):
     with pytest.raises(ValueError, match=message) as raised:
         greedy_answer.branch(at=at, token=token)
@@ -99,8 +102,7 @@ def drawings_until(drawn: list, done, timeout_s: float = 60) -> list:
     return drawn
 
 
-def test_choosing_an_alternative_in_the_token_view_branches_there_and_draws_the_tree_under_it(cpu_session,
-                                                                                              monkeypatch):
+def test_choosing_an_alternative_in_the_token_view_branches_there_and_draws_the_tree_under_it(cpu_session, monkeypatch):
     import IPython.display
 
     from exlnb.widgets.branches import BranchChoices, branch_key
@@ -114,6 +116,7 @@ def test_choosing_an_alternative_in_the_token_view_branches_there_and_draws_the_
     alternative = next(i for i, _t, _p in original.token_records[AT].info.alternatives if i != original.token_ids[AT])
 
     choices.handle({"type": "branch", "answer": key, "at": AT, "token": alternative})  # what view.js sends
+
     def ended(drawings) -> bool:
         return original.origin.family and drawings[-1][0]["text/plain"] == BranchTree.of(original).text()
 
@@ -128,12 +131,14 @@ def test_choosing_an_alternative_in_the_token_view_branches_there_and_draws_the_
     assert tree.nodes[1].text == same.text and tree.nodes[1].end == same.eos_reason.words
 
 
-@pytest.mark.parametrize("at, token, message", [
-    (99, None, "not branched: at=99 is not a position of job"),
-    (AT, 10**7, "not branched: token=10000000 is not in the vocabulary"),
-])
-def test_a_choice_that_cannot_branch_says_why_under_the_view_in_one_line(cpu_session, monkeypatch, at, token,
-                                                                       message):
+@pytest.mark.parametrize(
+    "at, token, message",
+    [
+        (99, None, "not branched: at=99 is not a position of job"),
+        (AT, 10**7, "not branched: token=10000000 is not in the vocabulary"),
+    ],
+)
+def test_a_choice_that_cannot_branch_says_why_under_the_view_in_one_line(cpu_session, monkeypatch, at, token, message):
     import IPython.display
 
     from exlnb.widgets.branches import BranchChoices, branch_key
@@ -167,8 +172,9 @@ def test_a_result_of_another_loaded_model_cannot_branch(cpu_session, greedy_answ
 
 def test_branch_magic_streams_stores_and_shows_the_tree(shell, cpu_session, greedy_answer, capsys):
     shell.user_ns["answer"] = greedy_answer
-    shell.run_line_magic("exl_branch", f"answer --at {AT} --token-id {greedy_answer.token_ids[AT]} --display text "
-                                       "--out branched")
+    shell.run_line_magic(
+        "exl_branch", f"answer --at {AT} --token-id {greedy_answer.token_ids[AT]} --display text --out branched"
+    )
     branched = shell.user_ns.pop("branched")
     assert branched.token_ids == greedy_answer.token_ids[AT:]
     printed = capsys.readouterr().out
@@ -176,12 +182,15 @@ def test_branch_magic_streams_stores_and_shows_the_tree(shell, cpu_session, gree
     assert f"← #0 at {AT}" in printed
 
 
-@pytest.mark.parametrize("line, message", [
-    ("nothing --at 1", "nothing does not name a result in the notebook \\(NameError"),
-    ("answer.text --at 1", "answer.text is a str, not a result"),
-    ("answer --at 99", "at=99 is not a position"),
-    ("answer --at 1 --token a --token-id 3", "not both"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("nothing --at 1", "nothing does not name a result in the notebook \\(NameError"),
+        ("answer.text --at 1", "answer.text is a str, not a result"),
+        ("answer --at 99", "at=99 is not a position"),
+        ("answer --at 1 --token a --token-id 3", "not both"),
+    ],
+)
 def test_branch_magic_mistakes_are_one_line(shell, greedy_answer, line, message):
     shell.user_ns["answer"] = greedy_answer
     with pytest.raises(UsageError, match=message):

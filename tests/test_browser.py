@@ -27,17 +27,27 @@ import pytest
 
 from exlnb import EosReason
 
-nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the notebook stack: pip install -e '.[test]'")
+nbformat = pytest.importorskip(
+    "nbformat", reason="the notebook tests need the notebook stack: pip install -e '.[test]'"
+)
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright: pip install playwright")
+sync_api = pytest.importorskip(
+    "playwright.sync_api", reason="the browser tests need playwright: pip install playwright"
+)
 TimeoutError, expect = sync_api.TimeoutError, sync_api.expect
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 CHROMIUM = Path(os.environ.get("EXLNB_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 ]
 WORKTREE = Path(__file__).resolve().parent.parent
 ARTIFACTS = WORKTREE / "test-artifacts"
@@ -46,9 +56,21 @@ RECORDED = (2, 4, 5, 6, 8, 10, 11)  # the cells whose widgets leave a record: an
 THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
 # text that must read on its background: WCAG's 4.5:1 for normal text (the branch tree's, live and reopened)
 BRANCH_TREE = (".exlnb-branches th", ".exlnb-branches td", ".exlnb-branches code")
-READABLE = (".exlnb-token:not(.exlnb-special)", ".exlnb-special", ".exlnb-status", ".exlnb-head", ".exlnb-text",
-            ".exlnb-warning", ".exlnb-summary", ".exlnb-jobs td", ".exlnb-label", ".exlnb-muted", ".exlnb-chip",
-            ".exlnb-popover", *BRANCH_TREE)
+READABLE = (
+    ".exlnb-token:not(.exlnb-special)",
+    ".exlnb-special",
+    ".exlnb-status",
+    ".exlnb-head",
+    ".exlnb-text",
+    ".exlnb-warning",
+    ".exlnb-summary",
+    ".exlnb-jobs td",
+    ".exlnb-label",
+    ".exlnb-muted",
+    ".exlnb-chip",
+    ".exlnb-popover",
+    *BRANCH_TREE,
+)
 # WCAG 2 contrast of each selector's text against the colour behind it (its own and its ancestors' backgrounds
 # composed over white), the lowest over the page
 CONTRAST_JS = """selectors => {
@@ -133,16 +155,32 @@ def lab(tmp_path_factory):
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
     port, token = free_port(), secrets.token_hex(16)
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(root / ".jupyter"), JUPYTERLAB_WORKSPACES_DIR=str(root / ".ws"),
-               JUPYTER_RUNTIME_DIR=str(root / ".runtime"))
+    env = dict(
+        os.environ,
+        JUPYTER_CONFIG_DIR=str(root / ".jupyter"),
+        JUPYTERLAB_WORKSPACES_DIR=str(root / ".ws"),
+        JUPYTER_RUNTIME_DIR=str(root / ".runtime"),
+    )
     with open(root / "lab.log", "w") as log:  # the server writes to its own copy of the file
         server = subprocess.Popen(
-            [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
-             f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--LabApp.news_url=None",
-             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--LabApp.extension_manager=readonly",
-             "--LabApp.expose_app_in_browser=True",
-             "--allow-root"],
-            env=env, stdout=subprocess.DEVNULL, stderr=log,
+            [
+                sys.executable,
+                "-m",
+                "jupyterlab",
+                "--no-browser",
+                f"--port={port}",
+                "--ip=127.0.0.1",
+                f"--IdentityProvider.token={token}",
+                f"--ServerApp.root_dir={root}",
+                "--LabApp.news_url=None",
+                "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+                "--LabApp.extension_manager=readonly",
+                "--LabApp.expose_app_in_browser=True",
+                "--allow-root",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
         )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -233,7 +271,9 @@ def unreadable(page, selectors) -> dict[str, float | None]:
 def table_rows(table) -> list[list[str]]:
     """The text of each row's cells as the markup holds it (a branch's text starts with its forced token, its
     space included), headings included."""
-    return table.evaluate("el => [...el.querySelectorAll('tr')].map((tr) => [...tr.children].map((c) => c.textContent))")
+    return table.evaluate(
+        "el => [...el.querySelectorAll('tr')].map((tr) => [...tr.children].map((c) => c.textContent))"
+    )
 
 
 # the branch tree as the live kernel drew it ("rows") and the choices made ("chosen": position, token id, its
@@ -286,7 +326,8 @@ def test_samples_inspector_and_job_table_show_running_jobs_then_settle(page):
     page.wait_for_function(  # prefix pages shared by the samples, and each sample's own pages
         "el => el.querySelectorAll('.exlnb-grid .exlnb-page.exlnb-shared').length > 0"
         " && el.querySelectorAll('.exlnb-grid .exlnb-page.exlnb-used').length >= 4",
-        arg=inspector.element_handle(), timeout=60_000,
+        arg=inspector.element_handle(),
+        timeout=60_000,
     )
     assert "pages in use" in inspector.locator(".exlnb-summary").inner_text()
     assert inspector.locator(".exlnb-liveness").inner_text().startswith("live")
@@ -356,13 +397,14 @@ def test_the_token_view_opens_a_popover_of_both_probabilities_by_keyboard_and_it
     chips.first.focus()
     expect(popover).to_be_visible()
     box = output.bounding_box()  # the popover shows over what follows the output: a picture of both
-    page.screenshot(path=str(ARTIFACTS / "token-popover-light.png"),
-                    clip={**box, "height": box["height"] + 160})
+    page.screenshot(path=str(ARTIFACTS / "token-popover-light.png"), clip={**box, "height": box["height"] + 160})
     text = popover.inner_text()
     assert "model's probability" in text and "sampled with" in text and "before sampling" in text
     assert popover.locator("tr").count() == 5  # --tokens 5: five alternatives, whatever top-k kept
-    copied = page.evaluate("el => { window.getSelection().selectAllChildren(el); return window.getSelection().toString(); }",
-                           popover.element_handle())
+    copied = page.evaluate(
+        "el => { window.getSelection().selectAllChildren(el); return window.getSelection().toString(); }",
+        popover.element_handle(),
+    )
     assert "model's probability" in copied
     page.keyboard.press("Tab")  # the next token is the next tab stop, with its own popover
     expect(chips.nth(1).locator(".exlnb-popover")).to_be_visible()
@@ -410,8 +452,15 @@ def test_choosing_an_alternative_in_the_token_view_starts_a_branch_shown_in_the_
 @pytest.mark.parametrize("theme", ["light", "dark"])
 def test_records_read_well_in_light_and_dark_themes(page, theme):
     use_theme(page, theme)
-    for index, name in [(2, "stream"), (4, "stream-n4"), (5, "cache-inspector"), (6, "job-table"),
-                        (8, "wrong-template"), (10, "show-prompt"), (11, "token-view")]:
+    for index, name in [
+        (2, "stream"),
+        (4, "stream-n4"),
+        (5, "cache-inspector"),
+        (6, "job-table"),
+        (8, "wrong-template"),
+        (10, "show-prompt"),
+        (11, "token-view"),
+    ]:
         output = page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-OutputArea")
         output.scroll_into_view_if_needed()
         output.screenshot(path=str(ARTIFACTS / f"{name}-{theme}.png"))
@@ -469,8 +518,11 @@ def test_a_saved_notebook_keeps_answers_and_statistics_after_the_kernel_has_gone
     page.reload()
     page.wait_for_selector(".jp-Notebook .jp-Cell")
     cells = page.locator(".jp-Notebook .jp-Cell")
-    for index, texts in [(2, [first_line(answer), "TTFT", "ended: cancelled (stop button)"]), (5, ["pages in use"]),
-                         (6, ["job", "new / max"])]:
+    for index, texts in [
+        (2, [first_line(answer), "TTFT", "ended: cancelled (stop button)"]),
+        (5, ["pages in use"]),
+        (6, ["job", "new / max"]),
+    ]:
         cells.nth(index).scroll_into_view_if_needed()  # JupyterLab renders the cells in view
         for text in texts:
             expect(cells.nth(index).locator(".exlnb-record")).to_contain_text(text, timeout=60_000)
@@ -493,8 +545,11 @@ def test_a_saved_notebook_keeps_answers_and_statistics_after_the_kernel_has_gone
     expect(tree.locator("tr")).to_have_count(len(BRANCHED["rows"]))
     assert table_rows(tree) == BRANCHED["rows"]  # parents, positions, forced tokens, texts and ends, as drawn live
 
-    subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "html", str(root / "face.ipynb")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "jupyter", "nbconvert", "--to", "html", str(root / "face.ipynb")],
+        check=True,
+        capture_output=True,
+    )
     exported = (root / "face.html").read_text()
     assert html.escape(first_line(answer)) in exported and "VBox(" not in exported
     # the export as a reader sees it: nbconvert writes the forced tokens' quotes as it likes

@@ -48,24 +48,48 @@ CASES = [
     ("Invent a person. Answer in JSON.", dict(json_schema=Person), 13, dict(temperature=1.0, top_p=0.9)),
     ("Name a European city and its country as JSON.", dict(json_schema=CITY), 13, dict(temperature=0.8)),
     ("Give a few test scores as a JSON list.", dict(json_schema=SCORES), 12, dict(temperature=1.5, min_p=0.1)),
-    ("Review a film you like as JSON.", dict(json_schema="review.json"), 12, dict(temperature=1.5, mirostat=True, mirostat_tau=5.0)),
-    ("Give me a US phone number.", dict(regex=r"[0-9]{3}-[0-9]{3}-[0-9]{4}"), 13,
-     dict(temperature=1.2, rep_penalty=1.3, dry_multiplier=0.8)),
-    ("Will it rain tomorrow?", dict(regex=r"(yes|no|maybe)"), 12,
-     dict(temperature=1.0, xtc_probability=0.5, xtc_threshold=0.1)),
-    ("Name a famous painter.", dict(regex=r"[A-Z][a-z]{2,9}( [A-Z][a-z]{2,9})?"), 13,
-     dict(temperature=1.0, typical=0.9, tfs=0.95, smoothing_factor=0.3)),
-    ("When is the next leap day?", dict(regex=r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"), 12,
-     dict(min_temp=0.5, max_temp=1.5, skew=0.5, top_k=20)),
+    (
+        "Review a film you like as JSON.",
+        dict(json_schema="review.json"),
+        12,
+        dict(temperature=1.5, mirostat=True, mirostat_tau=5.0),
+    ),
+    (
+        "Give me a US phone number.",
+        dict(regex=r"[0-9]{3}-[0-9]{3}-[0-9]{4}"),
+        13,
+        dict(temperature=1.2, rep_penalty=1.3, dry_multiplier=0.8),
+    ),
+    (
+        "Will it rain tomorrow?",
+        dict(regex=r"(yes|no|maybe)"),
+        12,
+        dict(temperature=1.0, xtc_probability=0.5, xtc_threshold=0.1),
+    ),
+    (
+        "Name a famous painter.",
+        dict(regex=r"[A-Z][a-z]{2,9}( [A-Z][a-z]{2,9})?"),
+        13,
+        dict(temperature=1.0, typical=0.9, tfs=0.95, smoothing_factor=0.3),
+    ),
+    (
+        "When is the next leap day?",
+        dict(regex=r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"),
+        12,
+        dict(min_temp=0.5, max_temp=1.5, skew=0.5, top_k=20),
+    ),
 ]
 
 
 @pytest.mark.slow  # a hundred constrained samples
-def test_a_hundred_constrained_samples_all_parse_under_their_constraint(engine_name, idle_session, tmp_path, monkeypatch):
+def test_a_hundred_constrained_samples_all_parse_under_their_constraint(
+    engine_name, idle_session, tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "review.json").write_text(json.dumps(REVIEW))
     generations, samples = [], 0
     for i, (prompt, constraint, n, sampler) in enumerate(CASES):
+
         def begin():
             return start(prompt, **constraint, n=n, seed=10 * i, max_new_tokens=64, **sampler)
 
@@ -115,7 +139,9 @@ def test_a_constraint_that_breaks_fails_its_own_job_and_no_other(engine_name, id
     if engine_name == "exllamav3":  # its own llguidance filter, not exlnb's matcher
         from exllamav3.generator.filter import LLGuidanceFilter
 
-        monkeypatch.setattr(LLGuidanceFilter, "accept_token", breaking(LLGuidanceFilter.accept_token, lambda f: str(f._grammar)))
+        monkeypatch.setattr(
+            LLGuidanceFilter, "accept_token", breaking(LLGuidanceFilter.accept_token, lambda f: str(f._grammar))
+        )
     plain = idle_session.generate(chatml("Count to twenty."), max_new_tokens=40)
     other = idle_session.generate(chatml("Name a colour."), regex="[a-z]+( [a-z]+){0,6}", max_new_tokens=20)
     broken = idle_session.generate(chatml("Will it rain?"), regex="(yes|no|maybe)( [a-z]+){0,6}", max_new_tokens=20)
@@ -170,7 +196,11 @@ def test_a_cancelled_constrained_sample_frees_its_pages(idle_session):
     ("options", "error", "message"),
     [
         (dict(json_schema=Person, regex="[0-9]+"), ValueError, "json_schema and regex both constrain the answer"),
-        (dict(json_schema={"type": "objec"}), ValueError, "JSON schema cannot constrain an answer: Invalid type: objec"),
+        (
+            dict(json_schema={"type": "objec"}),
+            ValueError,
+            "JSON schema cannot constrain an answer: Invalid type: objec",
+        ),
         (dict(json_schema={"type": "string", "pattern": "(a"}), ValueError, "unclosed group"),
         (dict(json_schema="no_such_schema.json"), FileNotFoundError, "no such file"),
         (dict(json_schema=42), TypeError, "give a dict, a pydantic model class, or a .json file"),
@@ -211,13 +241,15 @@ def test_a_request_keeps_its_constraint_through_with_options():
 
 def test_the_magic_takes_a_schema_variable_a_schema_file_and_a_regex(shell, cpu_session, tmp_path):
     shell.user_ns["Person"] = Person
-    shell.run_cell_magic("exl_generate", "--json-schema Person --temperature 0 --max-new-tokens 64 --out r",
-                         "Invent a person.")
+    shell.run_cell_magic(
+        "exl_generate", "--json-schema Person --temperature 0 --max-new-tokens 64 --out r", "Invent a person."
+    )
     assert isinstance(shell.user_ns.pop("r").parsed, Person)
 
     (tmp_path / "scores.json").write_text(json.dumps(SCORES))
-    shell.run_cell_magic("exl_generate", f"--json-schema {tmp_path / 'scores.json'} --temperature 0 --out r",
-                         "Give some scores.")
+    shell.run_cell_magic(
+        "exl_generate", f"--json-schema {tmp_path / 'scores.json'} --temperature 0 --out r", "Give some scores."
+    )
     jsonschema.validate(shell.user_ns.pop("r").parsed, SCORES)
 
     # taken literally: IPython's own expansion of magic lines would make {3} a 3

@@ -42,8 +42,16 @@ def test_an_event_that_carries_several_tokens_shares_its_gap_out_over_them():
 def test_the_7b_shaped_speed_is_said_not_timed_without_cuda_and_the_session_model_is_timed(cpu_session):
     from exlnb.experiments.context import run
 
-    result = run(cpu_session, turns=2, answer_tokens=3, context_lengths=(32, 64), decode_tokens=3, timing_repeats=1,
-                 prompt_lengths=(16,), prompt_models=("bundled",))
+    result = run(
+        cpu_session,
+        turns=2,
+        answer_tokens=3,
+        context_lengths=(32, 64),
+        decode_tokens=3,
+        timing_repeats=1,
+        prompt_lengths=(16,),
+        prompt_models=("bundled",),
+    )
 
     assert set(result.tables["turns"].model) == set(result.tables["context"].model) == {"bundled"}
     assert result.values["speed_not_timed"] == [
@@ -76,14 +84,23 @@ def test_on_cuda_the_7b_shaped_model_times_its_chat_and_the_contexts_its_positio
     session = get_session()
     session.load("smollm2-135m-instruct", engine="exllamav2", progress=False)
 
-    result = run(session, turns=2, answer_tokens=4, context_lengths=(128, 4090), decode_tokens=8, timing_repeats=1,
-                 prompt_lengths=(16,), prompt_models=("bundled",))
+    result = run(
+        session,
+        turns=2,
+        answer_tokens=4,
+        context_lengths=(128, 4090),
+        decode_tokens=8,
+        timing_repeats=1,
+        prompt_lengths=(16,),
+        prompt_models=("bundled",),
+    )
 
     context = result.tables["context"]
     assert sorted(set(context.model)) == ["7b-shaped", "bundled"]
     assert set(context[context.model == "7b-shaped"].context_tokens) == {128}  # 4090 + 8 exceed 4096 positions
     assert result.values["speed_not_timed"] == [
-        "7b-shaped: context 4090 and 8 new tokens exceed its 4096 positions; not timed."]
+        "7b-shaped: context 4090 and 8 new tokens exceed its 4096 positions; not timed."
+    ]
     chat = result.tables["turns"]
     assert (chat[chat.model == "7b-shaped"].groupby(["mode", "turn"]).size() == 3).all()  # 4 tokens each: no early end
     assert "7b-shaped model, decode time per token" in [e.name for e in result.effects]

@@ -146,7 +146,11 @@ def test_samples_started_together_compute_the_shared_prompt_once(cpu_session, gr
         while engine.has_work():
             events += engine.step()
         last = {e.job_id: e for e in events if e.eos}
-        return first_view, [last[j] for j in job_ids], [[t for e in events if e.job_id == j for t in e.token_ids] for j in job_ids]
+        return (
+            first_view,
+            [last[j] for j in job_ids],
+            [[t for e in events if e.job_id == j for t in e.token_ids] for j in job_ids],
+        )
 
     view, ends, outputs = cpu_session.run_on_engine(run_together)
     solo = cpu_session.complete(ids, max_new_tokens=3, sampler=greedy, stop_at_eos=False)

@@ -76,7 +76,10 @@ def test_penalties_ignore_ids_outside_the_vocabulary():
 
 def test_greedy_picks_the_argmax_whatever_the_draw():
     logits = torch.tensor([0.1, 2.0, 1.9, -1.0])
-    picks = {draw_token(logits, torch.tensor([0]), SamplerSettings.greedy(), torch.Generator().manual_seed(s)).token for s in range(20)}
+    picks = {
+        draw_token(logits, torch.tensor([0]), SamplerSettings.greedy(), torch.Generator().manual_seed(s)).token
+        for s in range(20)
+    }
     assert picks == {1}
 
 
@@ -110,13 +113,17 @@ def test_top_p_keeps_the_head_whose_mass_stays_within_p():
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_top():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    freq = _frequencies(logits, SamplerSettings(temperature=1.0, top_k=0, top_p=1.0, min_p=0.2, token_repetition_penalty=1.0))
+    freq = _frequencies(
+        logits, SamplerSettings(temperature=1.0, top_k=0, top_p=1.0, min_p=0.2, token_repetition_penalty=1.0)
+    )
     assert freq[3] == 0 and freq[2] > 0
 
 
 def test_temperature_one_samples_the_softmax():
     probs = torch.tensor([0.5, 0.25, 0.25])
-    freq = _frequencies(torch.log(probs), SamplerSettings(temperature=1.0, top_k=0, top_p=1.0, token_repetition_penalty=1.0))
+    freq = _frequencies(
+        torch.log(probs), SamplerSettings(temperature=1.0, top_k=0, top_p=1.0, token_repetition_penalty=1.0)
+    )
     torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
 
 
@@ -164,7 +171,9 @@ def exllamav2_dry(logits, sequence, multiplier, base, allowed, breakers, range_,
     return logits
 
 
-@pytest.mark.parametrize(("seed", "allowed", "range_", "max_ngram"), [(0, 2, 0, 20), (1, 1, 0, 4), (2, 3, 30, 6), (3, 2, 0, 3)])
+@pytest.mark.parametrize(
+    ("seed", "allowed", "range_", "max_ngram"), [(0, 2, 0, 20), (1, 1, 0, 4), (2, 3, 30, 6), (3, 2, 0, 3)]
+)
 def test_dry_matches_exllamav2s_trie(seed, allowed, range_, max_ngram):
     gen = torch.Generator().manual_seed(seed)
     vocab = 6  # a small vocabulary repeats a lot
@@ -173,7 +182,9 @@ def test_dry_matches_exllamav2s_trie(seed, allowed, range_, max_ngram):
     logits = torch.randn(vocab, generator=gen)
     breakers = torch.zeros(vocab, dtype=torch.bool)
     breakers[5] = True
-    settings = SamplerSettings(dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=allowed, dry_range=range_, dry_max_ngram=max_ngram)
+    settings = SamplerSettings(
+        dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=allowed, dry_range=range_, dry_max_ngram=max_ngram
+    )
 
     expected = exllamav2_dry(logits, sequence.tolist(), 0.8, 1.75, allowed, {5}, range_, max_ngram)
     torch.testing.assert_close(apply_dry(logits, sequence, settings, breakers), expected)
@@ -181,7 +192,9 @@ def test_dry_matches_exllamav2s_trie(seed, allowed, range_, max_ngram):
 
 def test_dry_penalises_the_token_that_would_extend_a_repeat():
     sequence = torch.tensor([1, 2, 3, 4, 0, 1, 2, 3])  # "1 2 3" again: 4 would repeat the run
-    out = apply_dry(torch.zeros(6), sequence, SamplerSettings(dry_multiplier=2.0, dry_base=3.0), torch.zeros(6, dtype=torch.bool))
+    out = apply_dry(
+        torch.zeros(6), sequence, SamplerSettings(dry_multiplier=2.0, dry_base=3.0), torch.zeros(6, dtype=torch.bool)
+    )
     assert out.tolist() == [0, 0, 0, 0, -2.0 * 3.0 ** (3 - 2), 0]
 
 

@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
+from exlnb.engines.base import JobSpec
 from exlnb.engines.cpu import candidates as steps
 from exlnb.engines.cpu.sampler import SamplerState, adjust_logits, apply_penalties, draw_token, truncate
-from exlnb.engines.base import JobSpec
 from exlnb.engines.device_sampling import (
     DeviceDraws,
     DeviceSampler,
@@ -40,8 +40,14 @@ def host_distribution(logits: torch.Tensor, sequence: torch.Tensor, s: SamplerSe
     return full
 
 
-def device_draws(logits: torch.Tensor, sequence: torch.Tensor, s: SamplerSettings, draws: int, seed: int = 7,
-                 device: torch.device = CPU):
+def device_draws(
+    logits: torch.Tensor,
+    sequence: torch.Tensor,
+    s: SamplerSettings,
+    draws: int,
+    seed: int = 7,
+    device: torch.device = CPU,
+):
     """`draws` tokens of one row, each at its own step, through the device sampler's staging."""
     if device.type == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA here")
@@ -63,9 +69,15 @@ SAMPLED = {
     "top-k 6": SamplerSettings(temperature=1.3, top_k=6, top_p=1.0, token_repetition_penalty=1.0),
     "top-p 0.6 after top-k 6": SamplerSettings(temperature=1.0, top_k=6, top_p=0.6),
     "min-p 0.08": SamplerSettings(temperature=1.5, top_k=0, top_p=1.0, min_p=0.08),
-    "penalties and bias": SamplerSettings(temperature=1.1, top_k=0, top_p=0.95, token_repetition_penalty=1.4,
-                                          token_frequency_penalty=0.6, token_presence_penalty=0.5,
-                                          token_bias={3: 2.0, 5: float("-inf")}),
+    "penalties and bias": SamplerSettings(
+        temperature=1.1,
+        top_k=0,
+        top_p=0.95,
+        token_repetition_penalty=1.4,
+        token_frequency_penalty=0.6,
+        token_presence_penalty=0.5,
+        token_bias={3: 2.0, 5: float("-inf")},
+    ),
 }
 
 
@@ -92,11 +104,15 @@ def test_sampled_draws_follow_the_host_sampler_s_distribution(name, device):
         assert statistic < chi_square_critical(df), f"chi-square {statistic:.1f} over {df} degrees of freedom"
 
 
-@pytest.mark.parametrize("settings", [
-    SamplerSettings.greedy(),
-    SamplerSettings(temperature=0.0, token_repetition_penalty=1.3, token_presence_penalty=0.7, token_bias={1: 3.0}),
-    SamplerSettings(temperature=0.7, top_k=1, token_frequency_penalty=0.4),
-], ids=["greedy", "greedy with penalties and bias", "top-k 1 with frequency penalty"])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        SamplerSettings.greedy(),
+        SamplerSettings(temperature=0.0, token_repetition_penalty=1.3, token_presence_penalty=0.7, token_bias={1: 3.0}),
+        SamplerSettings(temperature=0.7, top_k=1, token_frequency_penalty=0.4),
+    ],
+    ids=["greedy", "greedy with penalties and bias", "top-k 1 with frequency penalty"],
+)
 @pytest.mark.parametrize("device", DEVICES)
 def test_greedy_picks_the_host_sampler_s_token(settings, device):
     gen = torch.Generator().manual_seed(11)
@@ -120,7 +136,8 @@ def test_the_modes_draw_the_same_tokens_where_each_applies():
     sampler.stage([Row(SamplerSettings.greedy(), seed, 0, slot) for seed in range(6)])
     assert sampler.mode == "greedy"
     assert torch.equal(sampler.sample(logits), sampler.sample(logits, "full")) and torch.equal(
-        sampler.sample(logits), logits.argmax(1))
+        sampler.sample(logits), logits.argmax(1)
+    )
     sampler.stage([Row(SamplerSettings(top_k=0, top_p=0.9), 0, 0, slot), Row(top_k, 1, 0, slot)])
     assert sampler.mode == "full"
 
@@ -128,14 +145,21 @@ def test_the_modes_draw_the_same_tokens_where_each_applies():
 def test_penalties_from_counts_equal_the_host_s_over_the_sequence():
     gen = torch.Generator().manual_seed(2)
     for _ in range(50):
-        s = SamplerSettings(token_repetition_penalty=float(torch.rand((), generator=gen)) * 2 + 0.5,
-                            token_frequency_penalty=float(torch.rand((), generator=gen)),
-                            token_presence_penalty=float(torch.rand((), generator=gen)))
+        s = SamplerSettings(
+            token_repetition_penalty=float(torch.rand((), generator=gen)) * 2 + 0.5,
+            token_frequency_penalty=float(torch.rand((), generator=gen)),
+            token_presence_penalty=float(torch.rand((), generator=gen)),
+        )
         logits = torch.randn(VOCAB, generator=gen) * 3
         sequence = torch.randint(0, VOCAB // 3, (int(torch.randint(1, 40, (), generator=gen)),), generator=gen)
         counts = torch.bincount(sequence, minlength=VOCAB)[None].int()
-        device = penalised(logits[None], counts, torch.tensor([s.token_repetition_penalty]),
-                            torch.tensor([s.token_frequency_penalty]), torch.tensor([s.token_presence_penalty]))
+        device = penalised(
+            logits[None],
+            counts,
+            torch.tensor([s.token_repetition_penalty]),
+            torch.tensor([s.token_frequency_penalty]),
+            torch.tensor([s.token_presence_penalty]),
+        )
         assert torch.allclose(device[0], apply_penalties(logits, sequence, s), atol=1e-5)
 
 
@@ -198,7 +222,10 @@ def test_settings_the_device_does_not_take_are_named():
     assert host_only(SamplerSettings()) == []
     assert host_only(SAMPLED["penalties and bias"]) == []
     assert host_only(SamplerSettings(dry_multiplier=0.8, mirostat=True, token_repetition_range=64)) == [
-        "mirostat=True", "token_repetition_range=64", "dry_multiplier=0.8"]
+        "mirostat=True",
+        "token_repetition_range=64",
+        "dry_multiplier=0.8",
+    ]
     many = SamplerSettings(token_bias={t: 1.0 for t in range(100)})
     assert host_only(many) == ["token_bias with 100 entries (the device takes 64)"]
 
@@ -208,15 +235,26 @@ def test_sample_rows_is_one_fixed_shape_computation_for_any_mix_of_settings():
     rows = 3
     logits = torch.randn(rows, VOCAB)
     tokens = sample_rows(
-        logits, torch.zeros(rows, VOCAB, dtype=torch.int32), temperature=torch.tensor([0.0, 0.8, 1.5]),
-        top_p=torch.tensor([1.0, 0.8, 0.5]), min_p=torch.tensor([0.0, 0.0, 0.1]), repetition=torch.ones(rows),
-        frequency=torch.zeros(rows), presence=torch.zeros(rows), greedy=torch.tensor([True, False, False]),
-        top_k=torch.tensor([0, 5, 0]), seeds=torch.tensor([1, 2, 3]), steps=torch.tensor([0, 0, 0]),
-        bias_ids=torch.full((rows, 2), VOCAB), bias=torch.zeros(rows, 2))
+        logits,
+        torch.zeros(rows, VOCAB, dtype=torch.int32),
+        temperature=torch.tensor([0.0, 0.8, 1.5]),
+        top_p=torch.tensor([1.0, 0.8, 0.5]),
+        min_p=torch.tensor([0.0, 0.0, 0.1]),
+        repetition=torch.ones(rows),
+        frequency=torch.zeros(rows),
+        presence=torch.zeros(rows),
+        greedy=torch.tensor([True, False, False]),
+        top_k=torch.tensor([0, 5, 0]),
+        seeds=torch.tensor([1, 2, 3]),
+        steps=torch.tensor([0, 0, 0]),
+        bias_ids=torch.full((rows, 2), VOCAB),
+        bias=torch.zeros(rows, 2),
+    )
     assert tokens.shape == (rows,) and int(tokens[0]) == int(logits[0].argmax())
 
 
 # -- an engine's draws: rows by job, slots, and the draw of a step that ran eagerly ------------------------------
+
 
 def job(prompt=(1, 2, 3), **options) -> JobSpec:
     return JobSpec(tuple(prompt), max_new_tokens=8, **options)
@@ -263,7 +301,9 @@ def test_a_step_s_draws_are_found_by_job_counted_and_the_same_as_a_draw_alone():
 def test_jobs_the_device_cannot_draw_say_why():
     assert DeviceDraws.drawable(job()) == []
     assert DeviceDraws.drawable(job(banned_strings=("no",), sampler=SamplerSettings(xtc_probability=0.5))) == [
-        "xtc_probability=0.5 (sampled on the host)", "banned_strings (rewinds on the host)"]
+        "xtc_probability=0.5 (sampled on the host)",
+        "banned_strings (rewinds on the host)",
+    ]
 
 
 @pytest.mark.gpu

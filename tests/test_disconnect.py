@@ -37,29 +37,46 @@ SMALL = dict(abandoned=1, probes=2, max_new_tokens=64, prefill_prompt_tokens=256
 
 def stopped_row(**changes) -> dict:
     """A row in which every signal saw the server stop; `changes` make one signal see otherwise."""
-    return {"target": "transformers server", "mode": "transformers serve --continuous-batching",
-            "request": "non-streaming", "phase": "decode", "abandoned": 2, "answered_before_leaving": 0, "quiet_before": True,
-            "left_after_s": 1.0, "idle_ttft_s": 0.16, "probe_ttft_s": 0.18, "probe_error": None, "slowdown": 1.1,
-            "idle_again_after_s": 0.1, "server_running_after": None, "server_running_after_wait": None,
-            "server_cpu_after_left_s": 0.1, "server_quiet_after_s": 3.0} | changes
+    return {
+        "target": "transformers server",
+        "mode": "transformers serve --continuous-batching",
+        "request": "non-streaming",
+        "phase": "decode",
+        "abandoned": 2,
+        "answered_before_leaving": 0,
+        "quiet_before": True,
+        "left_after_s": 1.0,
+        "idle_ttft_s": 0.16,
+        "probe_ttft_s": 0.18,
+        "probe_error": None,
+        "slowdown": 1.1,
+        "idle_again_after_s": 0.1,
+        "server_running_after": None,
+        "server_running_after_wait": None,
+        "server_cpu_after_left_s": 0.1,
+        "server_quiet_after_s": 3.0,
+    } | changes
 
 
 def test_a_server_busy_behind_a_fast_probe_kept_working():
     row = stopped_row(server_cpu_after_left_s=9.2, server_quiet_after_s=None)
     said = verdict(row)
     assert said["probe_says"] == STOPPED and said["cpu_says"] == WORKED and said["metrics_says"] == UNAVAILABLE
-    assert said["verdict"] == ("kept working (9.2 s of CPU after the client left and still busy at the settle "
-                               "timeout)")
+    assert said["verdict"] == ("kept working (9.2 s of CPU after the client left and still busy at the settle timeout)")
 
 
 def test_the_verdict_is_stopped_only_where_every_available_signal_agrees():
     assert verdict(stopped_row())["verdict"] == "stopped"
     assert verdict(stopped_row(server_running_after_wait=0.0))["verdict"] == "stopped"
     assert verdict(stopped_row(server_running_after_wait=2.0))["verdict"] == (
-        f"kept working (/metrics counted 2 running {ABORT_WAIT_S:g} s after it left)")
+        f"kept working (/metrics counted 2 running {ABORT_WAIT_S:g} s after it left)"
+    )
     assert verdict(stopped_row(slowdown=9.6))["verdict"] == "kept working (the next request waited 9.6x its idle time)"
     both = verdict(stopped_row(slowdown=9.6, server_cpu_after_left_s=1.3, server_quiet_after_s=6.2))["verdict"]
-    assert both == "kept working (the next request waited 9.6x its idle time; 1.3 s of CPU after the client left, busy for about 6 s)"
+    assert (
+        both == "kept working (the next request waited 9.6x its idle time; 1.3 s of CPU after the client left, "
+        "busy for about 6 s)"
+    )
     unclear = verdict(stopped_row(slowdown=1.8, idle_again_after_s=None, server_cpu_after_left_s=None))
     assert unclear["verdict"].startswith("unclear")
 
@@ -73,19 +90,31 @@ def test_a_probe_that_failed_behind_the_work_for_nobody_says_the_server_kept_wor
 
 def test_the_runs_verdict_is_stated_only_where_every_run_gives_it():
     def run(*texts: str) -> dict:
-        rows = [stopped_row(phase=phase, abandoned=0 if text.startswith("nothing") else 2)
-                for phase, text in zip(PHASES, texts)]
+        rows = [
+            stopped_row(phase=phase, abandoned=0 if text.startswith("nothing") else 2)
+            for phase, text in zip(PHASES, texts)
+        ]
         return {"phases": [row | verdict(row) | {"verdict": text} for row, text in zip(rows, texts)]}
 
     nothing = "nothing abandoned: every request was answered before its client left"
-    runs = {"transformers-cb": [run("stopped", "kept working (1.3 s of CPU after the client left)", "stopped"),
-                                run("stopped", "stopped", "unclear: the probes stayed slow"),
-                                run(nothing, "stopped", nothing)]}
+    runs = {
+        "transformers-cb": [
+            run("stopped", "kept working (1.3 s of CPU after the client left)", "stopped"),
+            run("stopped", "stopped", "unclear: the probes stayed slow"),
+            run(nothing, "stopped", nothing),
+        ]
+    }
     table = {entry["phase"]: entry for entry in benchmark_verdicts(runs)}
     assert {phase: entry["verdict"] for phase, entry in table.items()} == {
-        "queued": "stopped", "prefill": "runs disagree", "decode": "runs disagree"}
-    assert [r["verdict"] for r in table["prefill"]["runs"]] == ["kept working (1.3 s of CPU after the client left)",
-                                                                "stopped", "stopped"]
+        "queued": "stopped",
+        "prefill": "runs disagree",
+        "decode": "runs disagree",
+    }
+    assert [r["verdict"] for r in table["prefill"]["runs"]] == [
+        "kept working (1.3 s of CPU after the client left)",
+        "stopped",
+        "stopped",
+    ]
     assert table["queued"]["runs_abandoning"] == 2  # the run that abandoned nothing has no say
 
 
@@ -100,8 +129,10 @@ def test_each_row_says_which_signals_it_could_not_read():
     row |= verdict(row)
     assert row["cpu_says"] == UNAVAILABLE and row["verdict"] == "stopped"
     line = finding(row)
-    assert line.startswith("transformers server (transformers serve --continuous-batching), non-streaming request "
-                           "abandoned while decode: stopped (")
+    assert line.startswith(
+        "transformers server (transformers serve --continuous-batching), non-streaming request "
+        "abandoned while decode: stopped ("
+    )
     assert "/metrics: not available" in line and "server CPU: not available" in line
 
 
@@ -115,6 +146,7 @@ def test_the_cpu_time_of_a_process_that_is_not_here_is_refused_by_its_pid():
 
 
 # -- against a stand-in server, its own process ---------------------------------------------------------------
+
 
 def fake_server(after_leaving: str, log_dir: Path):
     port = free_port()
@@ -165,7 +197,9 @@ def test_a_non_streaming_request_is_left_when_its_client_times_out(stopping_serv
     assert (entry["stream"], entry["max_tokens"], entry["client_left"], entry["finished"]) == (False, 2000, True, True)
     assert entry["tokens"] < 2000  # it stopped when its client left
     short = stopping_session.job_spec(ids, max_new_tokens=2)
-    assert whole_answers.abandon(whole_answers.whole_answer_requests(stopping_session, [short]), leave_after_s=WAIT_S) == 1
+    assert (
+        whole_answers.abandon(whole_answers.whole_answer_requests(stopping_session, [short]), leave_after_s=WAIT_S) == 1
+    )
 
 
 def run_against(server: LocalServer, session: Session) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -205,18 +239,33 @@ def test_the_run_reads_the_servers_cpu_and_names_its_mode_on_every_row(server_fi
 
 # -- against the real servers the suite starts -------------------------------------------------------------------
 
+
 @pytest.mark.slow  # starts real servers and a kernel
 def test_the_disconnect_notebook_measures_a_server_beside_the_control(transformers_server_process, tmp_path):
     server = transformers_server_process
     papermill.execute_notebook(
-        str(NOTEBOOK), str(tmp_path / "disconnect.ipynb"), kernel_name="python3", progress_bar=False,
-        parameters=dict(engine="cpu", cache_tokens=2048, output_dir=str(tmp_path), url=server.url,
-                        server_pid=server.pid, server_mode=server.mode, abandoned=1, probes=1, max_new_tokens=48,
-                        prefill_prompt_tokens=256, settle_timeout_s=20.0),
+        str(NOTEBOOK),
+        str(tmp_path / "disconnect.ipynb"),
+        kernel_name="python3",
+        progress_bar=False,
+        parameters=dict(
+            engine="cpu",
+            cache_tokens=2048,
+            output_dir=str(tmp_path),
+            url=server.url,
+            server_pid=server.pid,
+            server_mode=server.mode,
+            abandoned=1,
+            probes=1,
+            max_new_tokens=48,
+            prefill_prompt_tokens=256,
+            settle_timeout_s=20.0,
+        ),
     )
     phases = pd.read_csv(tmp_path / "disconnect-phases.csv")
-    expected = [(CONTROL, "streaming", p) for p in PHASES] + [("transformers server", r, p) for r in REQUESTS
-                                                               for p in PHASES]
+    expected = [(CONTROL, "streaming", p) for p in PHASES] + [
+        ("transformers server", r, p) for r in REQUESTS for p in PHASES
+    ]
     assert sorted(zip(phases.target, phases.request, phases.phase)) == sorted(expected)
     assert (phases.probe_ttft_s > 0).all() and (phases.idle_ttft_s > 0).all()
     on_server = phases[phases.target == "transformers server"]
@@ -224,8 +273,10 @@ def test_the_disconnect_notebook_measures_a_server_beside_the_control(transforme
     assert set(on_server.cpu_says) <= {WORKED, STOPPED}
     summary = json.loads((tmp_path / "disconnect.json").read_text())
     for target, request, phase in expected:
-        assert any(f.startswith(f"{target} (") and f", {request} request abandoned while {phase}: " in f
-                   for f in summary["findings"])
+        assert any(
+            f.startswith(f"{target} (") and f", {request} request abandoned while {phase}: " in f
+            for f in summary["findings"]
+        )
     assert summary["parameters"]["server_mode"] == "transformers serve"
     assert (tmp_path / "disconnect.png").stat().st_size > 0
 

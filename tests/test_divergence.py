@@ -53,7 +53,8 @@ def perturbed_copy(folder, target, scale: float, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
     weights = {
         name: tensor + scale * tensor.std() * torch.randn(tensor.shape, generator=generator).to(tensor.dtype)
-        if tensor.dim() == 2 else tensor
+        if tensor.dim() == 2
+        else tensor
         for name, tensor in load_file(folder / "model.safetensors").items()
     }
     save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
@@ -61,6 +62,7 @@ def perturbed_copy(folder, target, scale: float, seed: int = 0):
 
 
 # -- the math, on a hand-made example --------------------------------------------------------------------------
+
 
 def test_top1_agreement_perplexity_and_kl_on_a_hand_made_example():
     reference_logits = torch.log(torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.25, 0.25, 0.5]]))
@@ -79,6 +81,7 @@ def test_top1_agreement_perplexity_and_kl_on_a_hand_made_example():
 
 
 # -- the real model on the CPU engine -------------------------------------------------------------------------
+
 
 def test_the_reference_against_itself_has_zero_kl_and_a_small_positive_noise_floor(cpu_session, ids):
     logits = score(cpu_session, ids)
@@ -158,6 +161,7 @@ def test_the_reference_is_computed_once_and_read_from_disk_afterwards(monkeypatc
 
 # -- bad input, one line each -----------------------------------------------------------------------------------
 
+
 def test_a_reference_from_another_tokenizer_is_refused(cpu_session, bundled_reference):
     other = replace(bundled_reference, tokenizer_id="another")
 
@@ -202,6 +206,7 @@ def test_an_unknown_reference_dtype_is_refused(ids):
 
 
 # -- the magic --------------------------------------------------------------------------------------------------
+
 
 def test_the_magic_prints_the_table_against_a_kept_reference_and_stores_the_result(shell, bundled_reference, tmp_path):
     kept = tmp_path / "kept.pt"

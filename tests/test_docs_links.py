@@ -38,8 +38,11 @@ def anchors(page: Path) -> set[str]:
 
 
 def relative_links(page: Path) -> list[str]:
-    return [target for target in LINK.findall(CODE_SPAN.sub("", prose(page.read_text())))
-            if not re.match(r"[a-z][a-z0-9+.-]*:", target)]
+    return [
+        target
+        for target in LINK.findall(CODE_SPAN.sub("", prose(page.read_text())))
+        if not re.match(r"[a-z][a-z0-9+.-]*:", target)
+    ]
 
 
 def broken(page: Path) -> list[str]:
@@ -63,8 +66,10 @@ def test_every_relative_link_resolves(page):
 def test_a_broken_link_or_anchor_is_caught(tmp_path):
     (tmp_path / "there.md").write_text("# A heading, with `code`\n\n## Again\n## Again\n")
     page = tmp_path / "page.md"
-    page.write_text("[ok](there.md#a-heading-with-code) [dup](there.md#again-1) ![img](missing.png)\n"
-                    "[bad anchor](there.md#nowhere) [self](#local) `[in code](gone.md)`\n\n# Local\n")
+    page.write_text(
+        "[ok](there.md#a-heading-with-code) [dup](there.md#again-1) ![img](missing.png)\n"
+        "[bad anchor](there.md#nowhere) [self](#local) `[in code](gone.md)`\n\n# Local\n"
+    )
     assert [problem.split(":")[0] for problem in broken(page)] == ["missing.png", "there.md#nowhere"]
 
 

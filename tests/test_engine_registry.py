@@ -207,8 +207,9 @@ def test_the_toy_engine_refuses_what_it_cannot_do_by_name(toy):
 def test_the_toy_engine_runs_through_the_magics(shell, toy, capsys):
     shell.run_line_magic("exl_load", "--engine toy --cache-tokens 65536")
     ids, text = echo(toy, PROMPT, 5)
-    shell.run_cell_magic("exl_generate", "--temperature 0 --max-new-tokens 5 --template raw --display text --out r",
-                         PROMPT)
+    shell.run_cell_magic(
+        "exl_generate", "--temperature 0 --max-new-tokens 5 --template raw --display text --out r", PROMPT
+    )
     result = shell.user_ns.pop("r")
 
     long = running(toy)
@@ -266,7 +267,8 @@ def test_an_engine_whose_library_is_missing_is_refused_before_the_loaded_model_i
     registered(replace(TOY_SPEC, name="toy-elsewhere", library="exlnb_no_such_library"))
     engine = toy.engine
 
-    with pytest.raises(ValueError, match="the toy-elsewhere engine runs on exlnb_no_such_library, which is not "
-                                         "installed here"):
+    with pytest.raises(
+        ValueError, match="the toy-elsewhere engine runs on exlnb_no_such_library, which is not installed here"
+    ):
         toy.load("smollm2-135m-instruct", engine="toy-elsewhere", progress=False)
     assert toy.engine is engine

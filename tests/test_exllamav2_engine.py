@@ -155,9 +155,24 @@ def test_every_sampler_setting_reaches_exllamav2(exl_session):
     from exlnb import SamplerSettings
 
     ours = SamplerSettings(
-        temperature=0.9, top_a=0.1, tfs=0.9, typical=0.9, smoothing_factor=0.2, min_temp=0.5, max_temp=1.5,
-        temperature_last=True, skew=0.5, mirostat=True, mirostat_tau=2.0, mirostat_eta=0.2, token_bias={5: -2.0},
-        dry_multiplier=0.8, dry_sequence_breakers={"\n"}, dry_range=64, xtc_probability=0.5, xtc_threshold=0.2,
+        temperature=0.9,
+        top_a=0.1,
+        tfs=0.9,
+        typical=0.9,
+        smoothing_factor=0.2,
+        min_temp=0.5,
+        max_temp=1.5,
+        temperature_last=True,
+        skew=0.5,
+        mirostat=True,
+        mirostat_tau=2.0,
+        mirostat_eta=0.2,
+        token_bias={5: -2.0},
+        dry_multiplier=0.8,
+        dry_sequence_breakers={"\n"},
+        dry_range=64,
+        xtc_probability=0.5,
+        xtc_threshold=0.2,
     )
     theirs = exl_session.run_on_engine(lambda e: e._upstream_settings(ours, ExLlamaV2Sampler.Settings))
     for f in fields(ours):
@@ -176,9 +191,18 @@ def test_new_settings_sample_on_the_gpu(exl_session):
     from exlnb import SamplerSettings
 
     settings = SamplerSettings(
-        temperature=1.0, dry_multiplier=0.8, xtc_probability=0.5, typical=0.9, tfs=0.95, top_a=0.1, mirostat=True,
-        smoothing_factor=0.3, max_temp=1.5, min_temp=0.5, skew=0.2, token_bias={5: -2.0},
+        temperature=1.0,
+        dry_multiplier=0.8,
+        xtc_probability=0.5,
+        typical=0.9,
+        tfs=0.95,
+        top_a=0.1,
+        mirostat=True,
+        smoothing_factor=0.3,
+        max_temp=1.5,
+        min_temp=0.5,
+        skew=0.2,
+        token_bias={5: -2.0},
     )
     result = exl_session.complete("Once upon a time", max_new_tokens=16, sampler=settings, seed=1)
     assert result.new_tokens > 0
-

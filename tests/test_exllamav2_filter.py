@@ -22,8 +22,9 @@ def tokenizer():
 def grammar_filter(tokenizer, monkeypatch):
     """GrammarFilter over `(yes|no)`, with exllamav2's ExLlamaV2Filter replaced by a bare base class."""
     base = type("ExLlamaV2Filter", (), {"__init__": lambda self, model, tokenizer: None})
-    with imported_over_stand_ins(monkeypatch, "exlnb.engines.exllamav2.filter", "exllamav2.generator.filters",
-                                 ExLlamaV2Filter=base) as module:
+    with imported_over_stand_ins(
+        monkeypatch, "exlnb.engines.exllamav2.filter", "exllamav2.generator.filters", ExLlamaV2Filter=base
+    ) as module:
         matcher = GrammarMatcher(OutputConstraint.given(regex="(yes|no)"), tokenizer, 49152, tokenizer.eos_token_ids)
         yield module.GrammarFilter(None, None, matcher)
 

@@ -12,10 +12,10 @@ import pytest
 
 from benchmarks.paged_acceptance import QUESTIONS, answers_alone, answers_together, shared_prompt_pages
 from exlnb import EosReason, SamplerSettings, get_session
-from exlnb.models import resolve_model
-from exlnb.session import LoadFailed, Session
 from exlnb.engines.base import LOOP_DETECTOR
 from exlnb.engines.job_options import JobOptions
+from exlnb.models import resolve_model
+from exlnb.session import LoadFailed, Session
 from exlnb.templates import chatml
 from tests.helpers import skip_without_library
 from tests.test_session import max_overlap
@@ -65,7 +65,9 @@ def test_the_loop_detector_ends_a_looping_job(exl3_session):
     guarded = exl3_session.submit(replace(spec, stop_on_loop=LOOP_DETECTOR)).result()
 
     if plain.eos_reason is not EosReason.MAX_NEW_TOKENS:
-        pytest.skip(f"the prompt did not loop on this engine ({plain.eos_reason.value} after {plain.new_tokens} tokens)")
+        pytest.skip(
+            f"the prompt did not loop on this engine ({plain.eos_reason.value} after {plain.new_tokens} tokens)"
+        )
     assert guarded.eos_reason is EosReason.LOOP_DETECTED
     assert guarded.new_tokens < plain.new_tokens
     assert plain.token_ids[: guarded.new_tokens] == guarded.token_ids
@@ -74,12 +76,16 @@ def test_the_loop_detector_ends_a_looping_job(exl3_session):
 def test_loop_guard_is_exllamav3s_own_loop_detector_there(exl3_session):
     from exlnb.generation import start
 
-    greedy = dict(temperature=0, rep_penalty=1.0, max_new_tokens=400)  # no penalty: the kit's default 1.025 breaks the loop
+    greedy = dict(
+        temperature=0, rep_penalty=1.0, max_new_tokens=400
+    )  # no penalty: the kit's default 1.025 breaks the loop
     plain = start(chatml(LOOPING), template="raw", **greedy).wait(120)[0]
     guarded = start(chatml(LOOPING), template="raw", loop_guard=True, **greedy).wait(120)[0]
 
     if plain.eos_reason is not EosReason.MAX_NEW_TOKENS:
-        pytest.skip(f"the prompt did not loop on this engine ({plain.eos_reason.value} after {plain.new_tokens} tokens)")
+        pytest.skip(
+            f"the prompt did not loop on this engine ({plain.eos_reason.value} after {plain.new_tokens} tokens)"
+        )
     assert guarded.eos_reason is EosReason.LOOP_DETECTED  # ended by the engine, not cancelled by exlnb's check
     assert plain.token_ids[: guarded.new_tokens] == guarded.token_ids
 
@@ -98,11 +104,20 @@ def test_every_planned_step_exists_in_exllamav3(exl3_session):
 
     tokenizer = exl3_session.tokenizer
     every_mapped = SamplerSettings(
-        min_p=0.1, token_presence_penalty=0.5, token_bias={5: 1.0, 6: float("-inf")}, dry_multiplier=0.8, dry_range=64,
-        dry_sequence_breakers={":"}, xtc_probability=0.5, temperature_last=True,
+        min_p=0.1,
+        token_presence_penalty=0.5,
+        token_bias={5: 1.0, 6: float("-inf")},
+        dry_multiplier=0.8,
+        dry_range=64,
+        dry_sequence_breakers={":"},
+        xtc_probability=0.5,
+        temperature_last=True,
     )
     for settings in (
-        SamplerSettings(), SamplerSettings.greedy(), every_mapped, SamplerSettings(dry_multiplier=0.8),
+        SamplerSettings(),
+        SamplerSettings.greedy(),
+        every_mapped,
+        SamplerSettings(dry_multiplier=0.8),
         SamplerSettings.greedy(dry_multiplier=0.8, token_bias={5: 1.0}),
     ):
         assert isinstance(build_sampler(settings, tokenizer, tokenizer.vocab_size), CustomSampler)
@@ -113,7 +128,9 @@ def test_the_concurrency_investigation_reports_that_exllamav3_refuses_a_generato
 
     result = concurrency.run(exl3_session, prompts=2, max_new_tokens=8, concurrency=(2,))
 
-    assert result.values["refused"]["generator per request"].startswith("exllamav3 1.6.5 refuses a generator per request")
+    assert result.values["refused"]["generator per request"].startswith(
+        "exllamav3 1.6.5 refuses a generator per request"
+    )
     assert result.values["identical_to_solo"] == {"one generator": 2}
     assert exl3_session.jobs() == [] and exl3_session.cache_view().free_pages == exl3_session.cache_view().total_pages
     concurrency.plot(result)
@@ -129,4 +146,3 @@ def test_an_architecture_exllamav3_does_not_know_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["NotAModelForCausalLM"]}))
     with pytest.raises(LoadFailed, match="exllamav3 1.6.5 cannot load .* NotAModelForCausalLM"):
         Session().load(str(tmp_path), engine="exllamav3", progress=False)
-

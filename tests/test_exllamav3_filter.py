@@ -38,8 +38,12 @@ class StandInLLGuidanceFilter:
 
 @pytest.fixture
 def kept_error_filter(monkeypatch):
-    with imported_over_stand_ins(monkeypatch, "exlnb.engines.exllamav3.filter", "exllamav3.generator.filter",
-                                 LLGuidanceFilter=StandInLLGuidanceFilter) as module:
+    with imported_over_stand_ins(
+        monkeypatch,
+        "exlnb.engines.exllamav3.filter",
+        "exllamav3.generator.filter",
+        LLGuidanceFilter=StandInLLGuidanceFilter,
+    ) as module:
         yield module.KeptErrorFilter()
 
 

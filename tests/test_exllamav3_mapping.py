@@ -19,8 +19,18 @@ PLAIN = SamplerSettings(temperature=1.0, top_k=0, top_p=1.0, token_repetition_pe
 
 # a non-default value for every setting exllamav3 has no step for
 UNMAPPED = dict(
-    top_a=0.5, tfs=0.5, typical=0.3, smoothing_factor=3.0, min_temp=0.2, max_temp=0.5, temp_exponent=2.0,
-    skew=3.0, mirostat=True, mirostat_tau=1.0, mirostat_eta=0.2, dry_max_ngram=30,
+    top_a=0.5,
+    tfs=0.5,
+    typical=0.3,
+    smoothing_factor=3.0,
+    min_temp=0.2,
+    max_temp=0.5,
+    temp_exponent=2.0,
+    skew=3.0,
+    mirostat=True,
+    mirostat_tau=1.0,
+    mirostat_eta=0.2,
+    dry_max_ngram=30,
 )
 
 
@@ -66,14 +76,19 @@ def test_disabled_filters_add_no_steps():
 
 
 def test_dry_and_xtc_settings_add_no_steps_while_they_are_off(tokenizer):
-    off = replace(PLAIN, dry_base=2.0, dry_allowed_length=3, dry_range=64, dry_sequence_breakers={":"}, xtc_threshold=0.2)
+    off = replace(
+        PLAIN, dry_base=2.0, dry_allowed_length=3, dry_range=64, dry_sequence_breakers={":"}, xtc_threshold=0.2
+    )
     assert sampler_steps(off, tokenizer, tokenizer.vocab_size) == sampler_steps(PLAIN)
 
 
 def test_penalties_carry_range_and_decay_to_both_penalty_steps():
     settings = SamplerSettings(
-        token_repetition_penalty=1.2, token_repetition_range=64, token_repetition_decay=16,
-        token_presence_penalty=0.5, token_frequency_penalty=0.25,
+        token_repetition_penalty=1.2,
+        token_repetition_range=64,
+        token_repetition_decay=16,
+        token_presence_penalty=0.5,
+        token_frequency_penalty=0.25,
     )
     steps = sampler_steps(settings)
     assert steps[0] == Step("SS_RepP", (1.2, 64, 16))
@@ -128,7 +143,9 @@ def test_xtc_comes_last_before_the_draw_with_exllamav2s_protected_tokens(tokeniz
     probability, threshold, protected = step(settings, "SS_XTC", tokenizer).args
     assert (probability, threshold) == (0.5, 0.2)
     pieces = tokenizer.pieces()
-    assert protected == {i for i, piece in enumerate(pieces) if "\n" in piece} | set(tokenizer.special_tokens().values())
+    assert protected == {i for i, piece in enumerate(pieces) if "\n" in piece} | set(
+        tokenizer.special_tokens().values()
+    )
     assert tokenizer.encode(" Paris", special=False)[0] not in protected
 
 
@@ -146,12 +163,25 @@ def test_temperature_last_moves_the_temperature_after_the_filters():
 
 def test_every_mapped_setting_at_once_keeps_exllamav2s_order(tokenizer):
     settings = SamplerSettings(
-        temperature=1.3, temperature_last=True, min_p=0.02, token_presence_penalty=0.2, token_bias={5: 1.0},
-        dry_multiplier=0.8, xtc_probability=0.5,
+        temperature=1.3,
+        temperature_last=True,
+        min_p=0.02,
+        token_presence_penalty=0.2,
+        token_bias={5: 1.0},
+        dry_multiplier=0.8,
+        xtc_probability=0.5,
     )
     assert names(settings, tokenizer) == [
-        "SS_RepP", "SS_PresFreqP", "SS_LogitBias", "SS_DRY",
-        "SS_TopK", "SS_TopP", "SS_MinP", "SS_Temperature", "SS_XTC", "SS_Sample",
+        "SS_RepP",
+        "SS_PresFreqP",
+        "SS_LogitBias",
+        "SS_DRY",
+        "SS_TopK",
+        "SS_TopP",
+        "SS_MinP",
+        "SS_Temperature",
+        "SS_XTC",
+        "SS_Sample",
     ]
 
 
@@ -175,7 +205,10 @@ def test_several_refused_settings_are_named_in_one_message():
 
 @pytest.mark.parametrize(
     ("change", "named"),
-    [(dict(dry_multiplier=0.8, dry_base=0.5), "dry_base=0.5"), (dict(xtc_probability=0.5, xtc_threshold=0.0), "xtc_threshold=0.0")],
+    [
+        (dict(dry_multiplier=0.8, dry_base=0.5), "dry_base=0.5"),
+        (dict(xtc_probability=0.5, xtc_threshold=0.0), "xtc_threshold=0.0"),
+    ],
 )
 def test_a_value_exllamav3_reads_otherwise_is_refused_with_why(change, named):
     settings = replace(PLAIN, **change)
@@ -188,7 +221,10 @@ def test_the_engine_names_what_it_refuses_so_experiments_can_say_why_a_run_was_l
     engine = object.__new__(ExLlamaV3Engine)  # no GPU or exllamav3 needed to ask what it supports
     refused = engine.unsupported(JobSpec(input_ids=(1,), sampler=SamplerSettings(**UNMAPPED)))
     assert sorted(refused) == sorted(f"{name}={value!r}" for name, value in UNMAPPED.items())
-    assert engine.unsupported(JobSpec(input_ids=(1,), sampler=SamplerSettings(dry_multiplier=0.8, xtc_probability=0.5))) == []
+    assert (
+        engine.unsupported(JobSpec(input_ids=(1,), sampler=SamplerSettings(dry_multiplier=0.8, xtc_probability=0.5)))
+        == []
+    )
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,13 @@ def fake_model(tmp_path: Path, quant_method: str | None = None, *, architectures
 
 def resolve(model_dir: Path, engine: str = "auto", cache: str = "fp16", paged: str | bool = "auto") -> EngineOptions:
     return EngineOptions.resolve(
-        engine=engine, model_dir=model_dir, cache_tokens=None, cache_dtype=cache,
-        max_batch_size=None, gpu_split=None, paged=paged,
+        engine=engine,
+        model_dir=model_dir,
+        cache_tokens=None,
+        cache_dtype=cache,
+        max_batch_size=None,
+        gpu_split=None,
+        paged=paged,
     )
 
 
@@ -63,7 +68,11 @@ def test_exllamav3_can_be_chosen_explicitly_for_fp16(tmp_path, cuda):
 
 @pytest.mark.parametrize(
     "engine, method, hint",
-    [("exllamav2", "exl3", 'engine="exllamav3"'), ("exllamav3", "exl2", 'engine="exllamav2"'), ("cpu", "exl2", "exllamav2")],
+    [
+        ("exllamav2", "exl3", 'engine="exllamav3"'),
+        ("exllamav3", "exl2", 'engine="exllamav2"'),
+        ("cpu", "exl2", "exllamav2"),
+    ],
 )
 def test_an_engine_that_cannot_read_the_format_is_refused(tmp_path, cuda, engine, method, hint):
     with pytest.raises(ValueError, match=f"the {engine} engine cannot load") as error:

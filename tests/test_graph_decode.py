@@ -38,21 +38,40 @@ def test_buckets_pad_every_size_to_at_most_twice_itself():
 
 def test_a_layer_split_is_grouped_into_each_card_s_run_of_modules_in_order():
     cards = by_card(["a0", "a1", "b0", "b1", "b2", "a2"], lambda name: torch.device("cuda", ord(name[0]) - ord("a")))
-    assert cards == [(torch.device("cuda", 0), ["a0", "a1"]), (torch.device("cuda", 1), ["b0", "b1", "b2"]),
-                     (torch.device("cuda", 0), ["a2"])]  # a card met again later is a run of its own
+    assert cards == [
+        (torch.device("cuda", 0), ["a0", "a1"]),
+        (torch.device("cuda", 1), ["b0", "b1", "b2"]),
+        (torch.device("cuda", 0), ["a2"]),
+    ]  # a card met again later is a run of its own
 
 
 def test_an_unknown_graphs_mode_is_refused_with_the_choices():
     with pytest.raises(ValueError, match=r"graphs='sometimes': choose one of auto, off"):
-        EngineOptions.resolve(engine="cpu", model_dir=resolve_model("smollm2-135m-instruct", progress=False),
-                              cache_tokens=None, cache_dtype="fp16", max_batch_size=None, gpu_split=None,
-                              paged="auto", graphs="sometimes")
+        EngineOptions.resolve(
+            engine="cpu",
+            model_dir=resolve_model("smollm2-135m-instruct", progress=False),
+            cache_tokens=None,
+            cache_dtype="fp16",
+            max_batch_size=None,
+            gpu_split=None,
+            paged="auto",
+            graphs="sometimes",
+        )
     assert GRAPH_MODES == ("auto", "off")
 
 
 def test_the_status_line_says_how_decode_runs():
-    status = EngineStatus("exllamav2", "m", "GPU", True, "exlnb paged attention (PyTorch)", 8192, "fp16", 16,
-                          decode="CUDA graphs, 2 captured, 24 MiB")
+    status = EngineStatus(
+        "exllamav2",
+        "m",
+        "GPU",
+        True,
+        "exlnb paged attention (PyTorch)",
+        8192,
+        "fp16",
+        16,
+        decode="CUDA graphs, 2 captured, 24 MiB",
+    )
     assert status.line().endswith("| decode: CUDA graphs, 2 captured, 24 MiB")
     assert "decode:" not in EngineStatus("cpu", "m", "cpu", True, "sdpa", 8192, "fp16", 16).line()
 
@@ -156,6 +175,7 @@ def test_a_capture_that_fails_mid_generation_falls_back_to_eager_and_says_why(se
     eager, graphed = sessions
     session = load("auto", graphed.status().engine)  # its load check captured batches 1 and 3 for real
     try:
+
         def refuse(self, key, run, around_capture):
             raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
 

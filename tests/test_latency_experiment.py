@@ -25,9 +25,14 @@ def test_the_session_model_is_timed_and_the_7b_shaped_one_said_not_timed_without
     result = run(small_cache_session, **SMALL)
 
     assert {name: set(table.model) for name, table in result.tables.items()} == {
-        "requests": {"bundled"}, "timeline": {"bundled"}, "state": {"bundled"}, "pages": {"bundled"}}
+        "requests": {"bundled"},
+        "timeline": {"bundled"},
+        "state": {"bundled"},
+        "pages": {"bundled"},
+    }
     assert result.values["not_timed"] == [
-        "7b-shaped: the 7B-shaped model is made and run on CUDA: this machine has none; its requests were not timed."]
+        "7b-shaped: the 7B-shaped model is made and run on CUDA: this machine has none; its requests were not timed."
+    ]
     assert result.findings[-1] == result.values["not_timed"][0]
     # the session's model keeps the effect names earlier runs gave it, so runs can be compared across versions
     assert [e.name for e in result.effects] == [

@@ -14,7 +14,11 @@ from exlnb.engines.library_engine import installed_version
 
 def test_the_tokens_of_a_banned_string_that_exllamav2_took_back_are_not_reported():
     # what exllamav2 emits after banning " Paris" (ids 7042, 9): its held ids still end with the taken-back ones
-    result = {"text": " Lon", "token_ids": torch.tensor([[11, 7042, 9]]), "suppressed_tokens": torch.tensor([[7042, 9]])}
+    result = {
+        "text": " Lon",
+        "token_ids": torch.tensor([[11, 7042, 9]]),
+        "suppressed_tokens": torch.tensor([[7042, 9]]),
+    }
     assert without_taken_back(result["token_ids"].flatten().tolist(), result) == [11]
 
 
@@ -55,7 +59,9 @@ class Bundle:
 
 @pytest.mark.parametrize(("kv_heads", "dropped"), [(3, ["multi_kv"]), (2, [])])  # 3 x 64 = 192 columns; 2 x 64 = 128
 def test_a_fused_kv_bundle_is_dropped_where_its_output_is_not_a_whole_number_of_gemm_tiles(kv_heads, dropped):
-    attention = types.SimpleNamespace(num_kv_heads=kv_heads, num_q_heads=8, head_dim=64, multi_kv=Bundle(), multi_qg=None)
+    attention = types.SimpleNamespace(
+        num_kv_heads=kv_heads, num_q_heads=8, head_dim=64, multi_kv=Bundle(), multi_qg=None
+    )
     bundle = attention.multi_kv
     assert drop_untileable_bundles(attention) == dropped
     assert (attention.multi_kv is None) is bool(dropped) and bundle.unloaded is bool(dropped)
@@ -70,8 +76,13 @@ class PaddedLinear(Linear):
 
 @pytest.mark.parametrize(("hidden", "dropped"), [(576, ["bc", "multi_gu[0]"]), (2048, [])])
 def test_a_gated_mlps_fast_paths_are_dropped_where_its_projections_are_padded(hidden, dropped):
-    mlp = types.SimpleNamespace(gates=[PaddedLinear(hidden, 1536)], ups=[PaddedLinear(hidden, 1536)],
-                                downs=[PaddedLinear(1536, hidden)], bc=object(), multi_gu=[Bundle()])
+    mlp = types.SimpleNamespace(
+        gates=[PaddedLinear(hidden, 1536)],
+        ups=[PaddedLinear(hidden, 1536)],
+        downs=[PaddedLinear(1536, hidden)],
+        bc=object(),
+        multi_gu=[Bundle()],
+    )
     fused = mlp.multi_gu[0]
     assert drop_unpadded_mlp_paths(mlp) == dropped
     assert (mlp.bc is None, mlp.multi_gu[0] is None, fused.unloaded) == (bool(dropped),) * 3
@@ -107,16 +118,20 @@ def test_run_starts_a_program_with_the_fixes_in_place_as_python_would_run_it(mon
     mlp.MLP, mlp.GatedMLP = MLP, StandInGatedMLP
     attn = types.ModuleType("exllamav3.modules.attn")
     attn.Attention = Attention
-    for name, module in (("exllamav3", types.ModuleType("exllamav3")), ("exllamav3.modules",
-                         types.ModuleType("exllamav3.modules")), ("exllamav3.modules.mlp", mlp),
-                         ("exllamav3.modules.attn", attn)):
+    for name, module in (
+        ("exllamav3", types.ModuleType("exllamav3")),
+        ("exllamav3.modules", types.ModuleType("exllamav3.modules")),
+        ("exllamav3.modules.mlp", mlp),
+        ("exllamav3.modules.attn", attn),
+    ):
         monkeypatch.setitem(sys.modules, name, module)
     (tmp_path / "helper_of_the_server.py").write_text("NAME = 'found beside the script'\n")
     script = tmp_path / "main.py"
     script.write_text(
         "import sys, json\nfrom helper_of_the_server import NAME\nfrom exllamav3.modules.mlp import GatedMLP\n"
         "if __name__ == '__main__':\n"
-        "    sys.modules['exllamav3'].seen = (sys.argv, NAME, GatedMLP().downs[0].trim_padded_out)\n")
+        "    sys.modules['exllamav3'].seen = (sys.argv, NAME, GatedMLP().downs[0].trim_padded_out)\n"
+    )
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
     compat.main(["--run", str(script), "--config", "config.yml"])

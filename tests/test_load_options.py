@@ -38,8 +38,10 @@ REFUSED = {
     "a url for an engine of folders": (dict(engine="cpu", url=SERVER), "is for a server"),
     "a url that is no http(s) address": (dict(url="ftp://127.0.0.1/v1"), "is not an http\\(s\\) address"),
     "a url carrying a key": (dict(url="http://me:hunter2@127.0.0.1:9/v1"), "carries credentials or a query"),
-    "a key variable that is not set": (dict(url=SERVER, api_key_env="EXLNB_NO_SUCH_KEY"),
-                                       "api_key_env='EXLNB_NO_SUCH_KEY': that environment variable is not set"),
+    "a key variable that is not set": (
+        dict(url=SERVER, api_key_env="EXLNB_NO_SUCH_KEY"),
+        "api_key_env='EXLNB_NO_SUCH_KEY': that environment variable is not set",
+    ),
     "an unknown server api": (dict(url=SERVER, api="grpc"), "api='grpc': choose one of chat, completions"),
     "an engine that needs CUDA where there is none": (dict(engine=CUDA_ENGINE), "needs a CUDA GPU"),
 }
@@ -84,5 +86,6 @@ def test_the_signature_and_the_magic_read_the_declaration():
     for field_name, default in LoadOptions.__dataclass_fields__.items():
         if field_name != "model":
             assert parameters[field_name].default == default.default, field_name
-    assert LoadOptions.build(engine="cpu").with_options(cache_tokens=4096) == LoadOptions(engine="cpu",
-                                                                                          cache_tokens=4096)
+    assert LoadOptions.build(engine="cpu").with_options(cache_tokens=4096) == LoadOptions(
+        engine="cpu", cache_tokens=4096
+    )

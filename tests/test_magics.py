@@ -18,8 +18,12 @@ from exlnb.generation import start
 from exlnb.widgets.stream import generate_live
 from tests.helpers import wait_until_idle
 
-nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the notebook stack: pip install -e '.[test]'")
-papermill = pytest.importorskip("papermill", reason="the notebook tests need the notebook stack: pip install -e '.[test]'")
+nbformat = pytest.importorskip(
+    "nbformat", reason="the notebook tests need the notebook stack: pip install -e '.[test]'"
+)
+papermill = pytest.importorskip(
+    "papermill", reason="the notebook tests need the notebook stack: pip install -e '.[test]'"
+)
 
 QUESTION = "What is the capital of France?"
 LOOPING = "Write a chant for a football team."  # greedy, no penalty: "The team of the team of ..." by token 40
@@ -91,8 +95,10 @@ def test_every_generate_option_reaches_the_api(shell, idle, monkeypatch, option,
 def test_a_misspelt_option_names_the_closest_and_points_to_the_help(shell, idle, cpu_session):
     with pytest.raises(UsageError) as magic_error:
         shell.run_cell_magic("exl_generate", "--temprature 0.5", QUESTION)
-    assert str(magic_error.value) == ("%%exl_generate: unknown option --temprature (did you mean --temperature?); "
-                                      "%%exl_generate --help lists the options")
+    assert str(magic_error.value) == (
+        "%%exl_generate: unknown option --temprature (did you mean --temperature?); "
+        "%%exl_generate --help lists the options"
+    )
     with pytest.raises(TypeError, match=r"unknown option 'temprature' \(did you mean 'temperature'\?\).*top_p"):
         cpu_session.generate(QUESTION, temprature=0.5)
     with pytest.raises(TypeError, match=r"unknown option 'temprature'"):
@@ -115,16 +121,27 @@ def test_generate_help_shows_every_option_with_its_default(shell, capsys):
 
 def test_exl_load_options_reach_the_session(shell, cpu_session, monkeypatch, capsys):
     calls = []
-    monkeypatch.setattr(cpu_session, "load", lambda model, **options: calls.append((model, options)) or cpu_session.status())
+    monkeypatch.setattr(
+        cpu_session, "load", lambda model, **options: calls.append((model, options)) or cpu_session.status()
+    )
     shell.run_line_magic(
-        "exl_load", "smollm2-135m-instruct --engine cpu --cache-tokens 4096 --cache q8 --max-batch-size 8 "
-                    "--gpu-split 20,24 --graphs off --tensor-parallel --reload"
+        "exl_load",
+        "smollm2-135m-instruct --engine cpu --cache-tokens 4096 --cache q8 --max-batch-size 8 "
+        "--gpu-split 20,24 --graphs off --tensor-parallel --reload",
     )
 
     model, options = calls[0]
     assert model == "smollm2-135m-instruct"
-    given = dict(engine="cpu", cache_tokens=4096, cache="q8", max_batch_size=8, gpu_split=[20.0, 24.0],
-                 graphs="off", tensor_parallel=True, reload=True)
+    given = dict(
+        engine="cpu",
+        cache_tokens=4096,
+        cache="q8",
+        max_batch_size=8,
+        gpu_split=[20.0, 24.0],
+        graphs="off",
+        tensor_parallel=True,
+        reload=True,
+    )
     assert {k: options[k] for k in given} == given
     assert "cpu engine | smollm2-135m-instruct" in capsys.readouterr().out  # the one-line status
 
@@ -283,4 +300,9 @@ def test_papermill_run_shows_the_answer_as_plain_output(tmp_path):
     assert "Paris" in text[2] and "ended: end of turn" in text[2]
     assert "pages in use" in text[3]
     # no front end to render widgets: the stream and the inspector are plain text
-    assert not [o for cell in executed.cells[2:] for o in cell.outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert not [
+        o
+        for cell in executed.cells[2:]
+        for o in cell.outputs
+        if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+    ]

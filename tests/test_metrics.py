@@ -14,8 +14,14 @@ from exlnb.templates import chatml
 
 def event(job_id: int, at: float, tokens: int = 0, *, enqueued: float, prompt: int, eos: EosReason | None = None):
     return StreamEvent(
-        job_id=job_id, stage=Stage.DONE if eos else Stage.DECODE, time_produced=at, token_ids=tuple(range(tokens)),
-        eos=eos is not None, eos_reason=eos, prompt_tokens=prompt, time_enqueued=enqueued,
+        job_id=job_id,
+        stage=Stage.DONE if eos else Stage.DECODE,
+        time_produced=at,
+        token_ids=tuple(range(tokens)),
+        eos=eos is not None,
+        eos_reason=eos,
+        prompt_tokens=prompt,
+        time_enqueued=enqueued,
     )
 
 
@@ -29,11 +35,18 @@ def trace() -> list:
     C: submitted 10.2; one token at 10.6 -> TTFT 400 ms, E2EL 400 ms, no TPOT, no ITL.
     D: submitted 10.3; a token at 10.7, cancelled at 10.8 -> failed, left out of every statistic.
     """
-    a = [event(1, 10.05, enqueued=10.0, prompt=5), event(1, 10.2, 1, enqueued=10.0, prompt=5),
-         event(1, 10.3, 1, enqueued=10.0, prompt=5), event(1, 10.45, 1, enqueued=10.0, prompt=5),
-         event(1, 10.5, 1, enqueued=10.0, prompt=5, eos=EosReason.MAX_NEW_TOKENS)]
-    b = [event(2, 10.4, 2, enqueued=10.15, prompt=7), event(2, 10.6, 1, enqueued=10.15, prompt=7),
-         event(2, 10.9, 3, enqueued=10.15, prompt=7, eos=EosReason.MAX_NEW_TOKENS)]
+    a = [
+        event(1, 10.05, enqueued=10.0, prompt=5),
+        event(1, 10.2, 1, enqueued=10.0, prompt=5),
+        event(1, 10.3, 1, enqueued=10.0, prompt=5),
+        event(1, 10.45, 1, enqueued=10.0, prompt=5),
+        event(1, 10.5, 1, enqueued=10.0, prompt=5, eos=EosReason.MAX_NEW_TOKENS),
+    ]
+    b = [
+        event(2, 10.4, 2, enqueued=10.15, prompt=7),
+        event(2, 10.6, 1, enqueued=10.15, prompt=7),
+        event(2, 10.9, 3, enqueued=10.15, prompt=7, eos=EosReason.MAX_NEW_TOKENS),
+    ]
     c = [event(3, 10.6, 1, enqueued=10.2, prompt=3, eos=EosReason.MAX_NEW_TOKENS)]
     d = [event(4, 10.7, 1, enqueued=10.3, prompt=4), event(4, 10.8, enqueued=10.3, prompt=4, eos=EosReason.CANCELLED)]
     return [request_record(a), request_record(b, submitted_at=10.1), request_record(c), request_record(d)]
@@ -53,8 +66,13 @@ def test_per_request_ttft_tpot_itl_and_latency_match_the_hand_computed_trace():
     assert (b.ttft_s, b.e2e_latency_s, b.tpot_s) == pytest.approx((0.3, 0.8, 0.1))
     assert b.itl_s == pytest.approx((0.2, 0.3))  # one gap per chunk: 2 gaps for 6 tokens
 
-    assert (c.output_tokens, c.ttft_s, c.e2e_latency_s, c.tpot_s, c.itl_s) == (1, pytest.approx(0.4),
-                                                                               pytest.approx(0.4), None, ())
+    assert (c.output_tokens, c.ttft_s, c.e2e_latency_s, c.tpot_s, c.itl_s) == (
+        1,
+        pytest.approx(0.4),
+        pytest.approx(0.4),
+        None,
+        (),
+    )
     assert a.succeeded and b.succeeded and c.succeeded and not d.succeeded
 
 
@@ -102,8 +120,12 @@ def test_bad_objectives_are_clear_errors(slos, message):
 
 def test_the_table_has_vllm_lines():
     table = serving_metrics(trace(), duration_s=1.0, slos={"ttft_ms": 350}).table()
-    for line in ("Successful requests:                     3", "Mean TTFT (ms):                          300.00",
-                 "P99 ITL (ms):                            296.00", "Request goodput (req/s):                 2.00"):
+    for line in (
+        "Successful requests:                     3",
+        "Mean TTFT (ms):                          300.00",
+        "P99 ITL (ms):                            296.00",
+        "Request goodput (req/s):                 2.00",
+    ):
         assert line in table
 
 

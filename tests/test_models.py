@@ -112,10 +112,15 @@ def test_the_models_own_eos_wins_over_a_misread_tokenizer_eos(cpu_session, tmp_p
 
 
 # The decoder chain transformers 5.17 wrote for the bundled GGUF's byte-level vocabulary (seen on the GPU machine)
-SENTENCEPIECE_CHAIN = {"type": "Sequence", "decoders": [
-    {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
-    {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-]}
+SENTENCEPIECE_CHAIN = {
+    "type": "Sequence",
+    "decoders": [
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+    ],
+}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json")
 
 
@@ -150,8 +155,11 @@ def _person_mask_after_its_key(folder: Path) -> set[int]:
 
 def test_llguidance_misreading_a_tokenizer_is_one_clear_error_not_wrong_masks(cpu_session, tmp_path):
     broken = as_transformers_517_wrote_it(resolve_model("smollm2-135m-instruct"), tmp_path / "broken")
-    with pytest.raises(ValueError, match=r"^llguidance reads this tokenizer's tokens otherwise than it decodes them "
-                                         r"\(' \{\"name\"' reads as 'Ġ\{\"name\"'\).*repair_tokenizer"):
+    with pytest.raises(
+        ValueError,
+        match=r"^llguidance reads this tokenizer's tokens otherwise than it decodes them "
+        r"\(' \{\"name\"' reads as 'Ġ\{\"name\"'\).*repair_tokenizer",
+    ):
         _person_mask_after_its_key(broken)
 
 
@@ -170,7 +178,9 @@ def test_the_repaired_tokenizer_decodes_alike_and_its_masks_allow_the_space_the_
     assert repaired.encode(text) == original.encode(text) and repaired.decode(repaired.encode(text)) == text
 
 
-def test_a_bundled_folder_converted_before_the_repair_is_repaired_when_it_is_next_used(cpu_session, tmp_path, monkeypatch):
+def test_a_bundled_folder_converted_before_the_repair_is_repaired_when_it_is_next_used(
+    cpu_session, tmp_path, monkeypatch
+):
     import exlnb.models
 
     bundled = resolve_model("smollm2-135m-instruct")
@@ -183,10 +193,16 @@ def test_a_bundled_folder_converted_before_the_repair_is_repaired_when_it_is_nex
 
 
 def test_tokenizers_with_nothing_to_repair_are_left_alone(tmp_path):
-    sentencepiece = {"model": {"type": "BPE", "byte_fallback": True}, "pre_tokenizer": {"type": "Metaspace"},
-                     "decoder": SENTENCEPIECE_CHAIN}  # a Llama-2 style vocabulary really uses its fallback
-    llama3 = {"model": {"type": "BPE"}, "decoder": {"type": "ByteLevel"},
-              "pre_tokenizer": {"type": "Sequence", "pretokenizers": [{"type": "Split"}, {"type": "ByteLevel"}]}}
+    sentencepiece = {
+        "model": {"type": "BPE", "byte_fallback": True},
+        "pre_tokenizer": {"type": "Metaspace"},
+        "decoder": SENTENCEPIECE_CHAIN,
+    }  # a Llama-2 style vocabulary really uses its fallback
+    llama3 = {
+        "model": {"type": "BPE"},
+        "decoder": {"type": "ByteLevel"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [{"type": "Split"}, {"type": "ByteLevel"}]},
+    }
     assert byte_level_repaired(sentencepiece) is None and byte_level_repaired(llama3) is None
     (tmp_path / "tokenizer.json").write_text(json.dumps(sentencepiece))
     assert not repair_tokenizer(tmp_path) and not repair_tokenizer(tmp_path / "missing")

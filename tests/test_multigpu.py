@@ -61,7 +61,9 @@ def test_a_layer_split_decodes_from_a_graph_per_card_and_gives_one_cards_greedy_
 def test_tensor_parallel_streams_through_the_magic_and_shows_each_cards_memory(seven_b, shell):
     pytest.importorskip("exllamav3", reason="tensor parallelism over fp16 weights runs on exllamav3")
     session = get_session()
-    shell.run_line_magic("exl_load", f"{seven_b} --engine exllamav3 --tensor-parallel --gpu-split {CARD_GIB},{CARD_GIB}")
+    shell.run_line_magic(
+        "exl_load", f"{seven_b} --engine exllamav3 --tensor-parallel --gpu-split {CARD_GIB},{CARD_GIB}"
+    )
     used = [gib for gib in session.status().device_memory_per_gpu if gib > 0]
     assert len(used) >= 2, session.status().line()
     shell.run_cell_magic("exl_generate", "--max-new-tokens 8 --display text --template raw --out streamed", "Hello")

@@ -51,9 +51,13 @@ class Report:
 # instead of three: the next job's ratio has about the fastest un-cancelled run over the slowest cancelled one
 # as its lower bound, which fewer trials cannot lower.
 SMALLER = [
-    "latency.trials=2", "context.context_lengths=[128, 2048]", "context.prompt_lengths=[256, 1441]",
-    "concurrency.prompts=4", "concurrency.concurrency=[2, 4]",
-    "repetition.temperatures=[0.0]", "prompt_format.questions=12",
+    "latency.trials=2",
+    "context.context_lengths=[128, 2048]",
+    "context.prompt_lengths=[256, 1441]",
+    "concurrency.prompts=4",
+    "concurrency.concurrency=[2, 4]",
+    "repetition.temperatures=[0.0]",
+    "prompt_format.questions=12",
 ]
 
 
@@ -169,8 +173,14 @@ def test_a_panel_with_nothing_to_show_is_left_out_not_drawn_as_text():
     from exlnb.experiments import context
     from exlnb.experiments.record import ExperimentResult
 
-    turns = pd.DataFrame({"model": "bundled", "mode": ["history", "amnesia"] * 2, "turn": [1, 1, 2, 2],
-                          "token_interval_s": [0.05, 0.04, 0.06, 0.04]})
+    turns = pd.DataFrame(
+        {
+            "model": "bundled",
+            "mode": ["history", "amnesia"] * 2,
+            "turn": [1, 1, 2, 2],
+            "token_interval_s": [0.05, 0.04, 0.06, 0.04],
+        }
+    )
     lengths = pd.DataFrame({"model": "bundled", "context_tokens": [128, 512], "token_interval_s": [0.04, 0.05]})
     empty = pd.DataFrame()
 

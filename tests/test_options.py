@@ -97,8 +97,9 @@ def test_help_says_the_cell_magic_opens_with_examples_and_groups_the_options(she
 def test_a_request_reaches_the_engine_whole(cpu_session, monkeypatch):
     submitted = []
     original = cpu_session.submit_together
-    monkeypatch.setattr(cpu_session, "submit_together",
-                        lambda specs, **kw: submitted.extend(specs) or original(specs, **kw))
+    monkeypatch.setattr(
+        cpu_session, "submit_together", lambda specs, **kw: submitted.extend(specs) or original(specs, **kw)
+    )
     generation = start(QUESTION, n=2, max_new_tokens=3, rep_penalty=1.1, regex="[A-Z][a-z]+")
     generation.wait(60)
 
@@ -129,7 +130,7 @@ def test_one_string_is_one_stop_string_not_its_letters(cpu_session):
     full = start(QUESTION, temperature=0, max_new_tokens=24).wait(60)[0].text
     assert "Paris" in full
     stopped = start(QUESTION, temperature=0, max_new_tokens=24, stop="Paris").wait(60)[0].text
-    assert stopped == full[:full.index("Paris")]
+    assert stopped == full[: full.index("Paris")]
     assert cpu_session.spec_for("Hi", JobOptions(stop="Paris")).stop_strings == ("Paris",)
 
 
@@ -140,7 +141,9 @@ def test_one_string_is_one_banned_string_and_one_dry_breaker(cpu_session):
     assert cpu_session.spec_for("Hi", JobOptions(banned_strings="abc")).banned_strings == ("abc",)
 
 
-@pytest.mark.parametrize(("keyword", "value"), [("max_batch_size", 1.5), ("cache_tokens", "4096"), ("cache_tokens", 4096.0)])
+@pytest.mark.parametrize(
+    ("keyword", "value"), [("max_batch_size", 1.5), ("cache_tokens", "4096"), ("cache_tokens", 4096.0)]
+)
 def test_load_refuses_counts_that_are_not_integers(keyword, value):
     with pytest.raises(TypeError, match=f"{keyword}={value!r} has the wrong type: it must be an integer"):
         Session().load(engine="cpu", **{keyword: value})
@@ -209,7 +212,10 @@ def test_a_failed_rollback_says_that_no_model_is_loaded(monkeypatch):
         raise MemoryError("out of memory")
 
     monkeypatch.setattr("exlnb.session.loading.create_engine", no_memory)
-    with pytest.raises(LoadFailed, match=r"loading smollm2-135m-instruct again failed too \(.*out of memory\): no model "
-                                        r"is loaded now"):
+    with pytest.raises(
+        LoadFailed,
+        match=r"loading smollm2-135m-instruct again failed too \(.*out of memory\): no model "
+        r"is loaded now",
+    ):
         session.load("smollm2-135m-instruct", engine="cpu", cache_tokens=4096, progress=False)
     assert not session.loaded

@@ -128,12 +128,30 @@ def test_paged_attention_matches_float64_reference(name, dtype, device):
     q, k_cache, v_cache, k, v, lengths, table = build(case, dtype, device)
     scale = case.dim**-0.5
     expected, expected_k_cache, expected_v_cache = reference(
-        q, k_cache, v_cache, k, v, lengths, table,
-        scale=scale, causal=case.causal, window=case.window, softcap=case.softcap,
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        lengths,
+        table,
+        scale=scale,
+        causal=case.causal,
+        window=case.window,
+        softcap=case.softcap,
     )
     out = flash_attn_with_kvcache(
-        q, k_cache, v_cache, k, v, cache_seqlens=lengths, block_table=table, softmax_scale=scale,
-        causal=case.causal, window_size=case.window, softcap=case.softcap,
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens=lengths,
+        block_table=table,
+        softmax_scale=scale,
+        causal=case.causal,
+        window_size=case.window,
+        softcap=case.softcap,
     )
 
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -150,8 +168,9 @@ def test_long_prefill_is_computed_in_query_slices_with_the_same_result(device, s
         pytest.skip("needs CUDA")
     case = Case([40], q_len=50)
     q, k_cache, v_cache, k, v, lengths, table = build(case, torch.float32, device, seed=3)
-    expected, _, _ = reference(q, k_cache, v_cache, k, v, lengths, table,
-                               scale=case.dim**-0.5, causal=True, window=(-1, -1), softcap=softcap)
+    expected, _, _ = reference(
+        q, k_cache, v_cache, k, v, lengths, table, scale=case.dim**-0.5, causal=True, window=(-1, -1), softcap=softcap
+    )
     keys_read = table.shape[1] * PAGE  # every page of the table, padding included
     monkeypatch.setattr(paged_attention, "SCORE_BUDGET", case.heads * keys_read * 7)  # 7 queries per slice
     original, blocks = paged_attention._attend_block, []
@@ -162,8 +181,9 @@ def test_long_prefill_is_computed_in_query_slices_with_the_same_result(device, s
 
     monkeypatch.setattr(paged_attention, "_attend_block", counting)
 
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, block_table=table, causal=True,
-                                  softcap=softcap)
+    out = flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=lengths, block_table=table, causal=True, softcap=softcap
+    )
 
     assert blocks == [7] * 7 + [1]
     torch.testing.assert_close(out.double().cpu(), expected, **tolerance(torch.float32))

@@ -28,7 +28,9 @@ def readings(*rows: tuple) -> pd.DataFrame:
 
 def test_two_clock_readings_give_the_reporters_speed_and_the_true_one():
     # the reporter's 1441 tokens read early at 0.10 s, really done at 0.50 s; a pass the early clock caught done
-    table = clock_rates(readings(("bundled", "streaming", 1441, 0, 0.10, 0.50), ("bundled", "dynamic", 256, 0, 0.02, 0.02)))
+    table = clock_rates(
+        readings(("bundled", "streaming", 1441, 0, 0.10, 0.50), ("bundled", "dynamic", 256, 0, 0.02, 0.02))
+    )
 
     assert table.early_tokens_per_s.tolist() == pytest.approx([14410.0, 12800.0])
     assert table.late_tokens_per_s.tolist() == pytest.approx([2882.0, 12800.0])
@@ -36,17 +38,26 @@ def test_two_clock_readings_give_the_reporters_speed_and_the_true_one():
 
 
 def test_medians_put_the_early_reading_beside_the_late_one_per_model_pass_and_length():
-    table = clock_rates(readings(
-        ("7b-shaped", "streaming", 1000, 0, 0.1, 0.4),
-        ("7b-shaped", "streaming", 1000, 1, 0.3, 0.6),
-        ("7b-shaped", "streaming", 1000, 2, 0.2, 0.5),
-        ("7b-shaped", "dynamic", 1000, 0, 0.5, 0.5),
-    ))
+    table = clock_rates(
+        readings(
+            ("7b-shaped", "streaming", 1000, 0, 0.1, 0.4),
+            ("7b-shaped", "streaming", 1000, 1, 0.3, 0.6),
+            ("7b-shaped", "streaming", 1000, 2, 0.2, 0.5),
+            ("7b-shaped", "dynamic", 1000, 0, 0.5, 0.5),
+        )
+    )
 
     medians = clock_medians(table)
 
-    assert medians.columns.tolist() == ["model", "prompt_pass", "prompt_tokens", "repeats", "early_s", "late_s",
-                                        *RATE_COLUMNS]
+    assert medians.columns.tolist() == [
+        "model",
+        "prompt_pass",
+        "prompt_tokens",
+        "repeats",
+        "early_s",
+        "late_s",
+        *RATE_COLUMNS,
+    ]
     streaming, dynamic = medians.to_dict("records")
     assert (streaming["prompt_pass"], streaming["repeats"]) == ("streaming", 3)
     assert (streaming["early_s"], streaming["late_s"]) == pytest.approx((0.2, 0.5))
@@ -57,11 +68,13 @@ def test_medians_put_the_early_reading_beside_the_late_one_per_model_pass_and_le
 
 
 def test_a_finding_gives_the_passes_own_ratios_not_a_ratio_of_the_medians():
-    table = clock_rates(readings(
-        ("7b-shaped", "streaming", 4000, 0, 0.265, 0.301),  # the night H100 run's three passes
-        ("7b-shaped", "streaming", 4000, 1, 0.254, 0.257),
-        ("7b-shaped", "streaming", 4000, 2, 0.217, 0.253),
-    ))
+    table = clock_rates(
+        readings(
+            ("7b-shaped", "streaming", 4000, 0, 0.265, 0.301),  # the night H100 run's three passes
+            ("7b-shaped", "streaming", 4000, 1, 0.254, 0.257),
+            ("7b-shaped", "streaming", 4000, 2, 0.217, 0.253),
+        )
+    )
 
     (line,) = findings(table, [], "14,982 tokens/s")
 
@@ -69,7 +82,9 @@ def test_a_finding_gives_the_passes_own_ratios_not_a_ratio_of_the_medians():
 
 
 def test_findings_call_only_a_clearly_early_clock_the_reports_mistake():
-    table = clock_rates(readings(("bundled", "streaming", 4000, 0, 0.01, 0.05), ("bundled", "dynamic", 4000, 0, 0.05, 0.051)))
+    table = clock_rates(
+        readings(("bundled", "streaming", 4000, 0, 0.01, 0.05), ("bundled", "dynamic", 4000, 0, 0.05, 0.051))
+    )
 
     early, late = findings(table, [], "14,982 tokens/s")
 
@@ -89,9 +104,11 @@ def test_off_the_exllamav2_engine_report_5_says_in_one_line_that_it_needs_it_on_
 
 @pytest.mark.parametrize(
     "models, lengths, message",
-    [(("bundled", "llama-70b"), (256,), "no model 'llama-70b' to time: choose from bundled, 7b-shaped"),
-     (("7b-shaped",), (256, 4096), "exceed the 7b-shaped model's 4096 positions"),
-     (("bundled",), (), "give one or more lengths of at least 2 tokens")],
+    [
+        (("bundled", "llama-70b"), (256,), "no model 'llama-70b' to time: choose from bundled, 7b-shaped"),
+        (("7b-shaped",), (256, 4096), "exceed the 7b-shaped model's 4096 positions"),
+        (("bundled",), (), "give one or more lengths of at least 2 tokens"),
+    ],
 )
 def test_an_unknown_model_or_a_prompt_beyond_its_positions_is_refused_before_anything_runs(models, lengths, message):
     with pytest.raises(ValueError, match=message):
@@ -122,6 +139,7 @@ def test_the_reporters_streaming_pass_reads_early_then_late_and_samples_the_engi
             with engine.lend_prompt_pass(name) as prompt_pass:
                 prompt_pass.begin(prompt)
                 return prompt_pass.first_token()
+
         return session.run_on_engine(run)
 
     assert first_token("streaming", ids) == before.token_ids[0]

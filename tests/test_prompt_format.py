@@ -33,11 +33,13 @@ def test_an_answer_counts_as_a_whole_word_in_any_case():
 
 
 def test_formats_whose_intervals_do_not_overlap_can_be_ranked():
-    ranking = rank_formats({
-        "chatml": difference(0, 0, 0),
-        "better": difference(0.1, 0.05, 0.15),
-        "worse": difference(-0.3, -0.4, -0.2),
-    })
+    ranking = rank_formats(
+        {
+            "chatml": difference(0, 0, 0),
+            "better": difference(0.1, 0.05, 0.15),
+            "worse": difference(-0.3, -0.4, -0.2),
+        }
+    )
     assert ranking["rankable"]
     assert ranking["tiers"] == [["better"], ["chatml"], ["worse"]]
     assert ranking["statement"].startswith("The formats can be ranked")
@@ -45,12 +47,14 @@ def test_formats_whose_intervals_do_not_overlap_can_be_ranked():
 
 def test_formats_joined_by_a_chain_of_overlapping_intervals_cannot_be_ranked():
     # "better" excludes zero, but overlaps "unclear", whose interval includes ChatML's zero
-    ranking = rank_formats({
-        "chatml": difference(0, 0, 0),
-        "better": difference(0.12, 0.03, 0.22),
-        "unclear": difference(0.06, -0.1, 0.2),
-        "no_template": difference(-0.66, -0.8, -0.5),
-    })
+    ranking = rank_formats(
+        {
+            "chatml": difference(0, 0, 0),
+            "better": difference(0.12, 0.03, 0.22),
+            "unclear": difference(0.06, -0.1, 0.2),
+            "no_template": difference(-0.66, -0.8, -0.5),
+        }
+    )
     assert not ranking["rankable"]
     assert ranking["tiers"] == [["better", "unclear", "chatml"], ["no_template"]]
     assert "cannot be ranked" in ranking["statement"]
@@ -58,9 +62,11 @@ def test_formats_joined_by_a_chain_of_overlapping_intervals_cannot_be_ranked():
 
 
 def test_a_wide_interval_lower_down_joins_the_tiers_it_overlaps():
-    ranking = rank_formats({
-        "chatml": difference(0, 0, 0),
-        "better": difference(0.1, 0.05, 0.15),
-        "wide": difference(-0.2, -0.5, 0.1),
-    })
+    ranking = rank_formats(
+        {
+            "chatml": difference(0, 0, 0),
+            "better": difference(0.1, 0.05, 0.15),
+            "wide": difference(-0.2, -0.5, 0.1),
+        }
+    )
     assert ranking["tiers"] == [["better", "chatml", "wide"]]

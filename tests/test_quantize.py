@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from exlnb import quantize as quantize_module
-from exlnb.quantize import quantize
-from exlnb.quantize import QuantizedModel, converter_command, progress_of
+from exlnb.quantize import QuantizedModel, converter_command, progress_of, quantize
 
 
 @pytest.fixture
@@ -60,7 +59,11 @@ def test_the_cache_key_names_model_format_bits_and_head_bits(home, tmp_path):
     a = QuantizedModel(source, "exl3", 4.0, 6)
     assert a.folder.parent == home / "quantized"
     assert a.folder.name.startswith("smol-") and a.folder.name.endswith("-exl3-4bpw-h6")
-    others = {QuantizedModel(source, "exl2", 4.0, 6), QuantizedModel(source, "exl3", 3.5, 6), QuantizedModel(source, "exl3", 4.0, 8)}
+    others = {
+        QuantizedModel(source, "exl2", 4.0, 6),
+        QuantizedModel(source, "exl3", 3.5, 6),
+        QuantizedModel(source, "exl3", 4.0, 8),
+    }
     assert a.folder not in {o.folder for o in others}
     assert QuantizedModel(fp16_model(tmp_path / "other" / "smol"), "exl3", 4.0, 6).folder != a.folder
 
@@ -100,7 +103,9 @@ def test_exl2_measures_a_model_once_and_reuses_the_measurement_at_other_bits(hom
         "(out / 'config.json').write_text(json.dumps({'quantization_config': {'quant_method': 'exl2'}})); "
         "(work / 'measurement.json').write_text('{\"measurement\": {}, \"last_module_idx\": 0}')"
     )
-    monkeypatch.setattr(quantize_module, "converter_command", lambda t: [sys.executable, "-c", finish, str(t.partial), str(t.work)])
+    monkeypatch.setattr(
+        quantize_module, "converter_command", lambda t: [sys.executable, "-c", finish, str(t.partial), str(t.work)]
+    )
     first.folder.mkdir(parents=True)
     quantize_module._convert(first, progress=False)
     assert not first.work.exists()
@@ -124,7 +129,9 @@ def test_a_converter_that_exits_zero_without_output_counts_as_failed(home, tmp_p
     target = QuantizedModel(fp16_model(tmp_path / "m"), "exl3", 4.0, 6)
     target.folder.mkdir(parents=True)
     monkeypatch.setattr(
-        quantize_module, "converter_command", lambda t: [sys.executable, "-c", "print(' !! Error: Must specify --work_dir')"]
+        quantize_module,
+        "converter_command",
+        lambda t: [sys.executable, "-c", "print(' !! Error: Must specify --work_dir')"],
     )
     with pytest.raises(RuntimeError, match="stopped without finishing .* Must specify --work_dir"):
         quantize_module._convert(target, progress=False)

@@ -21,13 +21,27 @@ from exlnb.streaming import JobError, ModelUnloaded
 from exlnb.templates import chatml
 
 PROMPT = chatml("Count to one hundred.")
-QUESTIONS = [chatml(q) for q in (
-    "What is the capital of France?", "Name three primary colours.", "Write a haiku about the sea.",
-    "What is 12 times 12?", "Who wrote Romeo and Juliet?", "Give me a synonym for happy.", "What do bees make?",
-    "Translate 'good morning' into Spanish.", "What is the largest planet?", "Name a mammal that can fly.",
-    "What colour is the sky?", "How many legs does a spider have?", "What is the boiling point of water?",
-    "Who painted the Mona Lisa?", "What is the opposite of cold?", "Spell the word cat backwards.",
-)]
+QUESTIONS = [
+    chatml(q)
+    for q in (
+        "What is the capital of France?",
+        "Name three primary colours.",
+        "Write a haiku about the sea.",
+        "What is 12 times 12?",
+        "Who wrote Romeo and Juliet?",
+        "Give me a synonym for happy.",
+        "What do bees make?",
+        "Translate 'good morning' into Spanish.",
+        "What is the largest planet?",
+        "Name a mammal that can fly.",
+        "What colour is the sky?",
+        "How many legs does a spider have?",
+        "What is the boiling point of water?",
+        "Who painted the Mona Lisa?",
+        "What is the opposite of cold?",
+        "Spell the word cat backwards.",
+    )
+]
 
 
 def settle(session: Session, timeout: float = 10.0) -> None:
@@ -135,8 +149,18 @@ def _generation_cancelled(session):
 
 
 ABANDONMENTS = [
-    _break_early, _raise_in_loop, _drop_unread, _drop_half_read, _cancel_by_handle, _cancel_by_id, _request_cancel,
-    _close_the_iterator, _async_break, _async_task_cancelled, _async_loop_closed, _generation_cancelled,
+    _break_early,
+    _raise_in_loop,
+    _drop_unread,
+    _drop_half_read,
+    _cancel_by_handle,
+    _cancel_by_id,
+    _request_cancel,
+    _close_the_iterator,
+    _async_break,
+    _async_task_cancelled,
+    _async_loop_closed,
+    _generation_cancelled,
 ]
 
 
@@ -326,8 +350,12 @@ def test_a_failed_load_keeps_the_model_that_was_loaded(tmp_path, damage, engine_
     assert session.options.model_dir == model_dir
     if damage == "broken weights":
         assert "is loaded again" in str(refused.value)
-    assert "Paris" in session.complete(chatml("What is the capital of France?"), max_new_tokens=12,
-                                       sampler=SamplerSettings.greedy()).text
+    assert (
+        "Paris"
+        in session.complete(
+            chatml("What is the capital of France?"), max_new_tokens=12, sampler=SamplerSettings.greedy()
+        ).text
+    )
     session.unload()
 
 
@@ -426,7 +454,7 @@ def test_the_cache_and_job_views_come_back_while_a_step_is_still_running(idle_se
 
 INTERRUPTED_CELLS = {
     "generate": "%%exl_generate --display {display} --max-new-tokens 400 --min-new-tokens 400 --seed 1\n"
-                "Tell me a very long story about a dragon who learns to bake bread.",
+    "Tell me a very long story about a dragon who learns to bake bread.",
     "bench": "%exl_bench --display {display} --num-requests 4 --prompt-len 8 --output-len 400",
 }
 

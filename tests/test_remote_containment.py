@@ -54,8 +54,9 @@ def the_error(gen: generation.Generation) -> str:
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPE_WORDS))
-def test_a_badly_shaped_event_fails_its_job_alone_naming_the_server_endpoint_and_field(fake_session, fake_server,
-                                                                                       shape):
+def test_a_badly_shaped_event_fails_its_job_alone_naming_the_server_endpoint_and_field(
+    fake_session, fake_server, shape
+):
     assert set(SHAPE_WORDS) == set(fake_server.bad_shapes)
     bystander = generation.start("slow", session=fake_session, max_new_tokens=400)
 
@@ -85,13 +86,17 @@ def test_events_are_read_across_pieces_and_one_past_its_limit_is_refused_however
                 reader.feed(piece)
 
 
-@pytest.mark.parametrize("prompt, words", [
-    ("cut", "ended the stream without finishing the answer (no finish_reason in "),
-    ("no-finish", "ended the stream without finishing the answer (no finish_reason in "),
-    ("no-choices", "sent an event of the wrong shape: choices is missing"),
-])
-def test_a_stream_that_stops_before_its_answer_ends_is_an_error_not_an_end_of_turn(fake_session, fake_server,
-                                                                                   prompt, words, capsys):
+@pytest.mark.parametrize(
+    "prompt, words",
+    [
+        ("cut", "ended the stream without finishing the answer (no finish_reason in "),
+        ("no-finish", "ended the stream without finishing the answer (no finish_reason in "),
+        ("no-choices", "sent an event of the wrong shape: choices is missing"),
+    ],
+)
+def test_a_stream_that_stops_before_its_answer_ends_is_an_error_not_an_end_of_turn(
+    fake_session, fake_server, prompt, words, capsys
+):
     with pytest.raises(JobError, match=f"the server at {fake_server.url}/chat/completions "):
         generate_live(prompt, session=fake_session, max_new_tokens=16, display="text")
     printed = capsys.readouterr().out
@@ -104,8 +109,15 @@ def test_a_stream_that_stops_before_its_answer_ends_is_an_error_not_an_end_of_tu
 
 def test_a_load_test_counts_a_bad_answer_as_failed_and_goes_on(fake_session, fake_server):
     fake_server.faults[:] = ["shape:content-number", "cut"]
-    result = bench(request_rate=[float("inf"), float("inf")], num_requests=4, prompt_len=8, output_len=4, seed=1,
-                   progress=False, session=fake_session)
+    result = bench(
+        request_rate=[float("inf"), float("inf")],
+        num_requests=4,
+        prompt_len=8,
+        output_len=4,
+        seed=1,
+        progress=False,
+        session=fake_session,
+    )
     first, second = result.runs
     assert (first.metrics.successful_requests, first.metrics.failed_requests) == (2, 2)
     assert first.count_words() == "2 of 4 requests finished, 2 failed"
@@ -119,8 +131,10 @@ def test_a_load_test_counts_a_bad_answer_as_failed_and_goes_on(fake_session, fak
 def test_a_server_that_keeps_streaming_is_cut_at_max_new_tokens_by_the_clients_count(fake_session, fake_server):
     fake_server.client_left.clear()
     gen = run(fake_session, "endless", max_new_tokens=4)
-    assert "sent more than max_new_tokens=4 tokens (5 by the local tokenizer's count): exlnb kept the first 4 and " \
-           "closed the stream" in the_error(gen)
+    assert (
+        "sent more than max_new_tokens=4 tokens (5 by the local tokenizer's count): exlnb kept the first 4 and "
+        "closed the stream" in the_error(gen)
+    )
     assert len(gen.samples[0].token_ids) == 4 and gen.results[0].text == "Hello more more more"
     assert fake_server.client_left.wait(5), "the server still had the client 5 s after the cut"
 
@@ -128,16 +142,19 @@ def test_a_server_that_keeps_streaming_is_cut_at_max_new_tokens_by_the_clients_c
 @pytest.mark.parametrize("prompt", ["big-event", "long-line"])
 def test_an_event_past_its_size_limit_is_refused_in_one_line(fake_session, fake_server, prompt):
     error = the_error(run(fake_session, prompt))
-    assert f"sent an event over {MAX_EVENT_BYTES >> 20} MiB (or a line that does not end): exlnb read no further" \
-           in error
+    assert (
+        f"sent an event over {MAX_EVENT_BYTES >> 20} MiB (or a line that does not end): exlnb read no further" in error
+    )
     if prompt == "long-line":  # the client stopped reading: the server could not pour its 200 MB
         assert fake_server.written < fake_server.huge_bytes / 2
 
 
 def test_an_error_body_past_its_size_limit_is_not_read_further(fake_session, fake_server):
     error = the_error(run(fake_session, "big-error"))
-    assert 'answered 500 Internal Server Error with a body over 1 MiB, read no further: {"error": {"message": "xxx' \
-           in error
+    assert (
+        'answered 500 Internal Server Error with a body over 1 MiB, read no further: {"error": {"message": "xxx'
+        in error
+    )
     assert fake_server.written < fake_server.huge_bytes / 2
 
 
@@ -186,8 +203,15 @@ def test_the_delivery_audit_counts_frames_and_tokens_apart(fake_session, fake_se
 def test_the_load_test_and_the_server_view_show_the_delivery_audit(fake_session):
     from exlnb.widgets.server import server_text
 
-    result = bench(request_rate=[float("inf")], num_requests=3, prompt_len=8, output_len=4, seed=1, progress=False,
-                   session=fake_session)
+    result = bench(
+        request_rate=[float("inf")],
+        num_requests=3,
+        prompt_len=8,
+        output_len=4,
+        seed=1,
+        progress=False,
+        session=fake_session,
+    )
     [rate] = result.runs
     audit = rate.delivery
     assert (audit.answers, audit.received_tokens, audit.server_tokens, audit.chunks_per_token) == (3, 12, 12, 1.0)
@@ -198,8 +222,7 @@ def test_the_load_test_and_the_server_view_show_the_delivery_audit(fake_session)
 
 
 @pytest.mark.parametrize("url", ["http://someone:hunter2@{host}/v1", "{base}?key=hunter2", "{base}#hunter2"])
-def test_a_url_carrying_a_key_is_refused_without_showing_it_and_the_loaded_server_stays(fake_session, fake_server,
-                                                                                        url):
+def test_a_url_carrying_a_key_is_refused_without_showing_it_and_the_loaded_server_stays(fake_session, fake_server, url):
     before = fake_session.status()
     given = url.format(host=fake_server.url.removeprefix("http://").removesuffix("/v1"), base=fake_server.url)
     with pytest.raises(ValueError, match="carries credentials or a query") as refused:
@@ -211,16 +234,22 @@ def test_a_url_carrying_a_key_is_refused_without_showing_it_and_the_loaded_serve
 def test_a_redirect_is_named_as_such_and_not_followed(fake_server, monkeypatch):
     monkeypatch.setenv("EXLNB_FAKE_KEY", fake_server.key)
     root = fake_server.url.removesuffix("/v1")
-    with pytest.raises(LoadFailed, match=rf"answered 307 Temporary Redirect, a redirect to {root}/v1/models: exlnb "
-                                         "follows no redirect") as refused:
+    with pytest.raises(
+        LoadFailed,
+        match=rf"answered 307 Temporary Redirect, a redirect to {root}/v1/models: exlnb "
+        "follows no redirect",
+    ) as refused:
         Session().load(url=f"{root}/moved/v1", api_key_env="EXLNB_FAKE_KEY", progress=False)
     assert "hunter2" not in str(refused.value)
 
 
 def test_a_context_length_that_makes_no_sense_is_refused_at_load(fake_session, fake_server):
     root = fake_server.url.removesuffix("/v1")
-    with pytest.raises(LoadFailed, match=r"reports max_model_len=-5 for 'fake-model', which is not a positive number "
-                                         r"of tokens.*is loaded again"):
+    with pytest.raises(
+        LoadFailed,
+        match=r"reports max_model_len=-5 for 'fake-model', which is not a positive number "
+        r"of tokens.*is loaded again",
+    ):
         fake_session.load(url=f"{root}/len-5/v1", api_key_env="EXLNB_FAKE_KEY", progress=False)
     assert fake_session.status().cache_tokens == 2048
     assert run(fake_session, "still here").texts == ["Hello still here"]

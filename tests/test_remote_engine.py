@@ -47,8 +47,9 @@ def finished(gen: generation.Generation) -> generation.Generation:
 def test_a_chat_answer_streams_from_transformers_serve(transformers_session):
     status = transformers_session.status()
     assert status.library == "transformers" and "/v1/chat/completions" in status.decode
-    gen = finished(generation.start("Name three colours.", session=transformers_session, max_new_tokens=12,
-                                    temperature=0))
+    gen = finished(
+        generation.start("Name three colours.", session=transformers_session, max_new_tokens=12, temperature=0)
+    )
     [sample] = gen.samples
     assert gen.errors == [] and sample.text.strip()
     assert sum(bool(e.text) for e in sample.events) > 1  # in pieces as they came
@@ -57,8 +58,9 @@ def test_a_chat_answer_streams_from_transformers_serve(transformers_session):
 
 
 def test_stop_closes_the_stream_at_once(transformers_session):
-    gen = generation.start("Write a long story about a lighthouse.", session=transformers_session,
-                           max_new_tokens=400, temperature=0)
+    gen = generation.start(
+        "Write a long story about a lighthouse.", session=transformers_session, max_new_tokens=400, temperature=0
+    )
     deadline = time.monotonic() + WAIT_S
     while not gen.samples[0].token_ids and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -70,8 +72,11 @@ def test_stop_closes_the_stream_at_once(transformers_session):
 
 
 def test_a_real_answer_passes_every_check_and_its_role_only_first_frame_is_left_out_of_ttft(transformers_session):
-    gen = finished(generation.start("Write a long story about a lighthouse.", session=transformers_session,
-                                    max_new_tokens=6, temperature=0))
+    gen = finished(
+        generation.start(
+            "Write a long story about a lighthouse.", session=transformers_session, max_new_tokens=6, temperature=0
+        )
+    )
     [sample] = gen.samples
     delivery = sample.last.delivery
     assert gen.errors == [] and sample.eos_reason is EosReason.MAX_NEW_TOKENS and len(sample.token_ids) <= 6
@@ -89,15 +94,28 @@ def test_a_key_in_a_real_servers_url_is_refused_and_the_session_stays(transforme
 
 
 def test_the_token_view_says_plainly_a_server_returns_no_logprobs(transformers_session):
-    with pytest.raises(ValueError, match=r"tokens=3 \(a transformers server returns no logprobs, so there is no token view"):
+    with pytest.raises(
+        ValueError, match=r"tokens=3 \(a transformers server returns no logprobs, so there is no token view"
+    ):
         generation.start("Hi", session=transformers_session, tokens=3)
 
 
 def test_chat_history_goes_to_the_server_as_messages(transformers_session):
-    first = finished(generation.start("My name is Ada.", chat="remote", amnesia=True, session=transformers_session,
-                                      max_new_tokens=8, temperature=0))
-    second = finished(generation.start("What is my name?", chat="remote", session=transformers_session,
-                                       max_new_tokens=8, temperature=0))
+    first = finished(
+        generation.start(
+            "My name is Ada.",
+            chat="remote",
+            amnesia=True,
+            session=transformers_session,
+            max_new_tokens=8,
+            temperature=0,
+        )
+    )
+    second = finished(
+        generation.start(
+            "What is my name?", chat="remote", session=transformers_session, max_new_tokens=8, temperature=0
+        )
+    )
     assert first.errors == second.errors == []
     sent = transformers_session.tokenizer.messages_for(tuple(second.prompt_ids))
     assert [m["role"] for m in sent][-3:] == ["user", "assistant", "user"]
@@ -105,21 +123,26 @@ def test_chat_history_goes_to_the_server_as_messages(transformers_session):
 
 
 def test_a_prompt_in_exlnbs_template_is_refused_by_a_chat_server(transformers_session):
-    with pytest.raises(ValueError, match=r"already rendered with a template .* use template='auto', or load with "
-                                         r"api='completions'"):
+    with pytest.raises(
+        ValueError,
+        match=r"already rendered with a template .* use template='auto', or load with "
+        r"api='completions'",
+    ):
         generation.start("Hi", template="chatml", session=transformers_session)
 
 
 def test_completions_send_exlnbs_own_template(llama_cpp_session):
     assert "/v1/completions, exlnb's templates" in llama_cpp_session.status().decode
-    gen = finished(generation.start("Name a fruit.", template="chatml", session=llama_cpp_session,
-                                    max_new_tokens=8, temperature=0))
+    gen = finished(
+        generation.start("Name a fruit.", template="chatml", session=llama_cpp_session, max_new_tokens=8, temperature=0)
+    )
     assert gen.errors == [] and gen.texts[0].strip()
 
 
 def test_the_token_view_reads_the_servers_logprobs(llama_cpp_session):
-    gen = finished(generation.start("Name a fruit.", session=llama_cpp_session, max_new_tokens=6, temperature=0,
-                                    tokens=3))
+    gen = finished(
+        generation.start("Name a fruit.", session=llama_cpp_session, max_new_tokens=6, temperature=0, tokens=3)
+    )
     records = gen.results[0].tokens()
     assert len(records) >= 1 and gen.errors == []
     for _, row in records.iterrows():
@@ -135,8 +158,15 @@ def test_n_samples_each_stream_their_own_answer(llama_cpp_session):
 
 
 def test_bench_measures_a_server_with_vllms_metrics(llama_cpp_session):
-    result = bench(request_rate=[4.0], num_requests=3, prompt_len=16, output_len=4, seed=1, progress=False,
-                   session=llama_cpp_session)
+    result = bench(
+        request_rate=[4.0],
+        num_requests=3,
+        prompt_len=16,
+        output_len=4,
+        seed=1,
+        progress=False,
+        session=llama_cpp_session,
+    )
     [run] = result.runs
     assert len(run.records) == 3 and all(r.succeeded for r in run.records)
     assert [r.output_tokens for r in run.records] == [4, 4, 4]  # exact lengths: the server was told min_tokens
@@ -146,8 +176,15 @@ def test_bench_measures_a_server_with_vllms_metrics(llama_cpp_session):
 def test_bench_and_the_server_view_audit_how_the_server_delivered(llama_cpp_session):
     from exlnb.widgets.server import server_text
 
-    result = bench(request_rate=[4.0], num_requests=3, prompt_len=16, output_len=4, seed=2, progress=False,
-                   session=llama_cpp_session)
+    result = bench(
+        request_rate=[4.0],
+        num_requests=3,
+        prompt_len=16,
+        output_len=4,
+        seed=2,
+        progress=False,
+        session=llama_cpp_session,
+    )
     audit = result.runs[0].delivery
     assert (audit.answers, audit.received_tokens) == (3, 12) and audit.server_tokens in (12, None)
     assert audit.chunks_per_token == 1.0  # llama.cpp streams a token a frame
@@ -170,11 +207,15 @@ def llama_cpp_in_the_kernel(llama_cpp_server):
 
 def test_the_magics_drive_a_server(llama_cpp_in_the_kernel, llama_cpp_server, capsys):
     shell = llama_cpp_in_the_kernel
-    shell.run_line_magic("exl_load", f"--engine openai --url {llama_cpp_server} --served-model {BUNDLED_MODEL} "
-                                     "--api completions")
+    shell.run_line_magic(
+        "exl_load", f"--engine openai --url {llama_cpp_server} --served-model {BUNDLED_MODEL} --api completions"
+    )
     assert "openai engine (llama.cpp)" in capsys.readouterr().out
-    shell.run_cell_magic("exl_generate", "--max-new-tokens 200 --background --out gen --display text",
-                         "Write a long story about a lighthouse keeper.")
+    shell.run_cell_magic(
+        "exl_generate",
+        "--max-new-tokens 200 --background --out gen --display text",
+        "Write a long story about a lighthouse keeper.",
+    )
     gen = shell.user_ns["gen"]
     shell.run_line_magic("exl_cache", "--display text")
     view = capsys.readouterr().out
@@ -200,8 +241,9 @@ def test_a_kernel_interrupt_closes_the_stream(llama_cpp_in_the_kernel, llama_cpp
 
     threading.Thread(target=interrupt_once_tokens_flow, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
-        llama_cpp_in_the_kernel.run_cell_magic("exl_generate", "--max-new-tokens 400 --display text",
-                                               "Write a long story about a lighthouse keeper.")
+        llama_cpp_in_the_kernel.run_cell_magic(
+            "exl_generate", "--max-new-tokens 400 --display text", "Write a long story about a lighthouse keeper."
+        )
     assert started.is_set()
     wait_until_idle(session)
     assert session.jobs() == []
@@ -210,8 +252,21 @@ def test_a_kernel_interrupt_closes_the_stream(llama_cpp_in_the_kernel, llama_cpp
 def test_the_serving_suite_sweeps_a_server_given_its_url(llama_cpp_in_the_kernel, llama_cpp_server, tmp_path):
     from benchmarks.serving import main
 
-    path = main(["--url", llama_cpp_server, "--api", "completions", "--quick", "--requests", "2",
-                 "--output-len", "3", "--out", str(tmp_path)])
+    path = main(
+        [
+            "--url",
+            llama_cpp_server,
+            "--api",
+            "completions",
+            "--quick",
+            "--requests",
+            "2",
+            "--output-len",
+            "3",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     [setup] = json.loads(path.read_text())["setups"]
     assert setup["setup"] == f"openai at {llama_cpp_server}" and setup["stopped"] is None
     assert path.name.startswith("serving-openai-")

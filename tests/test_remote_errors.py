@@ -32,12 +32,15 @@ def test_a_server_is_loaded_by_its_url_and_streams(fake_session):
     assert len(gen.samples[0].events) >= 4  # word by word, not in one piece
 
 
-@pytest.mark.parametrize("prompt, words", [
-    ("malformed", "sent a malformed event (not a JSON object): {not json"),
-    ("429", "429 Too Many Requests: Too many requests: rate limit of 2 per second"),
-    ("503", "503 Service Unavailable: Server overloaded, retry later"),
-    ("die", "closed the connection mid-answer"),
-])
+@pytest.mark.parametrize(
+    "prompt, words",
+    [
+        ("malformed", "sent a malformed event (not a JSON object): {not json"),
+        ("429", "429 Too Many Requests: Too many requests: rate limit of 2 per second"),
+        ("503", "503 Service Unavailable: Server overloaded, retry later"),
+        ("die", "closed the connection mid-answer"),
+    ],
+)
 def test_a_bad_answer_fails_its_job_in_one_line_naming_the_server(fake_session, prompt, words):
     gen = run(fake_session, prompt)
     [error] = gen.errors

@@ -28,8 +28,12 @@ def tiny(cpu_session):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu_session, "spec_for", keep)
         result = repetition.run(
-            cpu_session, prompts=1, max_new_tokens=8, repetition_penalties=(1.0, 1.05, 1.11),
-            frequency_penalties=(0.0, 0.03), temperatures=TEMPERATURES,
+            cpu_session,
+            prompts=1,
+            max_new_tokens=8,
+            repetition_penalties=(1.0, 1.05, 1.11),
+            frequency_penalties=(0.0, 0.03),
+            temperatures=TEMPERATURES,
         )
     return result, specs
 
@@ -53,7 +57,9 @@ def test_each_remedys_settings_reach_its_jobs(tiny):
             expected = remedy.sampler(repetition.sampler(1.0, 0.0, temperature))
             assert (expected, remedy.stop_on_loop) in sent, (remedy.name, temperature)
             assert dict(remedy.sampler_options).items() <= vars(expected).items()
-    assert all(s.sampler.dry_multiplier == 0 and s.stop_on_loop is None for s in submitted if s.sampler.xtc_probability > 0)
+    assert all(
+        s.sampler.dry_multiplier == 0 and s.stop_on_loop is None for s in submitted if s.sampler.xtc_probability > 0
+    )
 
 
 def test_a_remedy_that_is_a_grid_cell_reuses_its_jobs(tiny):
@@ -79,23 +85,33 @@ def test_every_remedy_is_compared_with_no_penalty_in_pairs_and_has_an_effect(tin
 def test_the_loop_detector_ends_a_looping_job_and_counts_the_tokens_it_saved(cpu_session):
     # greedy with no penalty, the ocean poem settles into two alternating lines (period 14)
     prompt = chatml(load_prompts("loop_inviting")[0])
-    result = cpu_session.complete(prompt, max_new_tokens=160, sampler=repetition.sampler(1.0, 0.0, 0.0),
-                                  stop_on_loop=LOOP_DETECTOR.stop_on_loop)
-    row = add_detector_columns(pd.DataFrame([{"new_tokens": result.new_tokens, "eos_reason": result.eos_reason.value}]), 160)
+    result = cpu_session.complete(
+        prompt, max_new_tokens=160, sampler=repetition.sampler(1.0, 0.0, 0.0), stop_on_loop=LOOP_DETECTOR.stop_on_loop
+    )
+    row = add_detector_columns(
+        pd.DataFrame([{"new_tokens": result.new_tokens, "eos_reason": result.eos_reason.value}]), 160
+    )
     assert row.ended_by_detector[0], result.text
     assert row.tokens_saved[0] == 160 - result.new_tokens > 0
 
 
 def test_every_engine_runs_dry_and_xtc_and_runs_the_loop_detector_or_says_why_not(engine_session):
     result = repetition.run(
-        engine_session, prompts=1, max_new_tokens=4, repetition_penalties=(1.0, 1.05, 1.11),
-        frequency_penalties=(0.0, 0.03), temperatures=(0.7,),
+        engine_session,
+        prompts=1,
+        max_new_tokens=4,
+        repetition_penalties=(1.0, 1.05, 1.11),
+        frequency_penalties=(0.0, 0.03),
+        temperatures=(0.7,),
     )
     ran = set(result.tables["remedies"].remedy)
     assert {"DRY", "XTC"} <= ran
     spec = engine_session.spec_for("x", JobOptions(max_new_tokens=1, stop_on_loop=LOOP_DETECTOR.stop_on_loop))
     if engine_session.run_on_engine(lambda engine: engine.unsupported(spec)):
         assert LOOP_DETECTOR.name not in ran
-        assert any(line.startswith(f"loop detector not run: the {engine_session.options.engine} engine") for line in result.findings)
+        assert any(
+            line.startswith(f"loop detector not run: the {engine_session.options.engine} engine")
+            for line in result.findings
+        )
     else:
         assert LOOP_DETECTOR.name in ran

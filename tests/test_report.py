@@ -14,7 +14,9 @@ from exlnb import report
 from exlnb.experiments.notebooks import NOTEBOOKS, notebook_parameters
 from exlnb.report import NotebookRun, _overrides, earlier_runs, main, publish, summary_markdown
 
-nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the notebook stack: pip install -e '.[test]'")
+nbformat = pytest.importorskip(
+    "nbformat", reason="the notebook tests need the notebook stack: pip install -e '.[test]'"
+)
 
 NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 
@@ -29,7 +31,11 @@ def test_set_overrides_a_preset_with_python_literals():
 
 @pytest.mark.parametrize(
     "assignment, message",
-    [("latency.requests", "NAME.PARAMETER=VALUE"), ("nosuch.x=1", "NAME.PARAMETER=VALUE"), ("context.turns=3", "--only")],
+    [
+        ("latency.requests", "NAME.PARAMETER=VALUE"),
+        ("nosuch.x=1", "NAME.PARAMETER=VALUE"),
+        ("context.turns=3", "--only"),
+    ],
 )
 def test_a_malformed_or_unused_override_says_what_to_write(assignment, message):
     with pytest.raises(SystemExit, match=message):
@@ -101,7 +107,14 @@ def test_publish_copies_summaries_tables_and_figures_but_not_notebooks(tmp_path)
 
 def test_runs_split_with_only_add_up_to_one_summary(tmp_path):
     summary = {
-        "environment": {"engine": "cpu", "model": "m", "device": "cpu", "paged": True, "attention": "a", "versions": {}},
+        "environment": {
+            "engine": "cpu",
+            "model": "m",
+            "device": "cpu",
+            "paged": True,
+            "attention": "a",
+            "versions": {},
+        },
         "effects": [{"line": "next job: 17.9 s -> 1.33 s"}],
         "findings": [],
         "field_reports": [1],
@@ -118,8 +131,19 @@ def test_runs_split_with_only_add_up_to_one_summary(tmp_path):
 
 
 def test_a_notebook_that_answers_no_field_report_names_none():
-    summary = {"environment": {"engine": "cpu", "model": "m", "device": "cpu", "paged": True, "attention": "a",
-                               "versions": {}}, "effects": [], "findings": ["fp16: perplexity 3.04"], "field_reports": []}
+    summary = {
+        "environment": {
+            "engine": "cpu",
+            "model": "m",
+            "device": "cpu",
+            "paged": True,
+            "attention": "a",
+            "versions": {},
+        },
+        "effects": [],
+        "findings": ["fp16: perplexity 3.04"],
+        "field_reports": [],
+    }
     text = summary_markdown([NotebookRun("quantization", 73.0, summary)])
 
     assert "Field report" not in text and "- fp16: perplexity 3.04" in text
@@ -173,9 +197,28 @@ def test_an_executed_notebook_records_no_path_of_the_machine_that_ran_it(tmp_pat
 
 
 def test_a_truncated_earlier_summary_is_skipped_with_one_line_naming_it(tmp_path, capsys):
-    for name, text in (("latency", '{"environment": {"engine": "cp'), ("streaming", json.dumps(
-            {"environment": {"engine": "cpu", "model": "m", "device": "cpu", "paged": True, "attention": "a", "versions": {},
-                             "date": "2026-11-20T10:00:00+00:00"}, "effects": [], "findings": [], "field_reports": [3]}))):
+    for name, text in (
+        ("latency", '{"environment": {"engine": "cp'),
+        (
+            "streaming",
+            json.dumps(
+                {
+                    "environment": {
+                        "engine": "cpu",
+                        "model": "m",
+                        "device": "cpu",
+                        "paged": True,
+                        "attention": "a",
+                        "versions": {},
+                        "date": "2026-11-20T10:00:00+00:00",
+                    },
+                    "effects": [],
+                    "findings": [],
+                    "field_reports": [3],
+                }
+            ),
+        ),
+    ):
         (tmp_path / name).mkdir()
         (tmp_path / name / f"{name}.json").write_text(text)
 
@@ -198,8 +241,15 @@ def test_a_figure_that_fails_mid_write_leaves_the_previous_files_whole(tmp_path)
 
     figure = plt.figure()
     figure.add_subplot().plot([1, 2], [3, 4])
-    result = ExperimentResult(name="latency", tables={"requests": pd.DataFrame({"a": [1]})}, effects=[],
-                              findings=["first"], parameters={}, environment={}, field_reports=[1])
+    result = ExperimentResult(
+        name="latency",
+        tables={"requests": pd.DataFrame({"a": [1]})},
+        effects=[],
+        findings=["first"],
+        parameters={},
+        environment={},
+        field_reports=[1],
+    )
     result.save(tmp_path, figure)
     before = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
 

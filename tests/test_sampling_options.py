@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 
 from exlnb import EosReason, SamplerSettings
-from exlnb.engines.exllamav3 import sampler as exllamav3_sampler
 from exlnb.engines.base import JobSpec
 from exlnb.engines.exllamav2.engine import ExLlamaV2Engine
+from exlnb.engines.exllamav3 import sampler as exllamav3_sampler
 from exlnb.engines.job_options import JobOptions
 from exlnb.templates import chatml
 
@@ -99,7 +99,9 @@ def test_min_new_tokens_holds_back_the_stop_token(idle_session, greedy):
 
 def test_stop_on_loop_ends_a_job_that_only_repeats(cpu_session, greedy):
     ids = cpu_session.tokenizer.encode("a b c a b c a b c a b c")
-    result = sample(cpu_session, greedy, prompt=ids, max_new_tokens=60, stop_on_loop=(12, 3), stop_token_ids=frozenset())
+    result = sample(
+        cpu_session, greedy, prompt=ids, max_new_tokens=60, stop_on_loop=(12, 3), stop_token_ids=frozenset()
+    )
     assert result.eos_reason is EosReason.LOOP_DETECTED
     assert result.new_tokens < 60
 

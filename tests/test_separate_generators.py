@@ -12,7 +12,9 @@ from exlnb.templates import chatml
 # two prompts longer than a 256-token page, alike in shape, different in every token that matters
 STORIES = {
     "numbers": " ".join(f"Fact {i}: the number {i} follows {i - 1}." for i in range(1, 40)),
-    "colours": " ".join(f"Note {i}: the colour of box {i} is {c}." for i, c in enumerate(["red", "blue", "green"] * 13)),
+    "colours": " ".join(
+        f"Note {i}: the colour of box {i} is {c}." for i, c in enumerate(["red", "blue", "green"] * 13)
+    ),
 }
 
 
@@ -28,7 +30,9 @@ def run_separately(session, specs, engine_name: str):
     """The generator-per-request run; on exllamav3, the library's refusal, checked (None then)."""
     if engine_name != "exllamav3":
         return session.run_on_engine(lambda engine: engine.run_with_separate_generators(specs))
-    with pytest.raises(SeparateGeneratorsRefused, match="^exllamav3 1.6.5 refuses a generator per request: .*no longer owns its Cache"):
+    with pytest.raises(
+        SeparateGeneratorsRefused, match="^exllamav3 1.6.5 refuses a generator per request: .*no longer owns its Cache"
+    ):
         session.run_on_engine(lambda engine: engine.run_with_separate_generators(specs))
     assert session.jobs() == []
     return None
@@ -42,7 +46,9 @@ def test_a_generator_per_request_mixes_outputs_that_one_generator_keeps_apart(en
     mixed = run_separately(idle_session, specs, engine_name)
 
     if mixed is None:  # exllamav3: refused, and the engine's own generator gives the solo outputs again
-        assert [idle_session.complete(prompt(story), max_new_tokens=8, sampler=greedy).token_ids for story in STORIES] == solo
+        assert [
+            idle_session.complete(prompt(story), max_new_tokens=8, sampler=greedy).token_ids for story in STORIES
+        ] == solo
         return
     assert [len(ids) for ids in mixed] == [8, 8]
     assert mixed != solo
@@ -63,8 +69,9 @@ def test_the_engine_forgets_overwritten_cache_pages_and_runs_on_as_before(engine
     assert view.free_pages == view.total_pages
 
 
-def test_separate_generators_step_their_own_jobs_while_the_engine_s_bound_step_is_set_on_it(engine_name, idle_session,
-                                                                                            greedy):
+def test_separate_generators_step_their_own_jobs_while_the_engine_s_bound_step_is_set_on_it(
+    engine_name, idle_session, greedy
+):
     """pytest before 9.2, undoing a patched `step`, set the engine's bound `step` back on the instance (pytest
     #10644); separate generators copied it and stepped the engine instead of themselves, never ending (the GPU
     suite stalled on it)."""
@@ -99,7 +106,9 @@ def test_a_refused_pattern_is_reported_with_the_libraries_words_and_not_measured
     monkeypatch.setattr(engine, "run_with_separate_generators", refuse)
     result = concurrency.run(cpu_session, prompts=2, max_new_tokens=4, concurrency=(2,))
 
-    assert result.values["refused"] == {"generator per request": "the library refuses a generator per request: a newer one owns the cache"}
+    assert result.values["refused"] == {
+        "generator per request": "the library refuses a generator per request: a newer one owns the cache"
+    }
     assert result.values["identical_to_solo"] == {"one generator": 2}
     assert set(result.tables["runs"].pattern) == {"solo", "one generator"}
     assert result.effects == []

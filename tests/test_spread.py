@@ -32,7 +32,9 @@ def test_every_effect_gets_its_range_and_the_runs_verdicts(tmp_path):
     runs, notebook, changed = runs_with_one_disagreeing(tmp_path)
     rows = spread(runs)
 
-    committed = {(p.stem, effect_key(e)): e for p in CPU_RESULTS.glob("*.json") for e in json.loads(p.read_text())["effects"]}
+    committed = {
+        (p.stem, effect_key(e)): e for p in CPU_RESULTS.glob("*.json") for e in json.loads(p.read_text())["effects"]
+    }
     assert {(r["notebook"], r["effect"]) for r in rows} == set(committed)
     for row in rows:
         effect = committed[(row["notebook"], row["effect"])]
@@ -49,16 +51,26 @@ def test_every_effect_gets_its_range_and_the_runs_verdicts(tmp_path):
 def test_the_command_writes_the_table_and_refuses_in_one_line(tmp_path):
     runs, _, changed = runs_with_one_disagreeing(tmp_path)
     out = tmp_path / "spread.md"
-    done = subprocess.run([sys.executable, "-m", "exlnb.spread", *map(str, runs), "--out", str(out)],
-                          capture_output=True, text=True, cwd=REPOSITORY, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "exlnb.spread", *map(str, runs), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=REPOSITORY,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert f"| latency | {changed} | 3 |" in out.read_text() and "**no**" in out.read_text()
     assert len(json.loads(out.with_suffix(".json").read_text())) == out.read_text().count("\n") - 2
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    refused = subprocess.run([sys.executable, "-m", "exlnb.spread", str(runs[0]), str(empty)],
-                             capture_output=True, text=True, cwd=REPOSITORY, timeout=120)
+    refused = subprocess.run(
+        [sys.executable, "-m", "exlnb.spread", str(runs[0]), str(empty)],
+        capture_output=True,
+        text=True,
+        cwd=REPOSITORY,
+        timeout=120,
+    )
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1
     assert "holds no investigation summary" in refused.stderr
 

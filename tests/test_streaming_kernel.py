@@ -20,8 +20,10 @@ pytest.importorskip("jupyter_client", reason="the kernel tests need the notebook
 from docs.bad_inputs import Kernel, Reply  # noqa: E402 - the one driver of a real kernel, shared with docs/bad-inputs.md
 
 TOKENS = 400  # min = max: the answer cannot end on its own before the interrupt comes
-CELL = (f"%%exl_generate --display {{display}} --max-new-tokens {TOKENS} --min-new-tokens {TOKENS} --seed 1\n"
-        "Tell me a very long story about a dragon who learns to bake bread.")
+CELL = (
+    f"%%exl_generate --display {{display}} --max-new-tokens {TOKENS} --min-new-tokens {TOKENS} --seed 1\n"
+    "Tell me a very long story about a dragon who learns to bake bread."
+)
 
 
 @pytest.fixture(scope="module")
@@ -65,4 +67,3 @@ def test_loading_a_model_leaves_no_widget_in_the_notebook(kernel):
     assert reply.error is None, reply.error
     assert reply.widgets == 0, "a progress bar was shown as a widget: reopened, it reads 'Error displaying widget'"
     assert "cpu engine" in reply.stdout
-

@@ -54,8 +54,9 @@ def test_greedy_probabilities_match_the_models_softmax(cpu_session, greedy, refe
 
 
 def test_a_truncated_draw_shows_the_models_probability_beside_the_sampled_one(cpu_session, reference_model):
-    result = cpu_session.generate(PROMPT, max_new_tokens=6, temperature=0.8, top_k=2, seed=5, top_tokens=5,
-                                  stop_at_eos=False).result()
+    result = cpu_session.generate(
+        PROMPT, max_new_tokens=6, temperature=0.8, top_k=2, seed=5, top_tokens=5, stop_at_eos=False
+    ).result()
     expected = model_softmax(reference_model, cpu_session, result)
 
     for record, probs in zip(result.token_records, expected):
@@ -82,8 +83,9 @@ def test_with_the_view_off_no_token_records_are_computed(cpu_session, greedy, mo
 
 def test_token_records_stay_aligned_when_banned_strings_rewind(cpu_session, greedy):
     banned = cpu_session.generate(PROMPT, max_new_tokens=6, sampler=greedy, stop_at_eos=False).result().text.split()[0]
-    result = cpu_session.generate(PROMPT, max_new_tokens=6, sampler=greedy, banned_strings=[banned], top_tokens=2,
-                                  stop_at_eos=False).result()
+    result = cpu_session.generate(
+        PROMPT, max_new_tokens=6, sampler=greedy, banned_strings=[banned], top_tokens=2, stop_at_eos=False
+    ).result()
     assert [r.info.token_id for r in result.token_records] == list(result.token_ids)
 
 
@@ -92,8 +94,16 @@ def test_the_dataframe_has_one_row_per_token(cpu_session):
     [result] = generation.wait(60)
     frame = result.tokens()
     assert len(frame) == len(result.token_ids) == 3
-    assert list(frame.columns) == ["position", "token_id", "text", "probability", "sampled_probability", "alternatives",
-                                   "arrival_s", "latency_s"]
+    assert list(frame.columns) == [
+        "position",
+        "token_id",
+        "text",
+        "probability",
+        "sampled_probability",
+        "alternatives",
+        "arrival_s",
+        "latency_s",
+    ]
     assert frame["arrival_s"].is_monotonic_increasing and (frame["latency_s"] >= 0).all()
 
 
@@ -103,8 +113,11 @@ def test_top_tokens_out_of_range_is_refused_in_one_line(cpu_session):
 
 
 def test_the_view_shades_each_token_by_band_with_a_popover_of_its_figures(cpu_session):
-    generation = start(GenerationRequest.build(PROMPT, max_new_tokens=3, temperature=0.7, top_k=2, seed=1, tokens=4,
-                                               show_whitespace=True))
+    generation = start(
+        GenerationRequest.build(
+            PROMPT, max_new_tokens=3, temperature=0.7, top_k=2, seed=1, tokens=4, show_whitespace=True
+        )
+    )
     [result] = generation.wait(60)
     page = generation_html(generation, 3)
     popovers = re.findall(r'<span class="exlnb-popover" role="tooltip">(.*?)</table></span>', page)
@@ -115,7 +128,9 @@ def test_the_view_shades_each_token_by_band_with_a_popover_of_its_figures(cpu_se
         assert f'exlnb-chip exlnb-p{band(info.probability)}" tabindex="0">' in page  # a tab stop, shaded by the model
         assert f"model's probability {info.probability:.3f}" in popover
         assert f"sampled with {info.sampled_probability:.3f}" in popover
-        assert popover.count("<tr>") == 4 and popover.count("← drawn") == (info.token_id in [i for i, _, _ in info.alternatives])
+        assert popover.count("<tr>") == 4 and popover.count("← drawn") == (
+            info.token_id in [i for i, _, _ in info.alternatives]
+        )
     assert "·" in page  # a leading space drawn as a mark
     text = generation_text(generation)
     assert "the model's probability/sampled with" in text
@@ -125,7 +140,9 @@ def test_the_view_shades_each_token_by_band_with_a_popover_of_its_figures(cpu_se
 
 def branch_choices(page: str) -> list[tuple[int, int]]:
     """(position, token id) of each alternative that the page's token views make a choice of a branch."""
-    return [(int(at), int(token)) for at, token in re.findall(r'class="exlnb-alt" data-at="(\d+)" data-token="(\d+)"', page)]
+    return [
+        (int(at), int(token)) for at, token in re.findall(r'class="exlnb-alt" data-at="(\d+)" data-token="(\d+)"', page)
+    ]
 
 
 def test_a_view_held_by_a_chooser_makes_each_alternative_but_the_drawn_token_a_branch_there(cpu_session):
@@ -136,8 +153,9 @@ def test_a_view_held_by_a_chooser_makes_each_alternative_but_the_drawn_token_a_b
 
     key = branch_key(generation.samples[0])
     assert choices.answers == [key] and page.count(f'data-exlnb-answer="{key}"') == 1
-    assert branch_choices(page) == [(r.position, i) for r in result.token_records for i, _t, _p in r.info.alternatives
-                                    if i != r.info.token_id]
+    assert branch_choices(page) == [
+        (r.position, i) for r in result.token_records for i, _t, _p in r.info.alternatives if i != r.info.token_id
+    ]
     assert page.count("branching here needs the live kernel") == page.count("to branch here") == 3  # each popover
     plain = start(GenerationRequest.build(PROMPT, max_new_tokens=3, temperature=0, tokens=4))
     plain.wait(60)

@@ -61,15 +61,24 @@ def inputs(call: Call, device: str, seed: int = 0) -> dict:
     def rand(*shape):
         return torch.randn(*shape, generator=g).to(torch.float16).to(device)
 
-    k_cache, v_cache = rand(sum(needed) + 1, PAGE, call.kv_heads, call.dim), rand(sum(needed) + 1, PAGE, call.kv_heads, call.dim)
+    k_cache, v_cache = (
+        rand(sum(needed) + 1, PAGE, call.kv_heads, call.dim),
+        rand(sum(needed) + 1, PAGE, call.kv_heads, call.dim),
+    )
     k_cache[0] = v_cache[0] = math.nan
     new = (len(totals), call.q_len, call.kv_heads, call.dim)
     return {
-        "q": rand(len(totals), call.q_len, heads, call.dim), "k_cache": k_cache, "v_cache": v_cache,
-        "k": rand(*new) if call.appends else None, "v": rand(*new) if call.appends else None,
+        "q": rand(len(totals), call.q_len, heads, call.dim),
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "k": rand(*new) if call.appends else None,
+        "v": rand(*new) if call.appends else None,
         "cache_seqlens": torch.tensor(call.lengths if call.appends else totals, dtype=torch.int32, device=device),
-        "block_table": table.to(device), "softmax_scale": call.dim**-0.5, "causal": call.causal,
-        "window_size": call.window, "softcap": call.softcap,
+        "block_table": table.to(device),
+        "softmax_scale": call.dim**-0.5,
+        "causal": call.causal,
+        "window_size": call.window,
+        "softcap": call.softcap,
     }
 
 
@@ -164,7 +173,9 @@ def test_a_sequence_s_output_is_the_same_alone_in_a_batch_and_in_a_wider_table(d
 
     for sequence, pages in ((0, 2), (1, 1)):  # 257 + 1 keys on two pages (two splits), 1 + 1 on one (one split)
         rows = slice(sequence, sequence + 1)
-        alone = {name: value[rows] if name in ("q", "k", "v", "cache_seqlens") else value for name, value in args.items()}
+        alone = {
+            name: value[rows] if name in ("q", "k", "v", "cache_seqlens") else value for name, value in args.items()
+        }
         alone["block_table"] = args["block_table"][rows, :pages]
         assert torch.equal(flash_attn_with_kvcache(**alone), in_batch[rows]), f"sequence {sequence}"
 

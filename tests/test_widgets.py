@@ -19,8 +19,8 @@ from IPython.utils.capture import capture_output
 
 from exlnb import EosReason
 from exlnb.generation import start
-from exlnb.widgets.figures import generation_text
 from exlnb.widgets.cache import CacheInspector, JobTable
+from exlnb.widgets.figures import generation_text
 from exlnb.widgets.loadtest import abench
 from exlnb.widgets.stream import StreamView
 
@@ -125,8 +125,12 @@ def test_cached_prefill_says_what_was_computed(idle):
 
 def test_an_interrupted_cell_prints_one_line_and_no_traceback(idle, shell, capsys):
     async def interrupt_cell():
-        code = f"from exlnb import agenerate_live\nawait agenerate_live({PROMPT!r}, max_new_tokens=400, display='widget')"
-        task = asyncio.ensure_future(shell.run_cell_async(code, store_history=False, transformed_cell=shell.transform_cell(code)))
+        code = (
+            f"from exlnb import agenerate_live\nawait agenerate_live({PROMPT!r}, max_new_tokens=400, display='widget')"
+        )
+        task = asyncio.ensure_future(
+            shell.run_cell_async(code, store_history=False, transformed_cell=shell.transform_cell(code))
+        )
         while not any(row.info.new_tokens for row in idle.jobs()):
             assert not task.done(), task.result().error_in_exec
             await asyncio.sleep(0.01)
@@ -285,8 +289,16 @@ def test_end_reasons_are_plain_words_not_the_libraries_names(idle):
 
 
 def test_the_settings_in_effect_are_shown_with_the_answer(idle):
-    generation = start("Name a fruit.", max_new_tokens=3, dry_multiplier=0.8, xtc_probability=0.5, xtc_threshold=0.2,
-                       banned_strings=["apple"], stop=["\n\n"], seed=1)
+    generation = start(
+        "Name a fruit.",
+        max_new_tokens=3,
+        dry_multiplier=0.8,
+        xtc_probability=0.5,
+        xtc_threshold=0.2,
+        banned_strings=["apple"],
+        stop=["\n\n"],
+        seed=1,
+    )
     generation.wait(60)
     view = StreamView(generation, max_new_tokens=3)
     line = view.text().splitlines()[0]
@@ -310,7 +322,9 @@ def test_samples_that_did_different_prompt_work_show_their_own_ttft(idle):
     # the second sample found the prompt cached, as a sample started after the first one's prefill does
     first = generation.samples[0].last
     generation.samples[1].last = dataclasses.replace(
-        first, job_id=generation.samples[1].last.job_id, cached_tokens=first.prompt_tokens - 1,
+        first,
+        job_id=generation.samples[1].last.job_id,
+        cached_tokens=first.prompt_tokens - 1,
         time_to_first_token_s=first.time_to_first_token_s / 10,
     )
     apart = StreamView(generation, max_new_tokens=2).html
@@ -324,8 +338,9 @@ def test_the_status_says_when_a_ban_took_text_back(idle):
     plain = start("The capital of France is", max_new_tokens=4, temperature=0, min_new_tokens=4)
     plain.wait(60)
     banned = plain.samples[0].text.split()[0]  # the word the model says first, then banned
-    generation = start("The capital of France is", max_new_tokens=4, temperature=0, min_new_tokens=4,
-                       banned_strings=[banned])
+    generation = start(
+        "The capital of France is", max_new_tokens=4, temperature=0, min_new_tokens=4, banned_strings=[banned]
+    )
     generation.wait(60)
     view = StreamView(generation, max_new_tokens=4)
 

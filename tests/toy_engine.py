@@ -71,14 +71,22 @@ class ToyEngine(Engine):
         if not spec.input_ids:
             raise ValueError("the toy engine echoes its prompt: give it a prompt of at least one token")
         job_id = next(self._ids)
-        self._jobs[job_id] = ToyJob(job_id, spec, JobClock(enqueued=wall_clock()),
-                                    IncrementalDecoder(self.tokenizer), StopStringFilter(spec.stop_strings))
+        self._jobs[job_id] = ToyJob(
+            job_id,
+            spec,
+            JobClock(enqueued=wall_clock()),
+            IncrementalDecoder(self.tokenizer),
+            StopStringFilter(spec.stop_strings),
+        )
         return job_id
 
     def unsupported(self, spec: JobSpec) -> list[str]:
         refused = {
-            "constraint": spec.constraint, "top_tokens": spec.top_tokens, "banned_strings": spec.banned_strings,
-            "stop_on_loop": spec.stop_on_loop, "min_new_tokens": spec.min_new_tokens,
+            "constraint": spec.constraint,
+            "top_tokens": spec.top_tokens,
+            "banned_strings": spec.banned_strings,
+            "stop_on_loop": spec.stop_on_loop,
+            "min_new_tokens": spec.min_new_tokens,
         }
         missing = [f"{name}={value!r}" for name, value in refused.items() if value]
         if spec.sampler.temperature >= 0.01:
@@ -117,18 +125,36 @@ class ToyEngine(Engine):
         job.stage = Stage.DONE
         return self._event(job, now, text, tokens, reason)
 
-    def _event(self, job: ToyJob, now: float, text: str, tokens: tuple[int, ...],
-               reason: EosReason | None = None) -> StreamEvent:
+    def _event(
+        self, job: ToyJob, now: float, text: str, tokens: tuple[int, ...], reason: EosReason | None = None
+    ) -> StreamEvent:
         """Recipe step 3: every event from `job_event` over the job's `JobClock`, so timings mean what they mean
         on every engine."""
-        return job_event(job.job_id, job.stage, job.clock, now, prompt_tokens=len(job.spec.input_ids),
-                         cached_tokens=0, new_tokens=job.new_tokens, text=text, token_ids=tokens, eos_reason=reason)
+        return job_event(
+            job.job_id,
+            job.stage,
+            job.clock,
+            now,
+            prompt_tokens=len(job.spec.input_ids),
+            cached_tokens=0,
+            new_tokens=job.new_tokens,
+            text=text,
+            token_ids=tokens,
+            eos_reason=reason,
+        )
 
     def jobs(self) -> list[JobInfo]:
         return [
-            JobInfo(job_id=job.job_id, identifier=job.spec.identifier, stage=job.stage,
-                    prompt_tokens=len(job.spec.input_ids), new_tokens=job.new_tokens,
-                    max_new_tokens=job.spec.max_new_tokens, time_enqueued=job.clock.enqueued, pages=0)
+            JobInfo(
+                job_id=job.job_id,
+                identifier=job.spec.identifier,
+                stage=job.stage,
+                prompt_tokens=len(job.spec.input_ids),
+                new_tokens=job.new_tokens,
+                max_new_tokens=job.spec.max_new_tokens,
+                time_enqueued=job.clock.enqueued,
+                pages=0,
+            )
             for job in self._jobs.values()
         ]
 
@@ -138,7 +164,12 @@ class ToyEngine(Engine):
 
     def status(self) -> EngineStatus:
         return EngineStatus(
-            engine=self.name, model=self.options.model_dir.name, device="cpu", paged=False, attention="none (echo)",
-            cache_tokens=self.max_seq_len, cache_dtype=self.options.cache_dtype,
+            engine=self.name,
+            model=self.options.model_dir.name,
+            device="cpu",
+            paged=False,
+            attention="none (echo)",
+            cache_tokens=self.max_seq_len,
+            cache_dtype=self.options.cache_dtype,
             max_batch_size=self.options.max_batch_size,
         )

@@ -107,8 +107,10 @@ class JobSpec:
             raise ValueError("input_ids is empty: a job needs at least one prompt token")
         check_job_limits(self)
         if self.constraint is not None and not self.stop_token_ids:
-            raise ValueError(f"a job constrained to a {self.constraint.describe()} ends on a stop token where the "
-                             "constraint is satisfied: give one (keep stop_at_eos=True)")
+            raise ValueError(
+                f"a job constrained to a {self.constraint.describe()} ends on a stop token where the "
+                "constraint is satisfied: give one (keep stop_at_eos=True)"
+            )
 
     @staticmethod
     def stopping(stop: Sequence[str | int], tokenizer: Tokenizer, *, at_eos: bool = True) -> dict[str, object]:
@@ -160,7 +162,9 @@ class StreamEvent:
 
     def ended(self, reason: EosReason, now: float) -> StreamEvent:
         """The last event of a job ended from outside (cancelled, failed): its counts and timings so far."""
-        return replace(self, stage=Stage.DONE, time_produced=now, text="", token_ids=(), token_info=(), eos=True, eos_reason=reason)
+        return replace(
+            self, stage=Stage.DONE, time_produced=now, text="", token_ids=(), token_info=(), eos=True, eos_reason=reason
+        )
 
 
 @dataclass
@@ -303,7 +307,9 @@ class Engine(ABC):
         """Called by `enqueue`: a setting an engine cannot honour fails the job rather than being ignored."""
         missing = self.unsupported(spec)
         if missing:
-            raise ValueError(f"the {self.name} engine does not implement {'; '.join(missing)}: leave it out or load another engine")
+            raise ValueError(
+                f"the {self.name} engine does not implement {'; '.join(missing)}: leave it out or load another engine"
+            )
 
     @abstractmethod
     def cancel(self, job_id: int) -> bool:

@@ -117,8 +117,9 @@ def check_job_limits(job) -> None:
     if job.seed is not None and not 0 <= job.seed <= SEED_MAX:
         raise ValueError(f"seed={job.seed} is out of range: use 0 to {SEED_MAX}")
     if not 0 <= job.min_new_tokens <= job.max_new_tokens:
-        raise ValueError(f"min_new_tokens={job.min_new_tokens} must be between 0 and max_new_tokens "
-                         f"({job.max_new_tokens})")
+        raise ValueError(
+            f"min_new_tokens={job.min_new_tokens} must be between 0 and max_new_tokens ({job.max_new_tokens})"
+        )
     if isinstance(job.banned_strings, str) or not all(job.banned_strings):
         raise ValueError(f"banned_strings={job.banned_strings!r} must be a list of non-empty strings")
     if job.stop_on_loop is not None:

@@ -42,8 +42,10 @@ class OutputConstraint:
             try:
                 re.compile(self.source)
             except re.error as error:  # the answer is read back with Python's re.fullmatch
-                raise ValueError(f"regex={self.source!r} does not compile ({error}): use syntax that Python's re "
-                                 "and Rust's regex both read") from None
+                raise ValueError(
+                    f"regex={self.source!r} does not compile ({error}): use syntax that Python's re "
+                    "and Rust's regex both read"
+                ) from None
         problem = LLMatcher.validate_grammar(self.grammar())
         if problem:
             raise ValueError(f"{self.describe()} cannot constrain an answer: {_llguidance_words(problem)}")
@@ -80,7 +82,9 @@ class OutputConstraint:
         try:
             text = json.dumps({"x-guidance": JSON_LAYOUT, **schema})  # the schema's own x-guidance wins
         except TypeError as error:
-            raise ValueError(f"json_schema is not JSON ({error}): give plain dicts, lists, strings and numbers") from None
+            raise ValueError(
+                f"json_schema is not JSON ({error}): give plain dicts, lists, strings and numbers"
+            ) from None
         return cls("json_schema", text, model=model)
 
     def grammar(self) -> str:
@@ -117,7 +121,9 @@ def _json_object(text: str, where: str) -> dict:
 
 def _schema_file(path: Path) -> dict:
     if not path.is_file():
-        raise FileNotFoundError(f"json_schema={str(path)!r}: no such file; give a .json file, a dict or a pydantic model")
+        raise FileNotFoundError(
+            f"json_schema={str(path)!r}: no such file; give a .json file, a dict or a pydantic model"
+        )
     return _json_object(path.read_text(), str(path))
 
 

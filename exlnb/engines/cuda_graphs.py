@@ -94,8 +94,14 @@ class StepGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def replay(self, key: Hashable, step: Callable[[], Callable[[], torch.Tensor]], *, shape: str,
-               around_capture: Callable[[], None] = lambda: None) -> torch.Tensor:
+    def replay(
+        self,
+        key: Hashable,
+        step: Callable[[], Callable[[], torch.Tensor]],
+        *,
+        shape: str,
+        around_capture: Callable[[], None] = lambda: None,
+    ) -> torch.Tensor:
         """Replay the graph for `key`, capturing it first where there is none yet: `step()` is called then, once,
         and gives the function whose work the graph records (its output is the graph's). The warm-up runs compute
         the very step being run (over the static inputs already staged), so a capture in the middle of a
@@ -117,8 +123,9 @@ class StepGraphs:
         with torch.cuda.device(self.device):
             return self._capture_here(key, run, around_capture)
 
-    def _capture_here(self, key: Hashable, run: Callable[[], torch.Tensor], around_capture: Callable[[], None]
-                      ) -> Captured:
+    def _capture_here(
+        self, key: Hashable, run: Callable[[], torch.Tensor], around_capture: Callable[[], None]
+    ) -> Captured:
         reserved = torch.cuda.memory_reserved(self.device)
         side = capture_stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))

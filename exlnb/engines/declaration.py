@@ -59,16 +59,35 @@ class Option:
         return arms[0] if len(arms) == 1 and arms[0] in (bool, int, float) else None
 
 
-def option(default: object = MISSING, *, help: str, group: str, short: str | None = None, flag: str | None = None,
-           choices: Sequence[str] | None = None, metavar: str | None = None, repeatable: bool = False,
-           parse: Callable[[str], object] | None = None, positional: bool = False) -> typing.Any:
+def option(
+    default: object = MISSING,
+    *,
+    help: str,
+    group: str,
+    short: str | None = None,
+    flag: str | None = None,
+    choices: Sequence[str] | None = None,
+    metavar: str | None = None,
+    repeatable: bool = False,
+    parse: Callable[[str], object] | None = None,
+    positional: bool = False,
+) -> typing.Any:
     """A dataclass field declaring an option: `short` is the keyword where the field's name is long
     (exllamav2's `token_repetition_penalty` is `rep_penalty`), `flag` the magic's where it differs from it,
     `parse` how the magic reads a flag whose values its type cannot say (`--gpu-split 20,24`)."""
     if group not in GROUPS and group not in LOAD_GROUPS:
         raise ValueError(f"group={group!r}: choose one of {', '.join([*GROUPS, *LOAD_GROUPS])}")
-    metadata = dict(help=help, group=group, short=short, flag=flag, choices=choices, metavar=metavar,
-                    repeatable=repeatable, parse=parse, positional=positional)
+    metadata = dict(
+        help=help,
+        group=group,
+        short=short,
+        flag=flag,
+        choices=choices,
+        metavar=metavar,
+        repeatable=repeatable,
+        parse=parse,
+        positional=positional,
+    )
     return field(default=default, metadata=metadata)
 
 
@@ -89,9 +108,18 @@ def _read(f: Field, hint: object) -> Option:
     meta = f.metadata
     keyword = meta["short"] or f.name
     return Option(
-        name=f.name, keyword=keyword, flag=meta["flag"] or "--" + keyword.replace("_", "-"), help=meta["help"],
-        group=meta["group"], default=f.default, hint=hint, choices=meta["choices"], metavar=meta["metavar"],
-        repeatable=meta["repeatable"], parse=meta["parse"], positional=meta["positional"],
+        name=f.name,
+        keyword=keyword,
+        flag=meta["flag"] or "--" + keyword.replace("_", "-"),
+        help=meta["help"],
+        group=meta["group"],
+        default=f.default,
+        hint=hint,
+        choices=meta["choices"],
+        metavar=meta["metavar"],
+        repeatable=meta["repeatable"],
+        parse=meta["parse"],
+        positional=meta["positional"],
     )
 
 
@@ -104,10 +132,15 @@ def takes_options(*declaring: type, leading: Sequence[inspect.Parameter] = ()):
         signature = inspect.signature(func)
         kept = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
         named = {p.name for p in kept}
-        options = [*leading, *(
-            inspect.Parameter(o.keyword, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.hint)
-            for cls in declaring for o in declared(cls) if o.keyword not in named
-        )]
+        options = [
+            *leading,
+            *(
+                inspect.Parameter(o.keyword, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.hint)
+                for cls in declaring
+                for o in declared(cls)
+                if o.keyword not in named
+            ),
+        ]
         func.__signature__ = signature.replace(parameters=[*kept, *options])
         return func
 

@@ -106,11 +106,16 @@ class DeliveryAudit:
         """The audit as one line, e.g. 'delivery of 3 answers: 12 tokens received, 12 by the server's count;
         1.00 chunks per token; 40.1 frames/s against 22.9 tokens/s; ITL 41.2 ms per token (41.2 per chunk);
         the first frame 3.1 ms before the first token, left out of TTFT'."""
-        server = ("the server gave no count" if self.server_tokens is None else
-                  f"{self.server_tokens} by the server's count" + ("" if self.counted_by_server == self.answers else
-                                                                   f" (for {self.counted_by_server} of them)"))
-        parts = [f"delivery of {self.answers} answer{'s' if self.answers != 1 else ''}: "
-                 f"{self.received_tokens} tokens received, {server}"]
+        server = (
+            "the server gave no count"
+            if self.server_tokens is None
+            else f"{self.server_tokens} by the server's count"
+            + ("" if self.counted_by_server == self.answers else f" (for {self.counted_by_server} of them)")
+        )
+        parts = [
+            f"delivery of {self.answers} answer{'s' if self.answers != 1 else ''}: "
+            f"{self.received_tokens} tokens received, {server}"
+        ]
         if self.chunks_per_token is not None:
             parts.append(f"{self.chunks_per_token:.2f} chunks per token")
         if self.frames_per_s is not None:
@@ -122,8 +127,12 @@ class DeliveryAudit:
         return "; ".join(parts)
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "chunks_per_token": self.chunks_per_token, "frames_per_s": self.frames_per_s,
-                "tokens_per_s": self.tokens_per_s}
+        return {
+            **asdict(self),
+            "chunks_per_token": self.chunks_per_token,
+            "frames_per_s": self.frames_per_s,
+            "tokens_per_s": self.tokens_per_s,
+        }
 
 
 def _median_ms(seconds: list[float]) -> float | None:

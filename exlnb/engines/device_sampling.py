@@ -38,15 +38,26 @@ GREEDY_TEMPERATURE = 0.01  # exllamav2's sample_basic: a temperature below this 
 GREEDY, TOP_K, FULL = "greedy", "top-k", "full"
 TOP_CANDIDATES = 64
 MAX_BIASED = 64  # token bias entries (and blocked stop tokens) a row can carry on the device; more: host path
-_DEVICE_SETTINGS = {"temperature", "top_k", "top_p", "min_p", "token_bias", "token_repetition_penalty",
-                    "token_frequency_penalty", "token_presence_penalty"}
+_DEVICE_SETTINGS = {
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "token_bias",
+    "token_repetition_penalty",
+    "token_frequency_penalty",
+    "token_presence_penalty",
+}
 
 
 def host_only(settings: SamplerSettings) -> list[str]:
     """What these settings ask that the device sampler does not do, as "name=value"; [] where it does it all."""
     default = SamplerSettings()
-    asked = [f"{f.name}={getattr(settings, f.name)!r}" for f in fields(settings)
-             if f.name not in _DEVICE_SETTINGS and getattr(settings, f.name) != getattr(default, f.name)]
+    asked = [
+        f"{f.name}={getattr(settings, f.name)!r}"
+        for f in fields(settings)
+        if f.name not in _DEVICE_SETTINGS and getattr(settings, f.name) != getattr(default, f.name)
+    ]
     if len(settings.token_bias) > MAX_BIASED:
         asked.append(f"token_bias with {len(settings.token_bias)} entries (the device takes {MAX_BIASED})")
     return asked
@@ -75,8 +86,10 @@ class DeviceSampler:
         self._bias_ids = torch.full((rows, MAX_BIASED), vocab, dtype=torch.int64, device=device)
         self._bias = torch.zeros((rows, MAX_BIASED), dtype=torch.float32, device=device)
         pinned = torch.cuda.is_available() and device.type == "cuda"
-        self._staged = [torch.zeros_like(t, device="cpu", pin_memory=pinned)
-                        for t in (self._floats, self._ints, self._bias_ids, self._bias)]
+        self._staged = [
+            torch.zeros_like(t, device="cpu", pin_memory=pinned)
+            for t in (self._floats, self._ints, self._bias_ids, self._bias)
+        ]
         self._biased = True  # whether staged rows carry bias entries that the next stage must clear
         self.mode = FULL  # what the staged rows need of `sample` (`_mode`)
 
@@ -114,9 +127,19 @@ class DeviceSampler:
         return sample_rows(
             logits.reshape(n, -1)[:, : self.vocab].float(),
             self.penalties.counts.index_select(0, i[:, 3])[:, : self.vocab],
-            temperature=f[:, 0], top_p=f[:, 1], min_p=f[:, 2], repetition=f[:, 3], frequency=f[:, 4],
-            presence=f[:, 5], greedy=f[:, 6] > 0, top_k=i[:, 0], seeds=i[:, 1], steps=i[:, 2],
-            bias_ids=self._bias_ids[:n], bias=self._bias[:n], mode=mode or self.mode,
+            temperature=f[:, 0],
+            top_p=f[:, 1],
+            min_p=f[:, 2],
+            repetition=f[:, 3],
+            frequency=f[:, 4],
+            presence=f[:, 5],
+            greedy=f[:, 6] > 0,
+            top_k=i[:, 0],
+            seeds=i[:, 1],
+            steps=i[:, 2],
+            bias_ids=self._bias_ids[:n],
+            bias=self._bias[:n],
+            mode=mode or self.mode,
         )
 
     def count(self, tokens: torch.Tensor) -> None:
@@ -147,8 +170,9 @@ class PenaltyCounts:
         self._free.append(slot)
 
     def count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        self.counts.index_put_((slots, tokens.clamp(max=self.vocab)), torch.ones_like(tokens, dtype=torch.int32),
-                               accumulate=True)
+        self.counts.index_put_(
+            (slots, tokens.clamp(max=self.vocab)), torch.ones_like(tokens, dtype=torch.int32), accumulate=True
+        )
 
 
 @dataclass
@@ -264,8 +288,24 @@ class DeviceDraws:
             return token.view(1, 1)
 
 
-def sample_rows(logits: torch.Tensor, counts: torch.Tensor, *, temperature, top_p, min_p, repetition, frequency,
-                presence, greedy, top_k, seeds, steps, bias_ids, bias, mode: str = "full") -> torch.Tensor:
+def sample_rows(
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    temperature,
+    top_p,
+    min_p,
+    repetition,
+    frequency,
+    presence,
+    greedy,
+    top_k,
+    seeds,
+    steps,
+    bias_ids,
+    bias,
+    mode: str = "full",
+) -> torch.Tensor:
     """exllamav2's sampling of each row by its own settings (module docstring), in fixed-shape tensor operations.
     Every argument but `logits` (rows, vocabulary) and `counts` (rows, vocabulary) is one value per row, except
     `bias_ids` and `bias` (rows, entries; an id equal to the vocabulary size is padding). `mode` (`_mode`) is
@@ -306,8 +346,15 @@ def _mode(rows: Sequence[Row]) -> str:
 @functools.lru_cache(maxsize=256)
 def _setting_values(s: SamplerSettings) -> tuple[float, ...]:
     """A row's floating-point settings, in the order of the sampler's buffer."""
-    return (s.temperature, s.top_p, s.min_p, s.token_repetition_penalty, s.token_frequency_penalty,
-            s.token_presence_penalty, float(s.is_greedy))
+    return (
+        s.temperature,
+        s.top_p,
+        s.min_p,
+        s.token_repetition_penalty,
+        s.token_frequency_penalty,
+        s.token_presence_penalty,
+        float(s.is_greedy),
+    )
 
 
 def penalised(logits, counts, repetition, frequency, presence) -> torch.Tensor:

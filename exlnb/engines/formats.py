@@ -17,7 +17,7 @@ FORMAT_NAMES = {"hf": "unquantized Hugging Face", "exl2": "EXL2", "exl3": "EXL3"
 
 
 def model_format(folder: Path) -> str:
-    """"hf", "exl2" or "exl3"; ValueError for a folder that no exlnb engine can load, saying why."""
+    """ "hf", "exl2" or "exl3"; ValueError for a folder that no exlnb engine can load, saying why."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder} has no config.json: pass the folder that holds config.json and the weights")
@@ -31,7 +31,9 @@ def model_format(folder: Path) -> str:
             'config.json lists one, e.g. "architectures": ["LlamaForCausalLM"]'
         )
     if not any(Path(folder).glob("*.safetensors")) and not any(Path(folder).glob("*.bin")):
-        raise ValueError(f"{folder} holds no weights (*.safetensors or *.bin): pass the folder with the model's weights")
+        raise ValueError(
+            f"{folder} holds no weights (*.safetensors or *.bin): pass the folder with the model's weights"
+        )
     method = (config.get("quantization_config") or {}).get("quant_method")
     if method is None:
         return "hf"
@@ -64,8 +66,9 @@ def engine_for(fmt: str, *, cuda: bool) -> str:
         return runnable[0].name
     if not ranked:
         loaders = ", ".join(spec.name for spec in engines_loading(fmt)) or "none is registered"
-        raise ValueError(f"no engine is chosen automatically for {FORMAT_NAMES.get(fmt, fmt)}: name one with "
-                         f"engine= ({loaders})")
+        raise ValueError(
+            f"no engine is chosen automatically for {FORMAT_NAMES.get(fmt, fmt)}: name one with engine= ({loaders})"
+        )
     without_cuda = [spec.name for spec in engines_loading("hf") if not spec.needs_cuda]
     instead = f' with engine="{without_cuda[0]}"' if without_cuda else ""
     raise ValueError(

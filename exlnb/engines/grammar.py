@@ -21,8 +21,9 @@ from exlnb.engines.tokenizer import HfTokenizer
 def drawn_outside_mask(library: str, token: int, allowed: int, constraint: str) -> RuntimeError:
     """A library's sampler drew a token its filter had masked: the grammar would refuse it too, but the fault is
     the sampler's, and the error says so, with how many tokens the mask it ignored let through."""
-    return RuntimeError(f"{library}'s sampler drew token {token}, outside the {allowed} tokens {constraint} allowed "
-                        f"at this step")
+    return RuntimeError(
+        f"{library}'s sampler drew token {token}, outside the {allowed} tokens {constraint} allowed at this step"
+    )
 
 
 class GrammarMatcher:
@@ -69,4 +70,6 @@ class GrammarMatcher:
 
     def _check(self) -> None:
         if self._matcher.is_error():
-            raise ValueError(f"{self.constraint.describe()} cannot constrain this model's tokens: {self._matcher.get_error()}")
+            raise ValueError(
+                f"{self.constraint.describe()} cannot constrain this model's tokens: {self._matcher.get_error()}"
+            )

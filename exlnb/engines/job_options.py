@@ -24,28 +24,45 @@ class JobOptions:
 
     max_new_tokens: int = option(DEFAULT_MAX_NEW_TOKENS, group="samples", help="most tokens to generate per sample")
     min_new_tokens: int = option(0, group="samples", help="no end of sequence before this many tokens")
-    stop: tuple[str | int, ...] = option((), group="samples", repeatable=True, metavar="TEXT",
-                                         help='stop string or special token, repeatable ("\\n" for a newline)')
+    stop: tuple[str | int, ...] = option(
+        (),
+        group="samples",
+        repeatable=True,
+        metavar="TEXT",
+        help='stop string or special token, repeatable ("\\n" for a newline)',
+    )
     stop_at_eos: bool = option(True, group="samples", help="the tokenizer's end-of-sequence tokens end the job")
     seed: int | None = option(None, group="samples", help="the job's sampling draws from this seed")
     stop_on_loop: tuple[int, int] | None = option(
-        None, group="samples", help="(window, min_reps): end a job whose last window tokens only repeat a cycle "
-                                    "(ExLlamaV3's loop detector)")
+        None,
+        group="samples",
+        help="(window, min_reps): end a job whose last window tokens only repeat a cycle (ExLlamaV3's loop detector)",
+    )
     sampler: SamplerSettings = field(default_factory=SamplerSettings)  # its fields are options of their own
     json_schema: dict | str | Path | type | None = option(
-        None, group="constraints", metavar="NAME_OR_FILE",
+        None,
+        group="constraints",
+        metavar="NAME_OR_FILE",
         help="the answer is JSON valid under this schema: a notebook variable holding a dict or a pydantic model, "
-             "or a .json file; result.parsed is the value",
+        "or a .json file; result.parsed is the value",
     )
-    regex: str | None = option(None, group="constraints", metavar="PATTERN",
-                               help="the answer matches this regular expression in full (quote it: 'PATTERN'); "
-                                    "result.parsed is the match")
+    regex: str | None = option(
+        None,
+        group="constraints",
+        metavar="PATTERN",
+        help="the answer matches this regular expression in full (quote it: 'PATTERN'); result.parsed is the match",
+    )
     banned_strings: tuple[str, ...] = option(
-        (), group="constraints", flag="--ban", repeatable=True, metavar="TEXT",
+        (),
+        group="constraints",
+        flag="--ban",
+        repeatable=True,
+        metavar="TEXT",
         help="text that must never appear (case-insensitive), repeatable; the engine backtracks",
     )
-    top_tokens: int = option(0, group="display", help="each new token carries its probability and this many "
-                                                      "alternatives (0: none computed)")
+    top_tokens: int = option(
+        0, group="display", help="each new token carries its probability and this many alternatives (0: none computed)"
+    )
     identifier: Hashable | None = option(None, group="display", help="the label the job table and cache grid show")
     constraint: OutputConstraint | None = field(init=False, repr=False, compare=False)  # read from the two above
 
@@ -69,8 +86,15 @@ class JobOptions:
         """The engine's job for a prompt already encoded with `tokenizer` (which reads the stop strings that are
         special tokens, and the end-of-sequence tokens, as ids)."""
         return JobSpec(
-            input_ids=tuple(input_ids), max_new_tokens=self.max_new_tokens, sampler=self.sampler,
-            **JobSpec.stopping(self.stop, tokenizer, at_eos=self.stop_at_eos), seed=self.seed,
-            identifier=self.identifier, min_new_tokens=self.min_new_tokens, banned_strings=self.banned_strings,
-            stop_on_loop=self.stop_on_loop, top_tokens=self.top_tokens, constraint=self.constraint,
+            input_ids=tuple(input_ids),
+            max_new_tokens=self.max_new_tokens,
+            sampler=self.sampler,
+            **JobSpec.stopping(self.stop, tokenizer, at_eos=self.stop_at_eos),
+            seed=self.seed,
+            identifier=self.identifier,
+            min_new_tokens=self.min_new_tokens,
+            banned_strings=self.banned_strings,
+            stop_on_loop=self.stop_on_loop,
+            top_tokens=self.top_tokens,
+            constraint=self.constraint,
         )

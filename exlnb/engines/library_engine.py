@@ -245,7 +245,13 @@ class LibraryEngine(Engine):
         return self._event(job_id, tracked, Stage.PREFILL, now)
 
     def _produced(
-        self, job_id: int, tracked: TrackedJob, now: float, text: str, new_ids: list[int], library_eos: str | None,
+        self,
+        job_id: int,
+        tracked: TrackedJob,
+        now: float,
+        text: str,
+        new_ids: list[int],
+        library_eos: str | None,
         token_info: Sequence[TokenInfo] = (),
     ) -> StreamEvent:
         """The event for a job's new tokens, and its end where the library reports one (it is then forgotten)."""
@@ -270,10 +276,17 @@ class LibraryEngine(Engine):
     ) -> StreamEvent:
         job = tracked.job
         return job_event(
-            job_id, stage, tracked.clock, now,
+            job_id,
+            stage,
+            tracked.clock,
+            now,
             prompt_tokens=len(tracked.spec.input_ids),
             cached_tokens=job.cached_pages * self.page_size + job.cached_tokens,
-            new_tokens=tracked.new_tokens, text=text, token_ids=token_ids, token_info=token_info, eos_reason=eos_reason,
+            new_tokens=tracked.new_tokens,
+            text=text,
+            token_ids=token_ids,
+            token_info=token_info,
+            eos_reason=eos_reason,
         )
 
     def _token_info(self, spec: JobSpec, ids: Sequence[int], *parts: Mapping) -> list[TokenInfo]:
@@ -302,8 +315,10 @@ class LibraryEngine(Engine):
                 probs = part["token_probs"][0].tolist()
                 likeliest, their_probs = part["top_k_tokens"][0].tolist(), part["top_k_probs"][0].tolist()
                 rows += zip(probs, likeliest, their_probs, [certain] * len(probs))
-        return [token_info(self.tokenizer, t, p, top_ids, top_probs, sampled)
-                for t, (p, top_ids, top_probs, sampled) in zip(ids, rows)]
+        return [
+            token_info(self.tokenizer, t, p, top_ids, top_probs, sampled)
+            for t, (p, top_ids, top_probs, sampled) in zip(ids, rows)
+        ]
 
     def _cancel_failed_filters(self) -> dict[int, Exception]:
         """Cancel the jobs whose constraint filter kept an error during the step (exllamav2/filter.py,

@@ -38,8 +38,9 @@ def parse_gpu_split(text: str) -> list[float] | str:
     try:
         return [float(part) for part in text.split(",")]
     except ValueError:
-        raise ValueError(f"--gpu-split {text!r}: give {AUTO_SPLIT}, or GiB per GPU separated by commas, "
-                         "e.g. 20,24") from None
+        raise ValueError(
+            f"--gpu-split {text!r}: give {AUTO_SPLIT}, or GiB per GPU separated by commas, e.g. 20,24"
+        ) from None
 
 
 def parse_paged(text: str) -> str | bool:
@@ -97,11 +98,26 @@ class EngineOptions:
     ) -> EngineOptions:
         """The options an engine is built with, once every check that needs nothing loaded has passed: the values
         themselves, the engine (`engine_for`'s choice for "auto") and what it can do with the folder's format."""
-        check_values(cache_tokens=cache_tokens, cache_dtype=cache_dtype, max_batch_size=max_batch_size, paged=paged,
-                     graphs=graphs, url=url, api_key_env=api_key_env, api=api)
+        check_values(
+            cache_tokens=cache_tokens,
+            cache_dtype=cache_dtype,
+            max_batch_size=max_batch_size,
+            paged=paged,
+            graphs=graphs,
+            url=url,
+            api_key_env=api_key_env,
+            api=api,
+        )
         engine, fmt = choose_engine(engine, Path(model_dir), url)
-        check_engine_offers(engine, fmt, Path(model_dir), cache_dtype=cache_dtype, paged=paged, gpu_split=gpu_split,
-                            tensor_parallel=tensor_parallel)
+        check_engine_offers(
+            engine,
+            fmt,
+            Path(model_dir),
+            cache_dtype=cache_dtype,
+            paged=paged,
+            gpu_split=gpu_split,
+            tensor_parallel=tensor_parallel,
+        )
         return cls(
             engine=engine,
             model_dir=Path(model_dir).resolve(),
@@ -119,8 +135,17 @@ class EngineOptions:
         )
 
 
-def check_values(*, cache_tokens: int | None, cache_dtype: str, max_batch_size: int | None, paged: str | bool,
-                 graphs: str, url: str | None, api_key_env: str | None, api: str) -> None:
+def check_values(
+    *,
+    cache_tokens: int | None,
+    cache_dtype: str,
+    max_batch_size: int | None,
+    paged: str | bool,
+    graphs: str,
+    url: str | None,
+    api_key_env: str | None,
+    api: str,
+) -> None:
     """Refuse a value no engine takes: a choice outside its list, a count too small, a server's url that cannot be
     one (`check_server_url`)."""
     if cache_dtype not in CACHE_DTYPES:
@@ -144,9 +169,12 @@ def choose_engine(engine: str, model_dir: Path, url: str | None) -> tuple[str, s
     picks by that format and whether CUDA is here. An unknown engine, or a url given to an engine that loads
     folders (or none to one that loads a url), is refused."""
     if engine != "auto" and ("url" in engine_spec(engine).loads) != bool(url):  # an unknown name fails here
-        raise ValueError(f'the {engine} engine talks to a server: give its url, e.g. url="http://127.0.0.1:8000/v1"'
-                         if url is None else f"url={url!r} is for a server: load it with engine=\"auto\" or "
-                         f"{' or '.join(s.name for s in engines_loading('url'))}, not the {engine} engine")
+        raise ValueError(
+            f'the {engine} engine talks to a server: give its url, e.g. url="http://127.0.0.1:8000/v1"'
+            if url is None
+            else f'url={url!r} is for a server: load it with engine="auto" or '
+            f"{' or '.join(s.name for s in engines_loading('url'))}, not the {engine} engine"
+        )
     # a server is loaded by its url; the local folder only lends its tokenizer and chat template
     fmt = "url" if url else model_format(model_dir)
     if engine == "auto":
@@ -155,8 +183,16 @@ def choose_engine(engine: str, model_dir: Path, url: str | None) -> tuple[str, s
     return engine, fmt
 
 
-def check_engine_offers(engine: str, fmt: str, model_dir: Path, *, cache_dtype: str, paged: str | bool,
-                        gpu_split: Sequence[float] | str | None, tensor_parallel: bool) -> None:
+def check_engine_offers(
+    engine: str,
+    fmt: str,
+    model_dir: Path,
+    *,
+    cache_dtype: str,
+    paged: str | bool,
+    gpu_split: Sequence[float] | str | None,
+    tensor_parallel: bool,
+) -> None:
     """Refuse what the engine's declaration does not offer: a quantized cache, an unpaged one, a split over GPUs
     (or one the machine's GPUs cannot hold), tensor parallelism over weights its library cannot split."""
     if cache_dtype != "fp16" and not engine_spec(engine).can("quantized_cache"):
@@ -181,8 +217,10 @@ def check_engine_runs_here(engine: str) -> None:
         instead = f' (engine="{able[0]}" runs unquantized models here)' if able else ""
         raise ValueError(f"the {engine} engine needs a CUDA GPU, and this machine has none{instead}")
     if spec.library and importlib.util.find_spec(spec.library) is None:
-        raise ValueError(f"the {engine} engine runs on {spec.library}, which is not installed here: install it "
-                         f"(pip install {spec.library}) or load another engine")
+        raise ValueError(
+            f"the {engine} engine runs on {spec.library}, which is not installed here: install it "
+            f"(pip install {spec.library}) or load another engine"
+        )
 
 
 def check_server_url(url: str, api_key_env: str | None) -> None:
@@ -276,18 +314,22 @@ def check_gpu_split(
     asked = "--tensor-parallel" if tensor_parallel and not gpu_split else "--gpu-split"
     capability = "tensor_parallel" if tensor_parallel else "gpu_split"
     if not engine_spec(engine).can(capability):
-        raise ValueError(f"the {engine} engine runs on one device; {asked} needs {' or '.join(engines_that(capability))}")
+        raise ValueError(
+            f"the {engine} engine runs on one device; {asked} needs {' or '.join(engines_that(capability))}"
+        )
     split = [] if gpu_split == AUTO_SPLIT else list(gpu_split or ())
     if any(not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 for v in split) or (
         split and not any(split)
     ):
-        raise ValueError(f"gpu_split={tuple(split)}: give GiB per GPU, each 0 or more (0 leaves a GPU out), "
-                         "at least one above 0")
+        raise ValueError(
+            f"gpu_split={tuple(split)}: give GiB per GPU, each 0 or more (0 leaves a GPU out), at least one above 0"
+        )
     if not devices:
         raise ValueError(f"{asked} needs CUDA GPUs, and this machine has none")
     if len(split) > len(devices):
-        raise ValueError(f"gpu_split={tuple(split)} names {len(split)} GPUs; this machine has {len(devices)} "
-                         f"({_gpu_list(devices)})")
+        raise ValueError(
+            f"gpu_split={tuple(split)} names {len(split)} GPUs; this machine has {len(devices)} ({_gpu_list(devices)})"
+        )
     for index, (gib, total) in enumerate(zip(split, devices)):
         if gib * 2**30 > total:
             raise ValueError(f"gpu_split gives cuda:{index} {gib:g} GiB; it has {total / 2**30:.1f} GiB")
@@ -305,8 +347,10 @@ def check_tensor_parallel_format(engine: str, fmt: str, model_dir: Path) -> None
         formats = " or ".join(spec.tensor_parallel_loads or spec.loads).upper()
         able = [s.name for s in engines_loading(fmt) if s.splits(fmt)]
         instead = f", or the {' or '.join(able)} engine" if able else ""
-        raise ValueError(f"the {engine} engine splits only {formats} weights with tensor parallelism; "
-                         f"{model_dir.name} is {fmt.upper()}: use --gpu-split for a layer split{instead}")
+        raise ValueError(
+            f"the {engine} engine splits only {formats} weights with tensor parallelism; "
+            f"{model_dir.name} is {fmt.upper()}: use --gpu-split for a layer split{instead}"
+        )
 
 
 def _gpu_list(devices: Sequence[int]) -> str:

@@ -68,8 +68,10 @@ class EngineSpec:
     def __post_init__(self) -> None:
         unknown = sorted(self.capabilities - CAPABILITIES.keys())
         if unknown:
-            raise ValueError(f"engine {self.name!r} declares unknown capabilities {', '.join(unknown)}: "
-                             f"choose from {', '.join(CAPABILITIES)}")
+            raise ValueError(
+                f"engine {self.name!r} declares unknown capabilities {', '.join(unknown)}: "
+                f"choose from {', '.join(CAPABILITIES)}"
+            )
         if ":" not in self.engine_class:
             raise ValueError(f"engine_class={self.engine_class!r}: write it as 'package.module:Class'")
         if self.kv_cache not in KV_CACHE_SIZING:
@@ -132,7 +134,7 @@ def engine_libraries() -> tuple[str, ...]:
 
 
 class EngineChoices(Sequence[str]):
-    """"auto" and every registered engine, read afresh on each use: argparse's `choices` and help text and the
+    """ "auto" and every registered engine, read afresh on each use: argparse's `choices` and help text and the
     API's checks hold this one object, so an engine registered after import is a valid choice everywhere."""
 
     def _names(self) -> tuple[str, ...]:
@@ -191,61 +193,105 @@ def _loads(spec: EngineSpec) -> str:
 # The built-in engines. Their capabilities are what each engine's code does: exllamav3 refuses, by name, the
 # sampler settings it has no step for (exllamav3/sampler.py, refused_settings) and exllamav3 1.6.5 refuses a second
 # generator over one cache (SeparateGeneratorsRefused), so both stay off its list.
-register_engine(EngineSpec(
-    name="exllamav2",
-    summary="ExLlamaV2's dynamic generator on CUDA: EXL2 and unquantized models, paged or not, CUDA-graph decode",
-    loads=("hf", "exl2"),
-    capabilities=frozenset({
-        "paged", "unpaged", "page_map", "quantized_cache", "dry", "xtc", "sampler_all", "constraints", "token_view",
-        "graphs", "gpu_split", "tensor_parallel", "prompt_passes", "separate_generators", "scoring",
-    }),
-    engine_class="exlnb.engines.exllamav2.engine:ExLlamaV2Engine",
-    needs_cuda=True,
-    auto_rank=1,
-    library="exllamav2",
-    # exllamav2 0.3.2's load_tp splits quantized tensors only: an fp16 7B-shaped model failed on four H100s with
-    # "Can only split quantized tensor."
-    tensor_parallel_loads=("exl2",),
-    results_folder="gpu",  # the kit's first GPU engine: its results were published there before there were others
-))
-register_engine(EngineSpec(
-    name="exllamav3",
-    summary="ExLlamaV3's generator on CUDA: EXL3 and unquantized models, its own sampler steps and loop detector, "
-            "CUDA-graph decode",
-    loads=("hf", "exl3"),
-    capabilities=frozenset({
-        "paged", "page_map", "quantized_cache", "dry", "xtc", "constraints", "token_view", "loop_guard",
-        "graphs", "gpu_split", "tensor_parallel", "scoring",
-    }),
-    engine_class="exlnb.engines.exllamav3.engine:ExLlamaV3Engine",
-    needs_cuda=True,
-    auto_rank=2,
-    library="exllamav3",
-))
-register_engine(EngineSpec(
-    name="cpu",
-    summary="exlnb's own engine in PyTorch on the CPU: unquantized models, a paged cache, "
-            "exllamav2's whole sampler",
-    loads=("hf",),
-    capabilities=frozenset({
-        "paged", "page_map", "dry", "xtc", "sampler_all", "constraints", "token_view", "separate_generators",
-        "scoring",
-    }),
-    engine_class="exlnb.engines.cpu:CpuEngine",
-    auto_rank=3,
-    kv_cache="fp32",
-))
-register_engine(EngineSpec(
-    name="openai",
-    summary="an OpenAI-compatible server (TabbyAPI, vLLM, SGLang, llama.cpp) by its url: streams, "
-            "cancels by disconnecting",
-    loads=("url",),
-    capabilities=frozenset({"token_view", "server_metrics"}),
-    engine_class="exlnb.engines.remote.engine:RemoteEngine",
-    auto_rank=1,
-    library="httpx",
-    kv_cache="elsewhere",
-))
+register_engine(
+    EngineSpec(
+        name="exllamav2",
+        summary="ExLlamaV2's dynamic generator on CUDA: EXL2 and unquantized models, paged or not, CUDA-graph decode",
+        loads=("hf", "exl2"),
+        capabilities=frozenset(
+            {
+                "paged",
+                "unpaged",
+                "page_map",
+                "quantized_cache",
+                "dry",
+                "xtc",
+                "sampler_all",
+                "constraints",
+                "token_view",
+                "graphs",
+                "gpu_split",
+                "tensor_parallel",
+                "prompt_passes",
+                "separate_generators",
+                "scoring",
+            }
+        ),
+        engine_class="exlnb.engines.exllamav2.engine:ExLlamaV2Engine",
+        needs_cuda=True,
+        auto_rank=1,
+        library="exllamav2",
+        # exllamav2 0.3.2's load_tp splits quantized tensors only: an fp16 7B-shaped model failed on four H100s with
+        # "Can only split quantized tensor."
+        tensor_parallel_loads=("exl2",),
+        results_folder="gpu",  # the kit's first GPU engine: its results were published there before there were others
+    )
+)
+register_engine(
+    EngineSpec(
+        name="exllamav3",
+        summary="ExLlamaV3's generator on CUDA: EXL3 and unquantized models, its own sampler steps and loop detector, "
+        "CUDA-graph decode",
+        loads=("hf", "exl3"),
+        capabilities=frozenset(
+            {
+                "paged",
+                "page_map",
+                "quantized_cache",
+                "dry",
+                "xtc",
+                "constraints",
+                "token_view",
+                "loop_guard",
+                "graphs",
+                "gpu_split",
+                "tensor_parallel",
+                "scoring",
+            }
+        ),
+        engine_class="exlnb.engines.exllamav3.engine:ExLlamaV3Engine",
+        needs_cuda=True,
+        auto_rank=2,
+        library="exllamav3",
+    )
+)
+register_engine(
+    EngineSpec(
+        name="cpu",
+        summary="exlnb's own engine in PyTorch on the CPU: unquantized models, a paged cache, "
+        "exllamav2's whole sampler",
+        loads=("hf",),
+        capabilities=frozenset(
+            {
+                "paged",
+                "page_map",
+                "dry",
+                "xtc",
+                "sampler_all",
+                "constraints",
+                "token_view",
+                "separate_generators",
+                "scoring",
+            }
+        ),
+        engine_class="exlnb.engines.cpu:CpuEngine",
+        auto_rank=3,
+        kv_cache="fp32",
+    )
+)
+register_engine(
+    EngineSpec(
+        name="openai",
+        summary="an OpenAI-compatible server (TabbyAPI, vLLM, SGLang, llama.cpp) by its url: streams, "
+        "cancels by disconnecting",
+        loads=("url",),
+        capabilities=frozenset({"token_view", "server_metrics"}),
+        engine_class="exlnb.engines.remote.engine:RemoteEngine",
+        auto_rank=1,
+        library="httpx",
+        kv_cache="elsewhere",
+    )
+)
 
 
 TABLE_START = "<!-- engines table: written by exlnb.engines.registry.write_engines_doc() -->"

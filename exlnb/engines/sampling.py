@@ -29,17 +29,22 @@ class SamplerSettings:
     top_k: int = option(50, group="sampling", help="keep the k most likely tokens; 0 disables")
     top_p: float = option(0.8, group="sampling", help="nucleus: smallest set with this probability; 1 disables")
     min_p: float = option(0.0, group="sampling", help="drop tokens below min_p x the top probability; 0 disables")
-    top_a: float = option(0.0, group="sampling", help="drop tokens below top_a x the top probability squared; 0 disables")
+    top_a: float = option(
+        0.0, group="sampling", help="drop tokens below top_a x the top probability squared; 0 disables"
+    )
     tfs: float = option(0.0, group="sampling", help="tail-free sampling: keep this share of the curvature; 0 disables")
-    typical: float = option(0.0, group="sampling",
-                            help="locally typical sampling: keep this mass nearest the entropy; 0 disables")
-    smoothing_factor: float = option(0.0, group="sampling",
-                                     help="quadratic sampling: squash logits around the top one; 0 disables")
+    typical: float = option(
+        0.0, group="sampling", help="locally typical sampling: keep this mass nearest the entropy; 0 disables"
+    )
+    smoothing_factor: float = option(
+        0.0, group="sampling", help="quadratic sampling: squash logits around the top one; 0 disables"
+    )
     min_temp: float = option(0.0, group="sampling", help="dynamic temperature: the temperature at zero entropy")
     max_temp: float = option(0.0, group="sampling", help="dynamic temperature at full entropy; on when above min_temp")
     temp_exponent: float = option(1.0, group="sampling", help="dynamic temperature: exponent of the entropy curve")
-    temperature_last: bool = option(False, group="sampling",
-                                    help="apply the temperature after the truncating samplers, not before")
+    temperature_last: bool = option(
+        False, group="sampling", help="apply the temperature after the truncating samplers, not before"
+    )
     skew: float = option(0.0, group="sampling", help="shift the draw towards less (>0) or more (<0) likely tokens")
     mirostat: bool = option(False, group="sampling", help="mirostat: truncate to hold surprise near mirostat_tau")
     mirostat_tau: float = option(1.5, group="sampling", help="mirostat's target surprise, in bits")
@@ -48,7 +53,10 @@ class SamplerSettings:
         (), group="sampling", metavar="DICT", help="token id -> value added to its logit (-inf bans it), e.g. {198: -5}"
     )
     token_repetition_penalty: float = option(
-        1.025, group="penalties", short="rep_penalty", help="divide logits of tokens already in the sequence; 1 disables"
+        1.025,
+        group="penalties",
+        short="rep_penalty",
+        help="divide logits of tokens already in the sequence; 1 disables",
     )
     token_repetition_range: int = option(
         -1, group="penalties", short="rep_range", help="how many recent tokens the penalties look at; -1 is all"
@@ -62,17 +70,25 @@ class SamplerSettings:
     token_presence_penalty: float = option(
         0.0, group="penalties", short="presence_penalty", help="subtract this once from every earlier token"
     )
-    dry_multiplier: float = option(0.0, group="DRY and XTC", help="DRY: penalise tokens that extend a repeat; 0 disables")
+    dry_multiplier: float = option(
+        0.0, group="DRY and XTC", help="DRY: penalise tokens that extend a repeat; 0 disables"
+    )
     dry_base: float = option(1.75, group="DRY and XTC", help="DRY: penalty grows by this factor per repeated token")
     dry_allowed_length: int = option(2, group="DRY and XTC", help="DRY: repeats up to this long go unpenalised")
     dry_sequence_breakers: frozenset[str] | None = option(
-        None, group="DRY and XTC", metavar="SET",
+        None,
+        group="DRY and XTC",
+        metavar="SET",
         help="DRY: strings no repeat may span, e.g. {'.', '\\n'}; default .,!?<>[](){} quote, newline, tab",
     )
     dry_range: int = option(0, group="DRY and XTC", help="DRY: how many recent tokens it looks at; 0 is all")
     dry_max_ngram: int = option(20, group="DRY and XTC", help="DRY: longest repeat it looks for")
-    xtc_probability: float = option(0.0, group="DRY and XTC", help="XTC: how strongly to exclude the top choices; 0 disables")
-    xtc_threshold: float = option(0.1, group="DRY and XTC", help="XTC: tokens at least this likely count as top choices")
+    xtc_probability: float = option(
+        0.0, group="DRY and XTC", help="XTC: how strongly to exclude the top choices; 0 disables"
+    )
+    xtc_threshold: float = option(
+        0.1, group="DRY and XTC", help="XTC: tokens at least this likely count as top choices"
+    )
 
     def __post_init__(self) -> None:
         self._normalise_collections()
@@ -95,17 +111,26 @@ class SamplerSettings:
             (self.token_repetition_penalty > 0, "token_repetition_penalty", "> 0 (1.0 disables it)"),
             (self.token_repetition_range >= -1, "token_repetition_range", ">= -1 (-1 is the whole sequence)"),
             (self.token_repetition_decay >= 0, "token_repetition_decay", ">= 0"),
-            (all(t >= 0 and not math.isnan(b) and b != math.inf for t, b in self.token_bias), "token_bias",
-             "token ids >= 0 mapped to finite biases or -inf"),
+            (
+                all(t >= 0 and not math.isnan(b) and b != math.inf for t, b in self.token_bias),
+                "token_bias",
+                "token ids >= 0 mapped to finite biases or -inf",
+            ),
             (self.dry_multiplier >= 0, "dry_multiplier", ">= 0 (0 disables DRY)"),
             (self.dry_base > 0, "dry_base", "> 0"),
             (self.dry_allowed_length >= 1, "dry_allowed_length", ">= 1"),
             (self.dry_max_ngram >= 1, "dry_max_ngram", ">= 1"),
             # exllamav2 0.3.2 asserts this in apply_dry: its window must hold the longest n-gram
-            (self.dry_range == 0 or self.dry_range > self.dry_max_ngram, "dry_range",
-             f"0 (everything) or more than dry_max_ngram ({self.dry_max_ngram})"),
-            (self.dry_sequence_breakers is None or all(self.dry_sequence_breakers), "dry_sequence_breakers",
-             "non-empty strings"),
+            (
+                self.dry_range == 0 or self.dry_range > self.dry_max_ngram,
+                "dry_range",
+                f"0 (everything) or more than dry_max_ngram ({self.dry_max_ngram})",
+            ),
+            (
+                self.dry_sequence_breakers is None or all(self.dry_sequence_breakers),
+                "dry_sequence_breakers",
+                "non-empty strings",
+            ),
             (0 <= self.xtc_probability <= 1, "xtc_probability", "in [0, 1] (0 disables XTC)"),
             (0 <= self.xtc_threshold <= 1, "xtc_threshold", "in [0, 1]"),
         ]
@@ -140,7 +165,9 @@ class SamplerSettings:
     def changed(self) -> dict[str, object]:
         """The settings that differ from exllamav2's defaults, by field name."""
         default = SamplerSettings()
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+        return {
+            f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)
+        }
 
     @classmethod
     def option_names(cls) -> dict[str, str]:

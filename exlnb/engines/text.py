@@ -100,7 +100,9 @@ class BannedStrings:
         """Tokens that may not be sampled at sequence position `length`."""
         return self._bans[1] if self._bans and self._bans[0] == length else []
 
-    def feed(self, token: int, text: str, length: int, decoder_state: tuple[int, int, int]) -> tuple[str, list[int]] | Rewind:
+    def feed(
+        self, token: int, text: str, length: int, decoder_state: tuple[int, int, int]
+    ) -> tuple[str, list[int]] | Rewind:
         """Text and tokens now safe to emit, or a Rewind. `length` and `decoder_state` are from before `token`."""
         if not self._tokens:
             self._start = Rewind(length, decoder_state)

@@ -36,7 +36,11 @@ class TokenInfo:
 
 
 def token_info(
-    tokenizer, token_id: int, probability: float, ids: Sequence[int], probs: Sequence[float],
+    tokenizer,
+    token_id: int,
+    probability: float,
+    ids: Sequence[int],
+    probs: Sequence[float],
     sampled: float | None = None,
 ) -> TokenInfo:
     """A token's record with every token's own text (a lone byte of a multi-byte character decodes as U+FFFD)."""

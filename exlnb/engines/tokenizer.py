@@ -15,7 +15,6 @@ from typing import Protocol
 
 from exlnb.engines.checks import check_text
 
-
 # Text whose tokens exercise what llguidance must read as the tokenizer does: spaces inside, JSON, non-ASCII
 GRAMMAR_PROBE = 'A {"name": "Ana", "tags": [1, 2]}\n\tcafé, 東京!'
 
@@ -100,8 +99,8 @@ class HfTokenizer:
         if seen != meant:
             at = next(i for i, (a, b) in enumerate(zip(seen + "\0", meant + "\0")) if a != b)
             raise ValueError(
-                f"llguidance reads this tokenizer's tokens otherwise than it decodes them ({meant[at:at + 8]!r} "
-                f"reads as {seen[at:at + 8]!r}), so no constraint could be enforced: its tokenizer.json's decoder "
+                f"llguidance reads this tokenizer's tokens otherwise than it decodes them ({meant[at : at + 8]!r} "
+                f"reads as {seen[at : at + 8]!r}), so no constraint could be enforced: its tokenizer.json's decoder "
                 "does not fit its vocabulary; for a byte-level one, exlnb.models.repair_tokenizer(folder) fixes it"
             )
 

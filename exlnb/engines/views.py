@@ -19,7 +19,7 @@ class PageInfo:
 
 
 def memory_per_gpu_text(per_gpu: tuple[int, ...]) -> str:
-    """"cuda:0 16.50 GiB + cuda:1 8.19 GiB": each GPU's share, as the status line, the inspector and the job table
+    """ "cuda:0 16.50 GiB + cuda:1 8.19 GiB": each GPU's share, as the status line, the inspector and the job table
     show it where a model spans several GPUs."""
     return " + ".join(f"cuda:{i} {b / 2**30:.2f} GiB" for i, b in enumerate(per_gpu))
 

@@ -23,8 +23,8 @@ import pandas as pd
 import seaborn as sns
 
 from exlnb.analysis import mean_interval, rate_interval
-from exlnb.engines.base import JobSpec, SamplerSettings, SeparateGeneratorsRefused, wall_clock
 from exlnb.datasets import load_prompts
+from exlnb.engines.base import JobSpec, SamplerSettings, SeparateGeneratorsRefused, wall_clock
 from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.session import Session
 from exlnb.templates import chatml
@@ -37,7 +37,9 @@ def run(
 ) -> ExperimentResult:
     """Solo outputs first, then each concurrency level under both patterns."""
     if max(concurrency) > prompts:
-        raise ValueError(f"concurrency up to {max(concurrency)} needs at least that many prompts; got prompts={prompts}")
+        raise ValueError(
+            f"concurrency up to {max(concurrency)} needs at least that many prompts; got prompts={prompts}"
+        )
     tokenizer = session.tokenizer
     specs = [
         JobSpec(
@@ -77,7 +79,13 @@ def run(
 
 def _run_row(pattern: str, level: int, produced: list[tuple[int, ...]], seconds: float) -> dict:
     new = sum(len(ids) for ids in produced)
-    return {"pattern": pattern, "concurrency": level, "new_tokens": new, "seconds": seconds, "tokens_per_s": new / seconds}
+    return {
+        "pattern": pattern,
+        "concurrency": level,
+        "new_tokens": new,
+        "seconds": seconds,
+        "tokens_per_s": new / seconds,
+    }
 
 
 def _compare(pattern, level, index, ids, solo, tokenizer) -> dict:
@@ -105,15 +113,23 @@ def _summarise(
     top = max(parameters["concurrency"])
     at_top = {p: outputs[(outputs.pattern == p) & (outputs.concurrency == top)] for p in PATTERNS}
     measures = (
-        (f"outputs that differ from their solo output ({top} concurrent requests)",
-         lambda g: rate_interval(int((~g.identical_to_solo).sum()), len(g))),
-        (f"similarity to own solo output ({top} concurrent requests), mean",
-         lambda g: mean_interval(g.similarity_to_own_solo, "fraction")),
+        (
+            f"outputs that differ from their solo output ({top} concurrent requests)",
+            lambda g: rate_interval(int((~g.identical_to_solo).sum()), len(g)),
+        ),
+        (
+            f"similarity to own solo output ({top} concurrent requests), mean",
+            lambda g: mean_interval(g.similarity_to_own_solo, "fraction"),
+        ),
     )
     broken, fixed = PATTERNS[1], PATTERNS[0]
-    effects = [] if refusal else [
-        Effect(name, measure(at_top[broken]), measure(at_top[fixed]), broken, fixed) for name, measure in measures
-    ]
+    effects = (
+        []
+        if refusal
+        else [
+            Effect(name, measure(at_top[broken]), measure(at_top[fixed]), broken, fixed) for name, measure in measures
+        ]
+    )
     measured = {p: g for p, g in at_top.items() if not (refusal and p == broken)}
     solo_rate = runs[runs.pattern == "solo"].tokens_per_s
     values = {
@@ -122,7 +138,8 @@ def _summarise(
         "outputs_closer_to_another_prompt": {p: int((g.closest_solo != g.prompt).sum()) for p, g in measured.items()},
         "solo_tokens_per_s": mean_interval(solo_rate, "tokens/s").as_dict(),
         "aggregate_tokens_per_s": {
-            p: {int(r.concurrency): float(r.tokens_per_s) for r in runs[runs.pattern == p].itertuples()} for p in measured
+            p: {int(r.concurrency): float(r.tokens_per_s) for r in runs[runs.pattern == p].itertuples()}
+            for p in measured
         },
         "refused": {broken: refusal} if refusal else {},
     }
@@ -139,7 +156,11 @@ def _summarise(
 
 
 def _findings(values: dict) -> list[str]:
-    top, same, closer = values["concurrent_requests"], values["identical_to_solo"], values["outputs_closer_to_another_prompt"]
+    top, same, closer = (
+        values["concurrent_requests"],
+        values["identical_to_solo"],
+        values["outputs_closer_to_another_prompt"],
+    )
     throughput = values["aggregate_tokens_per_s"]
 
     def rates(pattern: str) -> str:
@@ -172,7 +193,9 @@ def plot(result: ExperimentResult):
     sns.stripplot(data=outputs, x="concurrency", y="similarity_to_own_solo", hue="pattern", dodge=True, ax=axes[0])
     axes[0].set(ylim=(0, 1.05), ylabel="similarity to the prompt's solo output", title="Field report 2: mixed outputs")
     solo = runs[runs.pattern == "solo"].tokens_per_s.median()
-    sns.lineplot(data=runs[runs.pattern != "solo"], x="concurrency", y="tokens_per_s", hue="pattern", marker="o", ax=axes[1])
+    sns.lineplot(
+        data=runs[runs.pattern != "solo"], x="concurrency", y="tokens_per_s", hue="pattern", marker="o", ax=axes[1]
+    )
     axes[1].axhline(solo, color="grey", linestyle=":", label="one job alone")
     axes[1].set(ylabel="aggregate new tokens/s", title="Throughput against concurrency")
     axes[1].legend()

@@ -68,13 +68,16 @@ def run(
         if model != BUNDLED:  # the 7B-shaped model times the lengths its positions hold
             lengths = tuple(n for n in context_lengths if n + decode_tokens <= LLAMA_7B["max_position_embeddings"])
             if left := sorted(set(context_lengths) - set(lengths)):
-                speed_not_timed.append(f"{model}: context {', '.join(map(str, left))} and {decode_tokens} new tokens exceed "
-                                 f"its {LLAMA_7B['max_position_embeddings']} positions; not timed.")
+                speed_not_timed.append(
+                    f"{model}: context {', '.join(map(str, left))} and {decode_tokens} new tokens exceed "
+                    f"its {LLAMA_7B['max_position_embeddings']} positions; not timed."
+                )
         # the 7B-shaped model's cache holds the longest context; its random weights answer nonsense and may draw
         # the end token at any point, so its answers run to their length
         with session_for(model, session, max(lengths) + decode_tokens) as timed:
-            speed = _speed(timed, turns, answer_tokens, lengths, decode_tokens, timing_repeats,
-                           stop_at_eos=model == BUNDLED)
+            speed = _speed(
+                timed, turns, answer_tokens, lengths, decode_tokens, timing_repeats, stop_at_eos=model == BUNDLED
+            )
         chats.append(speed["turns"].assign(model=model))
         contexts.append(speed["context"].assign(model=model))
     tables = {"turns": _frame(chats, TURN_COLUMNS), "context": _frame(contexts, CONTEXT_COLUMNS)}
@@ -102,12 +105,22 @@ def _frame(parts: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True)[columns] if parts else pd.DataFrame(columns=columns)
 
 
-def _speed(session: Session, turns: int, answer_tokens: int, lengths: tuple[int, ...], decode_tokens: int,
-           repeats: int, *, stop_at_eos: bool = True) -> dict[str, pd.DataFrame]:
+def _speed(
+    session: Session,
+    turns: int,
+    answer_tokens: int,
+    lengths: tuple[int, ...],
+    decode_tokens: int,
+    repeats: int,
+    *,
+    stop_at_eos: bool = True,
+) -> dict[str, pd.DataFrame]:
     """Reports 4 and 5's decode timings on one session's model: the chat both ways, then the context lengths."""
     _warm_up(session, decode_tokens)
-    return {"turns": _chat(session, turns, answer_tokens, stop_at_eos=stop_at_eos),
-            "context": _decode_against_context(session, lengths, decode_tokens, repeats)}
+    return {
+        "turns": _chat(session, turns, answer_tokens, stop_at_eos=stop_at_eos),
+        "context": _decode_against_context(session, lengths, decode_tokens, repeats),
+    }
 
 
 # -- multi-turn chat --------------------------------------------------------------------------------------------
@@ -132,14 +145,25 @@ def _chat(session: Session, turns: int, answer_tokens: int, *, stop_at_eos: bool
         for mode in ("history", "amnesia") if turn % 2 == 0 else ("amnesia", "history"):
             messages = [*history, asked] if mode == "history" else [asked]
             ids = tokenizer.encode(tokenizer.apply_chat_template(messages), special=True)
-            stream = session.generate(ids, max_new_tokens=answer_tokens, sampler=SamplerSettings.greedy(),
-                                      stop_at_eos=stop_at_eos, identifier=f"{mode} turn {turn}")
+            stream = session.generate(
+                ids,
+                max_new_tokens=answer_tokens,
+                sampler=SamplerSettings.greedy(),
+                stop_at_eos=stop_at_eos,
+                identifier=f"{mode} turn {turn}",
+            )
             intervals = _token_intervals(stream)
             result = stream.result()
             answers[mode] = result.text
             rows += [
-                {"mode": mode, "turn": turn, "context_tokens": len(ids) + i + 1, "prompt_tokens": len(ids),
-                 "cached_tokens": result.cached_tokens, "token_interval_s": dt}
+                {
+                    "mode": mode,
+                    "turn": turn,
+                    "context_tokens": len(ids) + i + 1,
+                    "prompt_tokens": len(ids),
+                    "cached_tokens": result.cached_tokens,
+                    "token_interval_s": dt,
+                }
                 for i, dt in enumerate(intervals)
             ]
         history += [asked, {"role": "assistant", "content": answers["history"]}]
@@ -168,21 +192,26 @@ def _token_intervals(stream) -> list[float]:
 # -- decode speed against context length ------------------------------------------------------------------------
 
 
-def _decode_against_context(session: Session, lengths: tuple[int, ...], decode_tokens: int, repeats: int) -> pd.DataFrame:
+def _decode_against_context(
+    session: Session, lengths: tuple[int, ...], decode_tokens: int, repeats: int
+) -> pd.DataFrame:
     """Each context length `repeats` times, the order rotated from one round to the next, so that every length
     is timed early and late in the run: measured once each in a fixed order, the first length took the run's
     warm-up and its drift (on the H100, 17-20 ms tokens at the start of a run whose later ones took 11-14 ms)."""
     limit = session.status().cache_tokens - decode_tokens
     if max(lengths) > limit:
-        raise ValueError(f"context length {max(lengths)} does not fit the cache with {decode_tokens} new tokens: "
-                         f"load with cache_tokens >= {max(lengths) + decode_tokens}, or shorten context_lengths")
+        raise ValueError(
+            f"context length {max(lengths)} does not fit the cache with {decode_tokens} new tokens: "
+            f"load with cache_tokens >= {max(lengths) + decode_tokens}, or shorten context_lengths"
+        )
     contexts = {length: filler_ids(session.tokenizer, length, label=f"context {length}") for length in lengths}
     rows = []
     for repeat in range(repeats):
         shift = repeat % len(lengths)
         for length in (*lengths[shift:], *lengths[:shift]):
-            stream = session.generate(contexts[length], max_new_tokens=decode_tokens, sampler=SamplerSettings.greedy(),
-                                      stop_at_eos=False)
+            stream = session.generate(
+                contexts[length], max_new_tokens=decode_tokens, sampler=SamplerSettings.greedy(), stop_at_eos=False
+            )
             rows += [
                 {"context_tokens": length, "repeat": repeat, "position": length + i + 1, "token_interval_s": dt}
                 for i, dt in enumerate(_token_intervals(stream))
@@ -193,8 +222,9 @@ def _decode_against_context(session: Session, lengths: tuple[int, ...], decode_t
 # -- summary and figure -----------------------------------------------------------------------------------------
 
 
-def _summarise(tables: dict[str, pd.DataFrame], not_timed: list[str], speed_not_timed: list[str], parameters: dict,
-               env: dict) -> ExperimentResult:
+def _summarise(
+    tables: dict[str, pd.DataFrame], not_timed: list[str], speed_not_timed: list[str], parameters: dict, env: dict
+) -> ExperimentResult:
     turns, context, prefill = tables["turns"], tables["context"], tables["prefill"]
     effects, findings, by_model = [], [], {}
     for model in dict.fromkeys(turns.model):  # in the order timed
@@ -230,8 +260,13 @@ def _speed_effects(turns: pd.DataFrame, context: pd.DataFrame, who: str) -> list
     in_last_turn = {mode: g[g.turn == last].token_interval_s for mode, g in turns.groupby("mode")}
     shortest, longest = context.context_tokens.min(), context.context_tokens.max()
     return [
-        _time_per_token(f"{who}decode time per token in turn {last + 1}", in_last_turn["history"],
-                        in_last_turn["amnesia"], "history", "amnesia"),
+        _time_per_token(
+            f"{who}decode time per token in turn {last + 1}",
+            in_last_turn["history"],
+            in_last_turn["amnesia"],
+            "history",
+            "amnesia",
+        ),
         _time_per_token(
             f"{who}decode time per token",
             context[context.context_tokens == longest].token_interval_s,
@@ -313,14 +348,26 @@ def plot(result: ExperimentResult):
 
 def _draw_speed(turns: pd.DataFrame, context: pd.DataFrame, axes) -> None:
     several = turns.model.nunique() > 1
-    turns = turns.assign(tokens_per_s=1 / turns.token_interval_s,
-                         condition=turns["mode"] + (" (" + turns.model + ")" if several else ""))
+    turns = turns.assign(
+        tokens_per_s=1 / turns.token_interval_s, condition=turns["mode"] + (" (" + turns.model + ")" if several else "")
+    )
     context = context.assign(tokens_per_s=1 / context.token_interval_s)
-    sns.pointplot(data=turns, x="turn", y="tokens_per_s", hue="condition", estimator=np.median, errorbar=("pi", 50),
-                  ax=axes[0])
+    sns.pointplot(
+        data=turns, x="turn", y="tokens_per_s", hue="condition", estimator=np.median, errorbar=("pi", 50), ax=axes[0]
+    )
     axes[0].set(ylabel="decode tokens/s (median, IQR)", title="Field report 4: chat history against amnesia")
     axes[0].get_legend().set_title("mode (model)" if several else "mode")
-    sns.pointplot(data=context, x="context_tokens", y="tokens_per_s", hue="model" if several else None,
-                  estimator=np.median, errorbar=("pi", 50), ax=axes[1])
-    axes[1].set(xlabel="context length (tokens)", ylabel="decode tokens/s (median, IQR)",
-                title="Decode speed against context length")
+    sns.pointplot(
+        data=context,
+        x="context_tokens",
+        y="tokens_per_s",
+        hue="model" if several else None,
+        estimator=np.median,
+        errorbar=("pi", 50),
+        ax=axes[1],
+    )
+    axes[1].set(
+        xlabel="context length (tokens)",
+        ylabel="decode tokens/s (median, IQR)",
+        title="Decode speed against context length",
+    )

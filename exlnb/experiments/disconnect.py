@@ -75,31 +75,54 @@ def run(
     if url is None and (server_pid is not None or server_mode is not None):
         raise ValueError("server_pid and server_mode describe the server at url: give url too, or leave them None")
     cpu = None if server_pid is None else ServerCpu(server_pid)
-    targets = [_Target("exlnb " + session.status().engine, f"exlnb's {session.status().engine} engine in the kernel",
-                       session, None, ("streaming",))]
+    targets = [
+        _Target(
+            "exlnb " + session.status().engine,
+            f"exlnb's {session.status().engine} engine in the kernel",
+            session,
+            None,
+            ("streaming",),
+        )
+    ]
     server = None
     if url is not None:
         server = Session()
-        server.load(session.options.model_dir, url=url, served_model=served_model, api_key_env=api_key_env,
-                    progress=False)
+        server.load(
+            session.options.model_dir, url=url, served_model=served_model, api_key_env=api_key_env, progress=False
+        )
         library = server.status().library
-        targets.append(_Target(f"{library} server", server_mode or f"{library} server (mode not given)", server,
-                               cpu, REQUESTS))
-    sizes = _Sizes(abandoned, prompt_tokens, prefill_prompt_tokens, max_new_tokens, tokens_read, probes,
-                   settle_timeout_s)
+        targets.append(
+            _Target(f"{library} server", server_mode or f"{library} server (mode not given)", server, cpu, REQUESTS)
+        )
+    sizes = _Sizes(
+        abandoned, prompt_tokens, prefill_prompt_tokens, max_new_tokens, tokens_read, probes, settle_timeout_s
+    )
     try:
         rows, probe_rows = _measure_all(targets, sizes)
     finally:
         if server is not None:
             server.unload()
-    parameters = dict(url=url, served_model=served_model, server_pid=server_pid, server_mode=server_mode,
-                      abandoned=abandoned, prompt_tokens=prompt_tokens, prefill_prompt_tokens=prefill_prompt_tokens,
-                      max_new_tokens=max_new_tokens, tokens_read=tokens_read, probes=probes,
-                      settle_timeout_s=settle_timeout_s)
+    parameters = dict(
+        url=url,
+        served_model=served_model,
+        server_pid=server_pid,
+        server_mode=server_mode,
+        abandoned=abandoned,
+        prompt_tokens=prompt_tokens,
+        prefill_prompt_tokens=prefill_prompt_tokens,
+        max_new_tokens=max_new_tokens,
+        tokens_read=tokens_read,
+        probes=probes,
+        settle_timeout_s=settle_timeout_s,
+    )
     probe_table = pd.DataFrame(probe_rows)
     return ExperimentResult(
-        name="disconnect", field_reports=(1,), tables={"phases": pd.DataFrame(rows), "probes": probe_table},
-        effects=_effects(probe_table), parameters=parameters, environment=environment(session),
+        name="disconnect",
+        field_reports=(1,),
+        tables={"phases": pd.DataFrame(rows), "probes": probe_table},
+        effects=_effects(probe_table),
+        parameters=parameters,
+        environment=environment(session),
         findings=[finding(r) for r in rows],
     )
 
@@ -192,7 +215,8 @@ class _Measure:
             self.probe_cpu_s = statistics.median(costs)
             self.idle_cores = self.target.cpu.idle_rate(IDLE_CPU_WINDOW_S)
         return [{"target": self.target.name, "request": "idle", "phase": "idle", "ttft_s": t} for t in times] + [
-            {"target": self.target.name, "request": "idle", "phase": "idle, long prompt", "ttft_s": self.prefill_ttft}]
+            {"target": self.target.name, "request": "idle", "phase": "idle, long prompt", "ttft_s": self.prefill_ttft}
+        ]
 
     def abandon_then_watch(self, request: str, phase: str) -> tuple[dict, list[dict]]:
         length = self.sizes.prefill_tokens if phase == "prefill" else self.sizes.prompt_tokens
@@ -200,20 +224,33 @@ class _Measure:
         specs = [self._spec(length, self.sizes.max_new_tokens, False) for _ in range(self.sizes.abandoned)]
         quiet_before = self._quiet_first()
         sent = wall_clock()
-        answered = (self._abandon_streams(specs, phase) if request == "streaming"
-                    else self._abandon_whole_answers(specs, phase))
+        answered = (
+            self._abandon_streams(specs, phase) if request == "streaming" else self._abandon_whole_answers(specs, phase)
+        )
         left_at = wall_clock()
         cpu_left = self.target.cpu.now() if self.target.cpu else None
         running = self._running()
         probe_sent, probe, probe_error = self.probe_after_leaving()
         after = [{"target": self.target.name, "request": request, "phase": phase, "ttft_s": probe}]
         recovered_s, probes_sent = self._settle(probe_sent, probe, left_at, after)
-        row = {"target": self.target.name, "mode": self.target.mode, "request": request, "phase": phase,
-               "abandoned": len(specs) - answered, "answered_before_leaving": answered, "quiet_before": quiet_before,
-               "left_after_s": left_at - sent, "idle_ttft_s": self.idle_ttft,
-               "idle_prefill_ttft_s": self.prefill_ttft, "probe_ttft_s": probe, "probe_error": probe_error,
-               "slowdown": probe / self.idle_ttft, "idle_again_after_s": recovered_s,
-               "server_running_after": running, **self._server_side(left_at, cpu_left, probes_sent)}
+        row = {
+            "target": self.target.name,
+            "mode": self.target.mode,
+            "request": request,
+            "phase": phase,
+            "abandoned": len(specs) - answered,
+            "answered_before_leaving": answered,
+            "quiet_before": quiet_before,
+            "left_after_s": left_at - sent,
+            "idle_ttft_s": self.idle_ttft,
+            "idle_prefill_ttft_s": self.prefill_ttft,
+            "probe_ttft_s": probe,
+            "probe_error": probe_error,
+            "slowdown": probe / self.idle_ttft,
+            "idle_again_after_s": recovered_s,
+            "server_running_after": running,
+            **self._server_side(left_at, cpu_left, probes_sent),
+        }
         return row | verdict(row), after
 
     def _quiet_first(self) -> bool | None:
@@ -245,8 +282,13 @@ class _Measure:
 
     def _abandon_whole_answers(self, specs, phase: str) -> int:
         """Left when the streaming requests of the same phase were (at once while queued)."""
-        leave_after_s = (whole_answers.AT_ONCE_S if phase == "queued" else self._prefill_leave_s() if phase == "prefill"
-                         else self.left_after[phase])
+        leave_after_s = (
+            whole_answers.AT_ONCE_S
+            if phase == "queued"
+            else self._prefill_leave_s()
+            if phase == "prefill"
+            else self.left_after[phase]
+        )
         requests = whole_answers.whole_answer_requests(self.session, specs)
         return whole_answers.abandon(requests, leave_after_s)
 
@@ -265,8 +307,9 @@ class _Measure:
             time.sleep(SETTLE_PAUSE_S)
             sent, probe, _ = self.probe_after_leaving()
             count += 1
-            after.append({"target": self.target.name, "request": after[0]["request"], "phase": "settling",
-                          "ttft_s": probe})
+            after.append(
+                {"target": self.target.name, "request": after[0]["request"], "phase": "settling", "ttft_s": probe}
+            )
         self.bar.set_postfix_str("")
         return sent - left_at, count
 
@@ -274,8 +317,14 @@ class _Measure:
         """The `/metrics` running count and the CPU used for nobody (with what was taken off it: the probes' idle
         cost and the idle rate), read once a delayed abort has had its time."""
         cpu = self.target.cpu
-        read = {"server_running_after_wait": None, "server_cpu_after_left_s": None, "server_quiet_after_s": None,
-                "server_idle_cores": None, "probe_cpu_s": None, "probes_sent": probes_sent}
+        read = {
+            "server_running_after_wait": None,
+            "server_cpu_after_left_s": None,
+            "server_quiet_after_s": None,
+            "server_idle_cores": None,
+            "probe_cpu_s": None,
+            "probes_sent": probes_sent,
+        }
         if not self.metrics and cpu is None:
             return read
         self.bar.set_postfix_str(f"waiting {ABORT_WAIT_S:g} s for a delayed abort")
@@ -284,10 +333,15 @@ class _Measure:
         if cpu is not None:
             self.bar.set_postfix_str("watching the server's CPU until it is quiet")
             quiet, went_quiet = cpu.until_quiet(self.idle_cores, left_at + self.sizes.settle_timeout_s)
-            read |= {"server_cpu_after_left_s": quiet.cpu_s - cpu_left.cpu_s - probes_sent * self.probe_cpu_s
-                     - self.idle_cores * (quiet.at - cpu_left.at),
-                     "server_quiet_after_s": quiet.at - left_at if went_quiet else None,
-                     "server_idle_cores": self.idle_cores, "probe_cpu_s": self.probe_cpu_s}
+            read |= {
+                "server_cpu_after_left_s": quiet.cpu_s
+                - cpu_left.cpu_s
+                - probes_sent * self.probe_cpu_s
+                - self.idle_cores * (quiet.at - cpu_left.at),
+                "server_quiet_after_s": quiet.at - left_at if went_quiet else None,
+                "server_idle_cores": self.idle_cores,
+                "probe_cpu_s": self.probe_cpu_s,
+            }
         self.bar.set_postfix_str("")
         return read
 
@@ -305,11 +359,16 @@ def _effects(probes: pd.DataFrame) -> list[Effect]:
         idle = rows[rows.phase == "idle"].ttft_s
         decode = rows[(rows.phase == "decode") & (rows.request == "streaming")].ttft_s
         if len(idle) and len(decode):
-            effects.append(Effect(
-                name=f"{target}: probe time to first token", symptom=median_interval(decode.tolist(), "s"),
-                fix=median_interval(idle.tolist(), "s"), symptom_label="after leaving a stream in decode",
-                fix_label="idle", ratio=ratio_of_medians(decode.tolist(), idle.tolist()),
-            ))
+            effects.append(
+                Effect(
+                    name=f"{target}: probe time to first token",
+                    symptom=median_interval(decode.tolist(), "s"),
+                    fix=median_interval(idle.tolist(), "s"),
+                    symptom_label="after leaving a stream in decode",
+                    fix_label="idle",
+                    ratio=ratio_of_medians(decode.tolist(), idle.tolist()),
+                )
+            )
     return effects
 
 
@@ -319,21 +378,37 @@ def plot(result: ExperimentResult):
     probes, phases = result.tables["probes"], result.tables["phases"]
     if probes.empty:
         return None
-    probes = probes[probes.phase != "settling"].assign(left=lambda t: [_condition(r, p) for r, p in zip(t.request, t.phase)])
+    probes = probes[probes.phase != "settling"].assign(
+        left=lambda t: [_condition(r, p) for r, p in zip(t.request, t.phase)]
+    )
     order = ["idle", *(_condition(r, p) for r in REQUESTS for p in PHASES)]
     cpu = phases.dropna(subset=["server_cpu_after_left_s"]) if "server_cpu_after_left_s" in phases else phases[:0]
     figure, axes = plt.subplots(1, 2 if len(cpu) else 1, figsize=(13 if len(cpu) else 9, 4), squeeze=False)
-    sns.stripplot(data=probes, x="left", y="ttft_s", hue="target", order=[o for o in order if o in set(probes.left)],
-                  dodge=True, ax=axes[0][0])
-    axes[0][0].set(yscale="log", ylabel="probe time to first token (s)", xlabel="abandoned while",
-                   title="Does the server stop when the client leaves?")
+    sns.stripplot(
+        data=probes,
+        x="left",
+        y="ttft_s",
+        hue="target",
+        order=[o for o in order if o in set(probes.left)],
+        dodge=True,
+        ax=axes[0][0],
+    )
+    axes[0][0].set(
+        yscale="log",
+        ylabel="probe time to first token (s)",
+        xlabel="abandoned while",
+        title="Does the server stop when the client leaves?",
+    )
     axes[0][0].tick_params(axis="x", labelrotation=30)
     if len(cpu):
         labels = [_condition(r, p) for r, p in zip(cpu.request, cpu.phase)]
         axes[0][1].bar(labels, cpu.server_cpu_after_left_s)
         axes[0][1].axhline(CPU_WORK_S, color="grey", linestyle="--", label=f"{CPU_WORK_S:g} s: worked on")
-        axes[0][1].set(ylabel="server CPU after the client left (s)", xlabel="abandoned while",
-                       title=f"{cpu.target.iloc[0]}: {cpu['mode'].iloc[0]}")
+        axes[0][1].set(
+            ylabel="server CPU after the client left (s)",
+            xlabel="abandoned while",
+            title=f"{cpu.target.iloc[0]}: {cpu['mode'].iloc[0]}",
+        )
         axes[0][1].tick_params(axis="x", labelrotation=30)
         axes[0][1].legend()
     figure.tight_layout()

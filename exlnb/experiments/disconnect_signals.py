@@ -43,7 +43,7 @@ VERDICT_KINDS = ("stopped", "kept working", "unclear", "nothing abandoned")  # h
 
 
 def verdict_kind(text: str) -> str:
-    """"kept working" of "kept working (9.2 s of CPU ...)": the verdict without what each signal saw."""
+    """ "kept working" of "kept working (9.2 s of CPU ...)": the verdict without what each signal saw."""
     return next(kind for kind in VERDICT_KINDS if text.startswith(kind))
 
 
@@ -60,35 +60,66 @@ def _metrics_says(row: dict) -> str:
 
 def _cpu_says(row: dict) -> str:
     cpu_s = row["server_cpu_after_left_s"]
-    return UNAVAILABLE if cpu_s is None else WORKED if cpu_s > CPU_WORK_S or row["server_quiet_after_s"] is None else STOPPED
+    return (
+        UNAVAILABLE
+        if cpu_s is None
+        else WORKED
+        if cpu_s > CPU_WORK_S or row["server_quiet_after_s"] is None
+        else STOPPED
+    )
 
 
 def _worked_details(row: dict) -> tuple[str, str, str]:
     """How each signal words work for nobody, in the order of `verdict`'s signals."""
     cpu_s, quiet_s = row["server_cpu_after_left_s"], row["server_quiet_after_s"]
-    busy = ("" if cpu_s is None else " and still busy at the settle timeout" if quiet_s is None
-            else f", busy for about {quiet_s:.0f} s" if quiet_s > ABORT_WAIT_S + SAMPLE_S
-            else f", quiet by {ABORT_WAIT_S:g} s after")
+    busy = (
+        ""
+        if cpu_s is None
+        else " and still busy at the settle timeout"
+        if quiet_s is None
+        else f", busy for about {quiet_s:.0f} s"
+        if quiet_s > ABORT_WAIT_S + SAMPLE_S
+        else f", quiet by {ABORT_WAIT_S:g} s after"
+    )
     failed = f" and failed ({row['probe_error']})" if row["probe_error"] else ""
-    return (f"the next request waited {row['slowdown']:.1f}x its idle time{failed}",
-            f"/metrics counted {row['server_running_after_wait'] or 0:.0f} running {ABORT_WAIT_S:g} s after it left",
-            f"{cpu_s or 0:.1f} s of CPU after the client left{busy}")
+    return (
+        f"the next request waited {row['slowdown']:.1f}x its idle time{failed}",
+        f"/metrics counted {row['server_running_after_wait'] or 0:.0f} running {ABORT_WAIT_S:g} s after it left",
+        f"{cpu_s or 0:.1f} s of CPU after the client left{busy}",
+    )
 
 
 def finding(row: dict) -> str:
     """The row in one sentence: its verdict, then every signal's reading (or that it was not available)."""
-    probe = (f"probe TTFT {row['probe_ttft_s'] * 1000:.0f} ms against {row['idle_ttft_s'] * 1000:.0f} ms idle, "
-             f"{row['slowdown']:.1f}x, " + ("not idle again within the settle timeout" if row["idle_again_after_s"] is None
-                                            else f"idle again {row['idle_again_after_s']:.1f} s after the client left"))
+    probe = (
+        f"probe TTFT {row['probe_ttft_s'] * 1000:.0f} ms against {row['idle_ttft_s'] * 1000:.0f} ms idle, "
+        f"{row['slowdown']:.1f}x, "
+        + (
+            "not idle again within the settle timeout"
+            if row["idle_again_after_s"] is None
+            else f"idle again {row['idle_again_after_s']:.1f} s after the client left"
+        )
+    )
     running = row["server_running_after_wait"]
-    metrics = ("/metrics: not available" if running is None else
-               f"/metrics: {row['server_running_after'] or 0:.0f} running right after, {running:.0f} after {ABORT_WAIT_S:g} s")
+    metrics = (
+        "/metrics: not available"
+        if running is None
+        else f"/metrics: {row['server_running_after'] or 0:.0f} running right after, "
+        f"{running:.0f} after {ABORT_WAIT_S:g} s"
+    )
     cpu_s = row["server_cpu_after_left_s"]
-    cpu = ("server CPU: not available (exlnb did not start this server here, or it is the control)" if cpu_s is None
-           else f"server CPU: {cpu_s:.1f} s for nobody")
-    answered = (f"; {row['answered_before_leaving']} answered before the client left"
-                if row["answered_before_leaving"] else "")
-    busy = ("; the server was still busy from the phase before when this one began"
-            if row["quiet_before"] is False else "")
-    return (f"{row['target']} ({row['mode']}), {row['request']} request abandoned while {row['phase']}: "
-            f"{row['verdict']} ({probe}; {metrics}; {cpu}{answered}{busy})")
+    cpu = (
+        "server CPU: not available (exlnb did not start this server here, or it is the control)"
+        if cpu_s is None
+        else f"server CPU: {cpu_s:.1f} s for nobody"
+    )
+    answered = (
+        f"; {row['answered_before_leaving']} answered before the client left" if row["answered_before_leaving"] else ""
+    )
+    busy = (
+        "; the server was still busy from the phase before when this one began" if row["quiet_before"] is False else ""
+    )
+    return (
+        f"{row['target']} ({row['mode']}), {row['request']} request abandoned while {row['phase']}: "
+        f"{row['verdict']} ({probe}; {metrics}; {cpu}{answered}{busy})"
+    )

@@ -22,10 +22,10 @@ import pandas as pd
 import seaborn as sns
 
 from exlnb.analysis import mean_interval, median_interval, ratio_of_medians
-from exlnb.engines.base import SamplerSettings, Stage, wall_clock
 from exlnb.datasets import load_prompts
-from exlnb.experiments.record import Effect, ExperimentResult, environment
+from exlnb.engines.base import SamplerSettings, Stage, wall_clock
 from exlnb.experiments import timed_models
+from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.session import Session
 from exlnb.templates import chatml
 
@@ -55,7 +55,9 @@ def run(
     affects both alike.
     """
     if tokens_read >= max_new_tokens:
-        raise ValueError(f"tokens_read={tokens_read} must be below max_new_tokens={max_new_tokens}: the consumer stops early")
+        raise ValueError(
+            f"tokens_read={tokens_read} must be below max_new_tokens={max_new_tokens}: the consumer stops early"
+        )
     timed_models.check_model_names(models)
     parameters = dict(
         requests=requests,
@@ -67,8 +69,14 @@ def run(
         seed=seed,
         models=list(models),
     )
-    sequence = dict(requests=requests, tokens_read=tokens_read, max_new_tokens=max_new_tokens,
-                    next_job_tokens=next_job_tokens, sample_interval_s=sample_interval_s, seed=seed)
+    sequence = dict(
+        requests=requests,
+        tokens_read=tokens_read,
+        max_new_tokens=max_new_tokens,
+        next_job_tokens=next_job_tokens,
+        sample_interval_s=sample_interval_s,
+        seed=seed,
+    )
     rows: dict[str, list[dict]] = {table: [] for table in TABLES}
     not_timed = []
     for model in models:
@@ -304,7 +312,11 @@ def _values(tables: dict[str, pd.DataFrame]) -> dict:
 
 def _findings(effects: list[Effect], values: dict, parameters: dict) -> list[str]:
     next_job = effects[0]
-    n, left, pages = parameters["requests"], values["jobs_left_when_consumers_gone"], values["pages_held_when_consumers_gone"]
+    n, left, pages = (
+        parameters["requests"],
+        values["jobs_left_when_consumers_gone"],
+        values["pages_held_when_consumers_gone"],
+    )
     by_request = values["median_latency_by_request_s"]["un-cancelled"]
     slowest = max(range(len(by_request)), key=by_request.__getitem__)
     lines = [
@@ -338,11 +350,27 @@ def plot(result: ExperimentResult):
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.2), gridspec_kw={"width_ratios": [1, 1, 1, 0.8]})
     style = "model" if requests.model.nunique() > 1 else None
     sns.lineplot(data=requests, x="request", y="latency_s", hue="condition", style=style, marker="o", ax=axes[0])
-    axes[0].set(yscale="log", xlabel="request index", ylabel="latency to the tokens wanted (s)",
-                title="Field report 1: request latency")
-    for ax, column, label in ((axes[1], "unread_jobs", "jobs nobody reads"), (axes[2], "pages_held", "cache pages held")):
-        sns.lineplot(data=timeline, x="t_s", y=column, hue="condition", style=style, units="trial", estimator=None,
-                     drawstyle="steps-post", ax=ax)
+    axes[0].set(
+        yscale="log",
+        xlabel="request index",
+        ylabel="latency to the tokens wanted (s)",
+        title="Field report 1: request latency",
+    )
+    for ax, column, label in (
+        (axes[1], "unread_jobs", "jobs nobody reads"),
+        (axes[2], "pages_held", "cache pages held"),
+    ):
+        sns.lineplot(
+            data=timeline,
+            x="t_s",
+            y=column,
+            hue="condition",
+            style=style,
+            units="trial",
+            estimator=None,
+            drawstyle="steps-post",
+            ax=ax,
+        )
         ax.set(xlabel="time since the first request (s)", ylabel=label, title=label.capitalize() + " over time")
     total = result.values["total_pages"]
     axes[2].axhline(total, color="grey", linestyle=":", label=f"all {total} pages")

@@ -14,7 +14,16 @@ from collections.abc import Iterable
 from exlnb.engines.options import DEFAULT_CACHE_TOKENS
 from exlnb.session import Session
 
-NOTEBOOKS = ("latency", "repetition", "prompt_format", "concurrency", "streaming", "context", "quantization", "disconnect")
+NOTEBOOKS = (
+    "latency",
+    "repetition",
+    "prompt_format",
+    "concurrency",
+    "streaming",
+    "context",
+    "quantization",
+    "disconnect",
+)
 # latency's cache is small on purpose: 4 pages of 256 tokens, one per request, so abandoned jobs fill it soon
 CACHE_TOKENS = {"latency": 1024}
 

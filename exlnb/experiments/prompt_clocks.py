@@ -25,6 +25,7 @@ from exlnb.experiments.record import Effect
 from exlnb.experiments.timed_models import cannot_time, check_model_names, session_for
 from exlnb.random_model import LLAMA_7B, SEVEN_B_SHAPED
 from exlnb.session import Session
+
 READING_COLUMNS = ["model", "prompt_pass", "prompt_tokens", "repeat", "early_s", "late_s"]
 RATE_COLUMNS = ["early_tokens_per_s", "late_tokens_per_s", "early_over_late"]
 EARLY = "clock read when the call returns"
@@ -35,13 +36,17 @@ CLEARLY_EARLY = 1.5  # an early clock that makes the pass look this many times f
 def check_prompt_models(models: Sequence[str], lengths: Sequence[int]) -> None:
     """Refuse an unknown model, or a prompt the 7B-shaped model has no positions for, before anything runs."""
     if not lengths or min(lengths) < 2:
-        raise ValueError(f"prompt_lengths={tuple(lengths)!r}: give one or more lengths of at least 2 tokens "
-                         "(the streaming generator passes all but the last prompt token)")
+        raise ValueError(
+            f"prompt_lengths={tuple(lengths)!r}: give one or more lengths of at least 2 tokens "
+            "(the streaming generator passes all but the last prompt token)"
+        )
     check_model_names(models)
     positions = LLAMA_7B["max_position_embeddings"]
     if SEVEN_B_SHAPED in models and max(lengths) + 1 > positions:
-        raise ValueError(f"prompt length {max(lengths)} and its first token exceed the {SEVEN_B_SHAPED} model's "
-                         f"{positions} positions: keep prompt_lengths below {positions}")
+        raise ValueError(
+            f"prompt length {max(lengths)} and its first token exceed the {SEVEN_B_SHAPED} model's "
+            f"{positions} positions: keep prompt_lengths below {positions}"
+        )
 
 
 def time_prompt_passes(
@@ -71,21 +76,36 @@ def time_prompt_passes(
 def _time_on(session: Session, model: str, passes: list[str], lengths: Sequence[int], repeats: int) -> list[dict]:
     cache_tokens = session.status().cache_tokens
     if max(lengths) + 1 > cache_tokens:
-        raise ValueError(f"prompt length {max(lengths)} and its first token do not fit the {model} model's cache of "
-                         f"{cache_tokens} tokens: load with cache_tokens > {max(lengths)}, or shorten prompt_lengths")
+        raise ValueError(
+            f"prompt length {max(lengths)} and its first token do not fit the {model} model's cache of "
+            f"{cache_tokens} tokens: load with cache_tokens > {max(lengths)}, or shorten prompt_lengths"
+        )
     # repeat -1: one untimed pass that warms each pass up; each prompt starts with its own number, so that no
     # pass finds another's tokens already in the cache
-    plan = [(name, length, repeat) for name in passes
-            for length, repeat in [(min(lengths), -1), *((n, r) for n in lengths for r in range(repeats))]]
-    prompts = [filler_ids(session.tokenizer, length, label=f"{n + 1}. {name}") for n, (name, length, _) in enumerate(plan)]
+    plan = [
+        (name, length, repeat)
+        for name in passes
+        for length, repeat in [(min(lengths), -1), *((n, r) for n in lengths for r in range(repeats))]
+    ]
+    prompts = [
+        filler_ids(session.tokenizer, length, label=f"{n + 1}. {name}") for n, (name, length, _) in enumerate(plan)
+    ]
 
     def measure(engine: Engine) -> list[dict]:
         rows = []
         for (name, length, repeat), ids in zip(plan, prompts):
             early_s, late_s = clock_prompt_pass(engine, name, ids)
             if repeat >= 0:
-                rows.append(dict(model=model, prompt_pass=name, prompt_tokens=length, repeat=repeat,
-                                 early_s=early_s, late_s=late_s))
+                rows.append(
+                    dict(
+                        model=model,
+                        prompt_pass=name,
+                        prompt_tokens=length,
+                        repeat=repeat,
+                        early_s=early_s,
+                        late_s=late_s,
+                    )
+                )
         return rows
 
     return session.run_on_engine(measure)
@@ -146,34 +166,58 @@ def findings(table: pd.DataFrame, not_timed: list[str], reported: str) -> list[s
     for row in medians[medians.prompt_tokens == medians.prompt_tokens.max()].itertuples():
         each = ratios.get_group((row.model, row.prompt_pass, row.prompt_tokens))
         spread = f" (median of {len(each)} passes, {each.min():.2f}x to {each.max():.2f}x)" if len(each) > 1 else ""
-        line = (f"{row.model} model, {row.prompt_pass} pass, {row.prompt_tokens} prompt tokens: {EARLY} "
-                f"{row.early_s:.3g} s ({row.early_tokens_per_s:,.0f} tokens/s), {LATE} {row.late_s:.3g} s "
-                f"({row.late_tokens_per_s:,.0f} tokens/s), medians: the early clock makes each pass look "
-                f"{row.early_over_late:.2f}x as fast as it ran{spread}. ")
-        lines.append(line + (_early_enough(reported) if row.early_over_late >= CLEARLY_EARLY else _not_early(row.prompt_pass)))
+        line = (
+            f"{row.model} model, {row.prompt_pass} pass, {row.prompt_tokens} prompt tokens: {EARLY} "
+            f"{row.early_s:.3g} s ({row.early_tokens_per_s:,.0f} tokens/s), {LATE} {row.late_s:.3g} s "
+            f"({row.late_tokens_per_s:,.0f} tokens/s), medians: the early clock makes each pass look "
+            f"{row.early_over_late:.2f}x as fast as it ran{spread}. "
+        )
+        lines.append(
+            line + (_early_enough(reported) if row.early_over_late >= CLEARLY_EARLY else _not_early(row.prompt_pass))
+        )
     return lines + not_timed
 
 
 def _early_enough(reported: str) -> str:
-    return f"The call returned with the work still queued on the GPU: field report 5's mistake ({reported}), reproduced."
+    return (
+        f"The call returned with the work still queued on the GPU: field report 5's mistake ({reported}), reproduced."
+    )
 
 
 def _not_early(name: str) -> str:
     if name == "dynamic":
-        return ("exllamav2's dynamic generator waits for the GPU before it hands out a first token (it synchronises "
-                "in iterate_gen and copies the logits back), so a clock read after that token is late already.")
-    return ("The call returned only after the GPU had done nearly all of the work (the host queued the kernels no "
-            "faster than the GPU ran them, or the call waited for it), so the early clock had nothing left to miss.")
+        return (
+            "exllamav2's dynamic generator waits for the GPU before it hands out a first token (it synchronises "
+            "in iterate_gen and copies the logits back), so a clock read after that token is late already."
+        )
+    return (
+        "The call returned only after the GPU had done nearly all of the work (the host queued the kernels no "
+        "faster than the GPU ran them, or the call waited for it), so the early clock had nothing left to miss."
+    )
 
 
 def draw_clocks(ax, table: pd.DataFrame) -> None:
     """Prompt speed against prompt length, early and late clock, one line per model and pass."""
     ax.set(title="Field report 5: prompt speed by clock", xlabel="prompt tokens", ylabel="prompt tokens/s (median)")
-    long = table.melt(id_vars=["model", "prompt_pass", "prompt_tokens"], value_vars=RATE_COLUMNS[:2],
-                      var_name="clock", value_name="tokens_per_s")
-    long["clock"] = long.clock.map({"early_tokens_per_s": "early (when the call returns)",
-                                    "late_tokens_per_s": "late (after synchronising)"})
+    long = table.melt(
+        id_vars=["model", "prompt_pass", "prompt_tokens"],
+        value_vars=RATE_COLUMNS[:2],
+        var_name="clock",
+        value_name="tokens_per_s",
+    )
+    long["clock"] = long.clock.map(
+        {"early_tokens_per_s": "early (when the call returns)", "late_tokens_per_s": "late (after synchronising)"}
+    )
     long["pass"] = long.model + ", " + long.prompt_pass
-    sns.lineplot(data=long, x="prompt_tokens", y="tokens_per_s", hue="pass", style="clock", estimator=np.median,
-                 errorbar=None, markers=True, ax=ax)
+    sns.lineplot(
+        data=long,
+        x="prompt_tokens",
+        y="tokens_per_s",
+        hue="pass",
+        style="clock",
+        estimator=np.median,
+        errorbar=None,
+        markers=True,
+        ax=ax,
+    )
     ax.set(yscale="log")

@@ -17,12 +17,11 @@ import pandas as pd
 import seaborn as sns
 
 from exlnb.analysis import find_tail_loop, mean_interval, paired_difference, rate_interval
-from exlnb.engines.base import EosReason, SamplerSettings
 from exlnb.datasets import load_questions
+from exlnb.engines.base import EosReason, SamplerSettings
 from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.session import Session
 from exlnb.templates import CHATML_VARIANTS, SMOLLM2_SYSTEM, ChatmlVariant, conversation
-
 
 REFERENCE = "chatml"
 
@@ -53,7 +52,9 @@ def run(
                 identifier=f"{fmt.name} q{item.id}",
             )
             jobs.append((fmt, item, len(ids), stream))
-    rows = [_score(fmt, item, prompt_tokens, stream.result(), max_new_tokens) for fmt, item, prompt_tokens, stream in jobs]
+    rows = [
+        _score(fmt, item, prompt_tokens, stream.result(), max_new_tokens) for fmt, item, prompt_tokens, stream in jobs
+    ]
     parameters = dict(questions=len(table), max_new_tokens=max_new_tokens, formats=[f.name for f in chosen])
     return _summarise({"answers": pd.DataFrame(rows)}, parameters, environment(session))
 
@@ -132,6 +133,7 @@ def rank_formats(differences: dict[str, dict]) -> dict:
     the data do not order them. ChatML's difference from itself is exactly zero, so a variant shares ChatML's
     tier when its interval includes zero. The formats can be ranked when every tier holds one format.
     """
+
     def overlap(a: str, b: str) -> bool:
         (a_low, a_high), (b_low, b_high) = differences[a]["ci95"], differences[b]["ci95"]
         return a_low <= b_high and b_low <= a_high
@@ -203,11 +205,15 @@ def plot(result: ExperimentResult):
     """Accuracy, early end, loops and length for each prompt format."""
     answers = result.tables["answers"]
     order = list(dict.fromkeys(answers.format))
-    long = answers.melt(id_vars=["format"], value_vars=["correct", "early_eos", "loop", "ran_to_max"], var_name="measure")
+    long = answers.melt(
+        id_vars=["format"], value_vars=["correct", "early_eos", "loop", "ran_to_max"], var_name="measure"
+    )
     long["value"] = long["value"].astype(float)
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), gridspec_kw={"width_ratios": [3, 1.3]})
     sns.barplot(data=long, x="format", y="value", hue="measure", order=order, errorbar=("ci", 95), ax=axes[0])
-    axes[0].set(ylabel="fraction of questions", xlabel="", ylim=(0, 1), title="Field report 4: prompt format and output")
+    axes[0].set(
+        ylabel="fraction of questions", xlabel="", ylim=(0, 1), title="Field report 4: prompt format and output"
+    )
     axes[0].tick_params(axis="x", rotation=20)
     sns.boxplot(data=answers, x="new_tokens", y="format", order=order, ax=axes[1])
     axes[1].set(xlabel="new tokens", ylabel="", title="answer length")

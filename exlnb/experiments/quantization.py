@@ -19,10 +19,10 @@ import pandas as pd
 import seaborn as sns
 
 from exlnb.analysis import mean_interval, median_interval, rate_interval, ratio_of_medians
-from exlnb.engines.base import SamplerSettings, one_line
-from exlnb.engines.options import cuda_available
 from exlnb.datasets import filler_ids, load_questions
 from exlnb.divergence import compare
+from exlnb.engines.base import SamplerSettings, one_line
+from exlnb.engines.options import cuda_available
 from exlnb.experiments.prompt_format import is_correct
 from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.models import BUNDLED_MODEL, resolve_model
@@ -30,8 +30,19 @@ from exlnb.quantize import quantize
 from exlnb.scoring import score
 from exlnb.session import Session
 
-CONDITION_COLUMNS = ["condition", "format", "bits", "engine", "perplexity", "kl_mean", "kl_median", "kl_p90",
-                     "top1_agreement", "weights_gib", "device_memory_gib"]
+CONDITION_COLUMNS = [
+    "condition",
+    "format",
+    "bits",
+    "engine",
+    "perplexity",
+    "kl_mean",
+    "kl_median",
+    "kl_p90",
+    "top1_agreement",
+    "weights_gib",
+    "device_memory_gib",
+]
 FAILED_COLUMNS = ["condition", "format", "bits", "error"]
 NEEDS_CUDA = "Quantizing and both quantized formats need CUDA: on this machine the notebook measured nothing."
 
@@ -58,16 +69,28 @@ def run(
     decode_tokens: int = 64,
     repeats: int = 3,
 ) -> ExperimentResult:
-    parameters = dict(model=str(model), formats=list(formats), bits=list(bits), questions=questions,
-                      max_new_tokens=max_new_tokens, perplexity_tokens=perplexity_tokens,
-                      decode_tokens=decode_tokens, repeats=repeats)
+    parameters = dict(
+        model=str(model),
+        formats=list(formats),
+        bits=list(bits),
+        questions=questions,
+        max_new_tokens=max_new_tokens,
+        perplexity_tokens=perplexity_tokens,
+        decode_tokens=decode_tokens,
+        repeats=repeats,
+    )
     env = environment(session)
     if not cuda_available():
         empty = {"conditions": pd.DataFrame(columns=CONDITION_COLUMNS)}
         return ExperimentResult("quantization", (), empty, [], parameters, env, findings=[NEEDS_CUDA])
     table = load_questions().head(questions)
-    measure = dict(table=table, max_new_tokens=max_new_tokens, perplexity_tokens=perplexity_tokens,
-                   decode_tokens=decode_tokens, repeats=repeats)
+    measure = dict(
+        table=table,
+        max_new_tokens=max_new_tokens,
+        perplexity_tokens=perplexity_tokens,
+        decode_tokens=decode_tokens,
+        repeats=repeats,
+    )
     reference = _measure(session, Condition("fp16", 16.0), resolve_model(model), reference=None, **measure)
     measured, failed = [reference], []
     for fmt in formats:
@@ -77,7 +100,9 @@ def run(
                 measured.append(_measure_quantized(session, model, condition, reference, measure))
             except Exception as error:  # noqa: BLE001 - reported in the results, with the library's words
                 failed.append({"condition": condition.label, "format": fmt, "bits": width, "error": one_line(error)})
-    tables = {name: pd.concat([m[name] for m in measured], ignore_index=True) for name in ("conditions", "answers", "decode")}
+    tables = {
+        name: pd.concat([m[name] for m in measured], ignore_index=True) for name in ("conditions", "answers", "decode")
+    }
     tables["failed"] = pd.DataFrame(failed, columns=FAILED_COLUMNS)
     return _summarise(tables, parameters, env)
 
@@ -93,44 +118,86 @@ def _measure_quantized(session: Session, model: str, condition: Condition, refer
         quantized.unload()
 
 
-def _measure(session: Session, condition: Condition, folder: Path, *, reference: dict | None, table: pd.DataFrame,
-             max_new_tokens: int, perplexity_tokens: int, decode_tokens: int, repeats: int) -> dict[str, pd.DataFrame]:
+def _measure(
+    session: Session,
+    condition: Condition,
+    folder: Path,
+    *,
+    reference: dict | None,
+    table: pd.DataFrame,
+    max_new_tokens: int,
+    perplexity_tokens: int,
+    decode_tokens: int,
+    repeats: int,
+) -> dict[str, pd.DataFrame]:
     tokenizer, greedy = session.tokenizer, SamplerSettings.greedy()
     streams = [
-        session.generate(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}])),
-                         max_new_tokens=max_new_tokens, sampler=greedy)
+        session.generate(
+            tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}])),
+            max_new_tokens=max_new_tokens,
+            sampler=greedy,
+        )
         for q in table.question
     ]
     results = [s.result() for s in streams]
     fp16_ids = [r.token_ids for r in results] if reference is None else reference["token_ids"]
-    answers = pd.DataFrame({
-        "condition": condition.label, "format": condition.format, "bits": condition.bits,
-        "question_id": table.id.values,
-        "correct": [is_correct(r.text, a) for r, a in zip(results, table.answers)],
-        "agreement": [agreement(r.token_ids, ref) for r, ref in zip(results, fp16_ids)],
-        "answer": [r.text for r in results],
-    })
-    decode = pd.DataFrame({
-        "condition": condition.label, "format": condition.format, "bits": condition.bits, "repeat": range(repeats),
-        "decode_tokens_per_s": [
-            session.complete(filler_ids(session.tokenizer, 64, label=f"decode {r}"), max_new_tokens=decode_tokens,
-                             sampler=greedy, stop_at_eos=False).decode_tokens_per_s
-            for r in range(repeats)
-        ],
-    })
+    answers = pd.DataFrame(
+        {
+            "condition": condition.label,
+            "format": condition.format,
+            "bits": condition.bits,
+            "question_id": table.id.values,
+            "correct": [is_correct(r.text, a) for r, a in zip(results, table.answers)],
+            "agreement": [agreement(r.token_ids, ref) for r, ref in zip(results, fp16_ids)],
+            "answer": [r.text for r in results],
+        }
+    )
+    decode = pd.DataFrame(
+        {
+            "condition": condition.label,
+            "format": condition.format,
+            "bits": condition.bits,
+            "repeat": range(repeats),
+            "decode_tokens_per_s": [
+                session.complete(
+                    filler_ids(session.tokenizer, 64, label=f"decode {r}"),
+                    max_new_tokens=decode_tokens,
+                    sampler=greedy,
+                    stop_at_eos=False,
+                ).decode_tokens_per_s
+                for r in range(repeats)
+            ],
+        }
+    )
     status = session.status()
     ids = filler_ids(session.tokenizer, perplexity_tokens, label="perplexity")
     logits = score(session, ids)
     fp16_logits = logits if reference is None else reference["logits"]
     against = compare(fp16_logits, logits, ids)
-    conditions = pd.DataFrame([{
-        "condition": condition.label, "format": condition.format, "bits": condition.bits, "engine": status.engine,
-        "perplexity": against.perplexity, "kl_mean": against.kl_mean, "kl_median": against.kl_median,
-        "kl_p90": against.kl_p90, "top1_agreement": against.top1_agreement,
-        "weights_gib": sum(p.stat().st_size for p in folder.glob("*.safetensors")) / 2**30,
-        "device_memory_gib": (status.device_memory_bytes or 0) / 2**30,
-    }])
-    return {"conditions": conditions, "answers": answers, "decode": decode, "token_ids": fp16_ids, "logits": fp16_logits}
+    conditions = pd.DataFrame(
+        [
+            {
+                "condition": condition.label,
+                "format": condition.format,
+                "bits": condition.bits,
+                "engine": status.engine,
+                "perplexity": against.perplexity,
+                "kl_mean": against.kl_mean,
+                "kl_median": against.kl_median,
+                "kl_p90": against.kl_p90,
+                "top1_agreement": against.top1_agreement,
+                "weights_gib": sum(p.stat().st_size for p in folder.glob("*.safetensors")) / 2**30,
+                "device_memory_gib": (status.device_memory_bytes or 0) / 2**30,
+            }
+        ]
+    )
+    return {
+        "conditions": conditions,
+        "answers": answers,
+        "decode": decode,
+        "token_ids": fp16_ids,
+        "logits": fp16_logits,
+    }
 
 
 def agreement(tokens: tuple[int, ...], reference: tuple[int, ...]) -> float:
@@ -147,26 +214,43 @@ def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict) -> 
         ours = answers[answers.condition == label]
         speed = decode[decode.condition == label].decode_tokens_per_s
         effects += [
-            Effect(f"accuracy, {label}", rate_interval(int(fp16_answers.correct.sum()), len(fp16_answers)),
-                   rate_interval(int(ours.correct.sum()), len(ours)), "fp16", label),
-            Effect(f"decode tokens/s, {label}", median_interval(fp16_decode, "tokens/s"),
-                   median_interval(speed, "tokens/s"), "fp16", label, ratio_of_medians(fp16_decode, speed)),
+            Effect(
+                f"accuracy, {label}",
+                rate_interval(int(fp16_answers.correct.sum()), len(fp16_answers)),
+                rate_interval(int(ours.correct.sum()), len(ours)),
+                "fp16",
+                label,
+            ),
+            Effect(
+                f"decode tokens/s, {label}",
+                median_interval(fp16_decode, "tokens/s"),
+                median_interval(speed, "tokens/s"),
+                "fp16",
+                label,
+                ratio_of_medians(fp16_decode, speed),
+            ),
         ]
     summary = conditions.set_index("condition").assign(
         accuracy=answers.groupby("condition").correct.mean(),
         agreement=answers.groupby("condition").agreement.mean(),
         decode_tokens_per_s=decode.groupby("condition").decode_tokens_per_s.median(),
     )
-    values = {"by_condition": summary.reset_index().to_dict(orient="records"),
-              "agreement": {c: mean_interval(g.agreement, "fraction").as_dict() for c, g in answers.groupby("condition")}}
+    values = {
+        "by_condition": summary.reset_index().to_dict(orient="records"),
+        "agreement": {c: mean_interval(g.agreement, "fraction").as_dict() for c, g in answers.groupby("condition")},
+    }
     values["failed"] = tables["failed"].to_dict(orient="records")
-    return ExperimentResult("quantization", (), tables, effects, parameters, env, _findings(summary, tables["failed"]), values)
+    return ExperimentResult(
+        "quantization", (), tables, effects, parameters, env, _findings(summary, tables["failed"]), values
+    )
 
 
 def _findings(summary: pd.DataFrame, failed: pd.DataFrame) -> list[str]:
     fp16 = summary.loc["fp16"]
-    lines = [f"fp16 ({fp16.engine} engine): perplexity {fp16.perplexity:.2f}, accuracy {fp16.accuracy:.0%}, "
-             f"decode {fp16.decode_tokens_per_s:.0f} tokens/s, {fp16.weights_gib:.2f} GiB of weights."]
+    lines = [
+        f"fp16 ({fp16.engine} engine): perplexity {fp16.perplexity:.2f}, accuracy {fp16.accuracy:.0%}, "
+        f"decode {fp16.decode_tokens_per_s:.0f} tokens/s, {fp16.weights_gib:.2f} GiB of weights."
+    ]
     for fmt, rows in summary[summary.format != "fp16"].groupby("format"):
         points = "; ".join(
             f"{row.bits:g} bpw: agreement {row.agreement:.0%}, accuracy {row.accuracy:.0%}, perplexity "

@@ -106,7 +106,9 @@ class ExperimentResult:
         ]
         for e in self.effects:
             ratio = f"{e.ratio.value:.3g}x" if e.ratio else ""
-            lines.append(f"| {e.name} | {e.symptom_label}: {_short(e.symptom)} | {e.fix_label}: {_short(e.fix)} | {ratio} |")
+            lines.append(
+                f"| {e.name} | {e.symptom_label}: {_short(e.symptom)} | {e.fix_label}: {_short(e.fix)} | {ratio} |"
+            )
         lines += ["", *[f"- {finding}" for finding in self.findings]]
         return "\n".join(lines)
 
@@ -200,8 +202,9 @@ def _device_and_driver() -> dict:
 
     if not torch.cuda.is_available():
         return {"device": f"cpu: {_cpu_model()}, {torch.get_num_threads()} threads", "driver": None}
-    driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                            capture_output=True, text=True).stdout.strip()
+    driver = subprocess.run(
+        ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+    ).stdout.strip()
     return {"device": torch.cuda.get_device_name(), "driver": driver}
 
 
@@ -215,7 +218,7 @@ def _cpu_model() -> str:
 
 
 def _short(estimate: Estimate) -> str:
-    """"0.41 s [0.38-0.45]", "44% [23%-67%]"; a single measurement has no interval to show."""
+    """ "0.41 s [0.38-0.45]", "44% [23%-67%]"; a single measurement has no interval to show."""
     if estimate.unit == "fraction":
         value, interval = f"{estimate.value:.0%}", f" [{estimate.low:.0%}-{estimate.high:.0%}]"
     else:
@@ -232,7 +235,9 @@ def git_commit() -> str | None:
     try:
         result = subprocess.run(
             ["git", "describe", "--always", "--dirty", "--abbrev=7"],
-            capture_output=True, text=True, cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
         )
     except FileNotFoundError:  # no git on this machine
         return named

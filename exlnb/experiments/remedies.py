@@ -14,7 +14,8 @@ import numpy as np
 import pandas as pd
 
 from exlnb.analysis import Estimate, mean_interval, paired_difference, rate_interval
-from exlnb.engines.base import LOOP_DETECTOR as DETECTOR_SETTINGS, EosReason
+from exlnb.engines.base import LOOP_DETECTOR as DETECTOR_SETTINGS
+from exlnb.engines.base import EosReason
 from exlnb.engines.sampling import SamplerSettings
 from exlnb.experiments.record import Effect
 
@@ -90,7 +91,9 @@ def compare(outputs: pd.DataFrame, remedy: Remedy) -> dict[str, Estimate]:
         "loop_rate_no_penalty": rate_interval(int(p.loop_none.sum()), len(p)),
         "loop_rate_minus_no_penalty": paired_difference(p.loop_remedy, p.loop_none, "fraction"),
         "distinct_2": mean_interval(p.distinct_2_remedy, "fraction"),
-        "distinct_2_minus_no_penalty": paired_difference(p.distinct_2_remedy[finite], p.distinct_2_none[finite], "fraction"),
+        "distinct_2_minus_no_penalty": paired_difference(
+            p.distinct_2_remedy[finite], p.distinct_2_none[finite], "fraction"
+        ),
         "new_tokens": mean_interval(p.new_tokens_remedy, "tokens"),
         "new_tokens_no_penalty": mean_interval(p.new_tokens_none, "tokens"),
         "new_tokens_minus_no_penalty": paired_difference(p.new_tokens_remedy, p.new_tokens_none, "tokens"),
@@ -110,11 +113,25 @@ def effects(comparisons: dict[str, dict[str, Estimate]], temperatures: dict[str,
     found = []
     for name, c in comparisons.items():
         scope = ", ".join(f"{t:g}" for t in temperatures[name])
-        found.append(Effect(f"loop rate at temperature {scope}, same prompts and seeds", c["loop_rate_no_penalty"],
-                            c["loop_rate"], NO_PENALTY.name, name))
+        found.append(
+            Effect(
+                f"loop rate at temperature {scope}, same prompts and seeds",
+                c["loop_rate_no_penalty"],
+                c["loop_rate"],
+                NO_PENALTY.name,
+                name,
+            )
+        )
         if name == LOOP_DETECTOR.name:
-            found.append(Effect(f"new tokens per job at temperature {scope}, mean", c["new_tokens_no_penalty"],
-                                c["new_tokens"], NO_PENALTY.name, name))
+            found.append(
+                Effect(
+                    f"new tokens per job at temperature {scope}, mean",
+                    c["new_tokens_no_penalty"],
+                    c["new_tokens"],
+                    NO_PENALTY.name,
+                    name,
+                )
+            )
     return found
 
 

@@ -24,9 +24,9 @@ from exlnb.analysis import (
     repeated_ngram_fraction,
     tail_repeated_fraction,
 )
+from exlnb.datasets import load_prompts
 from exlnb.engines.base import EosReason, SamplerSettings
 from exlnb.engines.job_options import JobOptions
-from exlnb.datasets import load_prompts
 from exlnb.experiments import remedies
 from exlnb.experiments.record import Effect, ExperimentResult, environment
 from exlnb.experiments.remedies import (
@@ -104,13 +104,17 @@ def run(
         return key
 
     grid = [
-        (dict(token_repetition_penalty=rep, token_frequency_penalty=freq, temperature=temp, prompt=p, sample=sample),
-         submit(sampler(rep, freq, temp), None, temp, p, sample))
+        (
+            dict(token_repetition_penalty=rep, token_frequency_penalty=freq, temperature=temp, prompt=p, sample=sample),
+            submit(sampler(rep, freq, temp), None, temp, p, sample),
+        )
         for rep, freq, (temp, p, sample) in itertools.product(repetition_penalties, frequency_penalties, draws)
     ]
     remedy_jobs = [
-        (dict(remedy=r.name, temperature=temp, prompt=p, sample=sample),
-         submit(r.sampler(sampler(*NO_PENALTY, temp)), r.stop_on_loop, temp, p, sample))
+        (
+            dict(remedy=r.name, temperature=temp, prompt=p, sample=sample),
+            submit(r.sampler(sampler(*NO_PENALTY, temp)), r.stop_on_loop, temp, p, sample),
+        )
         for r, (temp, p, sample) in itertools.product(remedies, draws)
         if r.applies_at(temp)
     ]
@@ -129,8 +133,10 @@ def run(
         temperatures=list(temperatures),
         samples_per_prompt=samples_per_prompt,
         seed=seed,
-        remedies={r.name: {"sampler": dict(r.sampler_options), "stop_on_loop": r.stop_on_loop, "source": r.source}
-                  for r in remedies},
+        remedies={
+            r.name: {"sampler": dict(r.sampler_options), "stop_on_loop": r.stop_on_loop, "source": r.source}
+            for r in remedies
+        },
     )
     return _summarise(tables, parameters, environment(session), refused)
 
@@ -140,12 +146,14 @@ def _runnable_remedies(session: Session, prompt: str) -> tuple[list[Remedy], lis
     runnable, refused = [], []
     for remedy in REMEDIES:
         spec = session.spec_for(
-            prompt, JobOptions(max_new_tokens=1, sampler=remedy.sampler(SamplerSettings()),
-                               stop_on_loop=remedy.stop_on_loop)
+            prompt,
+            JobOptions(max_new_tokens=1, sampler=remedy.sampler(SamplerSettings()), stop_on_loop=remedy.stop_on_loop),
         )
         missing = session.run_on_engine(lambda engine: engine.unsupported(spec))
         if missing:
-            refused.append(f"{remedy.name} not run: the {session.options.engine} engine does not implement {'; '.join(missing)}.")
+            refused.append(
+                f"{remedy.name} not run: the {session.options.engine} engine does not implement {'; '.join(missing)}."
+            )
         else:
             runnable.append(remedy)
     return runnable, refused
@@ -199,15 +207,27 @@ def _summarise(tables: dict[str, pd.DataFrame], parameters: dict, env: dict, ref
     by_temperature = {str(t): _rate(g, "loop").as_dict() for t, g in outputs.groupby("temperature")}
     grid = (
         outputs.groupby(["temperature", "token_repetition_penalty", "token_frequency_penalty"])
-        .agg(loop_rate=("loop", "mean"), distinct_2=("distinct_2", "mean"), new_tokens=("new_tokens", "mean"), n=("loop", "size"))
+        .agg(
+            loop_rate=("loop", "mean"),
+            distinct_2=("distinct_2", "mean"),
+            new_tokens=("new_tokens", "mean"),
+            n=("loop", "size"),
+        )
         .reset_index()
     )
     tables["grid"] = grid
     compared = [r for r in REMEDIES if r is not remedies.NO_PENALTY and r.name in set(remedy_outputs.remedy)]
     comparisons = {r.name: remedies.compare(remedy_outputs, r) for r in compared}
-    temperatures = {r.name: sorted(map(float, remedy_outputs[remedy_outputs.remedy == r.name].temperature.unique())) for r in compared}
+    temperatures = {
+        r.name: sorted(map(float, remedy_outputs[remedy_outputs.remedy == r.name].temperature.unique()))
+        for r in compared
+    }
     effects += remedies.effects(comparisons, temperatures)
-    findings = _findings(outputs, by_penalty, effects) + remedies.findings(remedy_outputs, comparisons, parameters["max_new_tokens"]) + refused
+    findings = (
+        _findings(outputs, by_penalty, effects)
+        + remedies.findings(remedy_outputs, comparisons, parameters["max_new_tokens"])
+        + refused
+    )
     return ExperimentResult(
         name="repetition",
         field_reports=(1, 4),
@@ -259,8 +279,11 @@ def plot(result: ExperimentResult):
             index="token_frequency_penalty", columns="token_repetition_penalty", values="loop_rate"
         )
         sns.heatmap(table, annot=True, fmt=".0%", vmin=0, vmax=1, cmap="rocket_r", ax=ax, cbar=False)
-        ax.set(title=f"loop rate, temperature {temp:g}", xlabel="token_repetition_penalty",
-               ylabel="token_frequency_penalty")
+        ax.set(
+            title=f"loop rate, temperature {temp:g}",
+            xlabel="token_repetition_penalty",
+            ylabel="token_frequency_penalty",
+        )
     outputs = result.tables["outputs"]
     sns.pointplot(data=outputs, x="token_repetition_penalty", y="distinct_2", hue="temperature", ax=axes[-2])
     axes[-2].set(title="distinct-2 of the output (mean, 95% CI)", ylim=(0, 1))
@@ -278,8 +301,17 @@ def _plot_remedies(result: ExperimentResult, ax) -> None:
         rates = [compared[name][key] for name in names]
         values = [r["value"] for r in rates]
         errors = [[v - r["ci95"][0] for v, r in zip(values, rates)], [r["ci95"][1] - v for v, r in zip(values, rates)]]
-        ax.errorbar(values, [i + 0.15 * (1 - 2 * offset) for i in range(len(names))], xerr=errors, fmt="o", capsize=3, label=label)
-    ax.set_yticks(range(len(names)), [f"{n}\n(t {', '.join(f'{t:g}' for t in compared[n]['temperatures'])})" for n in names])
+        ax.errorbar(
+            values,
+            [i + 0.15 * (1 - 2 * offset) for i in range(len(names))],
+            xerr=errors,
+            fmt="o",
+            capsize=3,
+            label=label,
+        )
+    ax.set_yticks(
+        range(len(names)), [f"{n}\n(t {', '.join(f'{t:g}' for t in compared[n]['temperatures'])})" for n in names]
+    )
     ax.invert_yaxis()
     ax.set(title="loop rate by remedy (95% CI)", xlim=(0, 1), xlabel="loop rate")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize="small")

@@ -27,10 +27,14 @@ def process_cpu_s(pid: int) -> float:
         stat = path.read_text()
     except FileNotFoundError as error:
         if not Path("/proc/self/stat").exists():
-            raise ValueError(f"server_pid={pid}: this system has no /proc to read a process's CPU time from (Linux "
-                             "has): pass server_pid=None") from error
-        raise ValueError(f"server_pid={pid}: no such process on this machine; pass the PID of the server exlnb "
-                         "started here, or None where the server runs elsewhere") from error
+            raise ValueError(
+                f"server_pid={pid}: this system has no /proc to read a process's CPU time from (Linux "
+                "has): pass server_pid=None"
+            ) from error
+        raise ValueError(
+            f"server_pid={pid}: no such process on this machine; pass the PID of the server exlnb "
+            "started here, or None where the server runs elsewhere"
+        ) from error
     # the name in parentheses may hold spaces: the fields after it are split, utime and stime the 12th and 13th
     fields = stat.rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

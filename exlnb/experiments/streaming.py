@@ -60,11 +60,15 @@ def run(
     for passes in checkpoints:
         for pattern in PATTERNS:
             if pattern == "exlnb session":
-                chunks = _in_thread(lambda: asyncio.run(_serve_one_request(lambda: _session_source(session, spec), passes)))
+                chunks = _in_thread(
+                    lambda: asyncio.run(_serve_one_request(lambda: _session_source(session, spec), passes))
+                )
             else:
                 chunks = session.run_on_engine(lambda engine: _on_event_loop(engine, spec, pattern, passes))
             rows += [{"pattern": pattern, "checkpoints": passes, **chunk} for chunk in chunks]
-    parameters = dict(max_new_tokens=max_new_tokens, checkpoints=list(checkpoints), symptom_checkpoints=symptom_checkpoints)
+    parameters = dict(
+        max_new_tokens=max_new_tokens, checkpoints=list(checkpoints), symptom_checkpoints=symptom_checkpoints
+    )
     return _summarise({"chunks": pd.DataFrame(rows)}, parameters, environment(session))
 
 
@@ -170,7 +174,9 @@ async def _serve_one_request(make_source: Callable[[], AsyncIterator[StreamEvent
     class StreamHandler(tornado.web.RequestHandler):
         async def get(self) -> None:
             async for n, event in _numbered(make_source()):
-                self.write(json.dumps({"n": n, "produced": event.time_produced, "text": event.text, "eos": event.eos}) + "\n")
+                self.write(
+                    json.dumps({"n": n, "produced": event.time_produced, "text": event.text, "eos": event.eos}) + "\n"
+                )
                 await self.flush()
                 sent[n] = wall_clock()
                 for _ in range(passes):
@@ -362,8 +368,11 @@ def plot(result: ExperimentResult):
     sns.lineplot(data=at, x="produced_s", y="arrived_s", hue="pattern", style="pattern", markers=True, ax=axes[0])
     top = at[["produced_s", "arrived_s"]].to_numpy().max()
     axes[0].plot([0, top], [0, top], color="grey", linestyle=":", label="arrives when produced")
-    axes[0].set(xlabel="produced (s after request)", ylabel="arrived at client (s)",
-                title=f"Field report 3: timeline, {d} loop passes per chunk")
+    axes[0].set(
+        xlabel="produced (s after request)",
+        ylabel="arrived at client (s)",
+        title=f"Field report 3: timeline, {d} loop passes per chunk",
+    )
     axes[0].legend()
     # chunks that arrive in one socket read have a gap of 0; show them at 0.01 ms on the log axis
     gaps = at.dropna(subset=["arrival_gap_s"]).assign(gap_ms=lambda t: (t.arrival_gap_s * 1000).clip(lower=0.01))
@@ -371,7 +380,10 @@ def plot(result: ExperimentResult):
     axes[1].set(xlabel="gap between arrivals (ms; 0 shown as 0.01)", title="Gap distribution")
     runs = result.tables["runs"]
     sns.barplot(data=runs, x="checkpoints", y="final_burst_chunks", hue="pattern", ax=axes[2])
-    axes[2].set(xlabel="event-loop passes per chunk in the handler", ylabel="chunks arriving at once with the last",
-                title="Where the pile-up starts")
+    axes[2].set(
+        xlabel="event-loop passes per chunk in the handler",
+        ylabel="chunks arriving at once with the last",
+        title="Where the pile-up starts",
+    )
     fig.tight_layout()
     return fig

@@ -37,12 +37,14 @@ class WholeAnswerRequest:
 
 def whole_answer_requests(session: Session, specs: list[JobSpec]) -> list[WholeAnswerRequest]:
     """The request the `openai` engine loaded in `session` would send for each spec, with streaming off."""
+
     def build(engine) -> list[WholeAnswerRequest]:
         eos = frozenset(engine.tokenizer.eos_token_ids)
         requests = []
         for spec in specs:
-            body = request_body(spec, engine.dialect, engine.model,
-                                prompt_field(engine.tokenizer, engine.api, spec.input_ids), eos)
+            body = request_body(
+                spec, engine.dialect, engine.model, prompt_field(engine.tokenizer, engine.api, spec.input_ids), eos
+            )
             body.pop("stream_options", None)  # OpenAI's API and vLLM refuse stream options on a whole answer
             requests.append(WholeAnswerRequest(engine.address, PATHS[engine.api], body | {"stream": False}))
         return requests
@@ -65,12 +67,16 @@ def _send(request: WholeAnswerRequest, leave_after_s: float) -> bool:
     address = request.address
     timeout = httpx.Timeout(leave_after_s, connect=CONNECT_TIMEOUT_S, write=CONNECT_TIMEOUT_S)
     try:
-        with httpx.Client(timeout=timeout) as client, client.stream(
-                "POST", f"{address.base}{request.path}", json=request.body, headers=address.headers()) as response:
+        with (
+            httpx.Client(timeout=timeout) as client,
+            client.stream(
+                "POST", f"{address.base}{request.path}", json=request.body, headers=address.headers()
+            ) as response,
+        ):
             started, size, text = wall_clock(), 0, b""
             for piece in response.iter_bytes():
                 size += len(piece)
-                text += piece[:max(0, 2000 - len(text))]  # enough of an error body to quote
+                text += piece[: max(0, 2000 - len(text))]  # enough of an error body to quote
                 if size > MAX_ANSWER_BYTES or wall_clock() - started > ANSWER_LIMIT_S:
                     break
     except httpx.ReadTimeout:
@@ -80,4 +86,3 @@ def _send(request: WholeAnswerRequest, leave_after_s: float) -> bool:
     if response.is_error:
         raise ServerError(refusal(address, response.status_code, text.decode(errors="replace")))
     return True
-

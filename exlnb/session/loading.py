@@ -19,8 +19,18 @@ from exlnb.engines.base import Engine, EngineStatus, one_line
 from exlnb.engines.checks import check_field_types, check_option_names
 from exlnb.engines.declaration import declared, option, takes_options
 from exlnb.engines.options import (
-    CACHE_DTYPES, DEFAULT_CACHE_TOKENS, DEFAULT_MAX_BATCH_SIZE, ENGINE_NAMES, GRAPH_MODES, PAGED_MODES, SERVER_APIS,
-    EngineOptions, check_cache_fits, check_engine_runs_here, parse_gpu_split, parse_paged,
+    CACHE_DTYPES,
+    DEFAULT_CACHE_TOKENS,
+    DEFAULT_MAX_BATCH_SIZE,
+    ENGINE_NAMES,
+    GRAPH_MODES,
+    PAGED_MODES,
+    SERVER_APIS,
+    EngineOptions,
+    check_cache_fits,
+    check_engine_runs_here,
+    parse_gpu_split,
+    parse_paged,
 )
 from exlnb.models import BUNDLED_MODEL, library_bars_silenced, resolve_model
 from exlnb.session.base import SessionBase
@@ -37,38 +47,77 @@ class LoadOptions:
     magic (`model` its argument). Types are checked here; `resolve` checks the rest."""
 
     model: str | os.PathLike = option(
-        BUNDLED_MODEL, group="model", positional=True,
+        BUNDLED_MODEL,
+        group="model",
+        positional=True,
         help=f'a model folder (HF fp16, EXL2 or EXL3), a hub repo id, or "{BUNDLED_MODEL}" (fetched and converted '
-             "once); for a server, the served model's local folder, which lends its tokenizer and template")
-    engine: str = option("auto", group="model", choices=ENGINE_NAMES,
-                         help="auto: the engine for the folder's format that runs here (docs/engines.md)")
-    reload: bool = option(False, group="model",
-                          help="load again even if the same model is loaded; replace a model while jobs run (they end)")
-    cache_tokens: int | None = option(None, group="cache", metavar="N",
-                                      help=f"KV cache size in tokens (default: {DEFAULT_CACHE_TOKENS})")
-    cache: str = option("fp16", group="cache", choices=CACHE_DTYPES,
-                        help="KV cache precision: q4, q6 and q8 on the engines that quantize their cache")
-    max_batch_size: int | None = option(None, group="cache", metavar="N",
-                                        help=f"most jobs decoded together (default: {DEFAULT_MAX_BATCH_SIZE})")
-    paged: str | bool = option("auto", group="cache", parse=parse_paged, metavar=f"{{{','.join(PAGED_MODES)}}}",
-                               help="off: one contiguous cache, one job at a time, on the engines that can run "
-                                    "unpaged; auto: the engine's own choice")
+        "once); for a server, the served model's local folder, which lends its tokenizer and template",
+    )
+    engine: str = option(
+        "auto",
+        group="model",
+        choices=ENGINE_NAMES,
+        help="auto: the engine for the folder's format that runs here (docs/engines.md)",
+    )
+    reload: bool = option(
+        False,
+        group="model",
+        help="load again even if the same model is loaded; replace a model while jobs run (they end)",
+    )
+    cache_tokens: int | None = option(
+        None, group="cache", metavar="N", help=f"KV cache size in tokens (default: {DEFAULT_CACHE_TOKENS})"
+    )
+    cache: str = option(
+        "fp16",
+        group="cache",
+        choices=CACHE_DTYPES,
+        help="KV cache precision: q4, q6 and q8 on the engines that quantize their cache",
+    )
+    max_batch_size: int | None = option(
+        None, group="cache", metavar="N", help=f"most jobs decoded together (default: {DEFAULT_MAX_BATCH_SIZE})"
+    )
+    paged: str | bool = option(
+        "auto",
+        group="cache",
+        parse=parse_paged,
+        metavar=f"{{{','.join(PAGED_MODES)}}}",
+        help="off: one contiguous cache, one job at a time, on the engines that can run "
+        "unpaged; auto: the engine's own choice",
+    )
     gpu_split: tuple[float, ...] | str | None = option(
-        None, group="GPUs", parse=parse_gpu_split, metavar="GIB,GIB",
-        help="auto (fill the GPUs in turn), or GiB per GPU, comma separated, e.g. 20,24; 0 leaves a GPU out")
-    tensor_parallel: bool = option(False, group="GPUs",
-                                   help="split every layer over the GPUs instead of placing whole layers (2+ GPUs)")
-    graphs: str = option("auto", group="GPUs", choices=GRAPH_MODES,
-                         help="CUDA-graph decode: auto uses it where its load check passes")
-    url: str | None = option(None, group="server", metavar="URL",
-                             help="an OpenAI-compatible server's API base, e.g. http://127.0.0.1:8000/v1")
-    served_model: str | None = option(None, group="server", metavar="NAME",
-                                      help="the server's name for the model (default: the one it serves)")
-    api_key_env: str | None = option(None, group="server", metavar="VAR",
-                                     help="environment variable holding the server's API key (the only way a key "
-                                          "is sent)")
-    api: str = option("chat", group="server", choices=SERVER_APIS,
-                      help="chat: the server's chat template; completions: exlnb's templates")
+        None,
+        group="GPUs",
+        parse=parse_gpu_split,
+        metavar="GIB,GIB",
+        help="auto (fill the GPUs in turn), or GiB per GPU, comma separated, e.g. 20,24; 0 leaves a GPU out",
+    )
+    tensor_parallel: bool = option(
+        False, group="GPUs", help="split every layer over the GPUs instead of placing whole layers (2+ GPUs)"
+    )
+    graphs: str = option(
+        "auto", group="GPUs", choices=GRAPH_MODES, help="CUDA-graph decode: auto uses it where its load check passes"
+    )
+    url: str | None = option(
+        None,
+        group="server",
+        metavar="URL",
+        help="an OpenAI-compatible server's API base, e.g. http://127.0.0.1:8000/v1",
+    )
+    served_model: str | None = option(
+        None, group="server", metavar="NAME", help="the server's name for the model (default: the one it serves)"
+    )
+    api_key_env: str | None = option(
+        None,
+        group="server",
+        metavar="VAR",
+        help="environment variable holding the server's API key (the only way a key is sent)",
+    )
+    api: str = option(
+        "chat",
+        group="server",
+        choices=SERVER_APIS,
+        help="chat: the server's chat template; completions: exlnb's templates",
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.gpu_split, list):
@@ -89,10 +138,19 @@ class LoadOptions:
         where it is the bundled name or a hub id), the engine and what it can do with it, a cache the device can
         hold, an engine this machine can run."""
         options = EngineOptions.resolve(
-            engine=self.engine, model_dir=resolve_model(self.model, progress=progress),
-            cache_tokens=self.cache_tokens, cache_dtype=self.cache, max_batch_size=self.max_batch_size,
-            gpu_split=self.gpu_split, paged=self.paged, graphs=self.graphs, tensor_parallel=self.tensor_parallel,
-            url=self.url, api_key_env=self.api_key_env, api=self.api, served_model=self.served_model,
+            engine=self.engine,
+            model_dir=resolve_model(self.model, progress=progress),
+            cache_tokens=self.cache_tokens,
+            cache_dtype=self.cache,
+            max_batch_size=self.max_batch_size,
+            gpu_split=self.gpu_split,
+            paged=self.paged,
+            graphs=self.graphs,
+            tensor_parallel=self.tensor_parallel,
+            url=self.url,
+            api_key_env=self.api_key_env,
+            api=self.api,
+            served_model=self.served_model,
         )
         check_cache_fits(options)
         check_engine_runs_here(options.engine)
@@ -103,8 +161,9 @@ class Loading(SessionBase):
     """The session's lifecycle: load, replace, unload; the engine thread started and stopped."""
 
     @takes_options(LoadOptions)
-    def load(self, model: str | os.PathLike | LoadOptions = BUNDLED_MODEL, *, progress: bool = True,
-             **options) -> EngineStatus:
+    def load(
+        self, model: str | os.PathLike | LoadOptions = BUNDLED_MODEL, *, progress: bool = True, **options
+    ) -> EngineStatus:
         """Load a model into the session (`model` a name, a folder or a whole `LoadOptions`; the options are
         `LoadOptions`', listed in docs/options.md); a second call with the same options does nothing.
 
@@ -112,8 +171,11 @@ class Loading(SessionBase):
         while jobs run needs `reload=True` (they are ended); `reload=True` also loads again with unchanged
         options. If the new model fails to load, the previous one is loaded again.
         """
-        asked = model.with_options(**options) if isinstance(model, LoadOptions) else LoadOptions.build(
-            model=model, **options)
+        asked = (
+            model.with_options(**options)
+            if isinstance(model, LoadOptions)
+            else LoadOptions.build(model=model, **options)
+        )
         engine_options = asked.resolve(progress=progress)
         with self._load_lock:
             if self._thread is not None and engine_options == self._options and not asked.reload:
@@ -131,8 +193,7 @@ class Loading(SessionBase):
                 raise self._previous_restored(engine_options, previous, error) from error
             return self.status()
 
-    def _previous_restored(self, failed: EngineOptions, previous: EngineOptions | None,
-                           error: Exception) -> LoadFailed:
+    def _previous_restored(self, failed: EngineOptions, previous: EngineOptions | None, error: Exception) -> LoadFailed:
         """What to raise when `failed` did not load: the previous model loaded again, or why not."""
         words = f"loading {failed.model_dir.name} failed: {one_line(error)}"
         if previous is None:
@@ -140,8 +201,10 @@ class Loading(SessionBase):
         try:
             self._start(previous, progress=False)
         except Exception as again:
-            return LoadFailed(f"{words}; loading {previous.model_dir.name} again failed too ({one_line(again)}): "
-                              "no model is loaded now")
+            return LoadFailed(
+                f"{words}; loading {previous.model_dir.name} again failed too ({one_line(again)}): "
+                "no model is loaded now"
+            )
         return LoadFailed(f"{words}; {previous.model_dir.name} is loaded again")
 
     def _start(self, options: EngineOptions, progress: bool) -> None:

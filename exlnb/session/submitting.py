@@ -23,8 +23,9 @@ MAX_CHARS_PER_TOKEN = 128
 
 # `generate(prompt, **options)` names `JobOptions`' keywords, and a whole `sampler` to start from
 takes_job_options = takes_options(
-    JobOptions, SamplerSettings, leading=[Parameter("sampler", Parameter.KEYWORD_ONLY, default=None,
-                                                    annotation=SamplerSettings)],
+    JobOptions,
+    SamplerSettings,
+    leading=[Parameter("sampler", Parameter.KEYWORD_ONLY, default=None, annotation=SamplerSettings)],
 )
 
 
@@ -40,8 +41,9 @@ class Submitting(SessionBase):
         return self.submit(spec, cancel_when_abandoned=cancel_when_abandoned)
 
     @takes_job_options
-    async def agenerate(self, prompt: str | Sequence[int], *, cancel_when_abandoned: bool = True,
-                        **options) -> JobStream:
+    async def agenerate(
+        self, prompt: str | Sequence[int], *, cancel_when_abandoned: bool = True, **options
+    ) -> JobStream:
         """`generate` for a coroutine: returns without waiting for the engine's current step."""
         spec = self.spec_for(prompt, JobOptions.build(**options))
         return (await self.asubmit_together([spec], cancel_when_abandoned=cancel_when_abandoned))[0]
@@ -92,8 +94,9 @@ class Submitting(SessionBase):
             job_ids = await self._acall(enqueue)
         return self._streams(job_ids, specs, inboxes, cancel_when_abandoned)
 
-    def _enqueuing(self, specs: Sequence[JobSpec], cancel_when_abandoned: bool,
-                   shared: object | None) -> tuple[list[EventInbox], Callable[[Engine], list[int]]]:
+    def _enqueuing(
+        self, specs: Sequence[JobSpec], cancel_when_abandoned: bool, shared: object | None
+    ) -> tuple[list[EventInbox], Callable[[Engine], list[int]]]:
         """Each job's inbox, and the engine command that queues the jobs, once all are known to fit the cache."""
         self._check_fits(specs)
         inboxes = [EventInbox(shared) for _ in specs]
@@ -126,6 +129,7 @@ class Submitting(SessionBase):
         try:
             yield
         except BaseException:
+
             def cancel_mine(engine: Engine) -> None:
                 for job_id in self._deliveries.open_inboxes(inboxes):
                     self._cancel_on_engine(engine, job_id)

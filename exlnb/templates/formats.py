@@ -181,7 +181,9 @@ CHATML_VARIANTS: dict[str, ChatmlVariant] = {
         ChatmlVariant("chatml", "none: the correct template", CHATML.render),
         ChatmlVariant("no_im_end", "missing tags: no <|im_end|> closes a turn", _no_im_end, lint_kind="unbalanced_tag"),
         ChatmlVariant(
-            "tags_removed", "missing tags: role names without <|im_start|> or <|im_end|>", _tags_removed,
+            "tags_removed",
+            "missing tags: role names without <|im_start|> or <|im_end|>",
+            _tags_removed,
             lint_kind="missing_tag",
         ),
         ChatmlVariant(
@@ -191,8 +193,11 @@ CHATML_VARIANTS: dict[str, ChatmlVariant] = {
             lint_kind="misplaced_newline",
         ),
         ChatmlVariant(
-            "special_as_text", "special tokens encoded as plain text (encode_special_tokens=False)", CHATML.render,
-            special=False, lint_kind="special_as_text",
+            "special_as_text",
+            "special tokens encoded as plain text (encode_special_tokens=False)",
+            CHATML.render,
+            special=False,
+            lint_kind="special_as_text",
         ),
         ChatmlVariant("no_template", "no template: the turns' bare text", render_raw, lint_kind="missing_tag"),
     )

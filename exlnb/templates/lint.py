@@ -140,7 +140,8 @@ def _shape(seen: _Text, fmt: TurnFormat, expect_generation_prompt: bool) -> list
     tags = [(m.start(), m.group()) for m in re.finditer(f"{re.escape(start)}|{re.escape(end)}", text)]
     if not any(tag == start for _, tag in tags):
         report.add(
-            LintKind.MISSING_TAG, 0,
+            LintKind.MISSING_TAG,
+            0,
             f"no {start} anywhere: this is not {fmt.name} (no template, or role names without their tags)",
         )
         return report.findings
@@ -151,7 +152,8 @@ def _shape(seen: _Text, fmt: TurnFormat, expect_generation_prompt: bool) -> list
         if tag == start:
             if open_at is not None:
                 report.add(
-                    LintKind.UNBALANCED_TAG, position,
+                    LintKind.UNBALANCED_TAG,
+                    position,
                     f"{start} opens a turn while the {open_role} turn opened at character {open_at} has no {end}",
                 )
             open_role, content_start = _check_header(report, fmt, position + len(start))
@@ -161,17 +163,21 @@ def _shape(seen: _Text, fmt: TurnFormat, expect_generation_prompt: bool) -> list
                 report.add(LintKind.UNBALANCED_TAG, position, f"{end} closes no open turn")
             elif text[content_start:position].endswith("\n"):
                 report.add(
-                    LintKind.MISPLACED_NEWLINE, position - 1,
+                    LintKind.MISPLACED_NEWLINE,
+                    position - 1,
                     f"a newline before {end} becomes part of the {open_role} turn",
                 )
             open_role, open_at = None, None
             at_end = next_at == len(text)
-            _check_gap(report, fmt, position + len(end), next_at, expected="" if at_end else fmt.separator, at_end=at_end)
+            _check_gap(
+                report, fmt, position + len(end), next_at, expected="" if at_end else fmt.separator, at_end=at_end
+            )
     if open_at is not None and open_role != "assistant":
         report.add(LintKind.UNBALANCED_TAG, open_at, f"the {open_role} turn opened here is never closed with {end}")
     if open_at is None and expect_generation_prompt:
         report.add(
-            LintKind.MISSING_TAG, len(text),
+            LintKind.MISSING_TAG,
+            len(text),
             f"the text ends without {start}assistant{fmt.role_end!r}: nothing tells the model to answer",
         )
     return report.findings
@@ -183,8 +189,9 @@ def _check_header(report: _Reporter, fmt: TurnFormat, after_tag: int) -> tuple[s
     leading = len(text[after_tag:]) - len(text[after_tag:].lstrip())
     if leading:
         report.add(
-            LintKind.MISPLACED_NEWLINE, after_tag,
-            f"{text[after_tag:after_tag + leading]!r} after {fmt.turn_start}: "
+            LintKind.MISPLACED_NEWLINE,
+            after_tag,
+            f"{text[after_tag : after_tag + leading]!r} after {fmt.turn_start}: "
             "the role name must follow the tag directly",
         )
     role_match = re.compile(r"\w*").match(text, after_tag + leading)
@@ -195,19 +202,23 @@ def _check_header(report: _Reporter, fmt: TurnFormat, after_tag: int) -> tuple[s
         content_start = role_end_at + len(fmt.role_end)
         if fmt.role_end.endswith("\n") and text.startswith("\n", content_start):
             report.add(
-                LintKind.MISPLACED_NEWLINE, content_start,
+                LintKind.MISPLACED_NEWLINE,
+                content_start,
                 f"an extra newline starts the {role} turn: the template puts exactly {fmt.role_end!r} after the role",
             )
         return role, content_start
     found = text[role_end_at : role_end_at + len(fmt.role_end)] or "the end of the text"
     report.add(
-        LintKind.MISPLACED_NEWLINE, role_end_at,
+        LintKind.MISPLACED_NEWLINE,
+        role_end_at,
         f"the role {role!r} must be followed by {fmt.role_end!r}, found {found!r}",
     )
     return role, role_end_at
 
 
-def _check_gap(report: _Reporter, fmt: TurnFormat, start: int, end: int, *, expected: str, at_end: bool = False) -> None:
+def _check_gap(
+    report: _Reporter, fmt: TurnFormat, start: int, end: int, *, expected: str, at_end: bool = False
+) -> None:
     """What lies between two turns (or before the first) must be the template's separator and nothing else."""
     gap = report.seen.text[start:end]
     if gap == expected or (at_end and gap == fmt.separator):
@@ -231,13 +242,15 @@ def _tags_as_text(seen: _Text, fmt: TurnFormat, tokenizer: Tokenizer) -> list[Li
             count = seen.tokens_between(position, match.end())
             if tag in specials:
                 report.add(
-                    LintKind.SPECIAL_AS_TEXT, position,
+                    LintKind.SPECIAL_AS_TEXT,
+                    position,
                     f"{tag} was encoded as {count} plain tokens, not its special token: encode with special=True "
                     "(exllamav2: encode_special_tokens=True)",
                 )
             else:
                 report.add(
-                    LintKind.SPECIAL_AS_TEXT, position,
+                    LintKind.SPECIAL_AS_TEXT,
+                    position,
                     f"{tag} is not a special token of this tokenizer, so the model reads {count} ordinary tokens: "
                     f"this model's template is probably not {fmt.name}",
                 )

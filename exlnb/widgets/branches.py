@@ -55,8 +55,10 @@ class BranchTree:
         """The tree `result` belongs to, from its first answer; `running`: its branches still running, as far as
         they have got (a sample's `result()`), after those that have ended."""
         if result.origin is None:
-            raise ValueError(f"job {result.job_id}'s result does not keep its request, so it has no branches: "
-                             "branch a result of a generation (exlnb.generate_live, %%exl_generate --out)")
+            raise ValueError(
+                f"job {result.job_id}'s result does not keep its request, so it has no branches: "
+                "branch a result of a generation (exlnb.generate_live, %%exl_generate --out)"
+            )
         root = result
         while root.origin.parent is not None:
             root = root.origin.parent
@@ -73,8 +75,10 @@ class BranchTree:
             f'<td class="exlnb-text">{html.escape(n.text)}</td><td class="exlnb-muted">{html.escape(n.end)}</td></tr>'
             for n in self.nodes
         )
-        return ('<table class="exlnb-branches"><tr><th>branch</th><th>of</th><th>at</th><th>forced token</th>'
-                f"<th>text</th><th>ended</th></tr>{rows}</table>")
+        return (
+            '<table class="exlnb-branches"><tr><th>branch</th><th>of</th><th>at</th><th>forced token</th>'
+            f"<th>text</th><th>ended</th></tr>{rows}</table>"
+        )
 
     def _repr_mimebundle_(self, **kwargs) -> dict[str, str]:
         return {"text/html": record_html(self.html()), "text/plain": self.text()}
@@ -103,9 +107,14 @@ def _node(index: int, member: GenerationResult, members: list[GenerationResult])
     if lineage.parent is not None:  # the first answer may be a copy (each `Generation.results` makes new ones)
         parent = 0 if lineage.parent.origin.parent is None else members.index(lineage.parent)
     return BranchNode(
-        index=index, job_id=member.job_id, parent=parent, position=lineage.at,
-        forced_token=lineage.lead[0] if lineage.lead else None, forced_text=lineage.lead_text if lineage.lead else None,
-        text=member.text, end=member.eos_reason.words if member.eos_reason else "running",
+        index=index,
+        job_id=member.job_id,
+        parent=parent,
+        position=lineage.at,
+        forced_token=lineage.lead[0] if lineage.lead else None,
+        forced_text=lineage.lead_text if lineage.lead else None,
+        text=member.text,
+        end=member.eos_reason.words if member.eos_reason else "running",
     )
 
 
@@ -171,8 +180,12 @@ class BranchChoices(anywidget.AnyWidget):
         messages arrive, must never do."""
         if message.get("type") == "branch" and message.get("answer") in self._samples:
             at, token = int(message["at"]), int(message["token"])
-            threading.Thread(target=self._branch, args=(self._samples[message["answer"]], at, token),
-                             name="exlnb-branch", daemon=True).start()
+            threading.Thread(
+                target=self._branch,
+                args=(self._samples[message["answer"]], at, token),
+                name="exlnb-branch",
+                daemon=True,
+            ).start()
 
     def _branch(self, sample: Sample, at: int, token: int) -> None:
         try:
@@ -215,15 +228,21 @@ class BranchChoices(anywidget.AnyWidget):
         several = len(self.generation.samples) > 1
         html_parts, text_parts = [], []
         for sample, tree in self.trees():
-            label_html, label_text = (f'<div class="exlnb-label">sample {sample.index}</div>',
-                                      f"sample {sample.index}:\n") if several else ("", "")
+            label_html, label_text = (
+                (f'<div class="exlnb-label">sample {sample.index}</div>', f"sample {sample.index}:\n")
+                if several
+                else ("", "")
+            )
             html_parts.append(label_html + tree.html())
             text_parts.append(label_text + tree.text())
         if self._refused:
             html_parts.append(f'<div class="exlnb-warning">{html.escape(self._refused)}</div>')
             text_parts.append(self._refused)
-        update_display({"text/html": record_html("".join(html_parts)), "text/plain": "\n".join(text_parts)},
-                       raw=True, display_id=self.display_id)
+        update_display(
+            {"text/html": record_html("".join(html_parts)), "text/plain": "\n".join(text_parts)},
+            raw=True,
+            display_id=self.display_id,
+        )
 
     def close(self) -> None:
         for sample in self._samples.values():

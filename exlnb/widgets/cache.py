@@ -9,8 +9,8 @@ from __future__ import annotations
 import html
 
 from exlnb.engines.base import wall_clock
-from exlnb.engines.views import CacheView, PageInfo, memory_per_gpu_text
 from exlnb.engines.options import check_display
+from exlnb.engines.views import CacheView, PageInfo, memory_per_gpu_text
 from exlnb.session import JobRow, Session, get_session
 from exlnb.widgets.frontend import widget_frontend
 from exlnb.widgets.live import LiveView
@@ -77,12 +77,17 @@ def job_label(row: JobRow) -> str:
 def inspector_html(view: CacheView, rows: list[JobRow]) -> str:
     """The inspector's markup: summary, one square per page, and a legend naming each job's colour."""
     grid = "".join(page_square(*page_cell(p, view.page_size)) for p in view.pages)
-    swatches = [(f"--exlnb-owner:{job_color(r.info.job_id)};background:{job_color(r.info.job_id)}", "used",
-                 f"{job_label(r)} ({r.info.stage.value}, {r.info.pages} pages{'' if r.consumed else ', nobody reading'})")
-                for r in rows]
+    swatches = [
+        (
+            f"--exlnb-owner:{job_color(r.info.job_id)};background:{job_color(r.info.job_id)}",
+            "used",
+            f"{job_label(r)} ({r.info.stage.value}, {r.info.pages} pages{'' if r.consumed else ', nobody reading'})",
+        )
+        for r in rows
+    ]
     swatches += [("", "free", "free"), ("", "cached", "free, keeps a reusable prefix")]
     legend = "".join(f"<span>{page_square(s, t, k)}{html.escape(t)}</span>" for s, k, t in swatches)
-    legend += f'<span>{page_square("--exlnb-owner:transparent", "shared", "shared")}shared by several jobs</span>'
+    legend += f"<span>{page_square('--exlnb-owner:transparent', 'shared', 'shared')}shared by several jobs</span>"
     return (
         f'<div class="exlnb-cache"><div class="exlnb-summary">{html.escape(cache_summary(view))}</div>'
         f'<div class="exlnb-grid">{grid}</div><div class="exlnb-legend">{legend}</div></div>'
@@ -91,6 +96,7 @@ def inspector_html(view: CacheView, rows: list[JobRow]) -> str:
 
 def cache_text(view: CacheView, rows: list[JobRow]) -> str:
     """The inspector as plain text: one character per page (job id's last digit, * shared, . free)."""
+
     def mark(p: PageInfo) -> str:
         return "." if p.ref_count == 0 else "*" if p.shared else str(p.owners[0] % 10)
 
@@ -114,8 +120,13 @@ def job_cells(row: JobRow, now: float) -> list[str]:
     info = row.info
     read = "yes" if row.consumed else ("no (runs on by request)" if row.abandoned_ok else "no")
     return [
-        job_label(row), info.stage.value, f"{now - info.time_enqueued:.0f} s", str(info.prompt_tokens),
-        f"{info.new_tokens} / {info.max_new_tokens}", str(info.pages), read,
+        job_label(row),
+        info.stage.value,
+        f"{now - info.time_enqueued:.0f} s",
+        str(info.prompt_tokens),
+        f"{info.new_tokens} / {info.max_new_tokens}",
+        str(info.pages),
+        read,
     ]
 
 
@@ -127,6 +138,7 @@ def jobs_summary(rows: list[JobRow], view: CacheView | None = None) -> str:
 
 def jobs_html(rows: list[JobRow], now: float, view: CacheView | None = None) -> str:
     """The job table's markup: a row per job with its colour and a Cancel button, and Cancel all."""
+
     def row(r: JobRow) -> str:
         colour = job_color(r.info.job_id)
         cancel = f'<button class="exlnb-cancel" data-action="cancel" data-job="{r.info.job_id}">Cancel</button>'

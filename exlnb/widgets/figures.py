@@ -97,8 +97,10 @@ def template_warning(generation: Generation) -> str | None:
     findings = generation.prompt_findings
     if not findings:
         return None
-    return (f"the prompt does not follow the template: {len(findings)} finding{'s' if len(findings) > 1 else ''}, "
-            f"the answer may be garbage (--show-prompt shows the tokens)")
+    return (
+        f"the prompt does not follow the template: {len(findings)} finding{'s' if len(findings) > 1 else ''}, "
+        f"the answer may be garbage (--show-prompt shows the tokens)"
+    )
 
 
 def sample_text(sample: Sample, generation: Generation) -> str:
@@ -230,12 +232,16 @@ def sample_html(sample: Sample, generation: Generation, max_new_tokens: int) -> 
         parts.append(f"<span>{html.escape(loop_words(sample))}</span>")
     label = f'<div class="exlnb-label">sample {sample.index}</div>' if len(generation.samples) > 1 else ""
     records, request = sample_token_records(sample), generation.request
-    body = (tokens_html(records, special_ids(generation), request.show_whitespace, request.token_colour,
-                        branch_key(sample)) if records
-            else f'<div class="exlnb-text">{html.escape(sample.text)}</div>')
-    return (f'<div class="exlnb-sample exlnb-{state}">{label}{body}'
-            f'<div class="exlnb-bar"><span style="width:{share:.1%}"></span></div>'
-            f'<div class="exlnb-status">{"".join(parts)}</div></div>')
+    body = (
+        tokens_html(records, special_ids(generation), request.show_whitespace, request.token_colour, branch_key(sample))
+        if records
+        else f'<div class="exlnb-text">{html.escape(sample.text)}</div>'
+    )
+    return (
+        f'<div class="exlnb-sample exlnb-{state}">{label}{body}'
+        f'<div class="exlnb-bar"><span style="width:{share:.1%}"></span></div>'
+        f'<div class="exlnb-status">{"".join(parts)}</div></div>'
+    )
 
 
 def warning_html(generation: Generation) -> str:
@@ -253,8 +259,10 @@ def generation_html(generation: Generation, max_new_tokens: int, prompt: str = "
     """A template warning first, then the prompt (`prompt_html`), the shared figures and the samples."""
     columns = f"repeat({min(len(generation.samples), 4)}, minmax(0, 1fr))"
     samples = "".join(sample_html(s, generation, max_new_tokens) for s in generation.samples)
-    return (f'<div class="exlnb-generation">{warning_html(generation)}{prompt}{header_html(generation)}'
-            f'<div class="exlnb-samples" style="grid-template-columns: {columns}">{samples}</div></div>')
+    return (
+        f'<div class="exlnb-generation">{warning_html(generation)}{prompt}{header_html(generation)}'
+        f'<div class="exlnb-samples" style="grid-template-columns: {columns}">{samples}</div></div>'
+    )
 
 
 def prompt_pieces(ids: Sequence[int], tokenizer: Tokenizer) -> list[tuple[str, bool]]:
@@ -266,12 +274,14 @@ def prompt_pieces(ids: Sequence[int], tokenizer: Tokenizer) -> list[tuple[str, b
 def prompt_html(pieces: list[tuple[str, bool]]) -> str:
     spans = "".join(
         f'<span class="exlnb-token{" exlnb-special" if special else ""}" title="token {i}">'
-        f'{html.escape(text).replace(chr(10), "↵" + chr(10))}</span>'
+        f"{html.escape(text).replace(chr(10), '↵' + chr(10))}</span>"
         for i, (text, special) in enumerate(pieces)
     )
     specials = sum(special for _, special in pieces)
-    return (f'<details class="exlnb-prompt" open><summary>prompt: {len(pieces)} tokens, {specials} special</summary>'
-            f'<div class="exlnb-tokens">{spans}</div></details>')
+    return (
+        f'<details class="exlnb-prompt" open><summary>prompt: {len(pieces)} tokens, {specials} special</summary>'
+        f'<div class="exlnb-tokens">{spans}</div></details>'
+    )
 
 
 def prompt_text(pieces: list[tuple[str, bool]]) -> str:

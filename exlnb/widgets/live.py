@@ -16,7 +16,6 @@ import time
 from exlnb.session import JobRow, NoModelLoaded, Session
 from exlnb.widgets.record import RecordedView
 
-
 LIVE = "live: redrawn while jobs run and this view can be seen"
 IDLE = "idle: no job is running"
 
@@ -28,8 +27,9 @@ def liveness_html(words: str) -> str:
 
 
 class LiveView(RecordedView):
-    def __init__(self, session: Session, *, interval: float = 0.5, idle_check: float = 1.0,
-                 retire_after: float = 5.0) -> None:
+    def __init__(
+        self, session: Session, *, interval: float = 0.5, idle_check: float = 1.0, retire_after: float = 5.0
+    ) -> None:
         super().__init__()
         self.session = session
         self.interval = interval
@@ -122,7 +122,11 @@ class LiveView(RecordedView):
                 self.refreshing = False
                 running = self._jobs_running()
                 idle_since = None if running else idle_since or time.monotonic()
-                if self._busy is not None and idle_since is not None and time.monotonic() - idle_since >= self.retire_after:
+                if (
+                    self._busy is not None
+                    and idle_since is not None
+                    and time.monotonic() - idle_since >= self.retire_after
+                ):
                     self.retire()
                     return
                 self._wake.wait(self.idle_check)

@@ -180,9 +180,11 @@ class BenchView(RecordedView, Progress):
         rows = [run.compact_row() for run in self.result.runs]
         head = "".join(f"<th>{html.escape(name)}</th>" for name in rows[0])
         body = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row.values()) + "</tr>" for row in rows)
-        return (f'<table class="exlnb-bench-table"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
-                f"<details><summary>vLLM's full printout</summary><pre>{html.escape(self.result.table())}</pre>"
-                "</details>")
+        return (
+            f'<table class="exlnb-bench-table"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+            f"<details><summary>vLLM's full printout</summary><pre>{html.escape(self.result.table())}</pre>"
+            "</details>"
+        )
 
     def _table_text(self) -> list[str]:
         if self.result is None or not self.result.runs:
@@ -235,16 +237,21 @@ class BenchView(RecordedView, Progress):
             missed = " exlnb-slo-missed" if self._slo_missed(rate) else ""
             parts.append(f'<span class="exlnb-slo{missed}">{html.escape(slo)}</span>')
         share = rate.share(self.workload.duration_s)
-        return (f'<div class="exlnb-sample exlnb-{state}"><div class="exlnb-label">{rate_label(rate.request_rate)}'
-                f' req/s</div><div class="exlnb-bar"><span style="width:{share:.1%}"></span></div>'
-                f'<div class="exlnb-status">{"".join(parts)}</div></div>')
+        return (
+            f'<div class="exlnb-sample exlnb-{state}"><div class="exlnb-label">{rate_label(rate.request_rate)}'
+            f' req/s</div><div class="exlnb-bar"><span style="width:{share:.1%}"></span></div>'
+            f'<div class="exlnb-status">{"".join(parts)}</div></div>'
+        )
 
     def text(self) -> str:
         with self._lock:
             if self.workload is None:
                 return self._unstarted_words()
-            lines = [f"{rate_label(r.request_rate)} req/s · " + " · ".join(
-                [self._state(r)[1], *self._figures(r), *filter(None, [self._slo_figure(r)])]) for r in self.rates]
+            lines = [
+                f"{rate_label(r.request_rate)} req/s · "
+                + " · ".join([self._state(r)[1], *self._figures(r), *filter(None, [self._slo_figure(r)])])
+                for r in self.rates
+            ]
             return "\n".join([self._head_words(), *lines, *self._table_text()])
 
     # -- the button, and the end ---------------------------------------------------------------------------
@@ -294,8 +301,9 @@ async def abench(
     if shows_widget(display, progress):
         view = BenchView(stop)
         view.show()
-    running, thread = _in_background(bench, request_rate, stop=stop, progress=view if view is not None else progress,
-                             **options)
+    running, thread = _in_background(
+        bench, request_rate, stop=stop, progress=view if view is not None else progress, **options
+    )
     result = None
     try:
         with _ctrl_c_cancels(asyncio.current_task()):
@@ -341,8 +349,11 @@ def _ctrl_c_cancels(task: asyncio.Task | None) -> Iterator[None]:
     select, outside the coroutine, which never heard of it, and the test ran on with its jobs. ipykernel
     installs its own handler while a cell awaits (it cancels the cell's task), and that one is left alone.
     """
-    if (task is None or threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    if (
+        task is None
+        or threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         yield
         return
     loop = asyncio.get_running_loop()
@@ -373,8 +384,9 @@ async def _await_redrawing(running: concurrent.futures.Future, view: BenchView |
     return waiting.result()
 
 
-def _stop_and_wait(running: concurrent.futures.Future, thread: threading.Thread, stop: threading.Event,
-                   view: BenchView | None) -> BenchResult | None:
+def _stop_and_wait(
+    running: concurrent.futures.Future, thread: threading.Thread, stop: threading.Event, view: BenchView | None
+) -> BenchResult | None:
     """Stop the test after an interrupt and wait: its jobs and its thread have ended when this returns. Its
     result, if any."""
     if view is not None:

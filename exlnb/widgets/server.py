@@ -49,8 +49,9 @@ class ServerView(JobTable):
     def draw(self, rows: list[JobRow]) -> tuple[str, str]:
         status = self.session.status()
         head = f"{status.model} at {status.device} · {server_line(self.session)}"
-        lines = "".join(f'<div class="exlnb-summary">{html.escape(line)}</div>'
-                        for line in (head, delivery_line(self.session)))
+        lines = "".join(
+            f'<div class="exlnb-summary">{html.escape(line)}</div>' for line in (head, delivery_line(self.session))
+        )
         body = f"{lines}{jobs_html(rows, wall_clock())}"
         return f'<div class="exlnb-server">{body}</div>', server_text(self.session, rows)
 

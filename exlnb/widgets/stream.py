@@ -22,18 +22,34 @@ from exlnb.engines.checks import check_option_names
 from exlnb.engines.declaration import declared, option, takes_options
 from exlnb.engines.options import DISPLAY_HELP, DISPLAY_MODES, check_display
 from exlnb.generation import (
-    Generation, Sample, as_request, astart, astart_branch, branch_result, start, start_branch,
+    Generation,
+    Sample,
+    as_request,
+    astart,
+    astart_branch,
+    branch_result,
+    start,
+    start_branch,
 )
 from exlnb.request import GenerationRequest, takes_request_options
 from exlnb.session import Session
 from exlnb.streaming import GenerationResult
 from exlnb.widgets.branches import BranchChoices
 from exlnb.widgets.figures import (
-    generation_html, generation_text, prompt_html, prompt_pieces, prompt_text, sample_text, settings_words, status_line,
-    template_warning, token_line,
+    generation_html,
+    generation_text,
+    prompt_html,
+    prompt_pieces,
+    prompt_text,
+    sample_text,
+    settings_words,
+    status_line,
+    template_warning,
+    token_line,
 )
 from exlnb.widgets.frontend import widget_frontend
 from exlnb.widgets.record import RecordedView
+
 
 @dataclass(frozen=True)
 class ShowOptions:
@@ -58,8 +74,13 @@ class StreamView(RecordedView):
     """A generation's samples side by side, shared figures above them and a Stop button under them; when every
     sample has ended, a static record of the answers and their statistics."""
 
-    def __init__(self, generation: Generation, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                 prompt: list[tuple[str, bool]] | None = None) -> None:
+    def __init__(
+        self,
+        generation: Generation,
+        *,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        prompt: list[tuple[str, bool]] | None = None,
+    ) -> None:
         super().__init__()
         self.generation = generation
         self.max_new_tokens = max_new_tokens
@@ -127,7 +148,7 @@ class PlainPrinter:
 
     def _print_new_text(self, sample: Sample) -> None:
         text = sample.text
-        print(text[self._printed[sample.index]:], end="", flush=True)
+        print(text[self._printed[sample.index] :], end="", flush=True)
         self._printed[sample.index] = len(text)
 
     def _close(self, sample: Sample) -> None:
@@ -223,8 +244,14 @@ async def _await_shown(shown: _Shown) -> None:
     _raise_failure(shown.generation)
 
 
-def branch_live(result: GenerationResult, *, at: int, token: int | str | None = None, display: str = "auto",
-                owner: Hashable | None = None) -> GenerationResult:
+def branch_live(
+    result: GenerationResult,
+    *,
+    at: int,
+    token: int | str | None = None,
+    display: str = "auto",
+    owner: Hashable | None = None,
+) -> GenerationResult:
     """`result.branch(at, token)` shown as it runs, as `generate_live` shows a generation; the branch's result."""
     show = ShowOptions(display=display)
     shown = _show(start_branch(result, at=at, token=token, owner=owner), show, owner)
@@ -234,8 +261,14 @@ def branch_live(result: GenerationResult, *, at: int, token: int | str | None = 
     return branch_result(shown.generation)
 
 
-async def abranch_live(result: GenerationResult, *, at: int, token: int | str | None = None, display: str = "auto",
-                       owner: Hashable | None = None) -> GenerationResult:
+async def abranch_live(
+    result: GenerationResult,
+    *,
+    at: int,
+    token: int | str | None = None,
+    display: str = "auto",
+    owner: Hashable | None = None,
+) -> GenerationResult:
     """`branch_live` for a notebook cell: awaits the branch, so the Stop button and an interrupt are heard."""
     show = ShowOptions(display=display)
     shown = _show(await astart_branch(result, at=at, token=token, owner=owner), show, owner)
@@ -336,5 +369,7 @@ def _show(generation: Generation, show: ShowOptions, owner: Hashable | None = No
         print(settings_words(generation))
         if show.background:
             jobs = ", ".join(str(s.stream.job_id) for s in generation.samples)
-            print(f"{len(generation.samples)} sample(s) running in the background (jobs {jobs}); wait() for the results")
+            print(
+                f"{len(generation.samples)} sample(s) running in the background (jobs {jobs}); wait() for the results"
+            )
         return _Shown(generation, None, PlainPrinter(generation))

@@ -47,8 +47,9 @@ def latency_bands(records: Sequence[TokenRecord]) -> list[int]:
     """0 for the slowest tokens up to len(LATENCY_BANDS) for those near the median time between tokens (the
     first token's latency is the time to first token, so the median is taken over the others)."""
     median = statistics.median(r.latency_s for r in records[1:] or records)
-    return [next((i for i, m in enumerate(LATENCY_BANDS) if r.latency_s >= m * median), len(LATENCY_BANDS))
-            for r in records]
+    return [
+        next((i for i, m in enumerate(LATENCY_BANDS) if r.latency_s >= m * median), len(LATENCY_BANDS)) for r in records
+    ]
 
 
 def visible(text: str, special: bool, whitespace: bool) -> str:
@@ -64,8 +65,10 @@ def sampled_words(info: TokenInfo) -> str:
 
 # what the popover of a view that can branch says, both ways: exlnb.css shows the first only while view.js marks
 # the view .exlnb-branching (its kernel runs), the second otherwise (a record, a kernel gone)
-BRANCH_HINT = ('<span class="exlnb-branch-on"> (click one, or ↓ to it and Enter, to branch here)</span>'
-               '<span class="exlnb-branch-off"> (branching here needs the live kernel that drew this view)</span>')
+BRANCH_HINT = (
+    '<span class="exlnb-branch-on"> (click one, or ↓ to it and Enter, to branch here)</span>'
+    '<span class="exlnb-branch-off"> (branching here needs the live kernel that drew this view)</span>'
+)
 
 
 def alternative_html(record: TokenRecord, token_id: int, text: str, branching: bool) -> str:
@@ -82,8 +85,8 @@ def popover_html(record: TokenRecord, branching: bool = False) -> str:
     `branching`, each other one a choice of a branch."""
     info = record.info
     rows = "".join(
-        f'<tr><td>{p:.3f}</td><td>{alternative_html(record, i, text, branching)}</td>'
-        f'<td>{"← drawn" if i == info.token_id else ""}</td></tr>'
+        f"<tr><td>{p:.3f}</td><td>{alternative_html(record, i, text, branching)}</td>"
+        f"<td>{'← drawn' if i == info.token_id else ''}</td></tr>"
         for i, text, p in info.alternatives
     )
     return (
@@ -97,8 +100,9 @@ def popover_html(record: TokenRecord, branching: bool = False) -> str:
     )
 
 
-def tokens_html(records: Sequence[TokenRecord], specials: Collection[int], whitespace: bool, colour: str,
-                answer: str | None = None) -> str:
+def tokens_html(
+    records: Sequence[TokenRecord], specials: Collection[int], whitespace: bool, colour: str, answer: str | None = None
+) -> str:
     """The answer as token chips shaded by `colour` ("probability": the model's, or "latency"), each with its
     popover, and a legend of the bands; with `answer` (`branches.branch_key`), a view whose alternatives branch."""
     if colour == "latency":
@@ -111,15 +115,17 @@ def tokens_html(records: Sequence[TokenRecord], specials: Collection[int], white
         shade = "the model's probability"
     chips = "".join(
         f'<span class="exlnb-chip exlnb-p{b}{" exlnb-special" if r.info.token_id in specials else ""}" tabindex="0">'
-        f'{html.escape(visible(r.info.text, r.info.token_id in specials, whitespace))}'
-        f'{popover_html(r, answer is not None)}</span>'
+        f"{html.escape(visible(r.info.text, r.info.token_id in specials, whitespace))}"
+        f"{popover_html(r, answer is not None)}</span>"
         for r, b in zip(records, bands)
     )
     legend = "".join(f'<span class="exlnb-chip exlnb-p{i}">{label}</span>' for i, label in enumerate(labels))
     named = f' data-exlnb-answer="{answer}"' if answer else ""
-    return (f'<div class="exlnb-tokens exlnb-token-view"{named}>{chips}</div>'
-            f'<div class="exlnb-legend exlnb-muted">shade: {shade} {legend} · hover or Tab to a token for its '
-            "probabilities and alternatives</div>")
+    return (
+        f'<div class="exlnb-tokens exlnb-token-view"{named}>{chips}</div>'
+        f'<div class="exlnb-legend exlnb-muted">shade: {shade} {legend} · hover or Tab to a token for its '
+        "probabilities and alternatives</div>"
+    )
 
 
 def text_figure(record: TokenRecord, colour: str) -> str:
@@ -134,6 +140,7 @@ def text_figure(record: TokenRecord, colour: str) -> str:
 def tokens_text(records: Sequence[TokenRecord], specials: Collection[int], whitespace: bool, colour: str) -> str:
     """The plain-text token view, with a head saying what its figures are."""
     head = "ms since the previous token" if colour == "latency" else "the model's probability/sampled with"
-    tokens = " ".join(f"[{visible(r.info.text, r.info.token_id in specials, whitespace)} {text_figure(r, colour)}]"
-                      for r in records)
+    tokens = " ".join(
+        f"[{visible(r.info.text, r.info.token_id in specials, whitespace)} {text_figure(r, colour)}]" for r in records
+    )
     return f"tokens [text {head}]: {tokens}"

@@ -35,8 +35,13 @@ class Candidates:
         return Candidates(probs, self.tokens[order])
 
 
-def softmax(logits: torch.Tensor, temperature: float, smoothing_factor: float, top_k: int = 0,
-            allowed: torch.Tensor | None = None) -> Candidates:
+def softmax(
+    logits: torch.Tensor,
+    temperature: float,
+    smoothing_factor: float,
+    top_k: int = 0,
+    allowed: torch.Tensor | None = None,
+) -> Candidates:
     """exllamav2's softmax_cpu: with a smoothing factor the exponent is -(l - max)^2 x factor / temperature.
 
     Sorting SmolLM2's 49152 probabilities takes 3.4 ms on one core, per job and token, so only what the next
@@ -109,7 +114,7 @@ def typical(c: Candidates, mass: float) -> Candidates:
 
 def mirostat_truncate(c: Candidates, mu: float) -> Candidates:
     """Keep the tokens at least 2^-mu likely (at least one)."""
-    target = 2.0 ** -mu
+    target = 2.0**-mu
     return c.keep(max(1, int((c.probs[c.probs >= EPSILON] >= target).sum())))
 
 
@@ -118,7 +123,9 @@ def mirostat_update(mu: float, tau: float, eta: float, chosen_prob: float) -> fl
     return mu + eta * (tau - -math.log2(chosen_prob))
 
 
-def temperature_after(c: Candidates, temperature: float, min_temp: float, max_temp: float, exponent: float) -> Candidates:
+def temperature_after(
+    c: Candidates, temperature: float, min_temp: float, max_temp: float, exponent: float
+) -> Candidates:
     """post_softmax_temperature: p^(1/T), with T from the normalised entropy when dynamic (max_temp > min_temp)."""
     if max_temp > min_temp:
         entropy = float(-(c.probs * torch.log(c.probs.clamp(min=1e-30))).sum())

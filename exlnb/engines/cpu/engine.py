@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from exlnb.engines.options import PAGE_TOKENS, EngineOptions
+from exlnb.engines import vocab
 from exlnb.engines.base import (
     CacheView,
     Engine,
@@ -27,7 +27,7 @@ from exlnb.engines.base import (
     job_event,
     wall_clock,
 )
-from exlnb.engines import vocab
+from exlnb.engines.checks import check_prompt_fits
 from exlnb.engines.cpu.loops import only_repeats
 from exlnb.engines.cpu.pages import PagePool
 from exlnb.engines.cpu.runner import PagedRunner
@@ -35,11 +35,11 @@ from exlnb.engines.cpu.sampler import Draw, TokenClasses, draw_token
 from exlnb.engines.cpu.scheduler import CpuJob, Scheduler
 from exlnb.engines.cpu.weights import keep_fp16_weights
 from exlnb.engines.grammar import GrammarMatcher
+from exlnb.engines.options import PAGE_TOKENS, EngineOptions
 from exlnb.engines.text import BannedStrings, IncrementalDecoder, Rewind, StopStringFilter
-from exlnb.engines.checks import check_prompt_fits
 from exlnb.engines.token_info import TokenInfo, token_info
-from exlnb.engines.views import PageInfo
 from exlnb.engines.tokenizer import HfTokenizer
+from exlnb.engines.views import PageInfo
 
 PAGE_SIZE = PAGE_TOKENS
 MAX_STEP_TOKENS = 512  # prompt tokens per forward pass: bounds how long decoding jobs wait for a prefill
@@ -114,7 +114,8 @@ class CpuEngine(Engine):
             classes=self._token_classes(spec),
             banned=BannedStrings(spec.banned_strings),
             grammar=GrammarMatcher(spec.constraint, self.tokenizer, self._vocab_size, spec.stop_token_ids)
-            if spec.constraint else None,
+            if spec.constraint
+            else None,
             sequence=list(spec.input_ids),
         )
         self._scheduler.pending.append(job)
@@ -123,14 +124,18 @@ class CpuEngine(Engine):
     def unsupported(self, spec: JobSpec) -> list[str]:
         if spec.constraint and spec.banned_strings:
             # taking back a banned string where the grammar allows nothing else could repeat for ever
-            return [f"banned_strings={spec.banned_strings!r} with a {spec.constraint.describe()} (write the exclusion "
-                    "into the schema or pattern)"]
+            return [
+                f"banned_strings={spec.banned_strings!r} with a {spec.constraint.describe()} (write the exclusion "
+                "into the schema or pattern)"
+            ]
         return []
 
     def _token_classes(self, spec: JobSpec) -> TokenClasses:
         s = spec.sampler
         return TokenClasses(
-            dry_breakers=vocab.dry_breakers(self.tokenizer, s.dry_sequence_breakers, self._vocab_size) if s.dry_multiplier else None,
+            dry_breakers=vocab.dry_breakers(self.tokenizer, s.dry_sequence_breakers, self._vocab_size)
+            if s.dry_multiplier
+            else None,
             xtc_excludable=vocab.xtc_excludable(self.tokenizer, self._vocab_size) if s.xtc_probability else None,
         )
 
@@ -164,8 +169,14 @@ class CpuEngine(Engine):
 
     def _advance(self, job: CpuJob, logits: torch.Tensor, now: float) -> StreamEvent:
         draw = draw_token(
-            logits, torch.tensor(job.sequence), job.spec.sampler, job.generator,
-            blocked=self._blocked(job), classes=job.classes, state=job.sampler_state, top_tokens=job.spec.top_tokens,
+            logits,
+            torch.tensor(job.sequence),
+            job.spec.sampler,
+            job.generator,
+            blocked=self._blocked(job),
+            classes=job.classes,
+            state=job.sampler_state,
+            top_tokens=job.spec.top_tokens,
             allowed=job.grammar.allowed() if job.grammar else None,
         )
         token = draw.token
@@ -181,12 +192,19 @@ class CpuEngine(Engine):
             self._scheduler.remove(job.job_id)
             job.stage = Stage.DONE
         info = self._release_info(job, len(outcome.token_ids)) if job.spec.top_tokens else ()
-        return self._event(job, job.stage, text=outcome.text, token_ids=outcome.token_ids, token_info=info,
-                           eos_reason=outcome.eos_reason)
+        return self._event(
+            job,
+            job.stage,
+            text=outcome.text,
+            token_ids=outcome.token_ids,
+            token_info=info,
+            eos_reason=outcome.eos_reason,
+        )
 
     def _token_info(self, draw: Draw) -> TokenInfo:
-        return token_info(self.tokenizer, draw.token, draw.probability, draw.top_ids, draw.top_probs,
-                          draw.sampled_probability)
+        return token_info(
+            self.tokenizer, draw.token, draw.probability, draw.top_ids, draw.top_probs, draw.sampled_probability
+        )
 
     @staticmethod
     def _release_info(job: CpuJob, count: int) -> tuple[TokenInfo, ...]:
@@ -251,13 +269,28 @@ class CpuEngine(Engine):
         job.taken_back += 1
 
     def _event(
-        self, job: CpuJob, stage: Stage, *, text: str = "", token_ids: tuple[int, ...] = (),
-        token_info: tuple[TokenInfo, ...] = (), eos_reason: EosReason | None = None,
+        self,
+        job: CpuJob,
+        stage: Stage,
+        *,
+        text: str = "",
+        token_ids: tuple[int, ...] = (),
+        token_info: tuple[TokenInfo, ...] = (),
+        eos_reason: EosReason | None = None,
     ) -> StreamEvent:
         return job_event(
-            job.job_id, stage, job.clock, wall_clock(),
-            prompt_tokens=job.prompt_tokens, cached_tokens=job.cached_tokens, new_tokens=job.new_tokens,
-            text=text, token_ids=token_ids, token_info=token_info, eos_reason=eos_reason, taken_back=job.taken_back,
+            job.job_id,
+            stage,
+            job.clock,
+            wall_clock(),
+            prompt_tokens=job.prompt_tokens,
+            cached_tokens=job.cached_tokens,
+            new_tokens=job.new_tokens,
+            text=text,
+            token_ids=token_ids,
+            token_info=token_info,
+            eos_reason=eos_reason,
+            taken_back=job.taken_back,
         )
 
     # -- field report 2's mistake, on purpose --------------------------------------------------------------
@@ -280,8 +313,11 @@ class CpuEngine(Engine):
         # the transformers model's own forward over the whole sequence: the paged cache, and the jobs whose
         # keys and values it holds, are left as they are
         model, generator = self._runner.model, torch.Generator().manual_seed(1)
-        hooks = [layer.register_forward_hook(_multiplicative_noise(noise_eps, generator))
-                 for layer in model.model.layers] if noise_eps else []
+        hooks = (
+            [layer.register_forward_hook(_multiplicative_noise(noise_eps, generator)) for layer in model.model.layers]
+            if noise_eps
+            else []
+        )
         try:
             with torch.inference_mode():
                 logits = model(torch.tensor([list(token_ids)])).logits[0].float()
@@ -302,9 +338,7 @@ class CpuEngine(Engine):
                 time_enqueued=job.clock.enqueued,
                 pages=len(job.reservation.page_table) if job.reservation else 0,
             )
-            for job in sorted(
-                [*self._scheduler.active, *self._scheduler.pending], key=lambda j: j.job_id
-            )
+            for job in sorted([*self._scheduler.active, *self._scheduler.pending], key=lambda j: j.job_id)
         ]
 
     def cache_view(self) -> CacheView:
@@ -336,7 +370,8 @@ class CpuEngine(Engine):
             cache_dtype="fp32",
             max_batch_size=self._scheduler.max_batch_size,
             decode=f"fp16 weights ({self._half_weight_projections} projections), fp32 arithmetic"
-            if self._half_weight_projections else "",
+            if self._half_weight_projections
+            else "",
         )
 
     def close(self) -> None:

@@ -75,7 +75,11 @@ def apply_penalties(logits: torch.Tensor, sequence: torch.Tensor, s: SamplerSett
 
 
 def adjust_logits(
-    logits: torch.Tensor, sequence: torch.Tensor, s: SamplerSettings, blocked: Sequence[int], classes: TokenClasses,
+    logits: torch.Tensor,
+    sequence: torch.Tensor,
+    s: SamplerSettings,
+    blocked: Sequence[int],
+    classes: TokenClasses,
     allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Everything exllamav2 does to the raw logits before its softmax, in its order; tokens outside `allowed`
@@ -104,8 +108,13 @@ def truncate(c: steps.Candidates, s: SamplerSettings, state: SamplerState) -> st
         lambda c: steps.tail_free(c, s.tfs),
         lambda c: steps.typical(c, s.typical),
         lambda c: steps.mirostat_truncate(c, state.mirostat_mu) if s.mirostat else c,
-        lambda c: steps.temperature_after(c, s.temperature if s.temperature_last else 1.0, s.min_temp, s.max_temp,
-                                          s.temp_exponent) if s.temperature_last or s.max_temp > s.min_temp else c,
+        lambda c: (
+            steps.temperature_after(
+                c, s.temperature if s.temperature_last else 1.0, s.min_temp, s.max_temp, s.temp_exponent
+            )
+            if s.temperature_last or s.max_temp > s.min_temp
+            else c
+        ),
     ):
         if len(c) > 1:
             c = step(c)
@@ -149,14 +158,17 @@ def draw_token(
         state.mirostat_mu = 2.0 * s.mirostat_tau
     temperature = 1.0 if s.temperature_last else s.temperature
     # a constraint's mask comes before top-k: with one, top-k is the truncating step's to apply
-    c = steps.softmax(logits.float(), temperature, s.smoothing_factor, top_k=0 if allowed is not None else s.top_k,
-                      allowed=allowed)
+    c = steps.softmax(
+        logits.float(), temperature, s.smoothing_factor, top_k=0 if allowed is not None else s.top_k, allowed=allowed
+    )
     c = truncate(c, s, state)
     if s.xtc_probability > 0:
         c = steps.exclude_top_choices(c, s.xtc_probability, s.xtc_threshold, classes.xtc_excludable)
     index = steps.draw(c, float(torch.rand((), generator=generator)), s.skew)
     if s.mirostat:
-        state.mirostat_mu = steps.mirostat_update(state.mirostat_mu, s.mirostat_tau, s.mirostat_eta, float(c.probs[index]))
+        state.mirostat_mu = steps.mirostat_update(
+            state.mirostat_mu, s.mirostat_tau, s.mirostat_eta, float(c.probs[index])
+        )
     return _described(int(c.tokens[index]), float(c.probs[index]), model_logits, top_tokens)
 
 

@@ -17,8 +17,8 @@ from exlnb.engines.cpu.pages import PagePool, Reservation
 from exlnb.engines.cpu.runner import SequenceChunk
 from exlnb.engines.cpu.sampler import SamplerState, TokenClasses
 from exlnb.engines.grammar import GrammarMatcher
-from exlnb.engines.token_info import TokenInfo
 from exlnb.engines.text import BannedStrings, IncrementalDecoder, StopStringFilter
+from exlnb.engines.token_info import TokenInfo
 
 
 @dataclass

@@ -13,7 +13,6 @@ from dataclasses import fields
 
 import torch
 
-from exlnb.engines.options import EngineOptions
 from exlnb.engines import vocab
 from exlnb.engines.base import (
     CacheView,
@@ -26,6 +25,8 @@ from exlnb.engines.base import (
     wall_clock,
 )
 from exlnb.engines.device_sampling import JobDraw
+from exlnb.engines.exllamav2.graph_decode import GraphDecoder, cannot_graph
+from exlnb.engines.exllamav2.paged_attention import VERIFIED_EXLLAMAV2
 from exlnb.engines.grammar import GrammarMatcher
 from exlnb.engines.library_engine import (
     LibraryEngine,
@@ -34,8 +35,7 @@ from exlnb.engines.library_engine import (
     max_new_tokens_within,
     page_view,
 )
-from exlnb.engines.exllamav2.graph_decode import GraphDecoder, cannot_graph
-from exlnb.engines.exllamav2.paged_attention import VERIFIED_EXLLAMAV2
+from exlnb.engines.options import EngineOptions
 from exlnb.engines.tokenizer import HfTokenizer
 
 SDPA_TOLERANCE = 1e-2  # relative error between exllamav2's SDPA and matmul attention paths
@@ -89,7 +89,9 @@ class ExLlamaV2Engine(LibraryEngine):
         }[options.cache_dtype]
         split = options.split_gib()
         if options.tensor_parallel:  # every layer split over the GPUs; the cache follows the model's split
-            self.model.load_tp(split, progress=progress, expect_cache_tokens=cache_tokens, expect_cache_base=cache_class)
+            self.model.load_tp(
+                split, progress=progress, expect_cache_tokens=cache_tokens, expect_cache_base=cache_class
+            )
             self.cache = exl.ExLlamaV2Cache_TP(self.model, base=cache_class, max_seq_len=cache_tokens)
         elif split is None:
             self.cache = cache_class(self.model, max_seq_len=cache_tokens, lazy=True)
@@ -115,8 +117,13 @@ class ExLlamaV2Engine(LibraryEngine):
         self.max_seq_len = min(config.max_seq_len, cache_tokens)
 
     def _graph_decoder(self) -> GraphDecoder:
-        return GraphDecoder(self.model, self.cache, page_size=self.page_size,
-                            max_batch_size=self.generator.max_batch_size, max_pages=self.generator.max_pages)
+        return GraphDecoder(
+            self.model,
+            self.cache,
+            page_size=self.page_size,
+            max_batch_size=self.generator.max_batch_size,
+            max_pages=self.generator.max_pages,
+        )
 
     # -- load-time checks ----------------------------------------------------------------------------------
 
@@ -161,17 +168,23 @@ class ExLlamaV2Engine(LibraryEngine):
             # exllamav2's paged tensor-parallel attention calls flash-attn's kernel from C++ (flash_attn_2_cuda),
             # past the Python function exlnb's paged attention stands in for
             if wanted is True:
-                raise ValueError("paged=True with tensor_parallel needs flash-attn >= 2.5.7 (exllamav2 calls its "
-                                 'kernel directly there): load with paged="auto" to run unpaged')
-            self._notes.append("unpaged: exllamav2's tensor-parallel paged attention needs flash-attn >= 2.5.7, "
-                               "so the dynamic generator runs one job at a time")
+                raise ValueError(
+                    "paged=True with tensor_parallel needs flash-attn >= 2.5.7 (exllamav2 calls its "
+                    'kernel directly there): load with paged="auto" to run unpaged'
+                )
+            self._notes.append(
+                "unpaged: exllamav2's tensor-parallel paged attention needs flash-attn >= 2.5.7, "
+                "so the dynamic generator runs one job at a time"
+            )
             return False, unpaged
         if attn.has_flash_attn_with_paged and not paged_attention.installed() and not self.config.no_flash_attn:
             if wanted is False:
                 return False, "flash-attn (unpaged by request)"
             return True, "flash-attn paged"
         if wanted is False:
-            self._notes.append("unpaged by request: the dynamic generator runs one job at a time and the cache is one page")
+            self._notes.append(
+                "unpaged by request: the dynamic generator runs one job at a time and the cache is one page"
+            )
             return False, unpaged
         if attn.has_flash_attn and wanted == "auto":  # flash-attn older than 2.5.7: install() would refuse
             self._notes.append(
@@ -199,7 +212,9 @@ class ExLlamaV2Engine(LibraryEngine):
         settings = self._upstream_settings(spec.sampler, ExLlamaV2Sampler.Settings)
         job_id = self._new_job_id()
         job = ExLlamaV2DynamicJob(
-            gen_settings=settings, **job_arguments(spec, max_new, job_id), **_token_info_outputs(spec),
+            gen_settings=settings,
+            **job_arguments(spec, max_new, job_id),
+            **_token_info_outputs(spec),
             filters=self._filters(spec),
         )
         draw = self._job_draw(spec)
@@ -231,8 +246,10 @@ class ExLlamaV2Engine(LibraryEngine):
         if spec.stop_on_loop:
             missing.append(f"stop_on_loop={spec.stop_on_loop!r} (exllamav2 0.3.2 has no loop detector; ExLlamaV3 has)")
         if spec.constraint and spec.banned_strings:
-            missing.append(f"banned_strings={spec.banned_strings!r} with a {spec.constraint.describe()} (exllamav2 "
-                           "0.3.2's job cannot combine banned strings with filters; ExLlamaV3 can)")
+            missing.append(
+                f"banned_strings={spec.banned_strings!r} with a {spec.constraint.describe()} (exllamav2 "
+                "0.3.2's job cannot combine banned strings with filters; ExLlamaV3 can)"
+            )
         return missing
 
     def _filters(self, spec: JobSpec) -> list | None:
@@ -257,7 +274,9 @@ class ExLlamaV2Engine(LibraryEngine):
         else:
             values["token_bias"] = None
         if s.dry_sequence_breakers is not None:  # None: exllamav2 derives its default set itself
-            values["dry_sequence_breakers"] = set(vocab.dry_breaker_ids(self.tokenizer, s.dry_sequence_breakers, vocab_size))
+            values["dry_sequence_breakers"] = set(
+                vocab.dry_breaker_ids(self.tokenizer, s.dry_sequence_breakers, vocab_size)
+            )
         return settings_class(**values)
 
     def step(self) -> list[StreamEvent]:
@@ -285,7 +304,11 @@ class ExLlamaV2Engine(LibraryEngine):
                 if result.get("eos_reason") == "stop_token":  # exllamav2 holds the stop token back; report it
                     new_ids.append(result["eos_triggering_token_id"])  # like the CPU engine
                 info = self._token_info(tracked.spec, new_ids, result)
-                events.append(self._produced(job_id, tracked, now, result.get("text", ""), new_ids, result.get("eos_reason"), info))
+                events.append(
+                    self._produced(
+                        job_id, tracked, now, result.get("text", ""), new_ids, result.get("eos_reason"), info
+                    )
+                )
         return events
 
     # -- field report 5: a prompt pass timed the way a user times it ----------------------------------------
@@ -389,8 +412,9 @@ class ExLlamaV2Engine(LibraryEngine):
 
     def score(self, token_ids: Sequence[int], *, noise_eps: float = 0.0) -> torch.Tensor:
         if noise_eps:
-            raise ValueError(f"the {self.name} engine scores without injected noise: compute the noise floor on the "
-                             "cpu engine")
+            raise ValueError(
+                f"the {self.name} engine scores without injected noise: compute the noise floor on the cpu engine"
+            )
         # exllamav2 0.3.2's model.forward without a cache returns the logits of every position
         with torch.inference_mode():
             return self.model.forward(torch.tensor([list(token_ids)])).float().cpu()[0, :, : self.tokenizer.vocab_size]

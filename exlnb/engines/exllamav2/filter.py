@@ -49,7 +49,9 @@ class GrammarFilter(ExLlamaV2Filter):
                     self.allowed = allowed
                     return allowed, set()
                 # exllamav2 asserts "Filter excluded all tokens" inside iterate(), which would end every job
-                self.error = RuntimeError(f"{self.matcher.constraint.describe()} allows no token after this answer's start")
+                self.error = RuntimeError(
+                    f"{self.matcher.constraint.describe()} allows no token after this answer's start"
+                )
         return None, set()  # None: no restriction for the one step left before the engine removes the job
 
     def use_background_worker(self) -> bool:

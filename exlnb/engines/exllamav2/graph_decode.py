@@ -48,10 +48,16 @@ class GraphDecoder:
         self._host_modules = model.modules[:first_gpu]
         self.max_batch_size, self.page_buckets = max_batch_size, buckets(max_pages)
         rows, width = max_batch_size, self.page_buckets[-1]
-        self._cards = [_Card(device, modules, StepGraphs(device),
-                             torch.zeros((rows, width), dtype=torch.int32, device=device),
-                             torch.zeros((rows,), dtype=torch.int32, device=device))
-                       for device, modules in by_card(model.modules[first_gpu:], _card_of)]
+        self._cards = [
+            _Card(
+                device,
+                modules,
+                StepGraphs(device),
+                torch.zeros((rows, width), dtype=torch.int32, device=device),
+                torch.zeros((rows,), dtype=torch.int32, device=device),
+            )
+            for device, modules in by_card(model.modules[first_gpu:], _card_of)
+        ]
         self.installed = False
         self.gave_up = ""  # why decode went back to eager after a capture failed mid-generation, if it did
         self.draws: DeviceDraws | None = None  # where the engine samples on the device: the last graph draws too
@@ -110,8 +116,14 @@ class GraphDecoder:
 
         x = input_ids
         for module in self._host_modules:  # the embedding, on the CPU in exllamav2 by default
-            x = module.forward(x, cache=self.cache, attn_params=attn_params, past_len=0, loras=kwargs.get("loras"),
-                               indexed_embeddings=kwargs.get("indexed_embeddings"))
+            x = module.forward(
+                x,
+                cache=self.cache,
+                attn_params=attn_params,
+                past_len=0,
+                loras=kwargs.get("loras"),
+                indexed_embeddings=kwargs.get("indexed_embeddings"),
+            )
         set_device_streams()  # as forward_chunk does: the generator reads the logits on exllamav2's stream
         rows, width = key
         drawn = self.draws.stage(self.step_rows(), rows) if self.draws is not None else None
@@ -119,18 +131,21 @@ class GraphDecoder:
             self._stage(card, key, x, attn_params.cache_seqlens, attn_params.block_index)
             draws_here = drawn if card is self._cards[-1] else None  # the mode the last card draws in
             # the graph must record the attention layout's kernels, not reuse the warm-up's
-            x = card.graphs.replay((rows, width, draws_here),
-                                   lambda card=card, draws_here=draws_here: self._step(card, rows, width, draws_here),
-                                   shape=f"batch {rows} over {width} pages on {card.device}",
-                                   around_capture=paged_attention.forget_layout)
+            x = card.graphs.replay(
+                (rows, width, draws_here),
+                lambda card=card, draws_here=draws_here: self._step(card, rows, width, draws_here),
+                shape=f"batch {rows} over {width} pages on {card.device}",
+                around_capture=paged_attention.forget_layout,
+            )
         self.cache.current_seq_len += 1
         if drawn:
             x, tokens = x
             self.draws.remember(tokens)
         return x[: input_ids.shape[0]]
 
-    def _stage(self, card: _Card, key: tuple[int, int], hidden: torch.Tensor, seqlens: torch.Tensor,
-               block_index: torch.Tensor) -> None:
+    def _stage(
+        self, card: _Card, key: tuple[int, int], hidden: torch.Tensor, seqlens: torch.Tensor, block_index: torch.Tensor
+    ) -> None:
         """Copy one step's inputs into a card's static buffers, the block table padded to the width bucket with
         each row's first page (a column past a sequence's length is masked out by the attention)."""
         from exllamav2.compat import safe_move_tensor  # card to card, through the host where peer copies are unsafe
@@ -138,7 +153,9 @@ class GraphDecoder:
         n, width = key
         w = block_index.shape[1]
         if card.hidden is None:
-            card.hidden = torch.zeros((self.max_batch_size, 1, hidden.shape[-1]), dtype=hidden.dtype, device=card.device)
+            card.hidden = torch.zeros(
+                (self.max_batch_size, 1, hidden.shape[-1]), dtype=hidden.dtype, device=card.device
+            )
         card.hidden[:n].copy_(safe_move_tensor(hidden, card.device) if hidden.is_cuda else hidden, non_blocking=True)
         card.seqlens[:n].copy_(seqlens, non_blocking=True)
         card.block_table[:n, :w].copy_(block_index, non_blocking=True)
@@ -208,8 +225,14 @@ class GraphDecoder:
         prompt = (token_ids * CHECK_PROMPT_TOKENS)[:CHECK_PROMPT_TOKENS]
         for row in range(sequences):  # a different prompt per page: row r drops its first r tokens
             ids = torch.tensor([prompt[row:]], dtype=torch.long)
-            params = ExLlamaV2Attention.PagedParams(1, torch.tensor([[row]], dtype=torch.int32),
-                                                    torch.zeros((1,), dtype=torch.int32), 0, self.page_size, q_len=ids.shape[1])
+            params = ExLlamaV2Attention.PagedParams(
+                1,
+                torch.tensor([[row]], dtype=torch.int32),
+                torch.zeros((1,), dtype=torch.int32),
+                0,
+                self.page_size,
+                q_len=ids.shape[1],
+            )
             self._eager(ids, self.cache, attn_params=params, preprocess_only=True)
         for batch in sorted({1, sequences}):
             lengths = [CHECK_PROMPT_TOKENS - row for row in range(batch)]
@@ -217,9 +240,19 @@ class GraphDecoder:
             block_index = torch.arange(batch, dtype=torch.int32)[:, None]
 
             def step(run):
-                params = ExLlamaV2Attention.PagedParams(batch, block_index.clone(), torch.tensor(lengths, dtype=torch.int32),
-                                                        max(lengths), self.page_size, q_len=1)
-                return run(next_ids, self.cache, attn_params=params, loras=None, indexed_embeddings=[])["logits"].float().cpu()
+                params = ExLlamaV2Attention.PagedParams(
+                    batch,
+                    block_index.clone(),
+                    torch.tensor(lengths, dtype=torch.int32),
+                    max(lengths),
+                    self.page_size,
+                    q_len=1,
+                )
+                return (
+                    run(next_ids, self.cache, attn_params=params, loras=None, indexed_embeddings=[])["logits"]
+                    .float()
+                    .cpu()
+                )
 
             eager = step(self._eager)
             replayed = step(self.forward_chunk)

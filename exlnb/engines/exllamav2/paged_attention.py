@@ -230,8 +230,17 @@ def flash_attn_with_kvcache(
         from exlnb.engines.exllamav2 import triton_decode
 
         return triton_decode.paged_decode_attention(
-            q, k_cache, v_cache, cache_seqlens, block_table, appended=q_len if k is not None else 0, scale=scale,
-            causal=causal, window_size=tuple(window_size), softcap=softcap)
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            block_table,
+            appended=q_len if k is not None else 0,
+            scale=scale,
+            causal=causal,
+            window_size=tuple(window_size),
+            softcap=softcap,
+        )
     keys = k_cache.view(-1, dim).index_select(0, layout.read_rows).view(batch, heads, -1, dim)
     values = v_cache.view(-1, dim).index_select(0, layout.read_rows).view(batch, heads, -1, dim)
     out = attend(q.transpose(1, 2), keys, values, layout.bias, scale, softcap)
@@ -263,7 +272,11 @@ def triton_installed() -> bool:
 
 # What exllamav2 0.3.2 reads at call time, and where: install() checks these before changing anything.
 _PINS = {
-    "ExLlamaV2Attention.forward_paged": ("flash_attn_with_kvcache", "has_flash_attn_with_window", "has_flash_attn_with_softcap"),
+    "ExLlamaV2Attention.forward_paged": (
+        "flash_attn_with_kvcache",
+        "has_flash_attn_with_window",
+        "has_flash_attn_with_softcap",
+    ),
     "assert_paged_attn": ("has_flash_attn_with_paged",),
 }
 
@@ -291,7 +304,9 @@ def install() -> None:
             function = getattr(function, part)
         missing = set(names) - set(function.__code__.co_names)
         if missing:
-            raise RuntimeError(f"exllamav2's {where} no longer reads {sorted(missing)}: exlnb cannot serve its paged mode")
+            raise RuntimeError(
+                f"exllamav2's {where} no longer reads {sorted(missing)}: exlnb cannot serve its paged mode"
+            )
     if dynamic.assert_paged_attn is not attn.assert_paged_attn:
         raise RuntimeError("exllamav2's dynamic generator no longer checks paged attention through exllamav2.attn")
     if attn.has_flash_attn:

@@ -80,15 +80,44 @@ def paged_decode_attention(
     # Triton launches on the current device: a model split over GPUs calls with each layer's own
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _attention_split_kernel[(batch * kv_heads * triton.cdiv(group_rows, rows), splits)](
-            q, k_cache, v_cache, cache_seqlens, block_table, out, partial_sums, partial_stats,
-            block_table.stride(0), block_table.stride(1), appended, scale, left, right,
-            Q_LEN=q_len, HEADS=heads, KV_HEADS=kv_heads, PAGE_SIZE=page_size, DIM=dim, DIM_PAD=dim_pad,
-            SOFTCAP=float(softcap), CAUSAL=causal, HAS_LEFT=left >= 0, HAS_RIGHT=not causal and right >= 0,
-            ONE_SPLIT=splits == 1, ROWS=rows, BLOCK_KEYS=BLOCK_KEYS, SPLIT_KEYS=SPLIT_KEYS,
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            block_table,
+            out,
+            partial_sums,
+            partial_stats,
+            block_table.stride(0),
+            block_table.stride(1),
+            appended,
+            scale,
+            left,
+            right,
+            Q_LEN=q_len,
+            HEADS=heads,
+            KV_HEADS=kv_heads,
+            PAGE_SIZE=page_size,
+            DIM=dim,
+            DIM_PAD=dim_pad,
+            SOFTCAP=float(softcap),
+            CAUSAL=causal,
+            HAS_LEFT=left >= 0,
+            HAS_RIGHT=not causal and right >= 0,
+            ONE_SPLIT=splits == 1,
+            ROWS=rows,
+            BLOCK_KEYS=BLOCK_KEYS,
+            SPLIT_KEYS=SPLIT_KEYS,
         )
         if splits > 1:
             _attention_combine_kernel[(batch * q_len * heads,)](
-                partial_sums, partial_stats, out, splits, DIM=dim, DIM_PAD=dim_pad, CHUNK=COMBINE_SPLITS,
+                partial_sums,
+                partial_stats,
+                out,
+                splits,
+                DIM=dim,
+                DIM_PAD=dim_pad,
+                CHUNK=COMBINE_SPLITS,
             )
     return out
 
@@ -100,12 +129,34 @@ def _tanh(x):
 
 @triton.jit
 def _attention_split_kernel(
-    q, k_cache, v_cache, cache_seqlens, block_table, out, partial_sums, partial_stats,
-    table_row_stride, table_column_stride, appended, scale, window_left, window_right,
-    Q_LEN: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    DIM: tl.constexpr, DIM_PAD: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ONE_SPLIT: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_KEYS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    block_table,
+    out,
+    partial_sums,
+    partial_stats,
+    table_row_stride,
+    table_column_stride,
+    appended,
+    scale,
+    window_left,
+    window_right,
+    Q_LEN: tl.constexpr,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_KEYS: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr,
 ):
     GROUP: tl.constexpr = HEADS // KV_HEADS
     ROW_BLOCKS: tl.constexpr = (Q_LEN * GROUP + ROWS - 1) // ROWS
@@ -134,10 +185,15 @@ def _attention_split_kernel(
     for first in range(start, end, BLOCK_KEYS):
         key = first + tl.arange(0, BLOCK_KEYS)
         in_split = key < end
-        page = tl.load(block_table + sequence * table_row_stride + key // PAGE_SIZE * table_column_stride,
-                       mask=in_split, other=0)
-        slot = (page.to(tl.int64) * PAGE_SIZE + key % PAGE_SIZE) * KV_HEADS + kv_head  # a row of (slots * kv_heads, dim)
-        keys = tl.load(k_cache + slot[None, :] * DIM + dims[:, None], mask=in_split[None, :] & real_dim[:, None], other=0.0)
+        page = tl.load(
+            block_table + sequence * table_row_stride + key // PAGE_SIZE * table_column_stride, mask=in_split, other=0
+        )
+        slot = (
+            page.to(tl.int64) * PAGE_SIZE + key % PAGE_SIZE
+        ) * KV_HEADS + kv_head  # a row of (slots * kv_heads, dim)
+        keys = tl.load(
+            k_cache + slot[None, :] * DIM + dims[:, None], mask=in_split[None, :] & real_dim[:, None], other=0.0
+        )
         scores = tl.dot(queries, keys) * scale
         if SOFTCAP > 0:
             scores = _tanh(scores / SOFTCAP) * SOFTCAP
@@ -155,14 +211,19 @@ def _attention_split_kernel(
         weights = tl.exp(scores - shift[:, None])
         rescale = tl.exp(maximum - shift)
         denominator = denominator * rescale + tl.sum(weights, 1)
-        values = tl.load(v_cache + slot[:, None] * DIM + dims[None, :], mask=in_split[:, None] & real_dim[None, :], other=0.0)
+        values = tl.load(
+            v_cache + slot[:, None] * DIM + dims[None, :], mask=in_split[:, None] & real_dim[None, :], other=0.0
+        )
         acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values)
         maximum = new_maximum
 
     if ONE_SPLIT:
         result = acc / tl.where(denominator == 0.0, 1.0, denominator)[:, None]
-        tl.store(out + out_row[:, None] * DIM + dims[None, :], result.to(out.dtype.element_ty),
-                 mask=real_row[:, None] & real_dim[None, :])
+        tl.store(
+            out + out_row[:, None] * DIM + dims[None, :],
+            result.to(out.dtype.element_ty),
+            mask=real_row[:, None] & real_dim[None, :],
+        )
     else:
         part = out_row * tl.num_programs(1) + split  # (batch, q_len, heads, splits)
         tl.store(partial_sums + part[:, None] * DIM_PAD + dims[None, :], acc, mask=real_row[:, None])
@@ -171,8 +232,9 @@ def _attention_split_kernel(
 
 
 @triton.jit
-def _attention_combine_kernel(partial_sums, partial_stats, out, splits, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                              CHUNK: tl.constexpr):
+def _attention_combine_kernel(
+    partial_sums, partial_stats, out, splits, DIM: tl.constexpr, DIM_PAD: tl.constexpr, CHUNK: tl.constexpr
+):
     out_row = tl.program_id(0)
     dims = tl.arange(0, DIM_PAD)
     chunk = tl.arange(0, CHUNK)
@@ -181,8 +243,9 @@ def _attention_combine_kernel(partial_sums, partial_stats, out, splits, DIM: tl.
     maxima = tl.full((CHUNK,), -float("inf"), tl.float32)
     for first in range(0, splits, CHUNK):
         split = first + chunk
-        maxima = tl.maximum(maxima, tl.load(partial_stats + (first_part + split) * 2, mask=split < splits,
-                                            other=-float("inf")))
+        maxima = tl.maximum(
+            maxima, tl.load(partial_stats + (first_part + split) * 2, mask=split < splits, other=-float("inf"))
+        )
     maximum = tl.max(maxima, 0)
     shift = tl.where(maximum == -float("inf"), 0.0, maximum)
 
@@ -194,7 +257,9 @@ def _attention_combine_kernel(partial_sums, partial_stats, out, splits, DIM: tl.
         part = first_part + split
         weight = tl.exp(tl.load(partial_stats + part * 2, mask=split < splits, other=-float("inf")) - shift)
         denominators += weight * tl.load(partial_stats + part * 2 + 1, mask=split < splits, other=0.0)
-        sums = tl.load(partial_sums + part[:, None] * DIM_PAD + dims[None, :], mask=(split < splits)[:, None], other=0.0)
+        sums = tl.load(
+            partial_sums + part[:, None] * DIM_PAD + dims[None, :], mask=(split < splits)[:, None], other=0.0
+        )
         acc += tl.sum(sums * weight[:, None], 0)
     denominator = tl.sum(denominators, 0)
     result = acc / tl.where(denominator == 0.0, 1.0, denominator)

@@ -105,8 +105,11 @@ def drop_untileable_bundles(attention) -> list[str]:
 def drop_unpadded_mlp_paths(mlp) -> list[str]:
     """Drop a loaded gated MLP's graphed and fused gate/up paths where its projections are padded."""
     linears = [*mlp.gates, *mlp.ups, *mlp.downs]
-    if all(lin.in_features == getattr(lin, "in_features_unpadded", lin.in_features) and
-           lin.out_features == getattr(lin, "out_features_unpadded", lin.out_features) for lin in linears):
+    if all(
+        lin.in_features == getattr(lin, "in_features_unpadded", lin.in_features)
+        and lin.out_features == getattr(lin, "out_features_unpadded", lin.out_features)
+        for lin in linears
+    ):
         return []
     dropped = []
     if getattr(mlp, "bc", None) is not None:

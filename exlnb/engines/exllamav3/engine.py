@@ -23,6 +23,10 @@ from exlnb.engines.base import (
     StreamEvent,
     wall_clock,
 )
+from exlnb.engines.device_sampling import DeviceDraws, JobDraw
+from exlnb.engines.exllamav3.compat import fix_exllamav3
+from exlnb.engines.exllamav3.graph_decode import GraphDecoder, cannot_graph
+from exlnb.engines.exllamav3.sampler import refused_settings, sampler_steps
 from exlnb.engines.library_engine import (
     LibraryEngine,
     TrackedJob,
@@ -33,10 +37,6 @@ from exlnb.engines.library_engine import (
     page_view,
     used_per_gpu,
 )
-from exlnb.engines.exllamav3.sampler import refused_settings, sampler_steps
-from exlnb.engines.exllamav3.compat import fix_exllamav3
-from exlnb.engines.exllamav3.graph_decode import GraphDecoder, cannot_graph
-from exlnb.engines.device_sampling import DeviceDraws, JobDraw
 from exlnb.engines.options import PAGE_TOKENS, EngineOptions
 from exlnb.engines.tokenizer import HfTokenizer
 
@@ -91,8 +91,12 @@ class ExLlamaV3Engine(LibraryEngine):
         self._check_it_runs()
 
     def _graph_decoder(self) -> GraphDecoder:
-        return GraphDecoder(self.model, self.cache, max_batch_size=self.generator.max_batch_size,
-                            max_pages=self.generator.max_total_tokens // self.page_size)
+        return GraphDecoder(
+            self.model,
+            self.cache,
+            max_batch_size=self.generator.max_batch_size,
+            max_pages=self.generator.max_total_tokens // self.page_size,
+        )
 
     def _check_it_runs(self) -> None:
         """One tiny greedy job before the load counts as done: exllamav3 loads weights its kernels cannot run
@@ -101,8 +105,11 @@ class ExLlamaV3Engine(LibraryEngine):
         runs the kernels' autotuning, which the user's first job would otherwise wait for."""
         from exllamav3 import Job
 
-        probe = Job(input_ids=torch.tensor([[self.tokenizer.encode("Hi")[0]] * 2]), max_new_tokens=2,
-                    sampler=build_sampler(SamplerSettings.greedy(), self.tokenizer, self.vocab_size))
+        probe = Job(
+            input_ids=torch.tensor([[self.tokenizer.encode("Hi")[0]] * 2]),
+            max_new_tokens=2,
+            sampler=build_sampler(SamplerSettings.greedy(), self.tokenizer, self.vocab_size),
+        )
         try:
             self.generator.enqueue(probe)
             while self.generator.num_remaining_jobs():
@@ -110,8 +117,10 @@ class ExLlamaV3Engine(LibraryEngine):
         except Exception as error:
             self.close()
             # the session shows the first line (`one_line`): torch's checks append a C++ trace after it
-            raise ValueError(f"exllamav3 {VERIFIED_EXLLAMAV3} loads {self.options.model_dir.name} but cannot run it: "
-                             f"{type(error).__name__}: {error}") from error
+            raise ValueError(
+                f"exllamav3 {VERIFIED_EXLLAMAV3} loads {self.options.model_dir.name} but cannot run it: "
+                f"{type(error).__name__}: {error}"
+            ) from error
         self.generator.pagetable.reset_page_table()  # the cache inspector starts from an empty cache
 
     def _own_generator(self, tokenizer) -> None:
@@ -130,8 +139,11 @@ class ExLlamaV3Engine(LibraryEngine):
         spec.check_vocabulary(self.vocab_size)
         job_id = self._new_job_id()
         draw = self._job_draw(spec)
-        sampler = (DrawnOnDevice(self.draws, job_id, draw) if draw is not None
-                   else build_sampler(spec.sampler, self.tokenizer, self.vocab_size))
+        sampler = (
+            DrawnOnDevice(self.draws, job_id, draw)
+            if draw is not None
+            else build_sampler(spec.sampler, self.tokenizer, self.vocab_size)
+        )
         job = Job(
             **job_arguments(spec, max_new, job_id),
             sampler=sampler,
@@ -167,7 +179,9 @@ class ExLlamaV3Engine(LibraryEngine):
 
         self.tokenizer.grammar_tokenizer(self.vocab_size)  # built once; raises where llguidance misreads tokens
         constraint = spec.constraint
-        return [KeptErrorFilter(self.generator.tokenizer, eos_after_completed=True, **{constraint.kind: constraint.source})]
+        return [
+            KeptErrorFilter(self.generator.tokenizer, eos_after_completed=True, **{constraint.kind: constraint.source})
+        ]
 
     def _start_tracking(self) -> None:
         super()._start_tracking()
@@ -266,7 +280,9 @@ class ExLlamaV3Engine(LibraryEngine):
         except RuntimeError as error:
             if SUPERSEDED not in str(error):
                 raise
-            raise SeparateGeneratorsRefused(f"exllamav3 {VERIFIED_EXLLAMAV3} refuses a generator per request: {error}") from None
+            raise SeparateGeneratorsRefused(
+                f"exllamav3 {VERIFIED_EXLLAMAV3} refuses a generator per request: {error}"
+            ) from None
 
     def _separate_generator(self, first_job_id: int) -> ExLlamaV3Engine:
         """The reporter's pattern on exllamav3: another Generator over the engine's model and cache. Its
@@ -284,8 +300,9 @@ class ExLlamaV3Engine(LibraryEngine):
 
     def score(self, token_ids: Sequence[int], *, noise_eps: float = 0.0) -> torch.Tensor:
         if noise_eps:
-            raise ValueError(f"the {self.name} engine scores without injected noise: compute the noise floor on the "
-                             "cpu engine")
+            raise ValueError(
+                f"the {self.name} engine scores without injected noise: compute the noise floor on the cpu engine"
+            )
         # exllamav3 1.6.5's eval/ppl.py scores this way: model.forward without a cache, non-causal-cache attention
         with torch.inference_mode():
             logits = self.model.forward(torch.tensor([list(token_ids)]), {"attn_mode": "flash_attn_nc"})

@@ -33,8 +33,18 @@ TABLE_STEP = 16  # exllamav3 1.6.5 pads a step's block table to a multiple of 16
 
 # the parameters exllamav3's generator passes a plain decode step (Generator.iterate_gen); any other, such as a
 # draft model's verifier parameters, makes the step run eagerly
-_DECODE_PARAMETERS = {"attn_mode", "block_table", "cache", "cache_seqlens", "recurrent_states", "indexed_embeddings",
-                      "positions", "recurrent_history", "pinned_staging", "dev_cache"}
+_DECODE_PARAMETERS = {
+    "attn_mode",
+    "block_table",
+    "cache",
+    "cache_seqlens",
+    "recurrent_states",
+    "indexed_embeddings",
+    "positions",
+    "recurrent_history",
+    "pinned_staging",
+    "dev_cache",
+}
 
 
 @dataclass
@@ -63,10 +73,16 @@ class GraphDecoder:
         self.max_width = -(-max_pages // TABLE_STEP) * TABLE_STEP
         host = _host_prologue(model.fwd_modules)
         self._host_modules = model.fwd_modules[:host]
-        self._cards = [_Card(device, modules, StepGraphs(device),
-                             torch.zeros((max_batch_size * self.max_width,), dtype=torch.int32, device=device),
-                             torch.zeros((max_batch_size,), dtype=torch.int32, device=device))
-                       for device, modules in by_card(model.fwd_modules[host:], lambda entry: entry[0].device)]
+        self._cards = [
+            _Card(
+                device,
+                modules,
+                StepGraphs(device),
+                torch.zeros((max_batch_size * self.max_width,), dtype=torch.int32, device=device),
+                torch.zeros((max_batch_size,), dtype=torch.int32, device=device),
+            )
+            for device, modules in by_card(model.fwd_modules[host:], lambda entry: entry[0].device)
+        ]
         self.installed = False
         self.gave_up = ""  # why decode went back to eager after a capture failed mid-generation, if it did
         self.library_graphs = "inside"  # exllamav3's own per-layer graphs: inside this decoder's, or turned off
@@ -115,7 +131,7 @@ class GraphDecoder:
         its attention's "BC" block), whose launch inside this decoder's capture failed; whether there were any
         to turn off. Their plain paths launch the same kinds of kernel one by one, which the capture records."""
         from exllamav3.modules.attn import Attention
-        from exllamav3.modules.mlp import GatedMLP, MLP
+        from exllamav3.modules.mlp import MLP, GatedMLP
 
         turned_off = 0
         for module in self.model:
@@ -159,9 +175,11 @@ class GraphDecoder:
                 card.hidden = torch.zeros((self.max_batch_size, 1, x.shape[-1]), dtype=x.dtype, device=card.device)
             card.hidden[:batch].copy_(_to_card(x, card.device), non_blocking=True)
             draws_here = drawn if card is self._cards[-1] else None  # the mode the last card draws in
-            x = card.graphs.replay((batch, width, draws_here),
-                                   lambda card=card, draws_here=draws_here: self._step(card, batch, width, draws_here),
-                                   shape=f"batch {batch} over {width} pages on {card.device}")
+            x = card.graphs.replay(
+                (batch, width, draws_here),
+                lambda card=card, draws_here=draws_here: self._step(card, batch, width, draws_here),
+                shape=f"batch {batch} over {width} pages on {card.device}",
+            )
         if drawn:
             x, tokens = x
             self.draws.remember(tokens)
@@ -194,9 +212,18 @@ class GraphDecoder:
             dev_cache[(id(block_table), card.device)] = (block_table, card.block_table(batch, width))
             dev_cache[(id(seqlens), card.device)] = (seqlens, card.seqlens[:batch])
         # exllamav3's prepare_flash_attn: RoPE positions are the cache lengths where no others are given
-        return {"attn_mode": "flash_attn", "cache": self.cache, "block_table": block_table, "cache_seqlens": seqlens,
-                "positions": seqlens, "position": 0, "position_ids": None, "recurrent_states": None,
-                "indexed_embeddings": [], "dev_cache": dev_cache}
+        return {
+            "attn_mode": "flash_attn",
+            "cache": self.cache,
+            "block_table": block_table,
+            "cache_seqlens": seqlens,
+            "positions": seqlens,
+            "position": 0,
+            "position_ids": None,
+            "recurrent_states": None,
+            "indexed_embeddings": [],
+            "dev_cache": dev_cache,
+        }
 
     # -- the check a load runs before graphs are used --------------------------------------------------------
 
@@ -260,9 +287,16 @@ def _run_modules(modules: list, x: torch.Tensor, params: dict) -> torch.Tensor:
 
 def _decode_params(cache, block_table: list[list[int]], lengths: list[int]) -> dict:
     """A decode or prefill step's parameters as exllamav3's generator passes them."""
-    return {"attn_mode": "flash_attn", "block_table": torch.tensor(block_table, dtype=torch.int32), "cache": cache,
-            "cache_seqlens": torch.tensor(lengths, dtype=torch.int32), "recurrent_states": None,
-            "indexed_embeddings": [], "positions": None, "recurrent_history": False}
+    return {
+        "attn_mode": "flash_attn",
+        "block_table": torch.tensor(block_table, dtype=torch.int32),
+        "cache": cache,
+        "cache_seqlens": torch.tensor(lengths, dtype=torch.int32),
+        "recurrent_states": None,
+        "indexed_embeddings": [],
+        "positions": None,
+        "recurrent_history": False,
+    }
 
 
 def _takes_host_input(module) -> bool:

@@ -93,7 +93,7 @@ def check_supported(settings: SamplerSettings) -> None:
     if refused:
         raise ValueError(
             f"the exllamav3 engine has no {', '.join(refused)}: leave {'it' if len(refused) == 1 else 'them'} at "
-            f"the default, or load with engine=\"exllamav2\" or \"cpu\""
+            f'the default, or load with engine="exllamav2" or "cpu"'
         )
 
 
@@ -113,7 +113,9 @@ def sampler_steps(
         steps.append(Step("SS_RepP", (s.token_repetition_penalty, sustain, s.token_repetition_decay)))
     if s.token_presence_penalty or s.token_frequency_penalty:
         steps.append(
-            Step("SS_PresFreqP", (s.token_presence_penalty, s.token_frequency_penalty, sustain, s.token_repetition_decay))
+            Step(
+                "SS_PresFreqP", (s.token_presence_penalty, s.token_frequency_penalty, sustain, s.token_repetition_decay)
+            )
         )
     if s.token_bias:
         steps.append(Step("SS_LogitBias", (dict(s.token_bias),)))

@@ -53,8 +53,10 @@ class EventReader:
     def feed(self, piece: bytes) -> list[bytes]:
         self.received += len(piece)
         if self.received > self.limit:
-            raise ServerError(f"the server at {self.endpoint} sent more than {self.limit:,} bytes for one answer "
-                              "(the limit for its max_new_tokens): exlnb closed the stream")
+            raise ServerError(
+                f"the server at {self.endpoint} sent more than {self.limit:,} bytes for one answer "
+                "(the limit for its max_new_tokens): exlnb closed the stream"
+            )
         self._pending += piece
         events = [event for line in self._lines() if (event := self._line(line)) is not None]
         self._check_size(len(self._pending))
@@ -63,15 +65,17 @@ class EventReader:
     def _check_size(self, pending: int) -> None:
         """The event so far, with `pending` bytes of a line not yet ended, within MAX_EVENT_BYTES."""
         if self._event_bytes + pending > MAX_EVENT_BYTES:
-            raise MalformedEvent(f"the server at {self.endpoint} sent an event over {MAX_EVENT_BYTES >> 20} MiB "
-                                 "(or a line that does not end): exlnb read no further")
+            raise MalformedEvent(
+                f"the server at {self.endpoint} sent an event over {MAX_EVENT_BYTES >> 20} MiB "
+                "(or a line that does not end): exlnb read no further"
+            )
 
     def _lines(self) -> list[bytes]:
         lines, start = [], 0
         while (end := _LINE_END.search(self._pending, start)) is not None:
             if end.group() == b"\r" and end.end() == len(self._pending):
                 break  # perhaps the first half of \r\n: wait for the next byte
-            lines.append(bytes(self._pending[start:end.start()]))
+            lines.append(bytes(self._pending[start : end.start()]))
             start = end.end()
         del self._pending[:start]
         return lines
@@ -90,8 +94,9 @@ class EventReader:
         return None
 
 
-async def answer_chunks(client: httpx.AsyncClient, address: ServerAddress, path: str, body: dict, *, chat: bool,
-                        max_new_tokens: int) -> AsyncIterator[tuple[Chunk, float]]:
+async def answer_chunks(
+    client: httpx.AsyncClient, address: ServerAddress, path: str, body: dict, *, chat: bool, max_new_tokens: int
+) -> AsyncIterator[tuple[Chunk, float]]:
     """POST `body` and yield each frame's checked chunk with its arrival (`wall_clock()`) until the stream ends;
     ServerError for anything else, a stream that ends before the answer does included."""
     endpoint = address.endpoint(path)
@@ -104,13 +109,17 @@ async def answer_chunks(client: httpx.AsyncClient, address: ServerAddress, path:
                 finished = finished or chunk.finish_reason is not None
                 yield chunk, arrived
     except httpx.ReadTimeout as error:
-        raise ServerError(f"the server at {address.shown} sent nothing for {http.READ_TIMEOUT_S:g} s (read timeout): "
-                          "the stream stalled, so exlnb closed it") from error
+        raise ServerError(
+            f"the server at {address.shown} sent nothing for {http.READ_TIMEOUT_S:g} s (read timeout): "
+            "the stream stalled, so exlnb closed it"
+        ) from error
     except httpx.HTTPError as error:
         raise ServerError(unreachable(address, error)) from error
     if not finished:
-        raise ServerError(f"the server at {endpoint} ended the stream without finishing the answer (no finish_reason "
-                          f"in {reader.received:,} bytes)")
+        raise ServerError(
+            f"the server at {endpoint} ended the stream without finishing the answer (no finish_reason "
+            f"in {reader.received:,} bytes)"
+        )
 
 
 async def _frames(response: httpx.Response, reader: EventReader) -> AsyncIterator[tuple[bytes, float]]:

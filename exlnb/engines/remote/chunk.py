@@ -74,8 +74,9 @@ def parse_chunk(data: bytes, *, chat: bool, endpoint: str) -> Chunk:
     try:
         return _chunk(value, chat)
     except _Wrong as wrong:
-        raise MalformedEvent(f"the server at {endpoint} sent an event of the wrong shape: {wrong}: "
-                             f"{_quoted(data)}") from None
+        raise MalformedEvent(
+            f"the server at {endpoint} sent an event of the wrong shape: {wrong}: {_quoted(data)}"
+        ) from None
 
 
 def _chunk(event: dict, chat: bool) -> Chunk:
@@ -101,9 +102,11 @@ def _usage(value: object) -> Usage | None:
         return None
     usage = _object(value, "usage")
     details = _object(usage.get("prompt_tokens_details"), "usage.prompt_tokens_details")
-    return Usage(_count(usage.get("prompt_tokens"), "usage.prompt_tokens"),
-                 _count(usage.get("completion_tokens"), "usage.completion_tokens"),
-                 _count(details.get("cached_tokens"), "usage.prompt_tokens_details.cached_tokens"))
+    return Usage(
+        _count(usage.get("prompt_tokens"), "usage.prompt_tokens"),
+        _count(usage.get("completion_tokens"), "usage.completion_tokens"),
+        _count(details.get("cached_tokens"), "usage.prompt_tokens_details.cached_tokens"),
+    )
 
 
 def _logprobs(value: object, path: str) -> tuple[TokenLogprob, ...]:
@@ -111,17 +114,25 @@ def _logprobs(value: object, path: str) -> tuple[TokenLogprob, ...]:
     {"tokens": [...], "token_logprobs": [...], "top_logprobs": [{token: logprob}, ...]}."""
     logprobs = _object(value, path)
     if "content" in logprobs:
-        return tuple(_token(entry, f"{path}.content[{i}]")
-                     for i, entry in enumerate(_list(logprobs["content"], f"{path}.content")))
-    tokens = [_text(t, f"{path}.tokens[{i}]", required=True) for i, t in enumerate(_list(logprobs.get("tokens"),
-                                                                                         f"{path}.tokens"))]
-    values = [_logprob(v, f"{path}.token_logprobs[{i}]")
-              for i, v in enumerate(_list(logprobs.get("token_logprobs"), f"{path}.token_logprobs"))]
+        return tuple(
+            _token(entry, f"{path}.content[{i}]")
+            for i, entry in enumerate(_list(logprobs["content"], f"{path}.content"))
+        )
+    tokens = [
+        _text(t, f"{path}.tokens[{i}]", required=True)
+        for i, t in enumerate(_list(logprobs.get("tokens"), f"{path}.tokens"))
+    ]
+    values = [
+        _logprob(v, f"{path}.token_logprobs[{i}]")
+        for i, v in enumerate(_list(logprobs.get("token_logprobs"), f"{path}.token_logprobs"))
+    ]
     tops = _list(logprobs.get("top_logprobs"), f"{path}.top_logprobs") or [None] * len(tokens)
     if not len(tokens) == len(values) == len(tops):
         raise _Wrong(f"{path}.token_logprobs", values, f"one per token ({len(tokens)})")
-    return tuple(TokenLogprob(token, logprob, _top_map(top, f"{path}.top_logprobs[{i}]"))
-                 for i, (token, logprob, top) in enumerate(zip(tokens, values, tops)))
+    return tuple(
+        TokenLogprob(token, logprob, _top_map(top, f"{path}.top_logprobs[{i}]"))
+        for i, (token, logprob, top) in enumerate(zip(tokens, values, tops))
+    )
 
 
 def _token(value: object, path: str) -> TokenLogprob:
@@ -130,10 +141,17 @@ def _token(value: object, path: str) -> TokenLogprob:
     for i, alternative in enumerate(_list(entry.get("top_logprobs"), f"{path}.top_logprobs")):
         where = f"{path}.top_logprobs[{i}]"
         alternative = _object(alternative, where, required=True)
-        top.append((_text(alternative.get("token"), f"{where}.token", required=True),
-                    _logprob(alternative.get("logprob"), f"{where}.logprob")))
-    return TokenLogprob(_text(entry.get("token"), f"{path}.token", required=True),
-                        _logprob(entry.get("logprob"), f"{path}.logprob"), tuple(top))
+        top.append(
+            (
+                _text(alternative.get("token"), f"{where}.token", required=True),
+                _logprob(alternative.get("logprob"), f"{where}.logprob"),
+            )
+        )
+    return TokenLogprob(
+        _text(entry.get("token"), f"{path}.token", required=True),
+        _logprob(entry.get("logprob"), f"{path}.logprob"),
+        tuple(top),
+    )
 
 
 def _top_map(value: object, path: str) -> tuple[tuple[str, float | None], ...]:

@@ -74,7 +74,7 @@ class Body:
         """Keep `piece`; False once the body is past its limit (stop reading)."""
         self.data += piece[: self.limit - len(self.data) + 1]
         self.cut = len(self.data) > self.limit
-        del self.data[self.limit:]
+        del self.data[self.limit :]
         return not self.cut
 
     @property
@@ -95,8 +95,9 @@ def _probe(address: ServerAddress, url: str, path: str) -> Body:
     if response.is_redirect or response.is_error:
         raise ServerError(refusal(address, path, response, body))
     if body.cut:
-        raise ServerError(f"the server at {address.endpoint(path)} answered with more than {_size(body.limit)}: "
-                          "exlnb read no further")
+        raise ServerError(
+            f"the server at {address.endpoint(path)} answered with more than {_size(body.limit)}: exlnb read no further"
+        )
     return body
 
 
@@ -108,8 +109,10 @@ def get_json(address: ServerAddress, path: str) -> dict:
     except (ValueError, RecursionError):
         value = None
     if not isinstance(value, dict):
-        raise ServerError(f"the server at {address.endpoint(path)} answered with something that is not a JSON object: "
-                          f"{quote(body.text)}")
+        raise ServerError(
+            f"the server at {address.endpoint(path)} answered with something that is not a JSON object: "
+            f"{quote(body.text)}"
+        )
     return value
 
 
@@ -122,15 +125,21 @@ def get_text(address: ServerAddress, path: str) -> str | None:
 
 
 @asynccontextmanager
-async def open_stream(client: httpx.AsyncClient, address: ServerAddress, path: str,
-                      body: dict) -> AsyncIterator[httpx.Response]:
+async def open_stream(
+    client: httpx.AsyncClient, address: ServerAddress, path: str, body: dict
+) -> AsyncIterator[httpx.Response]:
     """POST `body` and hand over the response once it is an event stream; ServerError for a refusal, a redirect
     or another kind of answer. httpx's exceptions pass through: the reader names them (`unreachable`)."""
     # identity: the reader bounds the bytes as they come, which a compressed body would not let it do
-    headers = {**address.headers(), "Accept": "text/event-stream", "Accept-Encoding": "identity",
-               "Cache-Control": "no-store"}
-    async with client.stream("POST", f"{address.base}{path}", json=body, headers=headers,
-                             timeout=_timeout()) as response:
+    headers = {
+        **address.headers(),
+        "Accept": "text/event-stream",
+        "Accept-Encoding": "identity",
+        "Cache-Control": "no-store",
+    }
+    async with client.stream(
+        "POST", f"{address.base}{path}", json=body, headers=headers, timeout=_timeout()
+    ) as response:
         if response.is_redirect or response.is_error:
             error_body = Body(MAX_ERROR_BODY_BYTES)
             async for piece in response.aiter_bytes():
@@ -139,8 +148,10 @@ async def open_stream(client: httpx.AsyncClient, address: ServerAddress, path: s
             raise ServerError(refusal(address, path, response, error_body))
         kind = response.headers.get("content-type", "").partition(";")[0].strip()
         if kind != "text/event-stream":
-            raise ServerError(f"the server at {address.endpoint(path)} did not answer with an event stream: "
-                              f"its Content-Type is {kind or 'missing'!r}, not 'text/event-stream'")
+            raise ServerError(
+                f"the server at {address.endpoint(path)} did not answer with an event stream: "
+                f"its Content-Type is {kind or 'missing'!r}, not 'text/event-stream'"
+            )
         yield response
 
 
@@ -162,17 +173,23 @@ def refusal(address: ServerAddress, path: str, response: httpx.Response, body: B
     if response.is_redirect:
         target = response.headers.get("location", "")
         where = shown_url(str(response.url.join(target))) if target else "nowhere"
-        return (f"{said}, a redirect to {where}: exlnb follows no redirect, so that a key never goes on to "
-                "another address; give the url it points to")
+        return (
+            f"{said}, a redirect to {where}: exlnb follows no redirect, so that a key never goes on to "
+            "another address; give the url it points to"
+        )
     if body.cut:
         return f"{said} with a body over {_size(body.limit)}, read no further: {quote(body.text)}"
     try:
         message = server_message(json.loads(body.data))
     except (ValueError, RecursionError):
         message = quote(body.text)
-    hint = {401: " (check --api-key-env)", 403: " (check --api-key-env)", 404: " (check the url and the model name)",
-            429: " (the server is rate limiting: retry later, or send fewer requests)",
-            503: " (the server is overloaded or starting: retry later)"}.get(status, "")
+    hint = {
+        401: " (check --api-key-env)",
+        403: " (check --api-key-env)",
+        404: " (check the url and the model name)",
+        429: " (the server is rate limiting: retry later, or send fewer requests)",
+        503: " (the server is overloaded or starting: retry later)",
+    }.get(status, "")
     return f"{said}: {message}{hint}"
 
 

@@ -22,7 +22,15 @@ from pathlib import Path
 import httpx
 
 from exlnb.engines.base import (
-    CacheView, Engine, EngineStatus, JobClock, JobFailed, JobInfo, JobSpec, StreamEvent, wall_clock,
+    CacheView,
+    Engine,
+    EngineStatus,
+    JobClock,
+    JobFailed,
+    JobInfo,
+    JobSpec,
+    StreamEvent,
+    wall_clock,
 )
 from exlnb.engines.checks import is_number
 from exlnb.engines.delivery import Delivery
@@ -85,10 +93,17 @@ class RemoteEngine(Engine):
 
     async def _stream(self, job_id: int, spec: JobSpec, body: dict) -> None:
         try:
-            async for chunk, at in answer_chunks(self._client, self.address, PATHS[self.api], body,
-                                                 chat=self.api == "chat", max_new_tokens=spec.max_new_tokens):
-                frame = await self._loop.run_in_executor(self._tokenising, arrival, chunk, at, self.tokenizer,
-                                                         spec.top_tokens)
+            async for chunk, at in answer_chunks(
+                self._client,
+                self.address,
+                PATHS[self.api],
+                body,
+                chat=self.api == "chat",
+                max_new_tokens=spec.max_new_tokens,
+            ):
+                frame = await self._loop.run_in_executor(
+                    self._tokenising, arrival, chunk, at, self.tokenizer, spec.top_tokens
+                )
                 self._arrived.put((job_id, frame, at))
             self._arrived.put((job_id, _DONE, wall_clock()))
         except asyncio.CancelledError:
@@ -130,7 +145,7 @@ class RemoteEngine(Engine):
         if event is not None:
             events.append(event)
         if event is not None and event.delivery is not None:
-            self._recent = (*self._recent[1 - RECENT_DELIVERIES:], event.delivery)
+            self._recent = (*self._recent[1 - RECENT_DELIVERIES :], event.delivery)
         if item is _DONE:
             self._forget(job.job_id)
         return job.failure
@@ -168,18 +183,33 @@ class RemoteEngine(Engine):
         return self._recent
 
     def status(self) -> EngineStatus:
-        notes = [f"the server takes exlnb's defaults {', '.join(missing)} under no name: its own defaults apply"
-                 for missing in [defaults_not_sent(self.dialect)] if missing]
-        notes.append("token counts are the local tokenizer's reading of the streamed text, and the server's own "
-                     "count at the end where it reports usage")
+        notes = [
+            f"the server takes exlnb's defaults {', '.join(missing)} under no name: its own defaults apply"
+            for missing in [defaults_not_sent(self.dialect)]
+            if missing
+        ]
+        notes.append(
+            "token counts are the local tokenizer's reading of the streamed text, and the server's own "
+            "count at the end where it reports usage"
+        )
         if not self.dialect.logprobs:
             notes.append("this server returns no logprobs: no token view (--tokens)")
-        endpoint = ("/v1/chat/completions, the server's chat template" if self.api == "chat"
-                    else "/v1/completions, exlnb's templates")
+        endpoint = (
+            "/v1/chat/completions, the server's chat template"
+            if self.api == "chat"
+            else "/v1/completions, exlnb's templates"
+        )
         return EngineStatus(
-            engine=self.name, model=self.model, device=self.address.shown, paged=False,
-            attention=f"{self.dialect.describe()}", cache_tokens=self.max_seq_len, cache_dtype="server's",
-            max_batch_size=self._options.max_batch_size, notes=tuple(notes), library=self.dialect.name,
+            engine=self.name,
+            model=self.model,
+            device=self.address.shown,
+            paged=False,
+            attention=f"{self.dialect.describe()}",
+            cache_tokens=self.max_seq_len,
+            cache_dtype="server's",
+            max_batch_size=self._options.max_batch_size,
+            notes=tuple(notes),
+            library=self.dialect.name,
             decode=f"prompts: {endpoint}",
         )
 
@@ -200,16 +230,20 @@ def served_entry(listing: dict, wanted: str | None, model_dir: Path, address: Se
     if wanted is not None:
         match = [e for e in entries if e["id"] == wanted]
         if not match:
-            raise ValueError(f"the server at {address.shown} serves no model {wanted!r}: it lists "
-                             f"{', '.join(map(repr, ids)) or 'none'}")
+            raise ValueError(
+                f"the server at {address.shown} serves no model {wanted!r}: it lists "
+                f"{', '.join(map(repr, ids)) or 'none'}"
+            )
         return match[0]
     if len(entries) == 1:
         return entries[0]
     named = [e for e in entries if Path(e["id"]).name == model_dir.name]
     if len(named) == 1:
         return named[0]
-    raise ValueError(f"the server at {address.shown} lists {len(ids)} models ({', '.join(map(repr, ids[:8])) or 'none'}): "
-                     "choose one with served_model=")
+    raise ValueError(
+        f"the server at {address.shown} lists {len(ids)} models ({', '.join(map(repr, ids[:8])) or 'none'}): "
+        "choose one with served_model="
+    )
 
 
 def max_seq_len(entry: dict, model_dir: Path, address: ServerAddress) -> int:
@@ -219,12 +253,13 @@ def max_seq_len(entry: dict, model_dir: Path, address: ServerAddress) -> int:
     if reported is None:
         return _context_length(model_dir)
     if not is_number(reported, int) or reported < 1:
-        raise ValueError(f"the server at {address.shown} reports max_model_len={reported!r} for {entry['id']!r}, "
-                         "which is not a positive number of tokens: fix the server's settings")
+        raise ValueError(
+            f"the server at {address.shown} reports max_model_len={reported!r} for {entry['id']!r}, "
+            "which is not a positive number of tokens: fix the server's settings"
+        )
     return int(reported)
 
 
 def _context_length(model_dir: Path) -> int:
     config = json.loads((model_dir / "config.json").read_text())
     return int(config.get("text_config", config).get("max_position_embeddings") or 2048)
-

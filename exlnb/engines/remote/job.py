@@ -62,8 +62,16 @@ class RemoteJob:
     failure: ServerError | None = None  # what the server sent that ends the job as failed
 
     def info(self) -> JobInfo:
-        return JobInfo(self.job_id, self.spec.identifier, self.stage, len(self.spec.input_ids), self.new_tokens,
-                       self.spec.max_new_tokens, self.clock.enqueued, pages=0)
+        return JobInfo(
+            self.job_id,
+            self.spec.identifier,
+            self.stage,
+            len(self.spec.input_ids),
+            self.new_tokens,
+            self.spec.max_new_tokens,
+            self.clock.enqueued,
+            pages=0,
+        )
 
     def receive(self, frame: Arrival) -> StreamEvent | None:
         """The event for one frame; None for a frame with no token. Past `max_new_tokens` the frame is cut there
@@ -102,21 +110,31 @@ class RemoteJob:
     def _overrun(self, arrived: int, servers_tokens: bool) -> ServerError:
         limit = self.spec.max_new_tokens
         counted = "the server's own tokens" if servers_tokens else "the local tokenizer's count"
-        return ServerError(f"the server at {self.endpoint} sent more than max_new_tokens={limit} tokens "
-                           f"({self.new_tokens + arrived} by {counted}): exlnb kept the first {limit} and closed "
-                           "the stream")
+        return ServerError(
+            f"the server at {self.endpoint} sent more than max_new_tokens={limit} tokens "
+            f"({self.new_tokens + arrived} by {counted}): exlnb kept the first {limit} and closed "
+            "the stream"
+        )
 
     def _event(self, now: float, **fields) -> StreamEvent:
         usage = self.usage or Usage(None, None, None)
-        return job_event(self.job_id, self.stage, self.clock, now,
-                         prompt_tokens=usage.prompt_tokens or len(self.spec.input_ids),
-                         cached_tokens=usage.cached_tokens or 0, new_tokens=self.new_tokens, **fields)
+        return job_event(
+            self.job_id,
+            self.stage,
+            self.clock,
+            now,
+            prompt_tokens=usage.prompt_tokens or len(self.spec.input_ids),
+            cached_tokens=usage.cached_tokens or 0,
+            new_tokens=self.new_tokens,
+            **fields,
+        )
 
 
 def _info(token: TokenLogprob, tokenizer: RemoteTokenizer, top_tokens: int) -> TokenInfo:
     alternatives = sorted(((_id(t, tokenizer), t, _probability(lp)) for t, lp in token.top), key=lambda a: -a[2])
-    return TokenInfo(_id(token.token, tokenizer), token.token, _probability(token.logprob),
-                     tuple(alternatives[:top_tokens]))
+    return TokenInfo(
+        _id(token.token, tokenizer), token.token, _probability(token.logprob), tuple(alternatives[:top_tokens])
+    )
 
 
 def _id(token: str, tokenizer: RemoteTokenizer) -> int:

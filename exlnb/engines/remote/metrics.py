@@ -17,8 +17,12 @@ from exlnb.engines.remote.client import ServerAddress, get_text
 METRIC_NAMES = {
     "running": ("vllm:num_requests_running", "sglang:num_running_reqs", "llamacpp:requests_processing"),
     "waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "llamacpp:requests_deferred"),
-    "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage",
-                       "llamacpp:kv_cache_usage_ratio"),
+    "kv_cache_usage": (
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "sglang:token_usage",
+        "llamacpp:kv_cache_usage_ratio",
+    ),
 }
 
 
@@ -34,8 +38,10 @@ class ServerMetrics:
         def show(value: float | None, fmt: str) -> str:
             return "not reported" if value is None else format(value, fmt)
 
-        return (f"server: {show(self.running, '.0f')} running, {show(self.waiting, '.0f')} waiting, "
-                f"KV cache {show(None if self.kv_cache_usage is None else 100 * self.kv_cache_usage, '.0f')}%")
+        return (
+            f"server: {show(self.running, '.0f')} running, {show(self.waiting, '.0f')} waiting, "
+            f"KV cache {show(None if self.kv_cache_usage is None else 100 * self.kv_cache_usage, '.0f')}%"
+        )
 
 
 def parse_metrics(text: str) -> ServerMetrics:

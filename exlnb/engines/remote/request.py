@@ -16,24 +16,55 @@ from dataclasses import dataclass, fields
 from exlnb.engines.base import JobSpec, SamplerSettings
 
 # SamplerSettings field -> the request field each dialect sends it as
-_OPENAI = {"temperature": "temperature", "top_p": "top_p", "token_frequency_penalty": "frequency_penalty",
-           "token_presence_penalty": "presence_penalty"}
+_OPENAI = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "token_frequency_penalty": "frequency_penalty",
+    "token_presence_penalty": "presence_penalty",
+}
 _VLLM = {**_OPENAI, "top_k": "top_k", "min_p": "min_p", "token_repetition_penalty": "repetition_penalty"}
-_TABBY = {**_VLLM, "top_a": "top_a", "tfs": "tfs", "typical": "typical", "smoothing_factor": "smoothing_factor",
-          "skew": "skew", "temperature_last": "temperature_last", "dry_multiplier": "dry_multiplier",
-          "dry_base": "dry_base", "dry_allowed_length": "dry_allowed_length", "dry_range": "dry_range",
-          "xtc_probability": "xtc_probability", "xtc_threshold": "xtc_threshold", "min_temp": "min_temp",
-          "max_temp": "max_temp", "temp_exponent": "temp_exponent", "mirostat_tau": "mirostat_tau",
-          "mirostat_eta": "mirostat_eta"}
-_LLAMA_CPP = {**_OPENAI, "top_k": "top_k", "min_p": "min_p", "typical": "typical_p",
-              "token_repetition_penalty": "repeat_penalty", "mirostat_tau": "mirostat_tau", "mirostat_eta": "mirostat_eta"}
+_TABBY = {
+    **_VLLM,
+    "top_a": "top_a",
+    "tfs": "tfs",
+    "typical": "typical",
+    "smoothing_factor": "smoothing_factor",
+    "skew": "skew",
+    "temperature_last": "temperature_last",
+    "dry_multiplier": "dry_multiplier",
+    "dry_base": "dry_base",
+    "dry_allowed_length": "dry_allowed_length",
+    "dry_range": "dry_range",
+    "xtc_probability": "xtc_probability",
+    "xtc_threshold": "xtc_threshold",
+    "min_temp": "min_temp",
+    "max_temp": "max_temp",
+    "temp_exponent": "temp_exponent",
+    "mirostat_tau": "mirostat_tau",
+    "mirostat_eta": "mirostat_eta",
+}
+_LLAMA_CPP = {
+    **_OPENAI,
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "typical": "typical_p",
+    "token_repetition_penalty": "repeat_penalty",
+    "mirostat_tau": "mirostat_tau",
+    "mirostat_eta": "mirostat_eta",
+}
 # transformers serve takes a GenerationConfig as JSON; it reads frequency_penalty as a repetition penalty, so
 # exlnb sends the penalty by its GenerationConfig name instead
 # exllamav2 turns these off with 0; servers (llama.cpp, transformers, TabbyAPI's schema) with 1.0, and
 # transformers refuses typical_p=0 outright ("has to be a float > 0 and < 1")
 _OFF_ON_THE_WIRE = {"typical": 1.0, "tfs": 1.0}
-_TRANSFORMERS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                 "typical": "typical_p", "token_repetition_penalty": "repetition_penalty"}
+_TRANSFORMERS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "typical": "typical_p",
+    "token_repetition_penalty": "repetition_penalty",
+}
 
 
 @dataclass(frozen=True)
@@ -55,14 +86,19 @@ class Dialect:
         return f"{self.name} dialect ({returns})"
 
 
-DIALECTS = {d.name: d for d in (
-    Dialect("vllm", _VLLM, "min_tokens", "ignore_eos", True, owners=("vllm",)),
-    Dialect("sglang", _VLLM, "min_tokens", "ignore_eos", True, owners=("sglang",)),
-    Dialect("tabbyapi", _TABBY, "min_tokens", "ban_eos_token", True, banned_strings=True, owners=("tabbyapi",)),
-    Dialect("llama.cpp", _LLAMA_CPP, "min_tokens", None, True, owners=("me", "llamacpp")),
-    Dialect("transformers", _TRANSFORMERS, "min_new_tokens", None, False, generation_config=True, owners=("local",)),
-    Dialect("openai", _OPENAI, None, None, True),
-)}
+DIALECTS = {
+    d.name: d
+    for d in (
+        Dialect("vllm", _VLLM, "min_tokens", "ignore_eos", True, owners=("vllm",)),
+        Dialect("sglang", _VLLM, "min_tokens", "ignore_eos", True, owners=("sglang",)),
+        Dialect("tabbyapi", _TABBY, "min_tokens", "ban_eos_token", True, banned_strings=True, owners=("tabbyapi",)),
+        Dialect("llama.cpp", _LLAMA_CPP, "min_tokens", None, True, owners=("me", "llamacpp")),
+        Dialect(
+            "transformers", _TRANSFORMERS, "min_new_tokens", None, False, generation_config=True, owners=("local",)
+        ),
+        Dialect("openai", _OPENAI, None, None, True),
+    )
+}
 
 
 def dialect_for(owner: object, listing: dict) -> Dialect:
@@ -87,14 +123,18 @@ def check_dialect(name: str) -> Dialect:
 def refused(spec: JobSpec, dialect: Dialect, eos_ids: frozenset[int]) -> list[str]:
     """What `spec` asks that this server cannot be told, as "name=value (why)"."""
     where = f"a {dialect.name} server"
-    missing = [f"{name}={value!r} (no field for it on {where})" for name, value in unmapped_settings(spec.sampler, dialect)]
+    missing = [
+        f"{name}={value!r} (no field for it on {where})" for name, value in unmapped_settings(spec.sampler, dialect)
+    ]
     if spec.min_new_tokens and dialect.min_tokens is None:
         missing.append(f"min_new_tokens={spec.min_new_tokens} (no field for it on {where})")
     if spec.banned_strings and not dialect.banned_strings:
         missing.append(f"banned_strings={list(spec.banned_strings)!r} (only TabbyAPI takes them)")
     if spec.top_tokens and not dialect.logprobs:
-        missing.append(f"tokens={spec.top_tokens} (a {dialect.name} server returns no logprobs, so there is no token "
-                       "view: use a server that does, such as llama.cpp or vLLM)")
+        missing.append(
+            f"tokens={spec.top_tokens} (a {dialect.name} server returns no logprobs, so there is no token "
+            "view: use a server that does, such as llama.cpp or vLLM)"
+        )
     if spec.stop_on_loop is not None:
         missing.append(f"stop_on_loop={spec.stop_on_loop!r} (a server has no loop detector; --loop-guard uses exlnb's)")
     if spec.constraint is not None:
@@ -110,9 +150,13 @@ def refused(spec: JobSpec, dialect: Dialect, eos_ids: frozenset[int]) -> list[st
 def unmapped_settings(settings: SamplerSettings, dialect: Dialect) -> list[tuple[str, object]]:
     """Settings changed from their defaults that the dialect has no field for."""
     default = SamplerSettings()
-    return [(f.name, getattr(settings, f.name)) for f in fields(settings)
-            if f.name not in dialect.sampler and not _sent_otherwise(f.name, settings, dialect)
-            and getattr(settings, f.name) != getattr(default, f.name)]
+    return [
+        (f.name, getattr(settings, f.name))
+        for f in fields(settings)
+        if f.name not in dialect.sampler
+        and not _sent_otherwise(f.name, settings, dialect)
+        and getattr(settings, f.name) != getattr(default, f.name)
+    ]
 
 
 def _sent_otherwise(name: str, settings: SamplerSettings, dialect: Dialect) -> bool:
@@ -124,14 +168,20 @@ def defaults_not_sent(dialect: Dialect) -> list[str]:
     """exllamav2's defaults this dialect cannot carry (where the server's own defaults stand instead)."""
     default = SamplerSettings()
     neutral = SamplerSettings(top_k=0, top_p=1.0, token_repetition_penalty=1.0)
-    return [f"{f.name}={getattr(default, f.name)!r}" for f in fields(default)
-            if f.name not in dialect.sampler and getattr(default, f.name) != getattr(neutral, f.name)]
+    return [
+        f"{f.name}={getattr(default, f.name)!r}"
+        for f in fields(default)
+        if f.name not in dialect.sampler and getattr(default, f.name) != getattr(neutral, f.name)
+    ]
 
 
 def request_body(spec: JobSpec, dialect: Dialect, model: str, prompt: dict, eos_ids: frozenset[int]) -> dict:
     """The streaming request for `spec`: `prompt` is {"prompt": text} or {"messages": [...]}."""
-    sampler = {dialect.sampler[f.name]: _on_the_wire(f.name, getattr(spec.sampler, f.name))
-               for f in fields(spec.sampler) if f.name in dialect.sampler}
+    sampler = {
+        dialect.sampler[f.name]: _on_the_wire(f.name, getattr(spec.sampler, f.name))
+        for f in fields(spec.sampler)
+        if f.name in dialect.sampler
+    }
     if spec.sampler.mirostat and "mirostat_tau" in dialect.sampler:
         sampler["mirostat_mode"] = 2
     if spec.sampler.is_greedy:  # every server reads temperature 0 as greedy; top_k=1 alone is not understood so
@@ -158,8 +208,11 @@ def request_body(spec: JobSpec, dialect: Dialect, model: str, prompt: dict, eos_
     if spec.banned_strings:
         body["banned_strings"] = list(spec.banned_strings)
     if spec.top_tokens and dialect.logprobs:
-        body |= ({"logprobs": True, "top_logprobs": spec.top_tokens} if "messages" in prompt
-                 else {"logprobs": spec.top_tokens})
+        body |= (
+            {"logprobs": True, "top_logprobs": spec.top_tokens}
+            if "messages" in prompt
+            else {"logprobs": spec.top_tokens}
+        )
     return body
 
 
