@@ -19,6 +19,7 @@ import pytest
 from benchmarks.disconnect import verdicts as benchmark_verdicts
 from benchmarks.local_servers import LocalServer, free_port, server_process
 from exlnb.datasets import filler_ids
+from exlnb.engines.job_options import JobOptions
 from exlnb.experiments import disconnect, whole_answers
 from exlnb.experiments.disconnect import PHASES, REQUESTS
 from exlnb.experiments.disconnect_signals import ABORT_WAIT_S, STOPPED, UNAVAILABLE, WORKED, finding, verdict
@@ -188,7 +189,7 @@ def fake_log(server: LocalServer, until=lambda log: True) -> list[dict]:
 @pytest.mark.slow  # starts a server
 def test_a_non_streaming_request_is_left_when_its_client_times_out(stopping_server, stopping_session):
     ids = filler_ids(stopping_session.tokenizer, 32, label="left by its timeout")
-    long = stopping_session.job_spec(ids, max_new_tokens=2000, stop_at_eos=False)
+    long = stopping_session.spec_for(ids, JobOptions(max_new_tokens=2000, stop_at_eos=False))
     [request] = whole_answers.whole_answer_requests(stopping_session, [long])
     assert request.body["stream"] is False and "stream_options" not in request.body
     assert whole_answers.abandon([request], leave_after_s=0.3) == 0
@@ -196,7 +197,7 @@ def test_a_non_streaming_request_is_left_when_its_client_times_out(stopping_serv
     entry = log[-1]
     assert (entry["stream"], entry["max_tokens"], entry["client_left"], entry["finished"]) == (False, 2000, True, True)
     assert entry["tokens"] < 2000  # it stopped when its client left
-    short = stopping_session.job_spec(ids, max_new_tokens=2)
+    short = stopping_session.spec_for(ids, JobOptions(max_new_tokens=2))
     assert (
         whole_answers.abandon(whole_answers.whole_answer_requests(stopping_session, [short]), leave_after_s=WAIT_S) == 1
     )
