@@ -102,13 +102,10 @@ def transformers_serve(
         "float32",
         *flags,
     ]
-    return server_process(
-        argv,
-        port,
-        log_dir / "server.log",
-        " ".join(["transformers serve", *flags]),
-        None if threads is None else {"OMP_NUM_THREADS": str(threads)},
-    )
+    hub = log_dir / "hub"  # its /v1/models scans the Hub cache, and answers 500 on a machine that has none yet
+    hub.mkdir(parents=True, exist_ok=True)
+    env = {"HF_HUB_CACHE": str(hub)} | ({} if threads is None else {"OMP_NUM_THREADS": str(threads)})
+    return server_process(argv, port, log_dir / "server.log", " ".join(["transformers serve", *flags]), env)
 
 
 def llama_cpp_server(log_dir: Path, *, threads: int) -> AbstractContextManager[LocalServer]:
