@@ -46,7 +46,7 @@ from benchmarks.speed_setups import (
     free_memory,
     measure,
     profile,
-    setup,
+    setup_apart,
     weight_bytes_read_per_token,
 )
 from benchmarks.suites import _or_its_error
@@ -356,7 +356,7 @@ def run_part(part: str, record: dict, p: dict, layers: int, deadline: float) -> 
     contexts = {r: p["contexts"][:1] if r == "transformers" else p["contexts"] for r in runners(part)}
     try:
         with contextlib.ExitStack() as stack:
-            timed = {r: stack.enter_context(setup(r, folder)) for r in runners(part)}
+            timed = {r: stack.enter_context(setup_apart(r, folder)) for r in runners(part)}
             return {"setups": measure(timed, p, contexts)}
     finally:
         free_memory()  # the next part loads its own models into this process

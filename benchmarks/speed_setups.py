@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import multiprocessing
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -110,6 +111,60 @@ def setup(runner: str, folder: Path) -> Iterator[Timed]:
             )
         finally:
             del model
+
+
+@contextlib.contextmanager
+def setup_apart(runner: str, folder: Path) -> Iterator[Timed]:
+    """`setup` in a process of its own, driven from this one, so that setups timed in turns share no allocator,
+    CUDA graph pool or compiled state (exlnb's engines with CUDA graphs beside transformers' compiled static cache
+    in one process ended in an illegal memory access on an H100, 2026-11-28; users run them apart too). Each run
+    is timed inside its worker, as its consumer sees it; the pipe's cost is outside every number."""
+    spawn = multiprocessing.get_context("spawn")
+    here, there = spawn.Pipe()
+    worker = spawn.Process(target=_serve, args=(runner, folder, there), name=f"speed-{runner}", daemon=True)
+    worker.start()
+    there.close()
+
+    def ask(*request):
+        here.send(request)
+        return _answer(here, worker, runner)
+
+    try:
+        status = _answer(here, worker, runner)  # the worker's first word: its status line once loaded
+        yield Timed(lambda p, n: ask("generate", p, n), lambda ps, n: ask("together", ps, n), status)
+    finally:
+        with contextlib.suppress(OSError):
+            here.send(None)
+        worker.join(timeout=120)
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
+
+
+def _answer(conn, worker, runner: str):
+    """The worker's reply, or its error raised here; a worker that died says so with its exit code."""
+    while not conn.poll(0.5):
+        if not worker.is_alive():
+            raise RuntimeError(f"the process timing {runner} ended without answering (exit code {worker.exitcode})")
+    ok, value = conn.recv()
+    if not ok:
+        raise RuntimeError(f"{runner}: {value}")
+    return value
+
+
+def _serve(runner: str, folder: Path, conn) -> None:
+    """A worker's life: load the setup, say its status, then run each request until told to stop (None)."""
+    try:
+        with setup(runner, folder) as timed:
+            conn.send((True, timed.status))
+            while (request := conn.recv()) is not None:
+                name, *args = request
+                try:
+                    conn.send((True, (timed.generate if name == "generate" else timed.together)(*args)))
+                except Exception as error:  # the driver records it as the setup's failure
+                    conn.send((False, f"{type(error).__name__}: {error}"))
+    except Exception as error:
+        conn.send((False, f"{type(error).__name__}: {error}"))
 
 
 @torch.inference_mode()

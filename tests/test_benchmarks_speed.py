@@ -210,3 +210,10 @@ def test_a_random_llama_loads_whole_in_transformers_and_its_floor_counts_what_de
     # the size the scratch folder and the device are checked against is what the folder holds
     assert model.config.vocab_size == BUNDLED_VOCAB
     assert sum(p.numel() * 2 for p in model.parameters()) == weights_bytes(shape, BUNDLED_VOCAB)
+
+
+def test_a_setup_timed_in_a_worker_of_its_own_says_why_it_could_not_load(tmp_path):
+    with pytest.raises(RuntimeError, match=r"^kit-cpu: .*") as error:
+        with speed_setups.setup_apart("kit-cpu", tmp_path / "no model here"):
+            pass
+    assert "\n" not in str(error.value)
