@@ -321,8 +321,7 @@ def _prepare(
         if conv
         else render(request.template, conversation(request.prompt, request.system), tokenizer)
     )
-    session.check_text_fits(text)
-    ids = tokenizer.encode(text, special=True)
+    ids = list(session.prompt_ids(text, request.max_new_tokens))
     # a class attribute, read without the engine's thread: it never changes
     by_engine = request.loop_guard and session.engine.loop_guard_by_engine
     prompt = PreparedPrompt(text, ids, lint_rendered(ids, request.template, tokenizer), conv, by_engine)
