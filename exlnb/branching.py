@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from exlnb.engines.base import Tokenizer
+from exlnb.engines.checks import check_text, is_number
 from exlnb.engines.token_info import TokenInfo
 from exlnb.request import GenerationRequest
 from exlnb.streaming import GenerationResult
@@ -54,9 +55,9 @@ def plan_branch(
             "at the forced token: branch an unconstrained answer"
         )
     n = len(result.token_ids)
-    if not 0 <= at < n:
+    if not is_number(at, int) or not 0 <= at < n:  # True is no position, nor is 1.5 or '3'
         raise ValueError(
-            f"at={at} is not a position of job {result.job_id}'s answer: give 0 to {n - 1} (it has {n} tokens)"
+            f"at={at!r} is not a position of job {result.job_id}'s answer: give 0 to {n - 1} (it has {n} tokens)"
         )
     budget = request.max_new_tokens + len(lead)  # what the answer may hold in all, its given tokens included
     left = budget - at - 1
@@ -110,6 +111,7 @@ def forced_token(result: GenerationResult, at: int, token: int | str | None, tok
         if not 0 <= token < vocab_size:
             raise ValueError(f"token={token} is not in the vocabulary: give an id from 0 to {vocab_size - 1}")
         return token
+    check_text("token", token)
     ids = tokenizer.encode(token, special=True)
     if len(ids) != 1:
         pieces = [tokenizer.decode([i]) for i in ids]
