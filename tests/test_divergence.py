@@ -173,7 +173,7 @@ def test_a_reference_from_another_tokenizer_is_refused(cpu_session, bundled_refe
 
 
 def never_computed(*args, **kwargs):
-    pytest.fail("loaded and scored the reference's model before refusing")
+    pytest.fail("made the text or scored the reference's model before refusing")
 
 
 def test_a_reference_folder_with_another_tokenizer_is_refused_before_its_model_is_loaded(
@@ -196,20 +196,30 @@ def test_a_reference_folder_with_another_tokenizer_is_refused_before_its_model_i
     )
 
 
-@pytest.mark.parametrize("tokens", [10**9, 9000, 1])
-def test_a_text_the_loaded_cache_cannot_hold_is_refused_before_it_is_made(cpu_session, monkeypatch, tokens):
-    max_len = cpu_session.engine.max_seq_len
-    monkeypatch.setattr("exlnb.scoring.filler_ids", never_computed)  # 10**9 tokens built a 5 GB string first
+TOO_LONG = "a sequence of {tokens} tokens is longer than the model's cache (8192 tokens): give fewer tokens, or load "
+TOO_LONG += "the model with a larger cache_tokens"
+
+
+@pytest.mark.parametrize(
+    "tokens, message",
+    [
+        (10**9, TOO_LONG.format(tokens=10**9)),  # built a 5 GB string first, and hung
+        (9000, TOO_LONG.format(tokens=9000)),  # loaded and scored the reference's model first
+        (1, "a sequence of 1 token(s) is too short to score: give at least 2"),
+    ],
+)
+def test_a_text_the_loaded_cache_cannot_hold_is_refused_before_it_is_made(
+    shell, cpu_session, monkeypatch, tokens, message
+):
+    assert cpu_session.engine.max_seq_len == 8192
+    monkeypatch.setattr("exlnb.scoring.filler_ids", never_computed)
     monkeypatch.setattr("exlnb.scoring.reference", never_computed)
 
     with pytest.raises(ValueError) as raised:
         divergence_from(cpu_session, BUNDLED, tokens=tokens, engine="cpu")
-    assert str(raised.value) == (
-        f"a sequence of {tokens} tokens is longer than the model's cache ({max_len} tokens): give fewer tokens, or "
-        "load the model with a larger cache_tokens"
-        if tokens > 1
-        else "a sequence of 1 token(s) is too short to score: give at least 2"
-    )
+    assert str(raised.value) == message
+    with pytest.raises(UsageError, match=f"^{re.escape(message)}$"):
+        shell.run_line_magic("exl_divergence", f"{BUNDLED} --tokens {tokens} --engine cpu")
 
 
 class Pickled:
@@ -224,6 +234,14 @@ class Pickled:
 
 def kept_fields(reference) -> dict:
     return {**reference.__dict__}
+
+
+def with_values(tensor: torch.Tensor, values: dict) -> torch.Tensor:
+    """A copy of `tensor` with the given values at the given indices."""
+    copy = tensor.clone()
+    for index, value in values.items():
+        copy[index] = value
+    return copy
 
 
 BAD_REFERENCES = {
@@ -253,6 +271,34 @@ BAD_REFERENCES = {
         lambda ref, tmp: {**kept_fields(ref), "logits": ref.logits.index_fill(1, torch.tensor([7]), math.nan)},
         f"its logits hold NaN or infinite values at {TOKENS} of {TOKENS} positions",
     ),
+    "a NaN and an infinity among the logits": (
+        lambda ref, tmp: {**kept_fields(ref), "logits": with_values(ref.logits, {(3, 7): math.nan, (5, 0): -math.inf})},
+        f"its logits hold NaN or infinite values at 2 of {TOKENS} positions",
+    ),
+    "integer logits": (
+        lambda ref, tmp: {**kept_fields(ref), "logits": ref.logits.long()},
+        "its logits are not a [positions, vocabulary] tensor of floats",
+    ),
+    "logits of one position": (
+        lambda ref, tmp: {**kept_fields(ref), "logits": ref.logits[0]},
+        "its logits are not a [positions, vocabulary] tensor of floats",
+    ),
+    "token ids that are numbers but not integers": (
+        lambda ref, tmp: {**kept_fields(ref), "token_ids": tuple(float(i) for i in ref.token_ids)},
+        "its token_ids are not a list of integers",
+    ),
+    "a noise floor with a NaN": (
+        lambda ref, tmp: {**kept_fields(ref), "noise_kl": with_values(ref.noise_kl, {(4,): math.nan})},
+        "its noise_kl is not one finite number per position, nor None",
+    ),
+    "a model that is no name": (
+        lambda ref, tmp: {**kept_fields(ref), "model": None},
+        "its model, model_id, tokenizer_id and dtype are not all strings",
+    ),
+    "a dtype no reference is kept in": (
+        lambda ref, tmp: {**kept_fields(ref), "dtype": "int8"},
+        "its dtype 'int8' is not one of float32, float16, bfloat16",
+    ),
     "fewer logits than ids": (
         lambda ref, tmp: {**kept_fields(ref), "logits": ref.logits[1:]},
         f"it has {TOKENS} token ids but logits for {TOKENS - 1} positions",
@@ -280,6 +326,16 @@ def test_a_bad_reference_file_is_refused_saying_what_is_wrong_in_one_line(shell,
     assert "weights_only" not in str(raised.value) and not (tmp_path / "ran").exists()
     with pytest.raises(UsageError, match=f"^{re.escape(str(raised.value))}$"):
         shell.run_line_magic("exl_divergence", str(path))
+
+
+def test_a_kept_reference_without_a_noise_floor_passes_the_checks(shell, bundled_reference, tmp_path):
+    kept = tmp_path / "kept.pt"  # what an engine that cannot inject noise keeps
+    torch.save({**kept_fields(bundled_reference), "noise_kl": None}, kept)
+
+    with capture_output() as captured:
+        shell.run_line_magic("exl_divergence", str(kept))
+
+    assert "noise floor (bf16)   n/a" in captured.stdout and "top-1 agreement      100.00%" in captured.stdout
 
 
 def test_kl_between_different_vocabularies_is_refused():
