@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 from exlnb.engines.base import Tokenizer
 from exlnb.engines.checks import check_text, is_number
+from exlnb.engines.options import EngineOptions
 from exlnb.engines.token_info import TokenInfo
 from exlnb.request import GenerationRequest
 from exlnb.streaming import GenerationResult
@@ -35,6 +37,28 @@ class BranchPlan:
     @property
     def input_ids(self) -> tuple[int, ...]:
         return (*self.prefix, self.forced)
+
+
+def check_still_loaded(job_id: int, ran: EngineOptions, now: EngineOptions | None) -> None:
+    """A result branches only on the model it ran on, loaded as it was: refused otherwise, naming another model (or
+    none), or the same model by name and engine loaded with other options (a reload with another cache size) with
+    the options that changed and their values."""
+    if now == ran:
+        return
+    named = f"{ran.model_dir.name} ({ran.engine})"
+    if now is None or (now.model_dir.name, now.engine) != (ran.model_dir.name, ran.engine):
+        loaded = "nothing" if now is None else f"{now.model_dir.name} ({now.engine})"
+        raise ValueError(f"job {job_id} ran on {named}, but {loaded} is loaded now: load that model again to branch it")
+    changed = [f.name for f in fields(ran) if getattr(ran, f.name) != getattr(now, f.name)]
+
+    def values(options: EngineOptions) -> str:  # a folder as its path, not PosixPath(...)
+        shown = {name: getattr(options, name) for name in changed}
+        return ", ".join(f"{name}={str(v) if isinstance(v, Path) else v!r}" for name, v in shown.items())
+
+    raise ValueError(
+        f"job {job_id} ran on {named} with {values(ran)}, but it is loaded now with {values(now)}: load it as it was "
+        "to branch it"
+    )
 
 
 def plan_branch(

@@ -12,11 +12,10 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, field
 
 from exlnb.analysis import Loop, find_tail_loop
-from exlnb.branching import plan_branch
+from exlnb.branching import check_still_loaded, plan_branch
 from exlnb.chat import Chat, get_chat
 from exlnb.engines.base import LOOP_DETECTOR, EosReason, JobSpec, StreamEvent, wall_clock
 from exlnb.engines.options import EngineOptions
@@ -392,8 +391,7 @@ def _prepare_branch(result: GenerationResult, at: int, token: int | str | None) 
             "(exlnb.generate_live, %%exl_generate --out) can branch"
         )
     session = lineage.session
-    if session.options != lineage.model:
-        raise ValueError(_not_loaded_now(result.job_id, lineage.model, session.options))
+    check_still_loaded(result.job_id, lineage.model, session.options)
     if session.engine.branch_refusal is not None:
         raise ValueError(session.engine.branch_refusal)
     plan = plan_branch(
@@ -425,25 +423,6 @@ def _prepare_branch(result: GenerationResult, at: int, token: int | str | None) 
         family=lineage.family,
     )
     return session, plan, prompt, specs, child
-
-
-def _not_loaded_now(job_id: int, ran: EngineOptions, now: EngineOptions | None) -> str:
-    """Why a result cannot branch on what is loaded now, in words: another model (or none), or the same model by
-    name and engine loaded with other options (a reload with another cache size), named with their values."""
-    named = f"{ran.model_dir.name} ({ran.engine})"
-    if now is None or (now.model_dir.name, now.engine) != (ran.model_dir.name, ran.engine):
-        loaded = "nothing" if now is None else f"{now.model_dir.name} ({now.engine})"
-        return f"job {job_id} ran on {named}, but {loaded} is loaded now: load that model again to branch it"
-    changed = [f.name for f in fields(ran) if getattr(ran, f.name) != getattr(now, f.name)]
-
-    def values(options: EngineOptions) -> str:  # a folder as its path, not PosixPath(...)
-        shown = {name: getattr(options, name) for name in changed}
-        return ", ".join(f"{name}={str(v) if isinstance(v, Path) else v!r}" for name, v in shown.items())
-
-    return (
-        f"job {job_id} ran on {named} with {values(ran)}, but it is loaded now with {values(now)}: load it as it was "
-        "to branch it"
-    )
 
 
 def branch_result(generation: Generation) -> GenerationResult:
