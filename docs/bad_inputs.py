@@ -49,6 +49,40 @@ OTHER_TOKENIZER = (
     "torch.save(vars(Reference('llama-3-8b', 'model', 'tokenizer', tuple(range(16)), 'float32', "
     "torch.zeros(16, 128256), None)), 'llama-3-8b.pt')"
 )
+# a model folder like the bundled one but for one token of its tokenizer: another tokenizer, the same weights
+OTHER_TOKENIZER_FOLDER = """from pathlib import Path
+from exlnb.models import resolve_model
+bundled, other = resolve_model('smollm2-135m-instruct'), Path('other-tokenizer')
+other.mkdir(exist_ok=True)
+for path in bundled.iterdir():
+    if not (other / path.name).exists():
+        (other / path.name).symlink_to(path)
+(other / 'tokenizer.json').unlink()
+(other / 'tokenizer.json').write_text((bundled / 'tokenizer.json').read_text().replace('"<|im_end|>"', '"<|x|>"'))"""
+# the fields of a reference that exlnb keeps, over the loaded model's vocabulary, to damage one way per file
+KEPT = (
+    "import random, torch\nfrom exlnb.divergence import Reference\n"
+    "kept = vars(Reference('smollm2', 'model', 'tokenizer', tuple(range(16)), 'float32', torch.zeros(16, 49152), None))"
+)
+# a pickle that would run code when loaded (print, here), as a file found on the internet might
+PAYLOAD = "class Payload:\n    def __reduce__(self):\n        return (print, ('this file ran code',))"
+BAD_REFERENCE_FILES = [
+    ("random.pt", "4 KB of random bytes", "open('random.pt', 'wb').write(random.Random(0).randbytes(4096))"),
+    ("evil.pt", "a pickle that would run code", f"{PAYLOAD}\ntorch.save({{**kept, 'model': Payload()}}, 'evil.pt')"),
+    ("bare.pt", "a bare tensor", "torch.save(torch.zeros(16, 49152), 'bare.pt')"),
+    ("extra.pt", "a reference with a key of its own", "torch.save({**kept, 'note': 'mine'}, 'extra.pt')"),
+    (
+        "outside.pt",
+        "token ids outside the vocabulary",
+        "torch.save({**kept, 'token_ids': (*range(14), -1, 60000)}, 'outside.pt')",
+    ),
+    (
+        "nan.pt",
+        "NaN logits",
+        "torch.save({**kept, 'logits': torch.zeros(16, 49152).index_fill(1, torch.tensor([7]), float('nan'))}, "
+        "'nan.pt')",
+    ),
+]
 
 CASES = [
     Case("%exl_jobs  (before any %exl_load)", "%exl_jobs", loaded=False),
@@ -85,6 +119,7 @@ CASES = [
     Case("%%exl_generate with only spaces and newlines in the cell", generate("", "   \n\t\n  ")),
     Case("%%exl_generate with {k[0]} in the cell (no k)", generate("", "Tell me about {k[0]}.")),
     Case("%%exl_generate with {d[missing]} in the cell (d = {})", generate("", "Tell me about {d[missing]}.")),
+    Case("%%exl_generate with {k[0]} in the cell (k = 5)", generate("", "Tell me about {k[0]}."), setup="k = 5"),
     Case(
         "%%exl_generate with {s} in the cell (s holds a lone surrogate, \\ud800)",
         generate("", "{s}"),
@@ -121,17 +156,69 @@ CASES = [
         'session.complete(p, banned_strings="abc")  (one string, not three letters)',
         f"print(repr(get_session().complete(Q, banned_strings='abc', {GREEDY}).text))",
     ),
+    *(
+        Case(f"session.generate(p, {given})", f"get_session().generate(P, {given})")
+        for given in (
+            "stop=[1.5]",
+            "stop=[None]",
+            "stop=[-1]",
+            "stop=[10**9]",
+            "stop=''",
+            "stop=None",
+            "sampler='greedy'",
+            "token_bias='x'",
+            "stop_on_loop=(1,)",
+        )
+    ),
+    *(
+        Case(f"session.generate({given})", f"get_session().generate({given})")
+        for given in ("b'What is the capital of France?'", "None", "123")
+    ),
     Case("session.generate(a 50 MB prompt)", "get_session().generate('x' * 50_000_000)"),
+    Case("session.generate(a 1 MB prompt)", "get_session().generate('x' * 1_000_000)"),
+    Case("session.generate(10**7 token ids)", "get_session().generate([1] * 10**7)"),
+    Case("session.load(gpu_split=20)", "get_session().load(engine='cpu', gpu_split=20)"),
     Case("generate_live(p, backgroud=True)", "generate_live(P, backgroud=True)"),
     Case("%exl_branch answer --at 99  (past the answer's end)", "%exl_branch answer --at 99", setup=ANSWER),
     Case(
         "%exl_branch answer --at 2 --token-id 99999999", "%exl_branch answer --at 2 --token-id 99999999", setup=ANSWER
     ),
+    *(
+        Case(f"answer.branch(at={at})", f"answer.branch(at={at})", setup=ANSWER)
+        for at in ("True", "1.5", "'3'", "None")
+    ),
+    Case("answer.branch(at=2, token='\\ud800')", "answer.branch(at=2, token='\\ud800')", setup=ANSWER),
+    Case(
+        "answer.branch(at=2)  (the model loaded again with another cache size)",
+        "%exl_load --engine cpu --cache-tokens 4096\nanswer.branch(at=2)",
+        setup=ANSWER,
+    ),
+    Case("%exl_branch answer --at 2 --out 1abc", "%exl_branch answer --at 2 --out 1abc", setup=ANSWER),
+    Case("%exl_branch answer --at 2 --out class", "%exl_branch answer --at 2 --out class", setup=ANSWER),
     Case(
         "%exl_divergence llama-3-8b.pt  (a reference kept from a model with another tokenizer)",
         "%exl_divergence llama-3-8b.pt",
         setup=OTHER_TOKENIZER,
     ),
+    Case(
+        "%exl_divergence other-tokenizer  (a model folder with another tokenizer)",
+        "%exl_divergence other-tokenizer",
+        setup=OTHER_TOKENIZER_FOLDER,
+    ),
+    Case(
+        "%exl_divergence smollm2-135m-instruct --tokens 1000000000",
+        "%exl_divergence smollm2-135m-instruct --tokens 1000000000",
+    ),
+    Case(
+        "%exl_divergence smollm2-135m-instruct --tokens 9000  (the cache holds 8192)",
+        "%exl_divergence smollm2-135m-instruct --tokens 9000",
+    ),
+    Case("%exl_divergence smollm2-135m-instruct --out 1abc", "%exl_divergence smollm2-135m-instruct --out 1abc"),
+    *(
+        Case(f"%exl_divergence {name}  ({what})", f"%exl_divergence {name}", setup=f"{KEPT}\n{write}")
+        for name, what, write in BAD_REFERENCE_FILES
+    ),
+    Case("%exl_bench --seed -1", "%exl_bench --seed -1 --no-progress"),
     Case("exlnb.bench(request_rate=1e-6)", "exlnb.bench(1e-6)"),
     *(
         Case(f"%%exl_generate  (the server sends {sent})", generate("--display text", f"shape:{fault}"), server=True)

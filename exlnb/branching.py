@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 from exlnb.engines.base import Tokenizer
+from exlnb.engines.checks import check_text, is_number
+from exlnb.engines.options import EngineOptions
 from exlnb.engines.token_info import TokenInfo
 from exlnb.request import GenerationRequest
 from exlnb.streaming import GenerationResult
@@ -36,6 +39,28 @@ class BranchPlan:
         return (*self.prefix, self.forced)
 
 
+def check_still_loaded(job_id: int, ran: EngineOptions, now: EngineOptions | None) -> None:
+    """A result branches only on the model it ran on, loaded as it was: refused otherwise, naming another model (or
+    none), or the same model by name and engine loaded with other options (a reload with another cache size) with
+    the options that changed and their values."""
+    if now == ran:
+        return
+    named = f"{ran.model_dir.name} ({ran.engine})"
+    if now is None or (now.model_dir.name, now.engine) != (ran.model_dir.name, ran.engine):
+        loaded = "nothing" if now is None else f"{now.model_dir.name} ({now.engine})"
+        raise ValueError(f"job {job_id} ran on {named}, but {loaded} is loaded now: load that model again to branch it")
+    changed = [f.name for f in fields(ran) if getattr(ran, f.name) != getattr(now, f.name)]
+
+    def values(options: EngineOptions) -> str:  # a folder as its path, not PosixPath(...)
+        shown = {name: getattr(options, name) for name in changed}
+        return ", ".join(f"{name}={str(v) if isinstance(v, Path) else v!r}" for name, v in shown.items())
+
+    raise ValueError(
+        f"job {job_id} ran on {named} with {values(ran)}, but it is loaded now with {values(now)}: load it as it was "
+        "to branch it"
+    )
+
+
 def plan_branch(
     result: GenerationResult,
     at: int,
@@ -54,9 +79,9 @@ def plan_branch(
             "at the forced token: branch an unconstrained answer"
         )
     n = len(result.token_ids)
-    if not 0 <= at < n:
+    if not is_number(at, int) or not 0 <= at < n:  # True is no position, nor is 1.5 or '3'
         raise ValueError(
-            f"at={at} is not a position of job {result.job_id}'s answer: give 0 to {n - 1} (it has {n} tokens)"
+            f"at={at!r} is not a position of job {result.job_id}'s answer: give 0 to {n - 1} (it has {n} tokens)"
         )
     budget = request.max_new_tokens + len(lead)  # what the answer may hold in all, its given tokens included
     left = budget - at - 1
@@ -110,6 +135,7 @@ def forced_token(result: GenerationResult, at: int, token: int | str | None, tok
         if not 0 <= token < vocab_size:
             raise ValueError(f"token={token} is not in the vocabulary: give an id from 0 to {vocab_size - 1}")
         return token
+    check_text("token", token)
     ids = tokenizer.encode(token, special=True)
     if len(ids) != 1:
         pieces = [tokenizer.decode([i]) for i in ids]

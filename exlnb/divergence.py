@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import hashlib
 import math
+import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from exlnb.engines.checks import is_number
 from exlnb.models import cache_root
 
 # bins of the reference's top-1 probability, qbench's CONF_BUCKETS: the mean KL is dominated by positions where
@@ -163,11 +165,17 @@ def compare(
 
 
 def check_sequence(token_ids: Sequence[int], max_len: int | None = None) -> None:
-    if len(token_ids) < 2:
-        raise ValueError(f"a sequence of {len(token_ids)} token(s) is too short to score: give at least 2")
-    if max_len is not None and len(token_ids) > max_len:
+    check_sequence_length(len(token_ids), max_len)
+
+
+def check_sequence_length(count: int, max_len: int | None = None) -> None:
+    """A sequence of `count` tokens can be scored by a model whose cache holds `max_len`: checked before a text of
+    that many tokens is made (`--tokens 1000000000` built a 5 GB string first)."""
+    if count < 2:
+        raise ValueError(f"a sequence of {count} token(s) is too short to score: give at least 2")
+    if max_len is not None and count > max_len:
         raise ValueError(
-            f"a sequence of {len(token_ids)} tokens is longer than the model's cache ({max_len} tokens): "
+            f"a sequence of {count} tokens is longer than the model's cache ({max_len} tokens): "
             "give fewer tokens, or load the model with a larger cache_tokens"
         )
 
@@ -216,10 +224,15 @@ class Reference:
     def check_tokenizer(self, tokenizer_id: str, vocab_size: int) -> None:
         """A reference scored with another tokenizer compares different tokens: refused in one line."""
         if tokenizer_id != self.tokenizer_id or vocab_size != self.vocab_size:
-            raise ValueError(
-                f"the reference ({self.model}, {self.vocab_size} tokens) was computed with another tokenizer than the "
-                f"loaded model's ({vocab_size} tokens): compare models that share the reference's tokenizer"
-            )
+            raise another_tokenizer(f"{self.model}, {self.vocab_size} tokens", f"{vocab_size} tokens")
+
+
+def another_tokenizer(reference: str, loaded: str) -> ValueError:
+    """The refusal of a reference whose tokenizer is not the loaded model's, kept or about to be computed."""
+    return ValueError(
+        f"the reference ({reference}) has another tokenizer than the loaded model's ({loaded}): compare models "
+        "that share the reference's tokenizer"
+    )
 
 
 def reference_path(folder: Path, token_ids: Sequence[int], dtype: str, cache_dir: Path | None = None) -> Path:
@@ -263,7 +276,55 @@ def cached_reference(
 
 
 def load_reference(path: Path) -> Reference:
-    """A reference kept by `cached_reference`, from its file."""
+    """A reference kept by `cached_reference`, from its file, checked whole: a file that is not one fails here in a
+    line, not later as an IndexError, a KL of nan or Python's words about keyword arguments."""
     if not path.is_file():
         raise FileNotFoundError(f"no reference at {path}: give a file that exlnb.divergence kept, or a model folder")
-    return Reference(**torch.load(path, weights_only=True))
+    try:
+        with warnings.catch_warnings():  # torch warns, over lines, of a pickle protocol it did not write
+            warnings.simplefilter("ignore")
+            kept = torch.load(path, weights_only=True)
+    # whatever the unpickler met (UnpicklingError, EOFError, KeyError, ...), said without torch's own words,
+    # which advise weights_only=False: that would run any code a malicious file holds
+    except Exception as error:
+        raise _no_reference(path, f"it does not load as tensors and plain values ({type(error).__name__})") from None
+    if problem := _reference_problem(kept):
+        raise _no_reference(path, problem)
+    return Reference(**{**kept, "token_ids": tuple(kept["token_ids"])})
+
+
+def _no_reference(path: Path, problem: str) -> ValueError:
+    return ValueError(f"{path} cannot serve as a reference: {problem}; give a file that exlnb.divergence kept")
+
+
+def _reference_problem(kept: object) -> str | None:
+    """What makes a loaded file no reference, in words (None when it is one): its fields, their shapes, token ids
+    of its vocabulary, finite values."""
+    names = [f.name for f in fields(Reference)]
+    if not isinstance(kept, dict):
+        return f"it holds a {type(kept).__name__}, not a reference's fields ({', '.join(names)})"
+    if missing := [name for name in names if name not in kept]:
+        return f"it lacks {', '.join(missing)}"
+    if extra := sorted(str(name) for name in kept if name not in names):
+        return f"it has fields no reference has: {', '.join(extra)}"
+    logits, ids, noise = kept["logits"], kept["token_ids"], kept["noise_kl"]
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+        return "its logits are not a [positions, vocabulary] tensor of floats"
+    if not isinstance(ids, (tuple, list)) or not all(is_number(i, int) for i in ids):
+        return "its token_ids are not a list of integers"
+    positions, vocab = logits.shape
+    if len(ids) != positions:
+        return f"it has {len(ids)} token ids but logits for {positions} positions"
+    if outside := [i for i in ids if not 0 <= i < vocab]:
+        return f"its token ids {outside[:5]} are outside its vocabulary (0..{vocab - 1})"
+    if bad := int((~torch.isfinite(logits)).any(dim=-1).sum()):
+        return f"its logits hold NaN or infinite values at {bad} of {positions} positions"
+    if noise is not None and not (
+        isinstance(noise, torch.Tensor) and noise.shape == (positions,) and bool(torch.isfinite(noise).all())
+    ):
+        return "its noise_kl is not one finite number per position, nor None"
+    if not all(isinstance(kept[name], str) for name in ("model", "model_id", "tokenizer_id", "dtype")):
+        return "its model, model_id, tokenizer_id and dtype are not all strings"
+    if kept["dtype"] not in REFERENCE_DTYPES:
+        return f"its dtype {kept['dtype']!r} is not one of {', '.join(REFERENCE_DTYPES)}"
+    return None

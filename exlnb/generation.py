@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 
 from exlnb.analysis import Loop, find_tail_loop
-from exlnb.branching import plan_branch
+from exlnb.branching import check_still_loaded, plan_branch
 from exlnb.chat import Chat, get_chat
 from exlnb.engines.base import LOOP_DETECTOR, EosReason, JobSpec, StreamEvent, wall_clock
 from exlnb.engines.options import EngineOptions
@@ -321,8 +321,7 @@ def _prepare(
         if conv
         else render(request.template, conversation(request.prompt, request.system), tokenizer)
     )
-    session.check_text_fits(text)
-    ids = tokenizer.encode(text, special=True)
+    ids = list(session.prompt_ids(text, request.max_new_tokens))
     # a class attribute, read without the engine's thread: it never changes
     by_engine = request.loop_guard and session.engine.loop_guard_by_engine
     prompt = PreparedPrompt(text, ids, lint_rendered(ids, request.template, tokenizer), conv, by_engine)
@@ -392,12 +391,7 @@ def _prepare_branch(result: GenerationResult, at: int, token: int | str | None) 
             "(exlnb.generate_live, %%exl_generate --out) can branch"
         )
     session = lineage.session
-    if session.options != lineage.model:
-        now = "nothing" if session.options is None else f"{session.options.model_dir.name} ({session.options.engine})"
-        raise ValueError(
-            f"job {result.job_id} ran on {lineage.model.model_dir.name} ({lineage.model.engine}), but "
-            f"{now} is loaded now: load that model again to branch it"
-        )
+    check_still_loaded(result.job_id, lineage.model, session.options)
     if session.engine.branch_refusal is not None:
         raise ValueError(session.engine.branch_refusal)
     plan = plan_branch(

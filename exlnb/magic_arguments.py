@@ -172,8 +172,11 @@ def fill_prompt(body: str, namespace: dict) -> str:
         try:
             formatter.get_field(field, (), namespace)
         except (KeyError, IndexError, AttributeError, TypeError) as error:
+            # KeyError's words are the key alone; the others' say what failed ("'int' object is not subscriptable")
+            why = f"it has no key {error}" if isinstance(error, KeyError) else str(error)
+            held = type(namespace[variable]).__name__
             raise UsageError(
-                f"the prompt's {{{field}}} could not be filled: {variable!r} has no {error} "
+                f"the prompt's {{{field}}} could not be filled from {variable} ({held}): {why} "
                 f"({type(error).__name__}); write {{{{ and }}}} for literal braces"
             ) from None
     try:

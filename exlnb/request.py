@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from exlnb.engines.base import JobSpec, Tokenizer
-from exlnb.engines.checks import SEED_MAX, check_field_types, check_text
+from exlnb.engines.checks import SEED_MAX, check_field_types, check_seed, check_text
 from exlnb.engines.constraint import OutputConstraint
 from exlnb.engines.declaration import option, same_option, takes_options
 from exlnb.engines.job_options import JobOptions
@@ -110,10 +110,7 @@ class GenerationRequest:
             raise ValueError(f"a chat records one answer per turn: use n=1 with chat={self.chat!r} (got n={self.n})")
         if self.amnesia and self.chat is None:
             raise ValueError("amnesia forgets a chat's history: name the chat too (chat=...)")
-        if self.seed is not None and not 0 <= self.seed <= SEED_MAX - (self.n - 1):
-            raise ValueError(
-                f"seed={self.seed} is out of range: use 0 to {SEED_MAX - (self.n - 1)} (sample i uses seed + i)"
-            )
+        check_seed(self.seed, SEED_MAX - (self.n - 1), " (sample i uses seed + i)")
 
     @property
     def constraint(self) -> OutputConstraint | None:

@@ -18,8 +18,10 @@ from exlnb.divergence import (
     BF16_ROUNDING_EPS,
     Divergence,
     Reference,
+    another_tokenizer,
     cached_reference,
     check_sequence,
+    check_sequence_length,
     compare,
     load_reference,
     reference_path,
@@ -50,7 +52,9 @@ def score(session: Session, token_ids: Sequence[int], *, noise_eps: float = 0.0)
 
 
 def text_ids(session: Session, tokens: int = DEFAULT_TOKENS) -> list[int]:
-    """A fixed sequence of `tokens` tokens of ordinary text from data/, the same on every call."""
+    """A fixed sequence of `tokens` tokens of ordinary text from data/, the same on every call; refused before
+    the text is made when the loaded model's cache cannot hold that many."""
+    check_sequence_length(tokens, session.engine.max_seq_len)
     return filler_ids(session.tokenizer, tokens, label="divergence")
 
 
@@ -112,8 +116,10 @@ def divergence_from(
     if path.suffix == ".pt":
         kept = load_reference(path)
     else:
-        ids = text_ids(session, tokens)
-        path = reference_path(resolve_model(str(against)), ids, dtype)
+        ids, folder, loaded = text_ids(session, tokens), resolve_model(str(against)), session.options.model_dir
+        if tokenizer_identity(folder) != tokenizer_identity(loaded):  # before its model is loaded and scored
+            raise another_tokenizer(folder.name, loaded.name)
+        path = reference_path(folder, ids, dtype)
         if not path.is_file():
             say(
                 f"the reference's logits: scoring {against} over {len(ids)} tokens in a session of its own, and again "

@@ -17,6 +17,7 @@ import numpy as np
 
 from exlnb.datasets import DATA_DIR, load_prompts
 from exlnb.engines.base import Tokenizer
+from exlnb.engines.checks import check_seed
 from exlnb.metrics import check_slos
 from exlnb.templates import conversation, render
 
@@ -85,6 +86,7 @@ class Workload:
                         f"{self.requests_per_rate} requests, and a rate may take at most {_in_words(MAX_SEND_S)}: "
                         "raise the rate, send fewer requests, or give duration_s"
                     )
+        check_seed(self.seed, why=" (the same seed sends the same requests at the same times)")
         if self.slos:
             check_slos(self.slos)
         if self.dataset is not None and self.dataset not in prompt_sets():

@@ -235,6 +235,7 @@ def test_the_magic_runs_and_stores_its_result(shell, idle_session, capsys):
         ("--request-rate fast", "give requests per second separated by commas"),
         ("--prompt-len 8-x", "a range such as 64-256"),
         ("--slo ttft=5", r"unknown SLO \['ttft'\]"),
+        ("--seed -1", r"^seed=-1 is out of range: use 0 to 9223372036854775807 \(the same seed sends the same"),
     ],
 )
 def test_magic_mistakes_are_usage_errors(shell, idle_session, line, message):

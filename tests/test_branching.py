@@ -126,6 +126,26 @@ def test_bad_branch_input_is_refused_in_one_line(greedy_answer, at, token, messa
     assert "\n" not in str(raised.value)
 
 
+@pytest.mark.parametrize("at", [True, 1.5, "3", None])
+def test_a_position_that_is_not_an_integer_is_refused_naming_the_positions(greedy_answer, at):
+    n, branches = len(greedy_answer.token_ids), len(greedy_answer.origin.family)
+    with pytest.raises(ValueError) as raised:
+        greedy_answer.branch(at=at)
+    assert str(raised.value) == (
+        f"at={at!r} is not a position of job {greedy_answer.job_id}'s answer: give 0 to {n - 1} (it has {n} tokens)"
+    )
+    assert len(greedy_answer.origin.family) == branches  # nothing ran
+
+
+def test_a_forced_token_with_a_lone_surrogate_is_named_as_the_token(greedy_answer):
+    with pytest.raises(ValueError) as raised:
+        greedy_answer.branch(at=AT, token="\ud800")
+    assert str(raised.value) == (
+        "token has '\\ud800' at position 0, a lone surrogate that is not a character and cannot be tokenised: "
+        "remove it, or decode the text it came from properly"
+    )
+
+
 def drawings_until(drawn: list, done, timeout_s: float = 60) -> list:
     """What was drawn, once `done(drawn)` holds (the chooser branches on a thread of its own)."""
     deadline = time.monotonic() + timeout_s
@@ -189,6 +209,62 @@ def test_a_choice_that_cannot_branch_says_why_under_the_view_in_one_line(cpu_ses
     assert "exlnb-warning" in refused["text/html"] and original.origin.family == []
 
 
+@pytest.fixture(scope="module")
+def chooser(cpu_session):
+    from exlnb.widgets.branches import BranchChoices
+
+    generation = start(QUESTION, temperature=0, max_new_tokens=4, tokens=2)
+    choices = BranchChoices(generation)
+    generation.wait(60)
+    yield choices
+    choices.close()
+
+
+ANSWER = "the key of the chooser's answer"
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        None,
+        "branch",
+        [],
+        {},
+        {"type": "branch"},
+        {"type": "branch", "answer": ["a list"], "at": 1, "token": 2},
+        {"type": "branch", "answer": "no such answer", "at": 1, "token": 2},
+        {"type": "branch", "answer": ANSWER, "token": 2},
+        {"type": "branch", "answer": ANSWER, "at": "1", "token": 2},
+        {"type": "branch", "answer": ANSWER, "at": None, "token": 2},  # Number(undefined) is NaN, sent as null
+        {"type": "branch", "answer": ANSWER, "at": 1.5, "token": 2},
+        {"type": "branch", "answer": ANSWER, "at": 1, "token": True},
+    ],
+)
+def test_a_malformed_message_to_the_chooser_is_refused_quietly_with_a_log_line(chooser, monkeypatch, caplog, message):
+    import logging
+    import threading
+
+    from exlnb.widgets.branches import branch_key
+
+    key = branch_key(chooser.generation.samples[0])
+    if isinstance(message, dict) and message.get("answer") == ANSWER:
+        message = {**message, "answer": key}
+    branched = []
+    monkeypatch.setattr(chooser, "_branch", lambda *args: branched.append(args))
+
+    with caplog.at_level(logging.WARNING, logger="exlnb.widgets.branches"):
+        chooser.handle(message)  # on the kernel's event loop: raising here would raise there
+    for thread in threading.enumerate():
+        if thread.name == "exlnb-branch":
+            thread.join(10)
+
+    assert branched == []
+    [record] = caplog.records
+    assert record.getMessage() == (
+        f"exlnb: the branch chooser ignored a message that is not a choice: {message!r:.200}"
+    )
+
+
 def test_a_result_without_its_request_cannot_branch(cpu_session):
     from exlnb.engines.base import JobSpec
 
@@ -197,10 +273,27 @@ def test_a_result_without_its_request_cannot_branch(cpu_session):
         plain.branch(at=1)
 
 
-def test_a_result_of_another_loaded_model_cannot_branch(cpu_session, greedy_answer):
+def test_a_result_of_the_model_loaded_again_with_other_options_cannot_branch_and_says_what_changed(
+    cpu_session, greedy_answer
+):
     cpu_session.load("smollm2-135m-instruct", engine="cpu", cache_tokens=4096, progress=False)
-    with pytest.raises(ValueError, match=r"but smollm2-135m-instruct \(cpu\) is loaded now: load that model again"):
+    with pytest.raises(ValueError) as raised:
         greedy_answer.branch(at=AT)
+    assert str(raised.value) == (
+        f"job {greedy_answer.job_id} ran on smollm2-135m-instruct (cpu) with cache_tokens=8192, but it is loaded "
+        "now with cache_tokens=4096: load it as it was to branch it"
+    )
+
+
+def test_a_result_of_a_model_no_longer_loaded_cannot_branch(greedy_answer):
+    session = greedy_answer.origin.session
+    session.unload()
+    with pytest.raises(ValueError) as raised:
+        greedy_answer.branch(at=AT)
+    assert str(raised.value) == (
+        f"job {greedy_answer.job_id} ran on smollm2-135m-instruct (cpu), but nothing is loaded now: load that "
+        "model again to branch it"
+    )
 
 
 def test_branch_magic_streams_stores_and_shows_the_tree(shell, cpu_session, greedy_answer, capsys):
@@ -222,12 +315,15 @@ def test_branch_magic_streams_stores_and_shows_the_tree(shell, cpu_session, gree
         ("answer.text --at 1", "answer.text is a str, not a result"),
         ("answer --at 99", "at=99 is not a position"),
         ("answer --at 1 --token a --token-id 3", "not both"),
+        ("answer --at 1 --out 1abc", "--out 1abc: name a Python variable"),
+        ("answer --at 1 --out class", "--out class: name a Python variable"),
     ],
 )
 def test_branch_magic_mistakes_are_one_line(shell, greedy_answer, line, message):
     shell.user_ns["answer"] = greedy_answer
     with pytest.raises(UsageError, match=message):
         shell.run_line_magic("exl_branch", line)
+    assert not {"1abc", "class"} & set(shell.user_ns)
 
 
 def test_branch_magic_in_a_kernel_awaits_so_its_stop_button_is_heard(shell, greedy_answer, monkeypatch):

@@ -4,8 +4,11 @@ the CPU engine, the reference kept on disk, and each bad input refused in one li
 from __future__ import annotations
 
 import math
+import random
+import re
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +28,7 @@ from exlnb.divergence import (
 from exlnb.engines.cpu.engine import CpuEngine
 from exlnb.engines.registry import register_engine, unregister_engine
 from exlnb.models import resolve_model
-from exlnb.scoring import divergence, reference, score, text_ids
+from exlnb.scoring import divergence, divergence_from, reference, score, text_ids
 from exlnb.session import Session
 from tests.toy_engine import TOY_SPEC
 
@@ -165,8 +168,174 @@ def test_the_reference_is_computed_once_and_read_from_disk_afterwards(monkeypatc
 def test_a_reference_from_another_tokenizer_is_refused(cpu_session, bundled_reference):
     other = replace(bundled_reference, tokenizer_id="another")
 
-    with pytest.raises(ValueError, match=r"^the reference .* was computed with another tokenizer than the loaded"):
+    with pytest.raises(ValueError, match=r"^the reference .* has another tokenizer than the loaded model's"):
         divergence(cpu_session, other)
+
+
+def never_computed(*args, **kwargs):
+    pytest.fail("made the text or scored the reference's model before refusing")
+
+
+def test_a_reference_folder_with_another_tokenizer_is_refused_before_its_model_is_loaded(
+    cpu_session, tmp_path, monkeypatch
+):
+    folder = resolve_model(BUNDLED)
+    other = tmp_path / "other-tokenizer"
+    other.mkdir()
+    for path in folder.iterdir():
+        (other / path.name).symlink_to(path)
+    (other / "tokenizer.json").unlink()
+    (other / "tokenizer.json").write_text((folder / "tokenizer.json").read_text().replace('"<|im_end|>"', '"<|x|>"'))
+    monkeypatch.setattr("exlnb.scoring.reference", never_computed)
+
+    with pytest.raises(ValueError) as raised:
+        divergence_from(cpu_session, other, tokens=TOKENS, engine="cpu")
+    assert str(raised.value) == (
+        "the reference (other-tokenizer) has another tokenizer than the loaded model's (smollm2-135m-instruct): "
+        "compare models that share the reference's tokenizer"
+    )
+
+
+TOO_LONG = "a sequence of {tokens} tokens is longer than the model's cache (8192 tokens): give fewer tokens, or load "
+TOO_LONG += "the model with a larger cache_tokens"
+
+
+@pytest.mark.parametrize(
+    "tokens, message",
+    [
+        (10**9, TOO_LONG.format(tokens=10**9)),  # built a 5 GB string first, and hung
+        (9000, TOO_LONG.format(tokens=9000)),  # loaded and scored the reference's model first
+        (1, "a sequence of 1 token(s) is too short to score: give at least 2"),
+    ],
+)
+def test_a_text_the_loaded_cache_cannot_hold_is_refused_before_it_is_made(
+    shell, cpu_session, monkeypatch, tokens, message
+):
+    assert cpu_session.engine.max_seq_len == 8192
+    monkeypatch.setattr("exlnb.scoring.filler_ids", never_computed)
+    monkeypatch.setattr("exlnb.scoring.reference", never_computed)
+
+    with pytest.raises(ValueError) as raised:
+        divergence_from(cpu_session, BUNDLED, tokens=tokens, engine="cpu")
+    assert str(raised.value) == message
+    with pytest.raises(UsageError, match=f"^{re.escape(message)}$"):
+        shell.run_line_magic("exl_divergence", f"{BUNDLED} --tokens {tokens} --engine cpu")
+
+
+class Pickled:
+    """What a malicious file would unpickle: any callable, here one that leaves a mark."""
+
+    def __init__(self, mark):
+        self.mark = mark
+
+    def __reduce__(self):
+        return (Path.touch, (self.mark,))
+
+
+def kept_fields(reference) -> dict:
+    return {**reference.__dict__}
+
+
+def with_values(tensor: torch.Tensor, values: dict) -> torch.Tensor:
+    """A copy of `tensor` with the given values at the given indices."""
+    copy = tensor.clone()
+    for index, value in values.items():
+        copy[index] = value
+    return copy
+
+
+BAD_REFERENCES = {
+    "random bytes": (
+        lambda ref, tmp: random.Random(0).randbytes(4096),
+        "it does not load as tensors and plain values (UnpicklingError)",
+    ),
+    "a malicious pickle": (
+        lambda ref, tmp: {**kept_fields(ref), "model": Pickled(tmp / "ran")},
+        "it does not load as tensors and plain values (UnpicklingError)",
+    ),
+    "a bare tensor": (
+        lambda ref, tmp: ref.logits,
+        "it holds a Tensor, not a reference's fields (model, model_id, tokenizer_id, token_ids, dtype, logits, "
+        "noise_kl)",
+    ),
+    "an extra key": (lambda ref, tmp: {**kept_fields(ref), "extra": 1}, "it has fields no reference has: extra"),
+    "a missing key": (
+        lambda ref, tmp: {k: v for k, v in kept_fields(ref).items() if k != "noise_kl"},
+        "it lacks noise_kl",
+    ),
+    "ids outside the vocabulary": (
+        lambda ref, tmp: {**kept_fields(ref), "token_ids": (*ref.token_ids[:-2], -1, 60000)},
+        "its token ids [-1, 60000] are outside its vocabulary (0..49151)",
+    ),
+    "NaN logits": (
+        lambda ref, tmp: {**kept_fields(ref), "logits": ref.logits.index_fill(1, torch.tensor([7]), math.nan)},
+        f"its logits hold NaN or infinite values at {TOKENS} of {TOKENS} positions",
+    ),
+    "a NaN and an infinity among the logits": (
+        lambda ref, tmp: {**kept_fields(ref), "logits": with_values(ref.logits, {(3, 7): math.nan, (5, 0): -math.inf})},
+        f"its logits hold NaN or infinite values at 2 of {TOKENS} positions",
+    ),
+    "integer logits": (
+        lambda ref, tmp: {**kept_fields(ref), "logits": ref.logits.long()},
+        "its logits are not a [positions, vocabulary] tensor of floats",
+    ),
+    "logits of one position": (
+        lambda ref, tmp: {**kept_fields(ref), "logits": ref.logits[0]},
+        "its logits are not a [positions, vocabulary] tensor of floats",
+    ),
+    "token ids that are numbers but not integers": (
+        lambda ref, tmp: {**kept_fields(ref), "token_ids": tuple(float(i) for i in ref.token_ids)},
+        "its token_ids are not a list of integers",
+    ),
+    "a noise floor with a NaN": (
+        lambda ref, tmp: {**kept_fields(ref), "noise_kl": with_values(ref.noise_kl, {(4,): math.nan})},
+        "its noise_kl is not one finite number per position, nor None",
+    ),
+    "a model that is no name": (
+        lambda ref, tmp: {**kept_fields(ref), "model": None},
+        "its model, model_id, tokenizer_id and dtype are not all strings",
+    ),
+    "a dtype no reference is kept in": (
+        lambda ref, tmp: {**kept_fields(ref), "dtype": "int8"},
+        "its dtype 'int8' is not one of float32, float16, bfloat16",
+    ),
+    "fewer logits than ids": (
+        lambda ref, tmp: {**kept_fields(ref), "logits": ref.logits[1:]},
+        f"it has {TOKENS} token ids but logits for {TOKENS - 1} positions",
+    ),
+    "a noise floor of another length": (
+        lambda ref, tmp: {**kept_fields(ref), "noise_kl": ref.noise_kl[1:]},
+        "its noise_kl is not one finite number per position, nor None",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", BAD_REFERENCES)
+def test_a_bad_reference_file_is_refused_saying_what_is_wrong_in_one_line(shell, bundled_reference, tmp_path, kind):
+    make, problem = BAD_REFERENCES[kind]
+    path = tmp_path / "bad.pt"
+    content = make(bundled_reference, tmp_path)
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        torch.save(content, path)
+
+    with pytest.raises(ValueError) as raised:
+        load_reference(path)
+    assert str(raised.value) == f"{path} cannot serve as a reference: {problem}; give a file that exlnb.divergence kept"
+    assert "weights_only" not in str(raised.value) and not (tmp_path / "ran").exists()
+    with pytest.raises(UsageError, match=f"^{re.escape(str(raised.value))}$"):
+        shell.run_line_magic("exl_divergence", str(path))
+
+
+def test_a_kept_reference_without_a_noise_floor_passes_the_checks(shell, bundled_reference, tmp_path):
+    kept = tmp_path / "kept.pt"  # what an engine that cannot inject noise keeps
+    torch.save({**kept_fields(bundled_reference), "noise_kl": None}, kept)
+
+    with capture_output() as captured:
+        shell.run_line_magic("exl_divergence", str(kept))
+
+    assert "noise floor (bf16)   n/a" in captured.stdout and "top-1 agreement      100.00%" in captured.stdout
 
 
 def test_kl_between_different_vocabularies_is_refused():
@@ -247,3 +416,13 @@ def test_the_magics_help_names_the_noise_floor_it_prints(shell, capsys):
 def test_the_magic_refuses_a_missing_reference_file_in_one_line(shell, tmp_path):
     with pytest.raises(UsageError, match=r"^no reference at .*missing\.pt: give a file that exlnb\.divergence kept"):
         shell.run_line_magic("exl_divergence", str(tmp_path / "missing.pt"))
+
+
+@pytest.mark.parametrize("name", ["1abc", "class"])
+def test_the_magic_stores_its_result_only_under_a_python_variable(shell, bundled_reference, tmp_path, name):
+    kept = tmp_path / "kept.pt"
+    torch.save({**bundled_reference.__dict__}, kept)
+
+    with pytest.raises(UsageError, match=f"^--out {name}: name a Python variable"):
+        shell.run_line_magic("exl_divergence", f"{kept} --out {name}")
+    assert name not in shell.user_ns

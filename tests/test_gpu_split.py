@@ -11,7 +11,7 @@ from IPython.core.error import UsageError
 
 from exlnb.engines.base import EngineStatus
 from exlnb.engines.options import check_gpu_split, parse_gpu_split
-from exlnb.session import Session
+from exlnb.session import LoadOptions, Session
 
 H100 = 80 * 2**30
 TWO = (H100, H100)
@@ -72,6 +72,22 @@ def test_the_split_is_parsed_as_gib_per_gpu():
     assert parse_gpu_split("0,23.5") == [0.0, 23.5]
     with pytest.raises(ValueError, match="--gpu-split '20;24': give auto, or GiB per GPU separated by commas"):
         parse_gpu_split("20;24")
+
+
+def test_a_split_given_to_load_as_text_is_read_as_the_flag_reads_it_not_as_characters():
+    assert LoadOptions(gpu_split="20,24").gpu_split == (20.0, 24.0)
+    assert LoadOptions(gpu_split=[20, 24]).gpu_split == (20, 24)
+    assert LoadOptions(gpu_split="auto").gpu_split == "auto"
+    with pytest.raises(ValueError, match="^--gpu-split '20;24': give auto, or GiB per GPU separated by commas"):
+        LoadOptions(gpu_split="20;24")
+
+
+def test_a_split_given_as_one_number_says_to_give_a_list(cpu_session):
+    before = cpu_session.status()
+    with pytest.raises(TypeError) as raised:
+        cpu_session.load("smollm2-135m-instruct", engine="exllamav2", gpu_split=20, progress=False)
+    assert str(raised.value) == "gpu_split=20: give GiB per GPU as a list, e.g. [20] or [20, 24], or 'auto'"
+    assert cpu_session.status() == before
 
 
 def test_the_status_line_gives_memory_per_gpu_where_the_model_spans_several():

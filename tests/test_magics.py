@@ -168,6 +168,25 @@ def test_bad_options_are_usage_errors_not_tracebacks(shell, idle):
         shell.run_line_magic("exl_cancel", "")
 
 
+@pytest.mark.parametrize(
+    "name, value, field, problem",
+    [
+        ("k", 5, "k[0]", "k (int): 'int' object is not subscriptable (TypeError)"),
+        ("k", [1], "k[3]", "k (list): list index out of range (IndexError)"),
+        ("k", {}, "k[missing]", "k (dict): it has no key 'missing' (KeyError)"),
+        ("k", 5, "k.colour", "k (int): 'int' object has no attribute 'colour' (AttributeError)"),
+    ],
+)
+def test_a_prompt_name_that_cannot_be_filled_says_what_the_variable_holds(shell, idle, name, value, field, problem):
+    shell.user_ns[name] = value
+    with pytest.raises(UsageError) as raised:
+        shell.run_cell_magic("exl_generate", "--max-new-tokens 2", f"Tell me about {{{field}}}.")
+    assert str(raised.value) == (
+        f"the prompt's {{{field}}} could not be filled from {problem}; write {{{{ and }}}} for literal braces"
+    )
+    assert idle.jobs() == []
+
+
 def test_greedy_answer_with_result_object_and_stats(shell, idle, capsys):
     result = generate(shell, "--temperature 0 --max-new-tokens 24")
 

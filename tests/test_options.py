@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,6 +185,92 @@ def test_a_prompt_far_too_long_for_the_cache_is_refused_before_tokenizing(shell,
     shell.user_ns["huge"] = huge
     with pytest.raises(UsageError, match="characters, more than the cache's"):
         shell.run_cell_magic("exl_generate", "--max-new-tokens 2", "{huge}")
+    assert cpu_session.jobs() == []
+
+
+def test_a_megabyte_of_text_is_refused_by_its_length_at_the_vocabulary_s_longest_token(cpu_session, monkeypatch):
+    longest = cpu_session.tokenizer.longest_token()
+    assert longest == 81  # SmolLM2's runs of '#' and of spaces: 8192 tokens hold at most 663,552 characters
+    monkeypatch.setattr(cpu_session.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized it first"))
+    limit = cpu_session.engine.max_seq_len
+    with pytest.raises(ValueError) as raised:
+        cpu_session.generate("x" * 1_000_000, max_new_tokens=2)
+    assert str(raised.value) == (
+        f"the prompt has 1,000,000 characters, more than the cache's {limit} tokens could hold even at {longest} "
+        "characters a token (the vocabulary's longest): shorten it, or load with a larger cache_tokens"
+    )
+    assert cpu_session.jobs() == []
+
+
+class TenMillionIds(Sequence):
+    """A prompt of 10^7 token ids that fails the test when any of them is looked at."""
+
+    def __len__(self) -> int:
+        return 10**7
+
+    def __getitem__(self, index):
+        pytest.fail("looked at the ids of a prompt that its length alone refuses")
+
+
+def test_token_ids_too_many_for_the_cache_are_refused_by_their_count_alone(cpu_session):
+    limit = cpu_session.engine.max_seq_len
+    with pytest.raises(ValueError) as raised:
+        cpu_session.generate(TenMillionIds(), max_new_tokens=2)
+    assert str(raised.value) == (
+        f"the prompt has 10000000 tokens but the cache holds {limit}: shorten the prompt or load with cache_tokens "
+        "of at least 10000002"
+    )
+
+
+@pytest.mark.parametrize("prompt", [b"What is the capital of France?", None, 123, [1.5, 2]])
+def test_a_prompt_that_is_neither_text_nor_token_ids_is_refused(cpu_session, prompt):
+    with pytest.raises(TypeError) as raised:
+        cpu_session.generate(prompt, max_new_tokens=2)
+    assert str(raised.value) == (
+        f"prompt={prompt!r:.60} has the wrong type: it must be a string, or token ids as a list of integers"
+    )
+    assert cpu_session.jobs() == []
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(stop=[1.5]), "stop=(1.5,) has the wrong type: it must be a list of strings or integers"),
+        (dict(stop=[None]), "stop=(None,) has the wrong type: it must be a list of strings or integers"),
+        (dict(stop=None), "stop=None has the wrong type: it must be a list of strings or integers"),
+        (dict(stop=b"\n"), "stop=b'\\n' has the wrong type: it must be a list of strings or integers"),
+        (dict(stop=""), "stop has an empty string, which would stop before the first token: remove it"),
+        (dict(stop=[-1]), "token ids [-1] are outside the vocabulary (0..49151)"),
+        (dict(stop=[10**9]), "token ids [1000000000] are outside the vocabulary (0..49151)"),
+        (
+            dict(sampler="greedy"),
+            "sampler='greedy' has the wrong type: it must be a SamplerSettings, e.g. SamplerSettings.greedy(), or "
+            "give settings by name (temperature=0)",
+        ),
+        (dict(token_bias="x"), "token_bias='x' must map token ids to numbers, e.g. {198: -2.5}"),
+        (dict(stop_on_loop=(1,)), "stop_on_loop=(1,) has the wrong type: it must be a tuple of 2 integers or None"),
+    ],
+)
+def test_a_job_option_of_the_wrong_kind_is_refused_saying_what_it_must_be(cpu_session, options, message):
+    with pytest.raises((TypeError, ValueError)) as raised:
+        cpu_session.generate(QUESTION, max_new_tokens=2, **options)
+    assert str(raised.value) == message
+    assert cpu_session.jobs() == []
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(stop=""), "stop has an empty string, which would stop before the first token: remove it"),
+        (dict(stop=None), "stop=None has the wrong type: it must be a list of strings or integers"),
+        (dict(stop=[10**9]), "token ids [1000000000] are outside the vocabulary (0..49151)"),
+        (dict(sampler="greedy"), "sampler='greedy' has the wrong type: it must be a SamplerSettings"),
+    ],
+)
+def test_a_request_refuses_what_a_job_refuses_in_the_same_words(cpu_session, options, message):
+    with pytest.raises((TypeError, ValueError)) as raised:
+        start(QUESTION, max_new_tokens=2, **options)
+    assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
     assert cpu_session.jobs() == []
 
 

@@ -123,8 +123,10 @@ class JobSpec:
         return dict(stop_token_ids=frozenset(ids), stop_strings=tuple(s for s in stops if isinstance(s, str)))
 
     def check_vocabulary(self, vocab_size: int) -> None:
-        """Refuse, in one line, a prompt or `token_bias` id the model has no logit for."""
-        bad = [t for t in self.input_ids + tuple(t for t, _ in self.sampler.token_bias) if not 0 <= t < vocab_size]
+        """Refuse, in one line, a prompt, `token_bias` or stop token id the model has no logit for (a stop id
+        outside it would never be sampled, so the job would silently never stop on it)."""
+        ids = (*self.input_ids, *(t for t, _ in self.sampler.token_bias), *sorted(self.stop_token_ids))
+        bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")
 

@@ -31,18 +31,19 @@ def check_field_types(instance) -> None:
 
 
 def _has_type(value, hint) -> bool:
-    origin = typing.get_origin(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        return any(_has_type(value, arm) for arm in typing.get_args(hint))
+        return any(_has_type(value, arm) for arm in args)
     if hint is type(None):
         return value is None
     if hint in (bool, int, float):
         return is_number(value, hint)
     if hint is str:
         return isinstance(value, str)
+    if origin is tuple and Ellipsis not in args:  # a fixed length: (window, min_reps)
+        return isinstance(value, tuple) and len(value) == len(args) and all(map(_has_type, value, args))
     if origin in (tuple, frozenset):
-        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
-        return isinstance(value, origin) and all(any(_has_type(v, a) for a in args) for v in value)
+        return isinstance(value, origin) and all(_has_type(v, args[0]) for v in value)
     return True  # richer types (settings objects, identifiers) are checked where they are used
 
 
@@ -64,19 +65,31 @@ def check_finite(instance) -> None:
             raise ValueError(f"{f.name}={value!r} is out of range: it must be at most {INT_MAX:,} in size")
 
 
-def one_or_many(items: object) -> tuple:
+def one_or_many(items: object) -> object:
     """A list option's items, where one string (or token id) is one item: `stop="Paris"` is ("Paris",), not
-    its five letters."""
+    its five letters. Anything else that is not a collection (None, 1.5, bytes) is left for `check_field_types` to
+    refuse: bytes would otherwise be read as token ids."""
     if isinstance(items, (str, int)):
         return (items,)
-    return tuple(items)
+    if isinstance(items, Iterable) and not isinstance(items, (bytes, bytearray)):
+        return tuple(items)
+    return items
 
 
-def _type_name(hint) -> str:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(arm) for arm in typing.get_args(hint))
-    names = {int: "an integer", float: "a number", bool: "True or False", str: "a string", type(None): "None"}
-    return names.get(hint, str(hint).replace("typing.", ""))
+_NAMES = {int: "an integer", float: "a number", bool: "True or False", str: "a string", type(None): "None"}
+_PLURALS = {int: "integers", float: "numbers", bool: "True or False values", str: "strings"}
+
+
+def _type_name(hint, plural: bool = False) -> str:
+    """A type as a refusal says it: "an integer or None", "a list of strings or integers", "a tuple of 2 integers"."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(arm, plural) for arm in args)
+    if origin is tuple and Ellipsis not in args:
+        return f"a tuple of {len(args)} {' and '.join(dict.fromkeys(_type_name(a, True) for a in args))}"
+    if origin in (tuple, frozenset):
+        return f"a {'set' if origin is frozenset else 'list'} of {_type_name(args[0], True)}"
+    return (_PLURALS if plural else _NAMES).get(hint, str(hint).replace("typing.", ""))
 
 
 def check_text(name: str, text: str) -> None:
@@ -109,13 +122,18 @@ def is_number(value: object, kind: type) -> bool:
     return isinstance(value, numbers.Integral if kind is int else numbers.Real) and not isinstance(value, bool)
 
 
+def check_seed(seed: int | None, highest: int = SEED_MAX, why: str = "") -> None:
+    """A seed every engine can take (and a load test's numpy generator: no negative seed), or None."""
+    if seed is not None and not 0 <= seed <= highest:
+        raise ValueError(f"seed={seed} is out of range: use 0 to {highest}{why}")
+
+
 def check_job_limits(job) -> None:
     """The limits of what one job asks, checked alike where a user gives them (`job` a `JobOptions`) and where a
     job is made (a `JobSpec`), with one message each."""
     if job.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={job.max_new_tokens} must be >= 1")
-    if job.seed is not None and not 0 <= job.seed <= SEED_MAX:
-        raise ValueError(f"seed={job.seed} is out of range: use 0 to {SEED_MAX}")
+    check_seed(job.seed)
     if not 0 <= job.min_new_tokens <= job.max_new_tokens:
         raise ValueError(
             f"min_new_tokens={job.min_new_tokens} must be between 0 and max_new_tokens ({job.max_new_tokens})"

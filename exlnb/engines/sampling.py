@@ -7,7 +7,7 @@ short keyword users write, so `%%exl_generate`'s options, the Python keywords an
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 
 from exlnb.engines.checks import check_field_types, check_finite, check_option_names, is_number, one_or_many
@@ -143,13 +143,13 @@ class SamplerSettings:
         """Accept a dict for `token_bias` and any iterable of strings for the breakers (one string is one
         breaker); store them frozen."""
         bias = self.token_bias
-        pairs = sorted(bias.items() if isinstance(bias, Mapping) else bias)
-        if not all(is_number(t, int) and is_number(b, float) for t, b in pairs):
+        pairs = bias.items() if isinstance(bias, Mapping) else one_or_many(bias)
+        if not isinstance(pairs, Iterable) or not all(_is_bias(pair) for pair in pairs):
             raise TypeError(f"token_bias={bias!r} must map token ids to numbers, e.g. {{198: -2.5}}")
-        pairs = tuple((t, float(b)) for t, b in pairs)
-        object.__setattr__(self, "token_bias", pairs)
-        if self.dry_sequence_breakers is not None:
-            object.__setattr__(self, "dry_sequence_breakers", frozenset(one_or_many(self.dry_sequence_breakers)))
+        object.__setattr__(self, "token_bias", tuple(sorted((t, float(b)) for t, b in pairs)))
+        breakers = one_or_many(self.dry_sequence_breakers)
+        if isinstance(breakers, tuple):  # anything else is refused by its type
+            object.__setattr__(self, "dry_sequence_breakers", frozenset(breakers))
 
     @classmethod
     def greedy(cls, **overrides: float) -> SamplerSettings:
@@ -182,6 +182,11 @@ class SamplerSettings:
         return replace(self, **{names[k]: v for k, v in options.items()})
 
 
+def _is_bias(pair: object) -> bool:
+    """One (token id, number) pair of `token_bias`."""
+    return isinstance(pair, (tuple, list)) and len(pair) == 2 and is_number(pair[0], int) and is_number(pair[1], float)
+
+
 def sampled_option_names(cls: type) -> list[str]:
     """Every keyword a declared class that carries a `sampler` (`JobOptions`, `GenerationRequest`) takes: its own
     options, `sampler`, and every name of a sampler setting."""
@@ -195,5 +200,11 @@ def build_sampled(cls: type, options: Mapping[str, object], **given: object):
     check_option_names(options, valid=sampled_option_names(cls))
     own = {o.keyword: o.name for o in declared(cls)}
     settings = {name: value for name, value in options.items() if name not in own and name != "sampler"}
-    sampler = (options.get("sampler") or SamplerSettings()).with_options(**settings)
+    sampler = options.get("sampler")
+    if sampler is not None and not isinstance(sampler, SamplerSettings):
+        raise TypeError(
+            f"sampler={sampler!r} has the wrong type: it must be a SamplerSettings, e.g. SamplerSettings.greedy(), "
+            "or give settings by name (temperature=0)"
+        )
+    sampler = (sampler or SamplerSettings()).with_options(**settings)
     return cls(**given, **{own[k]: v for k, v in options.items() if k in own}, sampler=sampler)

@@ -36,6 +36,11 @@ class Tokenizer(Protocol):
 
     def token_to_id(self, token: str) -> int | None: ...
 
+    def longest_token(self) -> int:
+        """The most characters of text one token stands for: a prompt longer than the cache times this cannot
+        fit it, whatever it holds."""
+        ...
+
     def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
         """The model's own chat template rendered to text (template "auto")."""
         ...
@@ -53,6 +58,7 @@ class HfTokenizer:
         self.chat_template: str | None = getattr(self._tok, "chat_template", None)
         self.vocab_size: int = len(self._tok)
         self._pieces: tuple[str, ...] | None = None
+        self._longest: int | None = None
         self._grammar_tokenizers: dict[int, object] = {}
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:
@@ -71,6 +77,14 @@ class HfTokenizer:
     def token_to_id(self, token: str) -> int | None:
         tid = self._tok.convert_tokens_to_ids(token)
         return None if tid is None or tid == self._tok.unk_token_id and token != self._tok.unk_token else tid
+
+    def longest_token(self) -> int:
+        # A vocabulary entry is at least as long as the text it stands for: a byte-level one spells each byte of
+        # its text as a character, a SentencePiece one its characters ("<0x0A>" for one byte). SmolLM2's longest,
+        # 81 characters, are runs of '#' and of spaces.
+        if self._longest is None:
+            self._longest = max(map(len, self._tok.get_vocab()))
+        return self._longest
 
     def pieces(self) -> tuple[str, ...]:
         """Each token's own text, by id (exllamav2's id_to_piece list): what DRY and XTC classify tokens by."""

@@ -17,9 +17,9 @@ import threading
 from exlnb.session.base import NoModelLoaded
 from exlnb.session.inspecting import Inspecting, JobRow
 from exlnb.session.loading import LoadFailed, Loading, LoadOptions
-from exlnb.session.submitting import MAX_CHARS_PER_TOKEN, Submitting
+from exlnb.session.submitting import Submitting
 
-__all__ = ["MAX_CHARS_PER_TOKEN", "JobRow", "LoadFailed", "LoadOptions", "NoModelLoaded", "Session", "get_session"]
+__all__ = ["JobRow", "LoadFailed", "LoadOptions", "NoModelLoaded", "Session", "get_session"]
 
 
 class Session(Loading, Submitting, Inspecting):

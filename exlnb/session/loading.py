@@ -16,9 +16,10 @@ from dataclasses import dataclass, fields
 from exlnb.engine_thread import EngineThread
 from exlnb.engines import create_engine
 from exlnb.engines.base import Engine, EngineStatus, one_line
-from exlnb.engines.checks import check_field_types, check_option_names
+from exlnb.engines.checks import check_field_types, check_option_names, is_number
 from exlnb.engines.declaration import declared, option, takes_options
 from exlnb.engines.options import (
+    AUTO_SPLIT,
     CACHE_DTYPES,
     DEFAULT_CACHE_TOKENS,
     DEFAULT_MAX_BATCH_SIZE,
@@ -128,8 +129,14 @@ class LoadOptions:
     )
 
     def __post_init__(self) -> None:
-        if isinstance(self.gpu_split, list):
-            object.__setattr__(self, "gpu_split", tuple(self.gpu_split))
+        split = self.gpu_split
+        if isinstance(split, str) and split != AUTO_SPLIT:  # "20,24" read as the flag reads it, not as 5 characters
+            split = parse_gpu_split(split)
+        if is_number(split, float):
+            raise TypeError(f"gpu_split={split!r}: give GiB per GPU as a list, e.g. [{split}] or [20, 24], or 'auto'")
+        if isinstance(split, list):
+            split = tuple(split)
+        object.__setattr__(self, "gpu_split", split)
         check_field_types(self)
 
     @classmethod

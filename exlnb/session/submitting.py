@@ -11,15 +11,12 @@ from contextlib import contextmanager
 from inspect import Parameter
 
 from exlnb.engines.base import Engine, EosReason, JobInfo, JobSpec
-from exlnb.engines.checks import check_prompt_fits
+from exlnb.engines.checks import check_prompt_fits, is_number
 from exlnb.engines.declaration import takes_options
 from exlnb.engines.job_options import JobOptions
 from exlnb.engines.sampling import SamplerSettings
 from exlnb.session.base import NoModelLoaded, SessionBase
 from exlnb.streaming import EventInbox, GenerationResult, JobStream
-
-# no vocabulary we know has a longer token (SmolLM2's longest, 81 characters, are runs of '#' and of spaces)
-MAX_CHARS_PER_TOKEN = 128
 
 # `generate(prompt, **options)` names `JobOptions`' keywords, and a whole `sampler` to start from
 takes_job_options = takes_options(
@@ -27,6 +24,12 @@ takes_job_options = takes_options(
     SamplerSettings,
     leading=[Parameter("sampler", Parameter.KEYWORD_ONLY, default=None, annotation=SamplerSettings)],
 )
+
+
+def _not_a_prompt(prompt: object) -> TypeError:
+    return TypeError(
+        f"prompt={prompt!r:.60} has the wrong type: it must be a string, or token ids as a list of integers"
+    )
 
 
 class Submitting(SessionBase):
@@ -54,12 +57,25 @@ class Submitting(SessionBase):
         return self.generate(prompt, **options).result()
 
     def spec_for(self, prompt: str | Sequence[int], options: JobOptions | None = None) -> JobSpec:
-        """The engine's job for a prompt under `options` (default: `JobOptions()`), for `submit_together`: text
-        encoded with the session's tokenizer (special tokens as such), once it is known to be short enough."""
+        """The engine's job for a prompt under `options` (default: `JobOptions()`), for `submit_together`."""
+        options = options or JobOptions()
+        return options.make_spec(self.prompt_ids(prompt, options.max_new_tokens), self.tokenizer)
+
+    def prompt_ids(self, prompt: str | Sequence[int], max_new_tokens: int = 1) -> Sequence[int]:
+        """A prompt as the token ids of a job: text encoded with the session's tokenizer (special tokens as such)
+        once it is known to be short enough, or ids as given. Either is compared with the cache by its length
+        before each id is looked at: checking every one of 10^7 ids' types first took 42 s to refuse them."""
         if isinstance(prompt, str):
             self.check_text_fits(prompt)
-            prompt = self.tokenizer.encode(prompt, special=True)
-        return (options or JobOptions()).make_spec(prompt, self.tokenizer)
+            ids = self.tokenizer.encode(prompt, special=True)
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):  # bytes are no token ids
+            ids = prompt
+        else:
+            raise _not_a_prompt(prompt)
+        check_prompt_fits(len(ids), max_new_tokens, self._engine_thread().engine.max_seq_len)
+        if ids is prompt and not all(is_number(i, int) for i in ids):
+            raise _not_a_prompt(prompt)
+        return ids
 
     def submit(self, spec: JobSpec, *, cancel_when_abandoned: bool = True) -> JobStream:
         """Queue a job and return its stream.
@@ -138,13 +154,15 @@ class Submitting(SessionBase):
             raise
 
     def check_text_fits(self, text: str) -> None:
-        """Refuse, before tokenizing it, text that cannot fit the cache even at the longest tokens: tokenizing
-        a 50 MB prompt only to learn that it does not fit took 66-94 s and 3.1 GB."""
-        limit = self._engine_thread().engine.max_seq_len
-        if len(text) > limit * MAX_CHARS_PER_TOKEN:
+        """Refuse, before tokenizing it, text that cannot fit the cache even at the vocabulary's longest token:
+        tokenizing a 50 MB prompt only to learn that it does not fit took 66-94 s and 3.1 GB."""
+        engine = self._engine_thread().engine
+        limit, longest = engine.max_seq_len, engine.tokenizer.longest_token()
+        if len(text) > limit * longest:
             raise ValueError(
                 f"the prompt has {len(text):,} characters, more than the cache's {limit} tokens could hold even at "
-                f"{MAX_CHARS_PER_TOKEN} characters a token: shorten it, or load with a larger cache_tokens"
+                f"{longest} characters a token (the vocabulary's longest): shorten it, or load with a larger "
+                "cache_tokens"
             )
 
     def _check_fits(self, specs: Sequence[JobSpec]) -> None:

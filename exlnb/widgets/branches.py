@@ -14,6 +14,7 @@ the tree, live, in an output it put under the view, which stays a static record 
 from __future__ import annotations
 
 import html
+import logging
 import threading
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -23,9 +24,12 @@ import anywidget
 import traitlets
 
 from exlnb.engines.base import wall_clock
+from exlnb.engines.checks import is_number
 from exlnb.generation import Generation, Sample, branch_result, start_branch
 from exlnb.streaming import GenerationResult
 from exlnb.widgets.record import ASSETS, record_html
+
+log = logging.getLogger(__name__)
 
 DRAW_S = 0.25  # how often a running branch's text is drawn in the tree at most: each drawing is a whole record
 KEPT_SHOWN = 60  # characters of a branch's kept text the tree shows before its forced token
@@ -211,18 +215,31 @@ class BranchChoices(anywidget.AnyWidget):
 
         display({"text/html": "", "text/plain": ""}, raw=True, display_id=self.display_id)
 
-    def handle(self, message: dict) -> None:
+    def handle(self, message: object) -> None:
         """An alternative chosen (view.js): its answer branched at its position with it forced, on a thread of its
         own, since starting a job waits for the engine's current step, which the kernel's event loop, where
-        messages arrive, must never do."""
-        if message.get("type") == "branch" and message.get("answer") in self._samples:
-            at, token = int(message["at"]), int(message["token"])
-            threading.Thread(
-                target=self._branch,
-                args=(self._samples[message["answer"]], at, token),
-                name="exlnb-branch",
-                daemon=True,
-            ).start()
+        messages arrive, must never do. A message of another shape is refused with a log line: raising here would
+        raise on the kernel's event loop."""
+        if not self._is_choice(message):
+            log.warning("exlnb: the branch chooser ignored a message that is not a choice: %.200r", message)
+            return
+        threading.Thread(
+            target=self._branch,
+            args=(self._samples[message["answer"]], message["at"], message["token"]),
+            name="exlnb-branch",
+            daemon=True,
+        ).start()
+
+    def _is_choice(self, message: object) -> bool:
+        """{"type": "branch", "answer": a key this chooser holds, "at": an integer, "token": an integer}, as view.js
+        sends it."""
+        return (
+            isinstance(message, dict)
+            and message.get("type") == "branch"
+            and isinstance(message.get("answer"), str)
+            and message["answer"] in self._samples
+            and all(is_number(message.get(name), int) for name in ("at", "token"))  # their values: plan_branch's
+        )
 
     def _branch(self, sample: Sample, at: int, token: int) -> None:
         try:
