@@ -9,7 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from IPython.core.error import UsageError
 
 import exlnb.magics
@@ -222,14 +224,24 @@ def test_token_ids_too_many_for_the_cache_are_refused_by_their_count_alone(cpu_s
     )
 
 
-@pytest.mark.parametrize("prompt", [b"What is the capital of France?", None, 123, [1.5, 2]])
+@pytest.mark.parametrize(
+    "prompt", [b"What is the capital of France?", None, 123, [1.5, 2], np.array([1.5, 2.0]), np.array([[1, 2]])]
+)
 def test_a_prompt_that_is_neither_text_nor_token_ids_is_refused(cpu_session, prompt):
     with pytest.raises(TypeError) as raised:
         cpu_session.generate(prompt, max_new_tokens=2)
     assert str(raised.value) == (
-        f"prompt={prompt!r:.60} has the wrong type: it must be a string, or token ids as a list of integers"
+        f"prompt={prompt!r:.60} has the wrong type: it must be a string, or token ids: a list of integers, or a 1-D "
+        "array or tensor of them"
     )
     assert cpu_session.jobs() == []
+
+
+@pytest.mark.parametrize("as_given", [np.array, torch.tensor])
+def test_token_ids_as_an_array_or_a_tensor_give_the_answer_of_the_same_list(cpu_session, as_given):
+    ids = cpu_session.tokenizer.encode("The capital of France is", special=True)
+    answer = cpu_session.complete(as_given(ids), max_new_tokens=6, temperature=0)
+    assert answer.token_ids == cpu_session.complete(list(ids), max_new_tokens=6, temperature=0).token_ids
 
 
 @pytest.mark.parametrize(

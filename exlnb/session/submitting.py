@@ -28,7 +28,8 @@ takes_job_options = takes_options(
 
 def _not_a_prompt(prompt: object) -> TypeError:
     return TypeError(
-        f"prompt={prompt!r:.60} has the wrong type: it must be a string, or token ids as a list of integers"
+        f"prompt={prompt!r:.60} has the wrong type: it must be a string, or token ids: a list of integers, or a 1-D "
+        "array or tensor of them"
     )
 
 
@@ -68,12 +69,17 @@ class Submitting(SessionBase):
         if isinstance(prompt, str):
             self.check_text_fits(prompt)
             ids = self.tokenizer.encode(prompt, special=True)
-        elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):  # bytes are no token ids
+            check_prompt_fits(len(ids), max_new_tokens, self._engine_thread().engine.max_seq_len)
+            return ids
+        if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):  # bytes are no token ids
+            ids = prompt
+        elif getattr(prompt, "ndim", None) == 1 and hasattr(prompt, "tolist"):  # a numpy array or a torch tensor
             ids = prompt
         else:
             raise _not_a_prompt(prompt)
         check_prompt_fits(len(ids), max_new_tokens, self._engine_thread().engine.max_seq_len)
-        if ids is prompt and not all(is_number(i, int) for i in ids):
+        ids = ids.tolist() if not isinstance(ids, Sequence) else ids
+        if not all(is_number(i, int) for i in ids):
             raise _not_a_prompt(prompt)
         return ids
 
