@@ -102,6 +102,17 @@ def sessions(request):
     graphed.unload()
 
 
+@pytest.fixture(scope="module")
+def drawing(sessions):
+    """The graphed engine loaded again with sampling on the GPU (`EXLNB_DEVICE_SAMPLING=1`; off by default)."""
+    eager, graphed = sessions
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EXLNB_DEVICE_SAMPLING", "1")
+        drawn = load("auto", graphed.status().engine)
+    yield eager, drawn
+    drawn.unload()
+
+
 def token_ids(session: Session, prompts: list[str], max_new_tokens: int) -> tuple[list[tuple[int, ...]], list]:
     streams = answers_together(session, prompts, max_new_tokens)
     return [s.result().token_ids for s in streams], streams
@@ -145,8 +156,15 @@ def test_a_prompt_several_pages_long_decodes_the_same_from_graphs(sessions):
 
 
 @pytest.mark.gpu
-def test_graphed_decode_samples_on_the_gpu_and_a_seed_reproduces_its_answer(sessions):
-    _, graphed = sessions
+def test_sampling_stays_with_the_library_unless_the_gpu_is_asked_for(sessions, drawing):
+    assert "sampling on the GPU" not in sessions[1].status().decode
+    assert sessions[1].run_on_engine(lambda e: e.draws) is None
+    assert "sampling on the GPU" in drawing[1].status().decode
+
+
+@pytest.mark.gpu
+def test_graphed_decode_samples_on_the_gpu_and_a_seed_reproduces_its_answer(drawing):
+    _, graphed = drawing
     sampled = SamplerSettings(temperature=1.0, top_k=40, top_p=0.9, token_frequency_penalty=0.1)
     prompt = chatml(QUESTIONS[1])
     drawn_before = graphed.run_on_engine(lambda e: e.draws.drawn_steps)
@@ -159,8 +177,8 @@ def test_graphed_decode_samples_on_the_gpu_and_a_seed_reproduces_its_answer(sess
 
 
 @pytest.mark.gpu
-def test_a_job_the_device_cannot_sample_takes_the_library_s_own_sampler(sessions):
-    eager, graphed = sessions
+def test_a_job_the_device_cannot_sample_takes_the_library_s_own_sampler(drawing):
+    eager, graphed = drawing
     host_only = SamplerSettings(temperature=0.7, dry_multiplier=0.8)  # DRY stays on the host
     prompt = chatml(QUESTIONS[2])
 

@@ -12,8 +12,14 @@ below 0.01, or top-k 1), or a softmax at the temperature, top-k, top-p and min-p
 keeps, and a draw: the first token, in descending probability, whose cumulative probability reaches a uniform
 number. Everything else (DRY, XTC, top-a, tail-free, typical, mirostat, smoothing, skew, dynamic or last
 temperature, a penalty range or decay, constraints, banned strings) keeps the library's own path on the host:
-`host_only` names what a job asks that sends it there. The engines draw only sampled jobs here: for a greedy job
-the libraries' own step, an argmax, was faster (benchmarks/results/graphs-nvidia-h200-2026-11-27).
+`host_only` names what a job asks that sends it there.
+
+It is off unless `EXLNB_DEVICE_SAMPLING=1` is set where the engine loads: timed in turns against the libraries'
+own samplers it was slower, for greedy jobs (5.86 against 5.49 ms a token on the ExLlamaV3 engine, H200,
+benchmarks/results/graphs-nvidia-h200-2026-11-27) and for sampled ones (6.84 against 6.39 on ExLlamaV3, 8.20
+against 7.90 on ExLlamaV2, H100, benchmarks/results/speed-nvidia-h100-80gb-hbm3-2026-11-28): the host still waits
+for each step's ids, so the draw adds its kernels and saves nothing. Queuing the next step before the host reads
+the ids is what would make it pay. Even when on, greedy jobs keep the libraries' argmax.
 
 The uniform number of a row is a hash of its job's seed and the token's index, so a seed gives the same draws
 whatever else shares the batch; it is not the library's random stream, so a seeded job's text differs from the
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -31,6 +38,12 @@ from dataclasses import dataclass, fields
 import torch
 
 from exlnb.engines.sampling import SamplerSettings
+
+
+def device_sampling_on() -> bool:
+    """Whether the engines draw sampled jobs on the GPU (`EXLNB_DEVICE_SAMPLING=1`, read at each load)."""
+    return os.environ.get("EXLNB_DEVICE_SAMPLING", "0") == "1"
+
 
 GREEDY_TEMPERATURE = 0.01  # exllamav2's sample_basic: a temperature below this is top-k 1
 # How much a step's draw sorts, by what its rows ask: nothing where all are greedy, the likeliest TOP_CANDIDATES

@@ -30,7 +30,7 @@ from exlnb.engines.base import (
     wall_clock,
 )
 from exlnb.engines.checks import check_prompt_fits
-from exlnb.engines.device_sampling import DeviceDraws, JobDraw, Row
+from exlnb.engines.device_sampling import DeviceDraws, JobDraw, Row, device_sampling_on
 from exlnb.engines.token_info import TokenInfo, token_info
 from exlnb.engines.views import PageInfo
 
@@ -195,8 +195,9 @@ class LibraryEngine(Engine):
     draws: DeviceDraws | None = None  # set where the engine decodes from graphs
 
     def _start_draws(self) -> None:
-        """Sample on the device where decode runs from graphs (the graph draws the tokens too)."""
-        if self.graphs is not None:
+        """Sample on the device where decode runs from graphs and `EXLNB_DEVICE_SAMPLING=1` asks for it (the graph
+        draws the tokens too; off by default, the measurements are in device_sampling's docstring)."""
+        if self.graphs is not None and device_sampling_on():
             self.draws = DeviceDraws(self.generator.max_batch_size, self.vocab_size, self.graphs.device)
             self.graphs.draws, self.graphs.step_rows = self.draws, self._step_rows
 
