@@ -251,3 +251,12 @@ def test_the_layer_table_check_sees_a_module_that_is_gone(monkeypatch, tmp_path)
 
     with pytest.raises(AssertionError, match="names engines/view.py, which does not exist"):
         test_the_documented_layer_table_names_modules_that_exist_in_the_layers_placed_here()
+
+
+MODULE_LINES_AT_MOST = 450  # the house's limit (issue 43): a module longer than this is asking to be split
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_module_is_longer_than_the_house_allows(name):
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= MODULE_LINES_AT_MOST, f"{MODULES[name]} has {lines} lines; split it by what its parts do"

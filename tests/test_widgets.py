@@ -18,8 +18,8 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
 from exlnb import EosReason
-from exlnb.engines.base import DecodeSpan
 from exlnb.generation import start
+from exlnb.metrics import DecodeSpan
 from exlnb.widgets.cache import CacheInspector, JobTable, jobs_html, jobs_summary
 from exlnb.widgets.figures import generation_text
 from exlnb.widgets.loadtest import abench

@@ -10,9 +10,10 @@ import html
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from exlnb.engines.base import DecodeSpan, EosReason, SamplerSettings, StreamEvent, Tokenizer
+from exlnb.engines.base import EosReason, SamplerSettings, StreamEvent, Tokenizer
 from exlnb.engines.declaration import declared
 from exlnb.generation import Generation, Sample
+from exlnb.metrics import DecodeSpan
 from exlnb.templates import summarise
 from exlnb.widgets.branches import branch_key
 from exlnb.widgets.tokens import sample_token_records, tokens_html, tokens_text
