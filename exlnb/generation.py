@@ -19,6 +19,8 @@ from exlnb.branching import plan_branch
 from exlnb.chat import Chat, get_chat
 from exlnb.engines.base import LOOP_DETECTOR, EosReason, JobSpec, StreamEvent, wall_clock
 from exlnb.engines.options import EngineOptions
+from exlnb.near_ties import NoiseFloor
+from exlnb.noise_floor import measured_floor
 from exlnb.request import GenerationRequest, takes_request_options
 from exlnb.session import Session, get_session
 from exlnb.streaming import Delivered, GenerationResult, JobError, JobStream, reading
@@ -87,6 +89,23 @@ class Lineage:
         if generation.errors:
             raise generation.errors[0]
         return branch_result(generation)
+
+    def noise_floor(self) -> NoiseFloor:
+        """The noise floor of the model that ran this, measured once (`exlnb.noise_floor.measured_floor`)."""
+        self.check_loaded("measure its engine's noise floor")
+        return measured_floor(self.session)
+
+    def check_loaded(self, to: str) -> None:
+        """Refuse, in one line, to act on a result whose model is no longer the one loaded."""
+        session = self.session
+        if session.options != self.model:
+            now = (
+                "nothing" if session.options is None else f"{session.options.model_dir.name} ({session.options.engine})"
+            )
+            raise ValueError(
+                f"this result ran on {self.model.model_dir.name} ({self.model.engine}), but {now} is loaded now: "
+                f"load that model again to {to}"
+            )
 
 
 class Generation:
@@ -309,6 +328,20 @@ def _prepare(
             f"n={request.n} is more than the engine decodes at once (max_batch_size {options.max_batch_size}): "
             "use fewer samples, or load with a larger max_batch_size"
         )
+    prompt = prepare_prompt(request, session)
+    stop_on_loop = LOOP_DETECTOR if prompt.loop_guard_by_engine else None
+    specs = request.job_specs(prompt.ids, session.tokenizer, stop_on_loop=stop_on_loop)
+    if owner is not None:
+        with _owned_lock:
+            previous = _owned.pop(owner, None)
+        if previous is not None:
+            previous.cancel("re-run", wait=False)
+    return prompt, specs
+
+
+def prepare_prompt(request: GenerationRequest, session: Session) -> PreparedPrompt:
+    """The request's prompt as the model gets it: its user turn rendered through its template (after its system
+    prompt and its chat's earlier turns), checked to fit, encoded and linted once."""
     tokenizer = session.tokenizer
     conv = _conversation_for(request)
     text = (
@@ -320,14 +353,7 @@ def _prepare(
     ids = tokenizer.encode(text, special=True)
     # a class attribute, read without the engine's thread: it never changes
     by_engine = request.loop_guard and session.engine.loop_guard_by_engine
-    prompt = PreparedPrompt(text, ids, lint_rendered(ids, request.template, tokenizer), conv, by_engine)
-    specs = request.job_specs(ids, tokenizer, stop_on_loop=LOOP_DETECTOR if by_engine else None)
-    if owner is not None:
-        with _owned_lock:
-            previous = _owned.pop(owner, None)
-        if previous is not None:
-            previous.cancel("re-run", wait=False)
-    return prompt, specs
+    return PreparedPrompt(text, ids, lint_rendered(ids, request.template, tokenizer), conv, by_engine)
 
 
 def _launch(
@@ -387,12 +413,7 @@ def _prepare_branch(result: GenerationResult, at: int, token: int | str | None) 
             "(exlnb.generate_live, %%exl_generate --out) can branch"
         )
     session = lineage.session
-    if session.options != lineage.model:
-        now = "nothing" if session.options is None else f"{session.options.model_dir.name} ({session.options.engine})"
-        raise ValueError(
-            f"job {result.job_id} ran on {lineage.model.model_dir.name} ({lineage.model.engine}), but "
-            f"{now} is loaded now: load that model again to branch it"
-        )
+    lineage.check_loaded(f"branch job {result.job_id}")
     plan = plan_branch(
         result,
         at,

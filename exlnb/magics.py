@@ -33,10 +33,13 @@ from exlnb.magic_arguments import (
     out_argument,
     parse_options,
     schema_from_notebook,
+    sizes_argument,
     tidy_help,
+    tree_arguments,
     usage_errors,
 )
 from exlnb.models import BUNDLED_MODEL
+from exlnb.noise_floor import BATCH_SIZES, LAYOUT_NAMES, PROBE_TOKENS, PROBES, noise_floor
 from exlnb.quantize import BITS_RANGE, DEFAULT_BITS, DEFAULT_FORMAT, DEFAULT_HEAD_BITS, QUANT_FORMATS, quantize
 from exlnb.request import GenerationRequest
 from exlnb.scoring import DEFAULT_TOKENS, divergence_from
@@ -47,24 +50,25 @@ from exlnb.widgets.cache import show_jobs
 from exlnb.widgets.loadtest import abench, shows_widget
 from exlnb.widgets.server import show_cache_or_server
 from exlnb.widgets.stream import abranch_live, agenerate_live, branch_live, generate_live
+from exlnb.widgets.tree import atree_live, tree_live
 from exlnb.workload import DEFAULT_REQUESTS, Workload, length_argument, rates_argument, slo_argument
 
 # what IPython's magic transforms make of a %%exl_generate cell and of an %exl_bench line
-_GENERATE_CALL = re.compile(r"^get_ipython\(\)\.run_cell_magic\('exl_generate', ")
+_CELL_CALL = re.compile(r"^get_ipython\(\)\.run_cell_magic\('(exl_generate|exl_tree)', ")
 _LINE_CALL = re.compile(r"^get_ipython\(\)\.run_line_magic\('(exl_bench|exl_branch)', ")
 _AWAIT_MAGIC = "await get_ipython().magics_manager.registry['ExlnbMagics'].{}("
 
 
 def await_magic_cells(lines: list[str]) -> list[str]:
-    """IPython input transformer: a kernel runs a %%exl_generate cell, and a cell with an %exl_bench or
-    %exl_branch line at its top level, as an async cell awaiting the magic.
+    """IPython input transformer: a kernel runs a %%exl_generate or %%exl_tree cell, and a cell with an %exl_bench
+    or %exl_branch line at its top level, as an async cell awaiting the magic.
 
     ipykernel (7.4) hands widget messages to their widgets while a cell awaits, not while it blocks: a cell
     blocked in a plain call would hear the Stop button only after its work had ended. An indented %exl_bench
     (or %exl_branch; perhaps inside a function, where `await` cannot go) stays a plain call.
     """
-    if lines and _GENERATE_CALL.match(lines[0]):
-        lines = [_GENERATE_CALL.sub(_AWAIT_MAGIC.format("exl_generate_async"), lines[0], count=1), *lines[1:]]
+    if lines and _CELL_CALL.match(lines[0]):
+        lines = [_CELL_CALL.sub(lambda m: _AWAIT_MAGIC.format(f"{m[1]}_async"), lines[0], count=1), *lines[1:]]
     return [_LINE_CALL.sub(lambda m: _AWAIT_MAGIC.format(f"{m[1]}_async"), line, count=1) for line in lines]
 
 
@@ -204,6 +208,69 @@ class ExlnbMagics(Magics):
         if args.out:
             self.shell.user_ns[args.out] = branched
         BranchTree.of(branched).show()
+
+    @tree_arguments
+    @line_cell_magic
+    @no_var_expand  # options are literal, as %%exl_generate's
+    def exl_tree(self, line: str, cell: str | None = None) -> None:
+        """Sample the cell body (the user's turn) N times into one tree, drawn as it grows."""
+        if (call := self._tree_call(line, cell)) is None:
+            return
+        prompt, options = call
+        with usage_errors():
+            tree_live(prompt, **options)
+
+    async def exl_tree_async(self, line: str, cell: str) -> None:
+        """`%%exl_tree` as a kernel runs it (see `await_magic_cells`): the cell awaits, so Stop is heard."""
+        if (call := self._tree_call(line, cell)) is None:
+            return
+        prompt, options = call
+        with usage_errors():
+            await atree_live(prompt, **options)
+
+    def _tree_call(self, line: str, cell: str | None) -> tuple | None:
+        if (args := parse_options(self.exl_tree, line)) is None:
+            return None
+        if cell is None:
+            raise UsageError(
+                "%%exl_tree is a cell magic: options on the first line, the prompt in the cell below "
+                "(see %exl_tree? for the options)"
+            )
+        options = given_options(args)
+        out = options.pop("out", None)
+        if out:
+            options["on_change"] = lambda tree: self.shell.user_ns.__setitem__(out, tree)
+        return fill_prompt(cell.strip(), self.shell.user_ns), {**options, "owner": self.cell_id}
+
+    @magic_arguments()
+    @argument("--probes", type=int, default=PROBES, help=f"questions answered greedily (default {PROBES})")
+    @argument("--max-new-tokens", type=int, default=PROBE_TOKENS, help=f"tokens per answer (default {PROBE_TOKENS})")
+    @argument(
+        "--batch-sizes",
+        type=sizes_argument,
+        default=BATCH_SIZES,
+        metavar="N,N",
+        help=f"the batches each probe is run inside (default {','.join(map(str, BATCH_SIZES))})",
+    )
+    @argument("--no-layouts", action="store_true", help="leave out loading the model again another way")
+    @out_argument("the NoiseFloor")
+    @help_argument
+    @line_magic
+    def exl_noise_floor(self, line: str) -> None:
+        """Measure how much this engine's arithmetic moves a margin (the near-tie map's noise floor) and print it."""
+        if (args := parse_options(self.exl_noise_floor, line)) is None:
+            return
+        with usage_errors():
+            floor = noise_floor(
+                get_session(),
+                probes=args.probes,
+                max_new_tokens=args.max_new_tokens,
+                batch_sizes=args.batch_sizes,
+                layouts=() if args.no_layouts else LAYOUT_NAMES,
+            )
+        print(floor.table())
+        if args.out:
+            self.shell.user_ns[args.out] = floor
 
     @magic_arguments()
     @display_argument
@@ -419,5 +486,7 @@ for _magic in (
     ExlnbMagics.exl_quantize,
     ExlnbMagics.exl_bench,
     ExlnbMagics.exl_divergence,
+    ExlnbMagics.exl_tree,
+    ExlnbMagics.exl_noise_floor,
 ):
     tidy_help(_magic)

@@ -58,7 +58,17 @@ LAYERS = (
             "exlnb.divergence",
         ),
     ),
-    ("session", ("exlnb.streaming", "exlnb.token_records", "exlnb.engine_thread", "exlnb.session.*")),
+    (
+        "session",
+        (
+            "exlnb.streaming",
+            "exlnb.token_records",
+            "exlnb.near_ties",
+            "exlnb.sample_tree",
+            "exlnb.engine_thread",
+            "exlnb.session.*",
+        ),
+    ),
     (
         "generation",
         (
@@ -70,6 +80,9 @@ LAYERS = (
             "exlnb.bench_result",
             "exlnb.scoring",
             "exlnb.branching",
+            "exlnb.noise_floor",
+            "exlnb.trees",
+            "exlnb.tree_reference",
         ),
     ),
     ("widgets and magics", ("exlnb.widgets.*", "exlnb.magic_arguments", "exlnb.magics")),

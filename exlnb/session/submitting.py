@@ -54,12 +54,16 @@ class Submitting(SessionBase):
         return self.generate(prompt, **options).result()
 
     def spec_for(self, prompt: str | Sequence[int], options: JobOptions | None = None) -> JobSpec:
-        """The engine's job for a prompt under `options` (default: `JobOptions()`), for `submit_together`: text
-        encoded with the session's tokenizer (special tokens as such), once it is known to be short enough."""
+        """The engine's job for a prompt under `options` (default: `JobOptions()`), for `submit_together`."""
+        return (options or JobOptions()).make_spec(self.prompt_ids(prompt), self.tokenizer)
+
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """A prompt as token ids: text encoded with the session's tokenizer (special tokens as such), once it is
+        known to be short enough; ids as they are."""
         if isinstance(prompt, str):
             self.check_text_fits(prompt)
-            prompt = self.tokenizer.encode(prompt, special=True)
-        return (options or JobOptions()).make_spec(prompt, self.tokenizer)
+            return self.tokenizer.encode(prompt, special=True)
+        return list(prompt)
 
     def submit(self, spec: JobSpec, *, cancel_when_abandoned: bool = True) -> JobStream:
         """Queue a job and return its stream.
