@@ -128,6 +128,19 @@ class SampleTree:
             node = self.nodes[node.parent]
         return tuple(reversed(tokens))
 
+    def down(self, index: int, steps: int) -> int:
+        """The node `steps` tokens down the chain from node `index` (each step to a node's only child): how a view
+        names a token by its row's first node and its place in the row."""
+        at = self.node(index).index
+        for _ in range(steps):
+            if len(self.nodes[at].children) != 1:
+                raise ValueError(
+                    f"node {at} has {len(self.nodes[at].children)} children, so no row goes on from it: name a node "
+                    f"of its row (tree.frame() lists them)"
+                )
+            at = self.nodes[at].children[0]
+        return at
+
     def leaves(self) -> list[TreeNode]:
         return [n for n in self.nodes[1:] if not n.children]
 

@@ -59,22 +59,38 @@ class KeptFigures:
         partial.replace(path)  # a run cut off mid-write leaves no file that loads
 
 
+def check(session: Session, reference: str | Path) -> None:
+    """Refuse, in one line and before any sample is drawn, a reference that cannot be compared with the loaded model:
+    a file that is missing or another tokenizer's, a folder of another tokenizer."""
+    vocab_size = session.tokenizer.vocab_size
+    tokenizer_id = tokenizer_identity(session.options.model_dir)
+    path = Path(str(reference)).expanduser()
+    if path.suffix != ".pt":
+        folder = resolve_model(str(reference))
+        check_same_tokenizer(folder.name, tokenizer_identity(folder), None, tokenizer_id, vocab_size)
+        return
+    if not path.is_file():
+        raise FileNotFoundError(f"no reference at {path}: give a model folder, or a .pt file exlnb kept")
+    data = torch.load(path, weights_only=True)
+    if "figures" in data:
+        check_same_tokenizer(data["reference"], data["tokenizer_id"], None, tokenizer_id, vocab_size)
+    else:
+        Reference(**data).check_tokenizer(tokenizer_id, vocab_size)
+
+
 def compare(
     session: Session, tree: SampleTree, reference: str | Path, *, engine: str = "auto", cache_dir: Path | None = None
 ) -> SampleTree:
     """`tree` with each node's reference probability and KL from `reference` (a model folder or name, or a kept
     .pt file), the reference computed where the figures kept (under `cache_dir`, default the user cache's
     references/) lack a node."""
-    loaded = session.options
-    vocab_size = session.tokenizer.vocab_size  # NoModelLoaded, in a line, when nothing is loaded
-    tokenizer_id = tokenizer_identity(loaded.model_dir)
+    check(session, reference)  # NoModelLoaded, in a line, when nothing is loaded
     keys = path_keys(tree)
     path = Path(str(reference)).expanduser()
     if path.suffix == ".pt":
-        name, figures = path.name, from_file(session, tree, path, keys, tokenizer_id, vocab_size)
+        name, figures = path.name, from_file(session, tree, path, keys)
     else:
         folder = resolve_model(str(reference))
-        check_same_tokenizer(folder.name, tokenizer_identity(folder), None, tokenizer_id, vocab_size)
         name, figures = (
             folder.name,
             computed(session, tree, folder, keys, engine, cache_dir or cache_root() / "references"),
@@ -156,26 +172,19 @@ def read_kept(path: Path) -> KeptFigures:
     return KeptFigures(**torch.load(path, weights_only=True))
 
 
-def from_file(
-    session: Session, tree: SampleTree, path: Path, keys: list[str], tokenizer_id: str, vocab_size: int
-) -> Figures:
-    """The figures a kept file gives: one this module kept (against the loaded model), or a reference of
-    `exlnb.divergence` over token ids, for the nodes on their path."""
-    if not path.is_file():
-        raise FileNotFoundError(f"no reference at {path}: give a model folder, or a .pt file exlnb kept")
+def from_file(session: Session, tree: SampleTree, path: Path, keys: list[str]) -> Figures:
+    """The figures a kept file gives (its tokenizer checked): one this module kept (against the loaded model), or a
+    reference of `exlnb.divergence` over token ids, for the nodes on their path."""
     data = torch.load(path, weights_only=True)
-    if "figures" in data:
-        kept = KeptFigures(**data)
-        check_same_tokenizer(kept.reference, kept.tokenizer_id, None, tokenizer_id, vocab_size)
-        if kept.compared_model_id != model_identity(session.options.model_dir):
-            raise ValueError(
-                f"the KL in {path.name} is against another model than the loaded one: give the reference model's "
-                "folder to compare this one"
-            )
-        return kept.figures
-    kept_reference = Reference(**data)
-    kept_reference.check_tokenizer(tokenizer_id, vocab_size)
-    return along_reference(session, tree, kept_reference, keys)
+    if "figures" not in data:
+        return along_reference(session, tree, Reference(**data), keys)
+    kept = KeptFigures(**data)
+    if kept.compared_model_id != model_identity(session.options.model_dir):
+        raise ValueError(
+            f"the KL in {path.name} is against another model than the loaded one: give the reference model's "
+            "folder to compare this one"
+        )
+    return kept.figures
 
 
 def along_reference(session: Session, tree: SampleTree, reference: Reference, keys: list[str]) -> Figures:

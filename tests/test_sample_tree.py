@@ -230,7 +230,8 @@ def test_the_view_draws_as_the_tree_grows_and_grows_it_where_a_node_is_chosen(cp
     before = len(grown.nodes)
 
     view.handle({"type": "expand", "tree": view.key, "node": 0, "mass": 0.6})  # what view.js sends
-    drawings_until(drawn, lambda d: len(view.tree.nodes) > before and view.status == "")
+    drawings_until(drawn, lambda d: len(view.tree.nodes) > before and view.status.startswith("node 0: "))
+    assert "branches; the tokens taken after it cover" in drawn[-1]["text/html"]
     view.handle({"type": "expand", "tree": view.key, "node": 10**6, "mass": 0.6})
     [refused] = drawings_until(drawn, lambda d: "not grown" in d[-1]["text/html"])[-1:]
     assert "not grown: node 1000000 is not in this tree" in refused["text/html"]

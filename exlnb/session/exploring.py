@@ -76,6 +76,7 @@ class TreeGrowth:
         self._streams: list[JobStream] = []
         self._started = 0  # samples started, drawn or not: the next one's seed is seed + this
         self._said: dict[int, str] = {}  # the last word of an expansion that fell short, by node
+        self.last_words = ""  # what the last expansion or forcing did, in a line
         self.errors: list[JobError] = []
         self.notes = self._notes()
 
@@ -101,6 +102,11 @@ class TreeGrowth:
         """Call `listener()` (on a growth thread) after every merge from now on."""
         with self._lock:
             self._listeners.append(listener)
+
+    def forget(self, listener: Listener) -> None:
+        """Stop calling `listener` (a view that closed)."""
+        with self._lock:
+            self._listeners = [other for other in self._listeners if other != listener]
 
     @property
     def done(self) -> bool:
@@ -153,6 +159,11 @@ class TreeGrowth:
             self._said.pop(node, None)
             if covered < mass:
                 self._said[node] = self._short_of(node, mass, covered, len(picks))
+        self.last_words = (
+            f"node {node}: {len(picks)} branches; the tokens taken after it cover {covered:.3f} of mass {mass:g}"
+            if picks
+            else f"node {node}: the tokens taken after it already cover {covered:.3f} of mass {mass:g}"
+        )
         self._launch(node, [(pick,) for pick in picks], drawn=False, how="expanded").wait()
         return self._result()
 
@@ -175,6 +186,7 @@ class TreeGrowth:
         given = tuple(
             Given(t, self.session.tokenizer.decode([t], special=True), p) for t, p in zip(tokens, probabilities)
         )
+        self.last_words = f"node {node}: {text!r} forced after it ({len(tokens)} tokens)"
         self._launch(node, [given], drawn=False, how="forced").wait()
         return self._result()
 

@@ -27,14 +27,14 @@ from exlnb.engines.options import check_display
 from exlnb.request import GenerationRequest
 from exlnb.sample_tree import SampleTree
 from exlnb.session import Session, TreeGrowth, get_session
-from exlnb.tree_reference import compare
+from exlnb.tree_reference import check, compare
 from exlnb.trees import TREE_OPTIONS, TreeOptions, grow
 from exlnb.widgets.frontend import wants_widget
 from exlnb.widgets.record import ASSETS, record_html
 from exlnb.widgets.stream import Interrupted
 from exlnb.widgets.tree_figure import tree_html, tree_text
 
-DRAW_S = 0.5  # how often a growing tree is drawn at most: each drawing is a whole record
+DRAW_S = 0.5  # how often a growing tree is drawn at most, per MB of its record: each drawing is a whole record
 POLL_S = 0.05  # how often an awaiting cell looks whether the tree has stopped growing
 
 _shown: dict[Hashable, TreeView] = {}  # each cell's tree view (by the cell's owner key), until the cell runs again
@@ -77,6 +77,7 @@ class TreeView:
         self.key = uuid4().hex if live and grows else None
         self.chooser = TreeChoices(self) if self.key else None
         self._drawn_at = 0.0
+        self._drawn_bytes = 0
         self._lock = threading.Lock()  # one drawing at a time, each of one state: none lands after a later one
         if grows:
             self.growth.listen(self._merged)
@@ -98,7 +99,9 @@ class TreeView:
             if self.growth is not None:
                 self.tree = self._keep_reference(self.growth.tree())
             self._drawn_at = wall_clock()
-            update_display(self.record(), raw=True, display_id=self.display_id)
+            record = self.record()
+            self._drawn_bytes = len(record["text/html"])
+            update_display(record, raw=True, display_id=self.display_id)
 
     def _keep_reference(self, tree: SampleTree) -> SampleTree:
         """A new drawing keeps the reference figures the last one had (its nodes keep their indices)."""
@@ -108,7 +111,8 @@ class TreeView:
         return tree.with_reference(self.tree.reference, figures)
 
     def _merged(self) -> None:
-        if wall_clock() - self._drawn_at >= DRAW_S:
+        # a big tree's record takes the browser seconds to draw (docs/tree.md): it is drawn less often
+        if wall_clock() - self._drawn_at >= DRAW_S * max(1.0, self._drawn_bytes / 1e6):
             self.draw()
 
     def settle(self, words: str = "") -> SampleTree:
@@ -136,13 +140,18 @@ class TreeView:
         if kind == "stop":
             self.growth.cancel()
             return
-        node = message.get("node")
+        try:
+            node = self.tree.down(int(message.get("node", -1)), int(message.get("offset", 0)))
+        except (TypeError, ValueError) as error:  # a message names a node as view.js does, or is refused
+            self.status = f"not grown: {error}"
+            self.draw()
+            return
         if kind == "expand":
             mass = message.get("mass", self.mass)
-            act, words = (lambda: self.growth.expand(int(node), float(mass))), f"expanding node {node} to {mass}"
+            act, words = (lambda: self.growth.expand(node, float(mass))), f"expanding node {node} to {mass}"
         elif kind == "force":
             text = str(message.get("text", ""))
-            act, words = (lambda: self.growth.force(int(node), text)), f"forcing {text!r} after node {node}"
+            act, words = (lambda: self.growth.force(node, text)), f"forcing {text!r} after node {node}"
         else:
             return
         threading.Thread(target=self._grow, args=(act, words), name="exlnb-tree-choice", daemon=True).start()
@@ -156,11 +165,14 @@ class TreeView:
             self.status = f"not grown: {error}"
             self.draw()
             return
-        self.settle()
+        self.settle(self.growth.last_words)
 
     def close(self) -> None:
+        """Hear no more choices, draw no more merges: the cell that showed it ran again."""
         if self.chooser is not None:
             self.chooser.close()
+        if isinstance(self.growth, TreeGrowth):
+            self.growth.forget(self._merged)
 
 
 def show_tree(
@@ -193,6 +205,8 @@ def _start(request: GenerationRequest | str, options: dict) -> tuple:
     on_change, session = options.pop("on_change", None), options.pop("session", None)
     tree = TreeOptions(**{name: options.pop(name) for name in TREE_OPTIONS if name in options})
     check_display(display)
+    if tree.reference is not None:
+        check(session or get_session(), tree.reference)
     growth = grow(request, n=tree.n, tokens=tree.tokens, session=session, **options)
     shown = dict(reference=tree.reference, mass=tree.mass, display=display, owner=owner, on_change=on_change)
     return growth, show_tree(growth, **shown), tree.reference, on_change

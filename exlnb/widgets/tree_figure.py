@@ -4,10 +4,11 @@ text.
 Each row is a chain of tokens every sample through it took, under a bar of its share of the samples: its count
 (and the expanded or forced samples through it), the model's and the sampler's probability of its first token,
 the reference's and the KL where a reference scored it, and after its last token the model's probability that no
-sample took (or why its samples ended). Each token is shaded by the model's probability in the token view's
-bands (widgets/tokens.py) and carries its figures in a title. The rows are `<details>`, so a record folds and
-unfolds with no kernel and no script; while the kernel that drew it runs, view.js adds the keys and the action bar
-(`initialize`, the tree's part), and the rows read as a tree to a screen reader.
+sample took (or why its samples ended). A row's first tokens are shaded by the model's probability in the token
+view's bands (widgets/tokens.py) and carry their figures in a title; the rest of a long row is plain text. The
+rows are `<details>`, so a record folds and unfolds with no kernel and no script; while the kernel that drew it
+runs, view.js adds the keys and the action bar (`initialize`, the tree's part), and the rows read as a tree to a
+screen reader.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from collections.abc import Iterator
 from exlnb.sample_tree import SampleTree, TreeNode
 from exlnb.widgets.tokens import BANDS, band
 
-TITLED = 32  # tokens of a chain that carry their figures in a title: past these a chain is text to read
+# A tree of 256 samples of 256 tokens was 5.7 MB of HTML with every token a span named by its node and 32 a row
+# titled (3.5 s from display to drawn in the browser test), 2.8 MB with tokens named by their place in the row and 8
+# titled (3.0 s), and 1.3 MB with a long row's tokens past the first 32 one run of text (1.1 to 1.3 s; two CPU
+# cores, 2026-11-28). So the first `TITLED` tokens of a row carry their figures in a title, the first `SHADED` are
+# spans shaded by probability, and the rest of a long row is one run of text whose tokens' lengths say where each is
+TITLED = 8
+SHADED = 32
 HELP = (
     "bar: share of the samples · ×count (+expanded or forced) · shade: the model's probability · hover a token for "
     "its figures · untaken: the model's probability after a row that no sample took"
@@ -53,16 +60,29 @@ def after_words(node: TreeNode) -> list[str]:
 
 
 def token_title(tree: SampleTree, node: TreeNode) -> str:
-    after = after_words(node)
-    return " · ".join([f"#{node.index} {node.text!r}", *figures(tree, node), *after, node.provenance.words()])
+    """A token's figures for its title: what the row says of its first token, for each of the others too."""
+    seed = "" if node.provenance.seed is None else f"seed {node.provenance.seed}, "
+    words = [f"#{node.index} {node.text!r}", *figures(tree, node), *after_words(node)]
+    return " · ".join([*words, f"{seed}{node.provenance.how}"])
 
 
 def chip(tree: SampleTree, node: TreeNode, titled: bool) -> str:
-    shade = "" if node.model_probability is None else f" exlnb-p{band(node.model_probability)}"
-    given = " exlnb-given" if node.given else ""
+    """A token as a span of its chain (view.js counts its place there): shaded unless the model was near sure."""
+    shade = band(node.model_probability) if node.model_probability is not None else len(BANDS)
+    classes = [f"exlnb-p{shade}"] * (shade < len(BANDS)) + ["exlnb-given"] * node.given
+    named = f' class="{" ".join(classes)}"' if classes else ""
     title = f' title="{html.escape(token_title(tree, node))}"' if titled else ""
-    text = html.escape(visible(node.text))
-    return f'<span class="exlnb-tok{shade}{given}" data-node="{node.index}"{title}>{text}</span>'
+    return f"<span{named}{title}>{html.escape(visible(node.text))}</span>"
+
+
+def tail(nodes: tuple[TreeNode, ...]) -> str:
+    """A long row's last tokens as one run of text, with each token's length in UTF-16 units (what a browser's text
+    offsets count), so that view.js can tell which token a click landed on."""
+    if not nodes:
+        return ""
+    texts = [visible(node.text) for node in nodes]
+    lengths = ",".join(str(len(text.encode("utf-16-le")) // 2) for text in texts)
+    return f'<span class="exlnb-tail" data-lengths="{lengths}">{html.escape("".join(texts))}</span>'
 
 
 def chains_under(tree: SampleTree, node: TreeNode) -> Iterator[tuple[TreeNode, ...]]:
@@ -75,7 +95,7 @@ def row_html(tree: SampleTree, chain: tuple[TreeNode, ...], level: int) -> str:
     first, last = chain[0], chain[-1]
     share = tree.share(first)
     explored = f" +{first.explored}" if first.explored else ""
-    tokens = "".join(chip(tree, node, i < TITLED) for i, node in enumerate(chain))
+    tokens = "".join(chip(tree, node, i < TITLED) for i, node in enumerate(chain[:SHADED])) + tail(chain[SHADED:])
     said = " · ".join([*figures(tree, first), *after_words(last)])
     children = "".join(row_html(tree, c, level + 1) for c in chains_under(tree, last))
     group = f'<ul role="group">{children}</ul>' if children else ""
@@ -86,7 +106,7 @@ def row_html(tree: SampleTree, chain: tuple[TreeNode, ...], level: int) -> str:
         f'<summary role="treeitem" aria-level="{level}" aria-label="{label}" data-node="{last.index}">'
         f'<span class="exlnb-share"><span style="width:{100 * share:.1f}%"></span></span>'
         f'<span class="exlnb-count">×{first.count}{explored}</span>'
-        f'<span class="exlnb-chain">{tokens}</span>'
+        f'<span class="exlnb-chain" data-first="{first.index}" data-count="{len(chain)}">{tokens}</span>'
         f'<span class="exlnb-figs">{html.escape(said)}</span></summary>{group}</details></li>'
     )
 

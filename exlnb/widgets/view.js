@@ -170,9 +170,11 @@ function initialize({ model }) {
 // (data-exlnb-tree), which the kernel draws again as the tree grows. While its kernel runs it marks them
 // .exlnb-tree-live (their action bar shows), keeps what was chosen, the folded rows, the focus and the typed text
 // across drawings, and sends what is asked: a node expanded to a mass, text forced after a node, Stop. A token
-// clicked, or a row reached by keyboard, is the node the tree grows after. Keys on a row, before JupyterLab's
-// shortcuts (capture phase): ↑ ↓ the previous or next row, → unfold or go to the first row under it, ← fold or go
-// to the row above it, e expand after it, f type text to force after it (Enter sends, Escape goes back).
+// clicked, or a row reached by keyboard (its last token), is the node the tree grows after: named by its row's
+// first node and its place in the row, since only a row names its nodes (a big tree's HTML stays small). Keys on a
+// row, before JupyterLab's shortcuts (capture phase): ↑ ↓ the previous or next row, → unfold or go to the first row
+// under it, ← fold or go to the row above it, e expand after it, f type text to force after it (Enter sends, Escape
+// goes back).
 function initializeTrees(model, keys) {
   const held = keys.map((key) => `[data-exlnb-tree="${key}"]`).join(", ");
   const states = new Map();
@@ -191,11 +193,49 @@ function initializeTrees(model, keys) {
     const state = stateOf(tree);
     tree.classList.toggle("exlnb-tree-live", live);
     tree.querySelectorAll(".exlnb-tree-picked").forEach((el) => el.classList.remove("exlnb-tree-picked"));
-    const token = state.chosen === null ? null : tree.querySelector(`.exlnb-tok[data-node="${state.chosen}"]`);
-    if (token) {
-      token.classList.add("exlnb-tree-picked");
-      say(tree, `after node #${state.chosen} ${JSON.stringify(token.textContent)}`);
+    const chain = state.chosen && tree.querySelector(`.exlnb-chain[data-first="${state.chosen.first}"]`);
+    const text = chain && tokenText(chain, state.chosen.offset);
+    if (text !== null && text !== undefined) {
+      const token = chain.children[state.chosen.offset];
+      if (token && !token.matches(".exlnb-tail")) token.classList.add("exlnb-tree-picked");
+      say(tree, `after ${JSON.stringify(text)} (row #${state.chosen.first}, token ${state.chosen.offset + 1})`);
     }
+  };
+  // a row's tokens: its first ones spans, the rest one run of text (.exlnb-tail) with each token's length
+  const tailOf = (chain) => chain.querySelector(":scope > .exlnb-tail");
+  const lengthsOf = (tail) => tail.dataset.lengths.split(",").map(Number);
+  const tokenText = (chain, offset) => {
+    const tail = tailOf(chain);
+    const shaded = chain.children.length - (tail ? 1 : 0);
+    if (offset < shaded) return chain.children[offset].textContent;
+    if (!tail) return null;
+    const lengths = lengthsOf(tail);
+    const start = lengths.slice(0, offset - shaded).reduce((a, b) => a + b, 0);
+    return tail.textContent.slice(start, start + lengths[offset - shaded]);
+  };
+  const tailOffset = (tail, event) => {
+    // the token under the pointer, from the character there: a caret goes to the boundary nearest the pointer, so
+    // on a character's right half it lands after it, and the character before the caret is the one clicked
+    const [x, y, text] = [event.clientX, event.clientY, tail.firstChild];
+    const caret = document.caretPositionFromPoint
+      ? document.caretPositionFromPoint(x, y)
+      : document.caretRangeFromPoint?.(x, y);
+    let at = caret && (caret.offsetNode ?? caret.startContainer) === text ? (caret.offset ?? caret.startOffset) : 0;
+    if (at > 0) {
+      const before = document.createRange();
+      before.setStart(text, at - 1);
+      before.setEnd(text, at);
+      const box = before.getBoundingClientRect();
+      if (x >= box.left && x <= box.right && y >= box.top && y <= box.bottom) at -= 1;
+    }
+    let end = 0;
+    const lengths = lengthsOf(tail);
+    const index = lengths.findIndex((length) => (end += length) > at);
+    return (index < 0 ? lengths.length - 1 : index) + tail.parentElement.children.length - 1;
+  };
+  const lastOf = (row) => {
+    const chain = row.querySelector(".exlnb-chain");
+    return { first: chain.dataset.first, offset: Number(chain.dataset.count) - 1 };
   };
   const focusRow = (tree, row) => {
     if (!row) return;
@@ -203,7 +243,8 @@ function initializeTrees(model, keys) {
     row.tabIndex = 0;
     row.focus({ preventScroll: false });
     const state = stateOf(tree);
-    state.focused = state.chosen = row.dataset.node;
+    state.focused = row.dataset.node;
+    state.chosen = lastOf(row);
     mark(tree);
   };
   const restore = (tree) => {
@@ -232,9 +273,10 @@ function initializeTrees(model, keys) {
     if (kind === "stop") return send(tree, { type: "stop" });
     if (state.chosen === null) return say(tree, "choose a token first: click it, or reach its row with the arrow keys");
     const mass = Number(tree.querySelector(".exlnb-tree-mass").value);
-    if (kind === "expand") send(tree, { type: "expand", node: Number(state.chosen), mass });
+    const node = { node: Number(state.chosen.first), offset: state.chosen.offset };
+    if (kind === "expand") send(tree, { type: "expand", ...node, mass });
     if (kind === "force" && state.text) {
-      send(tree, { type: "force", node: Number(state.chosen), text: state.text });
+      send(tree, { type: "force", ...node, text: state.text });
       state.text = "";
       tree.querySelector(".exlnb-tree-text").value = "";
     }
@@ -247,11 +289,13 @@ function initializeTrees(model, keys) {
     const tree = treeOf(event.target);
     if (!live || !tree) return;
     const button = event.target.closest("button[data-act]");
-    const token = event.target.closest(".exlnb-tok");
+    const token = event.target.closest(".exlnb-chain > span");
     if (button) act(tree, button.dataset.act);
     else if (token) {
       event.preventDefault(); // a token is chosen, its row not folded
-      stateOf(tree).chosen = token.dataset.node;
+      const tail = token.matches(".exlnb-tail");
+      const offset = tail ? tailOffset(token, event) : [...token.parentElement.children].indexOf(token);
+      stateOf(tree).chosen = { first: token.parentElement.dataset.first, offset };
       mark(tree);
     }
   };
@@ -262,7 +306,7 @@ function initializeTrees(model, keys) {
     const state = stateOf(tree);
     if (here.matches("input")) {
       if (event.key === "Enter") act(tree, here.matches(".exlnb-tree-text") ? "force" : "expand");
-      else if (event.key === "Escape") rowOf(tree, state.focused ?? state.chosen)?.focus();
+      else if (event.key === "Escape" && state.focused !== null) rowOf(tree, state.focused)?.focus();
       event.stopPropagation(); // typing here is not a notebook shortcut
       return;
     }
@@ -278,8 +322,8 @@ function initializeTrees(model, keys) {
       ArrowLeft: () => (details.open && details.querySelector("ul") ? (details.open = false) : focusRow(tree, parentRow)),
       Home: () => focusRow(tree, all[0]),
       End: () => focusRow(tree, all[all.length - 1]),
-      e: () => { state.chosen = here.dataset.node; mark(tree); act(tree, "expand"); },
-      f: () => { state.chosen = here.dataset.node; mark(tree); tree.querySelector(".exlnb-tree-text").focus(); },
+      e: () => { state.chosen = lastOf(here); mark(tree); act(tree, "expand"); },
+      f: () => { state.chosen = lastOf(here); mark(tree); tree.querySelector(".exlnb-tree-text").focus(); },
     };
     if (moves[event.key]) {
       moves[event.key]();
