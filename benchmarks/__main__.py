@@ -24,6 +24,7 @@ SUITES = {
     "multigpu": ("multigpu", "a model split over several GPUs, and tensor parallel (several CUDA GPUs)"),
     "cache-snapshot": ("cache_snapshot", "the cache inspector's view of real pages, as JSON and HTML"),
     "server-check": ("server_check", "a server through the remote engine: streaming, n, token view, Stop, /metrics"),
+    "disconnect": ("disconnect", "the disconnect notebook against each server this machine starts, in every mode"),
     "speed": ("speed", "engines against the raw libraries, transformers and the memory floor, with the issue's goals"),
     "table": ("table", "the performance table from every committed core run"),
 }

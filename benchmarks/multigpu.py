@@ -22,10 +22,12 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import allreduce
 from benchmarks.decode import GREEDY, aggregate_throughput, random_prompt, session_decode
 from benchmarks.harness import device_slug, environment
 from exlnb import get_session
 from exlnb.engines.library_engine import used_per_gpu
+from exlnb.engines.registry import engine_spec
 from exlnb.random_model import LLAMA_7B, random_llama, shape_larger_than, tokenizer_folder
 
 LARGER_THAN_CARD = 1.2  # the goal: a model at least this many times one card's memory
@@ -33,24 +35,33 @@ LARGE_MODEL_RATIO = 1.22  # what the suite writes, a little above the goal
 GREEDY_TOKENS = 64
 DECODE_TOKENS = 128
 BATCH = 8
-GOALS = {  # name -> (what is compared, at least)
-    "tp2_7b_batch1_speedup_at_least_1.5": ("tp2", "batch1_tokens_per_s", 1.5),
-    "tp2_7b_batch8_speedup_at_least_1.6": ("tp2", "batch8_tokens_per_s", 1.6),
-    "tp4_7b_batch1_speedup_at_least_2.2": ("tp4", "batch1_tokens_per_s", 2.2),
+GOALS = {  # name -> (what is compared, at least, the engine it is asked of or None for the best)
+    "tp2_7b_batch1_speedup_at_least_1.5": ("tp2", "batch1_tokens_per_s", 1.5, None),
+    "tp2_7b_batch8_speedup_at_least_1.6": ("tp2", "batch8_tokens_per_s", 1.6, None),
+    "tp4_7b_batch1_speedup_at_least_2.2": ("tp4", "batch1_tokens_per_s", 2.2, None),
+    "split2_over_one_card_batch1_at_least_0.9": ("split2", "batch1_tokens_per_s", 0.9, "exllamav2"),
 }
 
 
-def layouts(gpus: int, card_gib: float, model_gib: float) -> dict[str, dict]:
+def layouts(gpus: int, card_gib: float, model_gib: float, backends: tuple[str, ...] = ()) -> dict[str, dict]:
     """How the 7B-shaped model is laid out: `load()` keywords per layout. The split puts about half of the
-    layers on each of the first two cards (exllamav2 fills a card up to its share, then the next)."""
+    layers on each of the first two cards (exllamav2 fills a card up to its share, then the next). Tensor
+    parallelism runs with the library's default all-reduce, and again with each other one it has (`backends`,
+    the engine's, its default first): "tp2-nccl"."""
     ways = {
         "one_card": dict(gpu_split=None),
         "split2": dict(gpu_split=(round(model_gib / 2, 1), math.floor(card_gib))),
-        "tp2": dict(gpu_split=(math.floor(card_gib),) * 2, tensor_parallel=True),
     }
-    if gpus >= 4:
-        ways["tp4"] = dict(gpu_split=(math.floor(card_gib),) * 4, tensor_parallel=True)
+    for cards in (2, 4) if gpus >= 4 else (2,):
+        ways[f"tp{cards}"] = dict(gpu_split=(math.floor(card_gib),) * cards, tensor_parallel=True)
+        for backend in backends[1:]:
+            ways[f"tp{cards}-{backend}"] = dict(ways[f"tp{cards}"], tp_backend=backend)
     return ways
+
+
+def cards_of(name: str) -> int | None:
+    """How many cards a tensor-parallel layout spreads each layer over ("tp4-nccl": 4); None for the others."""
+    return int(name[2:].split("-")[0]) if name.startswith("tp") else None
 
 
 def say(text: str) -> None:
@@ -88,6 +99,51 @@ def measure_layout(folder: Path, engine: str, load_options: dict, repeats: int) 
     finally:
         session.unload()
     return row
+
+
+def measure_layouts(
+    folder: Path,
+    engine: str,
+    gpus: int,
+    card_bytes: int,
+    weight_bytes: int,
+    repeats: int,
+    *,
+    only_tensor_parallel: bool = False,
+) -> dict:
+    """Every layout of one engine on one model, and how far each layout's greedy tokens agree with one card's."""
+    data: dict = {"layouts": {}, "agreement": {}}
+    ways = layouts(gpus, card_bytes / 2**30, weight_bytes / 2**30, engine_spec(engine).tensor_parallel_backends)
+    for name, options in ways.items():
+        if only_tensor_parallel and name == "split2":
+            continue
+        say(f"{engine}: {folder.name}, {name}")
+        try:
+            data["layouts"][name] = measure_layout(folder, engine, options, repeats)
+        except Exception as error:
+            data["layouts"][name] = {"load_options": options, "error": f"{type(error).__name__}: {error}"}
+            say(f"{engine} {name}: {data['layouts'][name]['error']}")
+        say(
+            json.dumps(
+                {k: v for k, v in data["layouts"][name].items() if not k.endswith("samples") and k != "greedy_tokens"}
+            )
+        )
+    reference = data["layouts"].get("one_card", {}).get("greedy_tokens")
+    for name, row in data["layouts"].items():
+        if reference and name != "one_card" and "greedy_tokens" in row:
+            data["agreement"][name] = agreement(reference, row["greedy_tokens"])
+    return data
+
+
+def nccl_timings(gpus: int) -> dict[int, dict[str, float]]:
+    """NCCL's all-reduce of one step's hidden state (7B-shaped, fp16) at batch 1 and 8, over 2 (and 4) cards."""
+    out = {}
+    for cards in (2, 4) if gpus >= 4 else (2,):
+        say(f"NCCL all-reduce over {cards} cards")
+        out[cards] = {
+            f"batch{rows}": allreduce.nccl_allreduce_us(cards, rows, LLAMA_7B["hidden_size"]) for rows in (1, BATCH)
+        }
+    return out
 
 
 def agreement(reference: list[int], other: list[int]) -> dict:
@@ -166,8 +222,8 @@ def goals_from(engines: dict[str, dict], gpus: int) -> dict:
             if ratio is not None
             else {"ratio": None, "met": False, "why": split.get("error", "not run")}
         )
-        for name, (layout, key, least) in GOALS.items():
-            if layout == "tp4" and gpus < 4:
+        for name, (layout, key, least, asked_of) in GOALS.items():
+            if (layout == "tp4" and gpus < 4) or asked_of not in (None, engine):
                 continue
             one, other = data["layouts"].get("one_card", {}), data["layouts"].get(layout, {})
             if key in one and key in other:
@@ -222,6 +278,12 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-large", action="store_true", help="leave out the model larger than one card")
+    parser.add_argument(
+        "--exl3",
+        type=Path,
+        help="an EXL3 7B-shaped folder (the speed suite's) to split too, "
+        "one card against tensor parallelism with each all-reduce",
+    )
     args = parser.parse_args(argv)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus < 2:
@@ -240,28 +302,24 @@ def main(argv: list[str] | None = None) -> Path:
     with random_llama(LLAMA_7B) as (folder, weight_bytes):
         result["seven_b_weights_bytes"] = weight_bytes
         for engine in engines:
-            data: dict = {"layouts": {}, "agreement": {}}
-            result["engines"][engine] = data
-            for name, options in layouts(gpus, card_bytes / 2**30, weight_bytes / 2**30).items():
-                say(f"{engine}: 7B-shaped, {name}")
-                try:
-                    data["layouts"][name] = measure_layout(folder, engine, options, args.repeats)
-                except Exception as error:
-                    data["layouts"][name] = {"load_options": options, "error": f"{type(error).__name__}: {error}"}
-                    say(f"{engine} {name}: {data['layouts'][name]['error']}")
-                say(
-                    json.dumps(
-                        {
-                            k: v
-                            for k, v in data["layouts"][name].items()
-                            if not k.endswith("samples") and k != "greedy_tokens"
-                        }
-                    )
-                )
-            reference = data["layouts"].get("one_card", {}).get("greedy_tokens")
-            for name, row in data["layouts"].items():
-                if reference and name != "one_card" and "greedy_tokens" in row:
-                    data["agreement"][name] = agreement(reference, row["greedy_tokens"])
+            result["engines"][engine] = measure_layouts(folder, engine, gpus, card_bytes, weight_bytes, args.repeats)
+    if args.exl3:
+        exl3_bytes = sum(f.stat().st_size for f in args.exl3.glob("*.safetensors"))
+        result["exl3"] = {
+            "folder": str(args.exl3),
+            **measure_layouts(
+                args.exl3, "exllamav3", gpus, card_bytes, exl3_bytes, args.repeats, only_tensor_parallel=True
+            ),
+        }
+    nccl_us = nccl_timings(gpus) if any("-nccl" in n for d in result["engines"].values() for n in d["layouts"]) else {}
+    result["nccl_allreduce_us"] = nccl_us
+    for data in [*result["engines"].values(), result.get("exl3", {"layouts": {}})]:
+        data["tensor_parallel_check"] = allreduce.check(
+            data["layouts"],
+            layers=LLAMA_7B["num_hidden_layers"],
+            cards_of={name: cards_of(name) for name in data["layouts"] if cards_of(name)},
+            nccl_us=nccl_us,
+        )
     if not args.skip_large:
         for engine, large in measure_larger_model(engines, card_bytes, gpus).items():
             result["engines"][engine]["larger_model"] = large

@@ -72,9 +72,11 @@ def load_ipython_extension(ipython) -> None:
     """`%load_ext exlnb`: registers %exl_load, %%exl_generate, %exl_branch, %%exl_tree, %exl_cache, %exl_jobs,
     %exl_cancel, %exl_bench, %exl_quantize, %exl_divergence and %exl_noise_floor."""
     from exlnb.magics import ExlnbMagics, await_magic_cells
+    from exlnb.quality_magics import QualityMagics
 
     magics = ExlnbMagics(ipython)
     ipython.register_magics(magics)
+    ipython.register_magics(QualityMagics(ipython))
     ipython.events.register("pre_run_cell", magics.remember_cell)
     if getattr(ipython, "kernel", None) is not None and ipython.autoawait:
         ipython.input_transformers_post.append(await_magic_cells)

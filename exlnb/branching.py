@@ -8,22 +8,28 @@ only the tokens after them. Every mistake is refused here, in one line, before a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from exlnb.engines.base import Tokenizer
+from exlnb.engines.token_info import TokenInfo
 from exlnb.request import GenerationRequest
 from exlnb.streaming import GenerationResult
 
 
 @dataclass(frozen=True)
 class BranchPlan:
-    """What a branch runs: its request (one sample, the tokens left), the tokens before the forced one, and it."""
+    """What a branch runs: its request (one sample, the tokens left), the tokens before the forced one, and it;
+    and what its views show of where it left its parent (the kept tokens' text, the token it replaces)."""
 
     request: GenerationRequest
     prefix: tuple[int, ...]  # the prompt and the parent's first `at` tokens
     forced: int
     forced_text: str
+    kept_text: str  # the parent's first `at` tokens, as text
+    replaced_text: str  # the parent's token at `at`, which the forced one replaces
+    forced_info: TokenInfo | None  # the forced token's record, where the parent recorded its alternatives there
 
     @property
     def input_ids(self) -> tuple[int, ...]:
@@ -68,7 +74,28 @@ def plan_branch(
         seed=seed,
         min_new_tokens=max(0, min(left, request.min_new_tokens + len(lead) - at - 1)),
     )
-    return BranchPlan(branch_request, (*prompt_ids, *result.token_ids[:at]), forced, tokenizer.decode([forced]))
+    forced_text = tokenizer.decode([forced])
+    return BranchPlan(
+        branch_request,
+        (*prompt_ids, *result.token_ids[:at]),
+        forced,
+        forced_text,
+        tokenizer.decode(result.token_ids[:at]),
+        tokenizer.decode([result.token_ids[at]]),
+        forced_record(result, at, forced, forced_text),
+    )
+
+
+def forced_record(result: GenerationResult, at: int, forced: int, text: str) -> TokenInfo | None:
+    """The forced token's record, so that a branch's token view starts with it as its text does: after the same
+    tokens, the model's distribution there is the one the parent recorded at `at`, so its alternatives are the
+    parent's, and its probability the one they give it (NaN where it is not among them). Nothing sampled it."""
+    record = next((r for r in result.token_records if r.position == at), None)
+    if record is None:
+        return None
+    alternatives = record.info.alternatives
+    probability = next((p for i, _text, p in alternatives if i == forced), math.nan)
+    return TokenInfo(forced, text, probability, alternatives, sampled_probability=None)
 
 
 def forced_token(result: GenerationResult, at: int, token: int | str | None, tokenizer: Tokenizer) -> int:

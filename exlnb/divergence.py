@@ -56,11 +56,14 @@ class Divergence:
     reference_perplexity: float
     by_confidence: tuple[ConfidenceBin, ...]
     noise_floor: float | None = None
+    reference_file: str | None = None  # where the reference's logits are kept, where known
 
     def table(self) -> str:
         """A compact text table: the summary, then a row per confidence bin that holds positions."""
         floor = "n/a" if self.noise_floor is None else f"{self.noise_floor:.4g}"
+        kept = [f"reference file       {file_words(Path(self.reference_file))}"] if self.reference_file else []
         lines = [
+            *kept,
             f"positions            {self.positions}",
             f"KL mean / median / p90  {self.kl_mean:.4g} / {self.kl_median:.4g} / {self.kl_p90:.4g}",
             f"noise floor (bf16)   {floor} (mean KL of the reference with noise after every layer)",
@@ -74,6 +77,11 @@ class Divergence:
             if b.positions
         ]
         return "\n".join(lines)
+
+
+def file_words(path: Path) -> str:
+    """'/root/.cache/exlnb/references/x.pt (50.3 MB)': a kept file and its size, as the magic says where it is."""
+    return f"{path} ({path.stat().st_size / 1e6:.1f} MB)" if path.is_file() else str(path)
 
 
 def check_vocabularies(reference_logits: torch.Tensor, logits: torch.Tensor) -> None:

@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 
 from exlnb.analysis import Loop, find_tail_loop
 from exlnb.branching import plan_branch
-from exlnb.chat import Chat, get_chat
 from exlnb.engines.base import LOOP_DETECTOR, EosReason, JobSpec, StreamEvent, wall_clock
 from exlnb.engines.options import EngineOptions
+from exlnb.engines.token_info import TokenInfo
 from exlnb.near_ties import NoiseFloor
 from exlnb.noise_floor import measured_floor
+from exlnb.prepared_prompt import PreparedPrompt, prepare_prompt
 from exlnb.request import GenerationRequest, takes_request_options
 from exlnb.session import Session, get_session
 from exlnb.streaming import Delivered, GenerationResult, JobError, JobStream, reading
-from exlnb.templates import LintFinding, conversation, lint_rendered, render
 
 LOOP_CHECK_EVERY = 8  # tokens between loop checks; find_tail_loop looks at the last 32
 
@@ -81,6 +81,9 @@ class Lineage:
     at: int | None = None  # the position in the parent's tokens where the branch left it
     lead: tuple[int, ...] = ()  # the forced token
     lead_text: str = ""
+    lead_info: tuple[TokenInfo, ...] = ()  # its record, where the parent recorded its alternatives there
+    kept_text: str = ""  # the parent's tokens before `at`, as text
+    replaced_text: str = ""  # the parent's token at `at`, which the forced token replaced
     family: list[GenerationResult] = field(default_factory=list, repr=False, compare=False)
 
     def branch(self, result: GenerationResult, at: int, token: int | str | None) -> GenerationResult:
@@ -125,6 +128,7 @@ class Generation:
         self.prompt_text = prompt.text
         self.prompt_ids = prompt.ids
         self.prompt_findings = prompt.findings  # template mistakes in the prompt as the model gets it
+        self.branch_refusal = session.engine.branch_refusal  # why its answers cannot branch here, if they cannot
         self.samples = [Sample(i, s, lineage=lineage) for i, (s, lineage) in enumerate(zip(streams, lineages))]
         for sample in self.samples:  # a branch's view starts with its forced token
             sample.text, sample.token_ids = sample.lineage.lead_text, list(sample.lineage.lead)
@@ -258,17 +262,6 @@ def _due_for_loop_check(sample: Sample, event: StreamEvent) -> bool:
     return len(sample.token_ids) // LOOP_CHECK_EVERY > before // LOOP_CHECK_EVERY
 
 
-@dataclass(frozen=True)
-class PreparedPrompt:
-    """The prompt exactly as the model gets it, rendered and linted once."""
-
-    text: str
-    ids: list[int]
-    findings: list[LintFinding]
-    chat: Chat | None
-    loop_guard_by_engine: bool = False  # the jobs carry the engine's own loop detector (`--loop-guard`)
-
-
 _owned: dict[Hashable, Generation] = {}
 _owned_lock = threading.Lock()
 
@@ -339,23 +332,6 @@ def _prepare(
     return prompt, specs
 
 
-def prepare_prompt(request: GenerationRequest, session: Session) -> PreparedPrompt:
-    """The request's prompt as the model gets it: its user turn rendered through its template (after its system
-    prompt and its chat's earlier turns), checked to fit, encoded and linted once."""
-    tokenizer = session.tokenizer
-    conv = _conversation_for(request)
-    text = (
-        conv.prompt(request.prompt, request.template, tokenizer)
-        if conv
-        else render(request.template, conversation(request.prompt, request.system), tokenizer)
-    )
-    session.check_text_fits(text)
-    ids = tokenizer.encode(text, special=True)
-    # a class attribute, read without the engine's thread: it never changes
-    by_engine = request.loop_guard and session.engine.loop_guard_by_engine
-    return PreparedPrompt(text, ids, lint_rendered(ids, request.template, tokenizer), conv, by_engine)
-
-
 def _launch(
     session: Session,
     request: GenerationRequest,
@@ -414,6 +390,8 @@ def _prepare_branch(result: GenerationResult, at: int, token: int | str | None) 
         )
     session = lineage.session
     lineage.check_loaded(f"branch job {result.job_id}")
+    if session.engine.branch_refusal is not None:
+        raise ValueError(session.engine.branch_refusal)
     plan = plan_branch(
         result,
         at,
@@ -437,6 +415,9 @@ def _prepare_branch(result: GenerationResult, at: int, token: int | str | None) 
         at=at,
         lead=(plan.forced,),
         lead_text=plan.forced_text,
+        lead_info=(plan.forced_info,) if plan.forced_info else (),
+        kept_text=plan.kept_text,
+        replaced_text=plan.replaced_text,
         family=lineage.family,
     )
     return session, plan, prompt, specs, child
@@ -447,14 +428,3 @@ def branch_result(generation: Generation) -> GenerationResult:
     result = generation.samples[0].result()
     result.origin.family.append(result)
     return result
-
-
-def _conversation_for(request: GenerationRequest) -> Chat | None:
-    if request.chat is None:
-        return None
-    conv = get_chat(request.chat)
-    if request.system is not None:
-        conv.system = request.system
-    if request.amnesia:
-        conv.clear()
-    return conv

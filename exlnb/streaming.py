@@ -19,6 +19,7 @@ import asyncio
 import queue
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -26,6 +27,7 @@ from typing import Protocol
 
 from exlnb.engines.base import EosReason, Stage, StreamEvent, wall_clock
 from exlnb.engines.constraint import OutputConstraint
+from exlnb.engines.token_info import TokenInfo
 from exlnb.near_ties import NoiseFloor, floor_value, margin_frame
 from exlnb.token_records import TokenRecord, token_frame, token_records
 
@@ -55,6 +57,7 @@ class Origin(Protocol):
 
     lead: tuple[int, ...]  # tokens the result starts with that its job was given, not generated (a forced token)
     lead_text: str
+    lead_info: tuple[TokenInfo, ...]  # their records, where known
 
     def branch(self, result: GenerationResult, at: int, token: int | str | None) -> GenerationResult: ...
 
@@ -141,7 +144,7 @@ class GenerationResult:
         origin: Origin | None = None,
     ) -> GenerationResult:
         last = events[-1] if events else None
-        lead, lead_text = (origin.lead, origin.lead_text) if origin else ((), "")
+        lead, lead_text, lead_info = (origin.lead, origin.lead_text, origin.lead_info) if origin else ((), "", ())
         return cls(
             job_id=job_id,
             text=lead_text + "".join(e.text for e in events),
@@ -154,8 +157,9 @@ class GenerationResult:
             prefill_tokens_per_s=last.prefill_tokens_per_s if last else None,
             decode_tokens_per_s=last.decode_tokens_per_s if last else None,
             elapsed_s=(last.time_produced - last.time_enqueued) if last else 0.0,
-            # a given token has no record: the generated ones keep their places in token_ids
-            token_records=tuple(replace(r, position=r.position + len(lead)) for r in token_records(events)),
+            # a given token's record says it was given; the generated ones keep their places in token_ids
+            token_records=tuple(TokenRecord(i, info, 0.0, 0.0, forced=True) for i, info in enumerate(lead_info))
+            + tuple(replace(r, position=r.position + len(lead)) for r in token_records(events)),
             constraint=constraint,
             error=error,
             origin=origin,
@@ -205,16 +209,20 @@ class EventInbox:
         return self._sync.get()
 
 
+ENDED_KEPT = 1024  # the latest jobs' last events kept after they end, for views that settle into their record
+
+
 class Deliveries:
     """Which inbox receives each open job's events, each job's last event, and which jobs may run unread.
 
-    Written by the engine thread (`deliver`, `fail`) and read by any thread (`consumed`, `detached`).
+    Written by the engine thread (`deliver`, `fail`) and read by any thread (`consumed`, `detached`, `ended`).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._inboxes: dict[int, EventInbox] = {}
         self._last: dict[int, StreamEvent] = {}
+        self._ended: OrderedDict[int, StreamEvent] = OrderedDict()
         self._detached: set[int] = set()
 
     def register(self, job_id: int, inbox: EventInbox, *, detached: bool) -> None:
@@ -229,6 +237,9 @@ class Deliveries:
                 inbox = self._inboxes.get(event.job_id)
                 if event.eos:
                     self._close(event.job_id)
+                    self._ended[event.job_id] = event
+                    if len(self._ended) > ENDED_KEPT:
+                        self._ended.popitem(last=False)
                 else:
                     self._last[event.job_id] = event
                 if inbox is not None:
@@ -279,6 +290,11 @@ class Deliveries:
     def detached(self, job_id: int) -> bool:
         with self._lock:
             return job_id in self._detached
+
+    def ended(self, job_id: int) -> StreamEvent | None:
+        """The last event of a job that has ended lately (one of the latest ENDED_KEPT), else None."""
+        with self._lock:
+            return self._ended.get(job_id)
 
     def new_tokens(self, job_id: int) -> int:
         with self._lock:

@@ -32,6 +32,7 @@ class TokenRecord:
     info: TokenInfo
     arrival_s: float  # submit -> the event that carried it
     latency_s: float  # since the previous token arrived (for the first: the time to first token)
+    forced: bool = False  # given to the job (a branch's forced token), not drawn: it arrived with the prompt
 
 
 def token_records(events: Iterable[StreamEvent]) -> tuple[TokenRecord, ...]:

@@ -14,7 +14,8 @@ from exlnb.engines.checks import check_field_types
 from exlnb.engines.declaration import declared, option
 from exlnb.engines.sampling import SamplerSettings
 from exlnb.engines.token_info import MAX_TOP_TOKENS
-from exlnb.generation import as_request, prepare_prompt
+from exlnb.generation import as_request
+from exlnb.prepared_prompt import prepare_prompt
 from exlnb.request import GenerationRequest
 from exlnb.session import Session, TreeGrowth, get_session
 from exlnb.session.exploring import MAX_TREE_SAMPLES, TREE_ALTERNATIVES

@@ -206,24 +206,34 @@ memory. Quantizing needs CUDA: on a machine without it the notebook says so and 
         title="Does the server stop when the client leaves? (field report 1, at a server)",
         story="""\
 Field report 1's abandoned jobs, at a server: published 2026 issues show SGLang, vLLM, llama.cpp's server and
-TabbyAPI generating on for clients that had gone. Streams are opened and abandoned while queued, during
-prefill and during decode; leaving closes the connection, which is all a server is told. Right after, a probe
-request's time to first token is compared with the same probe on the idle server, and where the server has a
-Prometheus `/metrics` its own count of running requests says whether it is still working for nobody. Probes
-then repeat until one is back near the idle figure.
+TabbyAPI generating on for clients that had gone. Requests are opened and abandoned while queued, during prefill
+and during decode, twice over: as streams, left by closing the connection, and as non-streaming requests, left
+by the client's read timeout at the same moment. Closing the connection is all a server is ever told.
 
-The engine loaded here is the control: exlnb's session cancels an abandoned job at once. Give `url` (an
-OpenAI-compatible server's API base, serving the same model) to measure that server beside it.""",
+Three signals say whether the server went on working for nobody: a probe request's time to first token against
+the idle server's (a server that batches answers it at once while it runs on, so the probe alone can miss it),
+the server's own count of running requests where it has a Prometheus `/metrics`, and the server process's CPU
+time where it runs on this machine and its PID is given. The server-side signals are read once a delayed abort
+(SGLang's comes about 2 s after the client leaves) has had its time. A row says "stopped" only where every
+signal it could read agrees, and names each one it could not.
+
+The engine loaded here is the control: exlnb's session cancels an abandoned job at once (it has no connection
+to lose, so it runs the streaming phases only). Give `url` (an OpenAI-compatible server's API base, serving the
+same model) to measure that server beside it, and `server_mode` to record how it was started.""",
         notes={
             "url": "an OpenAI-compatible server's API base, e.g. http://127.0.0.1:8000/v1; None: the control alone",
             "served_model": "the server's name for the model; None: the one it serves",
             "api_key_env": "environment variable holding the server's API key, if it wants one",
-            "abandoned": "streams opened and abandoned in each phase",
+            "server_pid": "the server's process id where it runs on this machine: its CPU time is read from /proc; "
+            "None: that signal is not available, and each row says so",
+            "server_mode": 'how the server was started, recorded with each row, e.g. "transformers serve '
+            '--continuous-batching"',
+            "abandoned": "requests opened and abandoned in each phase",
             "prefill_prompt_tokens": "the prefill phase's long prompt, left half-way through its idle prefill",
             "max_new_tokens": "what each abandoned request asks for (a server that goes on runs to this)",
             "tokens_read": "tokens read before leaving in the decode phase",
             "probes": "probes on the idle target, for its reference time to first token",
-            "settle_timeout_s": "how long probes wait for the target to be idle again",
+            "settle_timeout_s": "how long probes, and the watch on the server's CPU, wait for it to be idle again",
         },
     ),
     Investigation(

@@ -1,134 +1,72 @@
 """Real OpenAI-compatible servers for the remote engine's tests, started here on 127.0.0.1 and a free port.
 
 One of each per test session (session-scoped fixtures, shared through `pytest_plugins = ["tests.servers"]`):
-`transformers serve` on the bundled model's converted folder, llama-cpp-python's server on the bundled GGUF,
-and `FakeServer`, a small stand-in for the failures a real server will not produce on demand (malformed and
-badly shaped events, a stalled stream, 401, 429, 503, a server that dies mid-answer or cuts it short, one that
-keeps streaming, oversized events, error bodies and answers, a redirect, a nonsensical max_model_len), with
-`fake_session` loaded on it. Every wait is bounded.
+`transformers serve` on the bundled model's converted folder (and, for the disconnect investigation, a second
+one with `--continuous-batching`) and llama-cpp-python's server on the bundled GGUF, each started as
+`benchmarks/local_servers.py` starts it for a recorded run (the `..._process` fixtures give its PID and mode,
+the others its URL); and `FakeServer`, a small stand-in for the failures a real server will not produce on
+demand (malformed and badly shaped events, a stalled stream, 401, 429, 503, a server that dies mid-answer or cuts
+it short, one that keeps streaming, oversized events, error bodies and answers, a redirect, a nonsensical
+max_model_len), with `fake_session` loaded on it. Every wait is bounded.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
+from http.server import ThreadingHTTPServer
 
-import httpx
 import pytest
 
-from exlnb.models import BUNDLED_MODEL, bundled_gguf, resolve_model
+from benchmarks import local_servers
+from benchmarks.local_servers import LocalServer, free_port
 from exlnb.session import Session
-
-START_TIMEOUT_S = 180  # transformers serve starts in under half a minute on two cores; llama.cpp in seconds
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def server_process(argv: list[str], port: int, log: Path) -> Iterator[str]:
-    """Run a server until its /v1/models answers; yield its API base; stop it (and say why if it never came up)."""
-    url = f"http://127.0.0.1:{port}/v1"
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            argv,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-        )
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                tail = log.read_text()[-2000:]
-                raise RuntimeError(f"{argv[0]} did not come up on port {port} (exit {process.poll()}):\n{tail}")
-            try:
-                if httpx.get(f"{url}/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=15)
+from tests.fake_llm_server import StandInHandler
 
 
 @pytest.fixture(scope="session")
-def transformers_server(tmp_path_factory) -> Iterator[str]:
-    """`transformers serve`, pinned to the bundled model's folder, on the CPU; it serves the model by that path."""
-    folder = resolve_model(BUNDLED_MODEL, progress=False)
-    port = free_port()
-    cli = Path(sys.executable).with_name("transformers")
-    argv = [
-        str(cli),
-        "serve",
-        str(folder),
-        "--device",
-        "cpu",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-    ]
-    with server_process(argv, port, tmp_path_factory.mktemp("transformers") / "server.log") as url:
-        yield url
+def transformers_server_process(tmp_path_factory) -> Iterator[LocalServer]:
+    """`transformers serve` on the bundled model's folder, on the CPU, one `generate()` at a time."""
+    with local_servers.transformers_serve(tmp_path_factory.mktemp("transformers")) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
-def llama_cpp_server(tmp_path_factory) -> Iterator[str]:
-    """llama-cpp-python's server on the bundled GGUF as published. It runs one generation at a time, and by
-    default a new request aborts the one running: `interrupt_requests False` queues it instead, as load tests need.
-    It gets the worker's share of the cores, as torch has it (conftest.py): llama.cpp reads no OMP_NUM_THREADS, and
-    two threads beside a busy worker on two cores wait for each other at every step (test_remote_engine.py beside
-    another busy core took 44 s, 16 s of them the server's CPU, with two threads; 25 s and 4 s with one)."""
+def transformers_server(transformers_server_process) -> str:
+    return transformers_server_process.url
+
+
+@pytest.fixture(scope="session")
+def transformers_batching_server_process(tmp_path_factory) -> Iterator[LocalServer]:
+    """`transformers serve --continuous-batching`: the same model through its paged continuous-batching generator."""
+    with local_servers.transformers_serve(
+        tmp_path_factory.mktemp("transformers-cb"), continuous_batching=True
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_server_process(tmp_path_factory) -> Iterator[LocalServer]:
+    """llama-cpp-python's server on the bundled GGUF. It gets the worker's share of the cores, as torch has it
+    (conftest.py): two threads beside a busy worker on two cores wait for each other at every step
+    (test_remote_engine.py beside another busy core took 44 s, 16 s of them the server's CPU, with two threads;
+    25 s and 4 s with one)."""
     import torch
 
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "llama_cpp.server",
-        "--model",
-        str(bundled_gguf()),
-        "--model_alias",
-        BUNDLED_MODEL,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--n_ctx",
-        "2048",
-        "--n_threads",
-        str(torch.get_num_threads()),
-        "--n_threads_batch",
-        str(torch.get_num_threads()),
-        "--interrupt_requests",
-        "False",
-        "--verbose",
-        "False",
-    ]
-    with server_process(argv, port, tmp_path_factory.mktemp("llama_cpp") / "server.log") as url:
-        yield url
+    with local_servers.llama_cpp_server(
+        tmp_path_factory.mktemp("llama_cpp"), threads=torch.get_num_threads()
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_server(llama_cpp_server_process) -> str:
+    return llama_cpp_server_process.url
 
 
 # -- the stand-in for failures ------------------------------------------------------------------------------
@@ -169,7 +107,7 @@ BAD_SHAPES = {
 PACKED_WORDS = " the cat sat on the mat and the dog sat on the rug"  # one token a word in SmolLM2's tokenizer
 
 
-class FakeHandler(BaseHTTPRequestHandler):
+class FakeHandler(StandInHandler):
     """Answers as vLLM would; the user's message picks the failure (or `FakeServer.faults`, for the next request
     whatever it says): "malformed", "stall", "die", "429", "503", "slow" (ticks until the client leaves, noted in
     `client_left`), "shape:NAME" (`BAD_SHAPES`), "cut" (a close-delimited body ended mid-answer), "no-choices",
@@ -179,11 +117,6 @@ class FakeHandler(BaseHTTPRequestHandler):
     two words a frame, a finish frame, a usage frame). A request with `ignore_eos` (a load test's exact lengths)
     gets `max_tokens` words of one token each. Any other message streams it back word by word. Every request needs
     the key FAKE_KEY. Under /moved/v1 the models listing redirects, under /len-5/v1 it says max_model_len=-5."""
-
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args) -> None:
-        pass
 
     def do_GET(self) -> None:
         if self.path == "/metrics":
@@ -225,10 +158,7 @@ class FakeHandler(BaseHTTPRequestHandler):
             return self._send(int(fault), json.dumps({"error": {"message": words[fault], "code": int(fault)}}))
         if fault in ("big-error", "cut"):
             return self._big_error() if fault == "big-error" else self._cut()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
+        self._start_events()
         answer = self._ANSWERS.get(fault.partition(":")[0], FakeHandler._echo)
         if body.get("ignore_eos") and taken is None:
             answer = FakeHandler._exact
@@ -366,19 +296,6 @@ class FakeHandler(BaseHTTPRequestHandler):
             401, json.dumps({"error": {"message": "Incorrect API key provided", "type": "invalid_request_error"}})
         )
         return False
-
-    def _chunk(self, text: str) -> None:
-        data = text.encode()
-        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-        self.wfile.flush()
-
-    def _send(self, status: int, text: str, content_type: str = "application/json") -> None:
-        data = text.encode()
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
 
 def _sse_chunk(text: str | None, finish: str | None = None, role: str | None = None) -> str:

@@ -75,6 +75,7 @@ LAYERS = (
             "exlnb.chat",
             "exlnb.request",
             "exlnb.generation",
+            "exlnb.prepared_prompt",
             "exlnb.workload",
             "exlnb.loadtest",
             "exlnb.bench_result",
@@ -85,7 +86,7 @@ LAYERS = (
             "exlnb.tree_reference",
         ),
     ),
-    ("widgets and magics", ("exlnb.widgets.*", "exlnb.magic_arguments", "exlnb.magics")),
+    ("widgets and magics", ("exlnb.widgets.*", "exlnb.magic_arguments", "exlnb.magics", "exlnb.quality_magics")),
     ("experiments and notebooks", ("exlnb.experiments.*", "exlnb.report", "exlnb.spread")),
     ("the package's front door", ("exlnb",)),
 )

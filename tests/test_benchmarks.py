@@ -158,3 +158,26 @@ def test_the_results_git_carries_stay_under_3_mb():
     sizes = sorted(((f.stat().st_size, f) for f in files), reverse=True)
     total = sum(size for size, _ in sizes)
     assert total <= RESULTS_BUDGET_BYTES, f"{total / 2**20:.1f} MB tracked; largest: {sizes[:5]}"
+
+
+def test_the_tensor_parallel_check_predicts_from_the_all_reduce_and_reads_the_all_reduce_off_a_measured_split():
+    from benchmarks import allreduce
+    from benchmarks.multigpu import cards_of, layouts
+
+    # 10 ms on one card, two cards, 64 all-reduces of 25 us: 5 ms of work + 1.6 ms of all-reduces
+    assert allreduce.predicted_speedup(10.0, 2, 25.0, 64) == pytest.approx(10 / 6.6)
+    assert allreduce.implied_allreduce_us(10.0, 6.6, 2, 64) == pytest.approx(25.0)
+    ways = layouts(4, 80, 13.5, ("native", "nccl"))
+    assert list(ways) == ["one_card", "split2", "tp2", "tp2-nccl", "tp4", "tp4-nccl"]
+    assert ways["tp4-nccl"] == dict(ways["tp4"], tp_backend="nccl") and "tp_backend" not in ways["tp2"]
+    assert [cards_of(name) for name in ways] == [None, None, 2, 2, 4, 4]
+    measured = {
+        "one_card": {"batch1_tokens_per_s": 100.0, "batch8_tokens_per_s": 500.0},
+        "tp2-nccl": {"batch1_tokens_per_s": 1000 / 6.6, "batch8_tokens_per_s": 600.0},
+        "split2": {"batch1_tokens_per_s": 90.0},
+    }
+    check = allreduce.check(measured, layers=32, cards_of={"tp2-nccl": 2}, nccl_us={2: {"batch1": 25.0}})
+    assert list(check) == ["tp2-nccl"]
+    row = check["tp2-nccl"]
+    assert row["measured_speedup_batch1"] == pytest.approx(10 / 6.6) == row["predicted_speedup_batch1"]
+    assert row["implied_allreduce_us"] == pytest.approx(25.0) and row["measured_speedup_batch8"] == pytest.approx(1.2)

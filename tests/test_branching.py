@@ -4,6 +4,9 @@ prompt's cached pages, and the branches form a tree; bad input fails in one line
 
 from __future__ import annotations
 
+import html
+import subprocess
+import sys
 import time
 
 import pytest
@@ -75,6 +78,36 @@ def test_branches_form_a_tree(cpu_session):
     assert "← #1 at 2, forced ' blue'" in tree.text()
     html = tree._repr_mimebundle_()["text/html"]
     assert html.count("<tr>") == 5 and "exlnb-branches" in html and "&#x27; blue&#x27;" in html
+
+
+def test_the_tree_shows_what_each_branch_kept_and_the_token_its_forced_one_replaced(cpu_session):
+    """The tree showed only a branch's continuation: not where it left its parent, nor what it replaced."""
+    original = answer(max_new_tokens=12)
+    branch = original.branch(at=4)
+    decode = cpu_session.tokenizer.decode
+    [_, node] = BranchTree.of(branch).nodes
+
+    assert node.kept == decode(original.token_ids[:4]) and node.replaced == decode([original.token_ids[4]])
+    assert node.text == branch.text  # the branch's own text, as its result has it
+    line = BranchTree.of(branch).text().splitlines()[1]
+    assert line.endswith(f"in place of {node.replaced!r} [{node.end}]: {node.kept!r} + {branch.text!r}")
+    row = BranchTree.of(branch).html().split("<tr>")[-1]
+    kept, forced = html.escape(node.kept), html.escape(node.forced_text)
+    assert f'<span class="exlnb-kept exlnb-muted">{kept}</span><span class="exlnb-forced">{forced}</span>' in row
+
+
+def test_a_tree_shown_outside_a_notebook_prints_its_text():
+    """In a terminal, `BranchTree.show()` printed its HTML bundle as a dict."""
+    code = (
+        "from exlnb.widgets.branches import BranchNode, BranchTree\n"
+        "BranchTree((BranchNode(0, 1, None, None, None, None, 'Blue sky.', 'end of turn'),\n"
+        "            BranchNode(1, 2, 0, 1, 9, ' red', ' red sky.', 'end of turn', 'Blue', ' sky'))).show()"
+    )
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert shown == (
+        "#0 job 1 [end of turn]: 'Blue sky.'\n"
+        "#1 job 2 ← #0 at 1, forced ' red' (9) in place of ' sky' [end of turn]: 'Blue' + ' red sky.'\n"
+    )
 
 
 @pytest.mark.parametrize(

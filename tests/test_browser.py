@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from exlnb import EosReason
+from exlnb.models import bundled_gguf
 
 nbformat = pytest.importorskip(
     "nbformat", reason="the notebook tests need the notebook stack: pip install -e '.[test]'"
@@ -55,6 +56,8 @@ WORKTREE = Path(__file__).resolve().parent.parent
 ARTIFACTS = WORKTREE / "test-artifacts"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 RECORDED = (2, 4, 5, 6, 8, 10, 11)  # the cells whose widgets leave a record: answers, samples, inspector, job table
+KILLED = (12, 13, 14)  # the cells whose views were live when the kernel died: the front end leaves their record
+WAITED, BRANCHED_CELL, REFUSED, CUT, BENCH, KILL = range(15, 21)  # the cells after them; the last kills the kernel
 THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
 # text that must read on its background: WCAG's 4.5:1 for normal text (the branch tree's, live and reopened)
 BRANCH_TREE = (".exlnb-branches th", ".exlnb-branches td", ".exlnb-branches code")
@@ -71,6 +74,12 @@ READABLE = (
     ".exlnb-muted",
     ".exlnb-chip",
     ".exlnb-popover",
+    ".exlnb-alt-off",
+    ".exlnb-branch-refused",
+    ".exlnb-kept",
+    ".exlnb-forced",
+    ".exlnb-bench-table td",
+    ".exlnb-legend",
     *BRANCH_TREE,
 )
 # WCAG 2 contrast of each selector's text against the colour behind it (its own and its ancestors' backgrounds
@@ -113,6 +122,9 @@ CONTRAST_JS = """selectors => {
 # pages (published when the first cell's job finished its prefill) and the inspector has shared pages to show.
 NOTES = " ".join(f"Chapter {i}: the dragon bakes loaf number {i} and learns something new." for i in range(1, 31))
 STORY = "{notes}\n\nTell me a very long story about a dragon who learns to bake bread, with many chapters."
+# a prompt longer than two pages that nothing before has cached: two samples of it share its pages, which the first
+# computes while the second waits
+LOG = " ".join(f"Entry {i}: the lighthouse keeper logs ship number {i * 7} at dusk." for i in range(1, 41))
 
 
 def free_port() -> int:
@@ -135,12 +147,22 @@ def lab(tmp_path_factory):
         "%exl_cancel --all",
         "%%exl_generate --show-prompt --template llama3 --max-new-tokens 12 --temperature 0\n"
         "What is the capital of France?",
-        f"%%exl_generate --max-new-tokens 2000\n{STORY}",
+        f"%%exl_generate --max-new-tokens 2000 --out cut\n{STORY}",
         "%%exl_generate --show-prompt --max-new-tokens 12 --temperature 0\nWhat is the capital of France?",
-        "%%exl_generate --tokens 5 --max-new-tokens 40 --temperature 0.8 --seed 2\nDescribe a dragon in two sentences.",
+        "%%exl_generate --tokens 5 --max-new-tokens 40 --temperature 0.8 --seed 2 --out dragon\n"
+        "Describe a dragon in two sentences.",
         f"%%exl_generate --background --max-new-tokens 2000 --min-new-tokens 2000\n{STORY}",
         "%exl_jobs",
         "%exl_cache",
+        f"%%exl_generate --n 2 --max-new-tokens 6 --temperature 0\n{LOG}",
+        "%exl_branch dragon --at 3 --out b3",
+        # what a token view shows on an engine that cannot branch (a chat server): drawn here on the CPU engine's
+        # records, as figures.sample_html draws it there
+        "from IPython.display import HTML\nfrom exlnb.engines.remote.engine import CHAT_CANNOT_BRANCH\n"
+        "from exlnb.widgets.record import record_html\nfrom exlnb.widgets.tokens import tokens_html\n"
+        "HTML(record_html(tokens_html(dragon.token_records, set(), False, 'probability', refusal=CHAT_CANNOT_BRANCH)))",
+        "print('stored:', cut.eos_reason.value, len(cut.token_ids))",
+        "%exl_bench --request-rate inf --num-requests 3 --prompt-len 8 --output-len 3 --slo ttft_ms=60000",
         "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)  # the kernel dies without a word, as a crash does",
     ]
     with serving_lab(tmp_path_factory.mktemp("lab"), cells) as served:
@@ -164,11 +186,14 @@ def serving_lab(root: Path, cells: list[str]) -> Iterator[tuple]:
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
     port, token = free_port(), secrets.token_hex(16)
+    # a new user's first %exl_load prepares the bundled model: from the GGUF this machine keeps, into a home of its own
     env = dict(
         os.environ,
         JUPYTER_CONFIG_DIR=str(root / ".jupyter"),
         JUPYTERLAB_WORKSPACES_DIR=str(root / ".ws"),
         JUPYTER_RUNTIME_DIR=str(root / ".runtime"),
+        EXLNB_HOME=str(root / ".exlnb"),
+        EXLNB_BUNDLED_GGUF=str(bundled_gguf()),
     )
     with open(root / "lab.log", "w") as log:  # the server writes to its own copy of the file
         server = subprocess.Popen(
@@ -299,6 +324,7 @@ def table_rows(table) -> list[list[str]]:
 # the branch tree as the live kernel drew it ("rows") and the choices made ("chosen": position, token id, its
 # text as the popover shows it), which the reopened notebook and its export must keep
 BRANCHED: dict[str, list] = {}
+GONE: dict[str, str] = {}  # the answer that was streaming when the kernel died, as it stood
 
 
 def test_stream_widget_grows_stop_ends_the_job_and_leaves_a_record(page):
@@ -306,7 +332,16 @@ def test_stream_widget_grows_stop_ends_the_job_and_leaves_a_record(page):
     run_cell(page, 0)
     assert f"{WORKTREE}/exlnb/__init__.py" in wait_done(page, 0)  # the kernel imports this checkout's exlnb
     run_cell(page, 1)
-    assert "cpu engine" in wait_done(page, 1, timeout_s=300)
+    loaded = wait_done(page, 1, timeout_s=300)
+    assert "cpu engine" in loaded and "\nmodel folder: " in loaded
+    # the bundled model prepared: exlnb's one line of progress, at its end, on stdout; no library's bar or widget
+    load = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".jp-OutputArea")
+    assert load.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").count() == 0
+    assert load.locator(".jupyter-widgets, .widget-label").count() == 0 and "Error displaying" not in loaded
+    preparing = [line for line in loaded.splitlines() if "preparing SmolLM2" in line]
+    assert len(preparing) == 1 and "100%" in preparing[0] and "4/4" in preparing[0], loaded
+    assert "Converting" not in loaded and "Writing model shards" not in loaded
+    load.screenshot(path=str(ARTIFACTS / "first-load-light.png"))
     run_cell(page, 2)
     cell = page.locator(".jp-Notebook .jp-Cell").nth(2)
     # the widgets re-render their HTML: locators (queried afresh each time), never element handles
@@ -354,13 +389,21 @@ def test_samples_inspector_and_job_table_show_running_jobs_then_settle(page):
     run_cell(page, 6)
     table = page.locator(".jp-Notebook .jp-Cell").nth(6).locator(".jp-OutputArea")
     expect(table.locator("tbody tr")).to_have_count(4)
-    # the samples' widget streams them: no job is flagged as one that nobody reads
-    assert "4 jobs, 0 with nobody reading" in table.locator(".exlnb-summary").inner_text()
+    # the samples' widget streams them: no job is flagged as one that nobody reads, and the table says what that is
+    assert "4 jobs, each read by its stream" in table.locator(".exlnb-summary").inner_text()
     assert "nobody reading" not in inspector.locator(".exlnb-legend").inner_text()
+    assert "a job nobody reads still holds its pages" in table.locator(".exlnb-jobs > .exlnb-legend").inner_text()
+    assert "field report 1" in table.locator("th", has_text="stream read").get_attribute("title")
     time.sleep(2)  # let the pages fill a little for the picture
     samples.locator(".jp-OutputArea").screenshot(path=str(ARTIFACTS / "stream-n4-live-light.png"))
     head = samples.locator(".exlnb-head").inner_text()
-    assert "TTFT" in head and "samples together" in head and samples.locator(".exlnb-head").count() == 1
+    # one decode rate, named: the samples' tokens over the time while any of them was decoding
+    assert "TTFT" in head and re.search(
+        r"decode [\d.]+ tok/s \(4 samples together: \d+ tokens over the [\d.]+ s "
+        r"while any was decoding\)",
+        head,
+    ), head
+    assert samples.locator(".exlnb-head").count() == 1
 
     table.locator(".exlnb-cancel").first.click()
     expect(table.locator("tbody tr")).to_have_count(3, timeout=30_000)
@@ -371,6 +414,11 @@ def test_samples_inspector_and_job_table_show_running_jobs_then_settle(page):
         record = page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".exlnb-record")
         expect(record).to_contain_text("had ended by", timeout=30_000)
     assert "pages in use" in page.locator(".jp-Notebook .jp-Cell").nth(5).locator(".exlnb-record").inner_text()
+    # each job as it ended, not as the table last saw it running (its last state with jobs: the four, or the three
+    # left after the first Cancel, as its last drawing before Cancel all had them)
+    settled = page.locator(".jp-Notebook .jp-Cell").nth(6).locator(".exlnb-record tbody tr").all()
+    assert len(settled) in (3, 4) and {row.locator("td").nth(1).inner_text() for row in settled} == {"ended: cancelled"}
+    assert {row.locator("td").nth(5).inner_text() for row in settled} == {"freed"}
     run_cell(page, 7)
     assert "cancelled 0 jobs" in wait_done(page, 7)
 
@@ -382,6 +430,13 @@ def test_a_wrong_template_is_a_warning_above_the_answer(page):
     expect(output.locator(".exlnb-record")).to_be_visible(timeout=30_000)
     assert output.locator(".exlnb-warning").count() == 1
     assert "does not follow the template" in output.locator(".exlnb-warning").inner_text()
+    # llama3's tags, each plain text here, are one finding that names the model's own template
+    [finding] = output.locator(".exlnb-warning li").all_inner_texts()
+    assert re.fullmatch(
+        r"\d+ llama3 tags are plain text here \(<\|begin_of_text\|>, .*\): this model's template is "
+        r"chatml \(--template chatml, or auto\)",
+        finding,
+    ), finding
     assert output.locator(".exlnb-special").count() == 0  # llama3's tags are ordinary text to this model
     assert output.locator(".exlnb-token").count() > 20
 
@@ -403,6 +458,9 @@ def test_an_interrupt_prints_one_line_and_no_traceback(page):
     error = cell.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").inner_text()
     assert re.fullmatch(r"interrupted: job \d+ cancelled after \d+ tokens", error.strip()), error
     assert "Traceback" not in output and "CancelledError" not in output
+    run_cell(page, CUT)  # --out stored the interrupted answer, as Stop stores it
+    tokens = int(error.split("after ")[1].split()[0])
+    assert wait_done(page, CUT).strip() == f"stored: cancelled {tokens}"
 
 
 def test_the_token_view_opens_a_popover_of_both_probabilities_by_keyboard_and_its_text_copies(page):
@@ -462,11 +520,81 @@ def test_choosing_an_alternative_in_the_token_view_starts_a_branch_shown_in_the_
     rows = table_rows(tree)
     assert rows[0] == ["branch", "of", "at", "forced token", "text", "ended"]
     branches = sorted(rows[2:], key=lambda row: int(row[2]))
-    for (_number, parent, at, forced, text, ended), (chosen_at, token, words) in zip(branches, chosen):
-        assert parent == "#0" and at == chosen_at and forced == f"{words} ({token})", rows
-        assert text.startswith(ast.literal_eval(words)) and ended in {reason.words for reason in EosReason}
+    for (_number, parent, at, forced, _text, ended), (chosen_at, token, words) in zip(branches, chosen):
+        assert parent == "#0" and at == chosen_at and forced.startswith(f"{words} ({token})in place of "), rows
+        assert ended in {reason.words for reason in EosReason}
+    # each branch's text after the end of what it kept of the answer, its forced token marked
+    marked = tree.locator("tr").evaluate_all(
+        "trs => trs.slice(2).map((tr) => [tr.children[2].textContent, "
+        "tr.querySelector('span.exlnb-forced').textContent])"
+    )
+    assert sorted(marked, key=lambda m: int(m[0])) == [[at, ast.literal_eval(words)] for at, _token, words in chosen]
     assert {row[0] for row in rows[1:]} == {"#0", "#1", "#2"}
     BRANCHED.update(rows=rows, chosen=chosen)
+
+
+def test_a_sample_that_waited_for_another_samples_prefill_says_so(page):
+    run_cell(page, WAITED)
+    wait_done(page, WAITED)
+    output = page.locator(".jp-Notebook .jp-Cell").nth(WAITED).locator(".jp-OutputArea")
+    expect(output.locator(".exlnb-record")).to_be_visible(timeout=30_000)
+    first, second = output.locator(".exlnb-status").all_inner_texts()
+    assert "TTFT" not in output.locator(".exlnb-head").inner_text()  # each sample's own, under it
+    assert re.search(r"prefill \d+ tokens in \d+ ms", first) and "waited" not in first
+    assert re.search(r"waited for sample 0's prefill of \d+ prompt tokens\s*prefill \d+ tokens(?! in)", second), second
+
+
+def test_a_branch_streams_its_forced_token_and_its_tree_shows_what_it_kept(page):
+    run_cell(page, BRANCHED_CELL)
+    wait_done(page, BRANCHED_CELL)
+    output = page.locator(".jp-Notebook .jp-Cell").nth(BRANCHED_CELL).locator(".jp-OutputArea")
+    expect(output.locator(".exlnb-record")).to_have_count(2, timeout=30_000)  # the branch's view, then its tree
+    chips = output.locator(".exlnb-token-view > .exlnb-chip")
+    forced = chips.first
+    assert (
+        "exlnb-forced" in forced.get_attribute("class")
+        and output.locator(".exlnb-token-view .exlnb-forced").count() == 1
+    )
+    forced.focus()
+    popover = forced.locator(".exlnb-popover")
+    expect(popover).to_be_visible()
+    assert "forced here by the branch" in popover.inner_text() and "← forced" in popover.inner_text()
+    page.evaluate("document.activeElement.blur()")
+    shown = "".join(chips.evaluate_all("cs => cs.map((c) => c.firstChild.textContent)"))
+    row = output.locator(".exlnb-branches tr").last  # b3, the newest branch of dragon's tree
+    kept, chosen = row.locator(".exlnb-kept").inner_text(), row.locator("span.exlnb-forced").inner_text()
+    assert kept and chosen and shown.startswith(chosen)  # the view starts with the forced token, as the text does
+    assert row.locator("td").nth(3).inner_text().startswith(f"{chosen!r} (") and "in place of" in row.inner_text()
+
+
+def test_where_branching_cannot_work_the_alternatives_are_greyed_out_and_say_why(page):
+    run_cell(page, REFUSED)
+    wait_done(page, REFUSED)
+    output = page.locator(".jp-Notebook .jp-Cell").nth(REFUSED).locator(".jp-OutputArea")
+    chip = output.locator(".exlnb-token-view > .exlnb-chip").nth(2)
+    chip.hover()
+    popover = chip.locator(".exlnb-popover")
+    expect(popover).to_be_visible()
+    assert popover.locator(".exlnb-alt").count() == 0 and popover.locator(".exlnb-alt-off").count() >= 1
+    expect(popover.locator(".exlnb-branch-refused")).to_contain_text("branching on a server needs --api completions")
+    assert popover.locator(".exlnb-alt-off").first.evaluate("el => getComputedStyle(el).cursor") == "not-allowed"
+    box = output.bounding_box()
+    page.screenshot(path=str(ARTIFACTS / "branch-refused-light.png"), clip={**box, "height": box["height"] + 200})
+    page.mouse.move(0, 0)
+
+
+def test_the_bench_table_keeps_each_rate_on_one_line(page):
+    run_cell(page, BENCH)
+    wait_done(page, BENCH, timeout_s=180)
+    table = page.locator(".jp-Notebook .jp-Cell").nth(BENCH).locator(".exlnb-bench-table")
+    expect(table).to_be_visible(timeout=30_000)
+    assert "SLO" in table.inner_text()
+    lines = table.evaluate("""t => [...t.querySelectorAll('td')].map((cell) => {
+        const range = document.createRange(); range.selectNodeContents(cell);
+        return new Set([...range.getClientRects()].map((r) => Math.round(r.top))).size; })""")
+    assert set(lines) == {1}, lines  # no value wraps onto a second line
+    output = page.locator(".jp-Notebook .jp-Cell").nth(BENCH).locator(".jp-OutputArea-output")
+    assert table.bounding_box()["width"] <= output.bounding_box()["width"]  # and the table fits: headings wrap
 
 
 @pytest.mark.parametrize("theme", ["light", "dark"])
@@ -480,6 +608,10 @@ def test_records_read_well_in_light_and_dark_themes(page, theme):
         (8, "wrong-template"),
         (10, "show-prompt"),
         (11, "token-view"),
+        (WAITED, "stream-waited"),
+        (BRANCHED_CELL, "branch-view"),
+        (REFUSED, "token-view-refused"),
+        (BENCH, "bench"),
     ]:
         output = page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-OutputArea")
         output.scroll_into_view_if_needed()
@@ -504,11 +636,18 @@ def test_every_live_view_says_at_once_that_the_kernel_has_gone(page):
     expect(token_view).to_have_class(re.compile("exlnb-branching"))
     page.evaluate("document.activeElement.blur()")
 
-    run_cell(page, 15)
+    answer = cells.nth(12).locator(".exlnb-text").inner_text()
+    run_cell(page, KILL)
     for view in views:  # no click needed: each view hears the kernel go
         expect(view.locator(".exlnb-gone-note")).to_be_visible(timeout=30_000)
         expect(view.locator("button:visible")).to_have_count(0)
         assert view.locator("button:enabled").count() == 0
+    for index in KILLED:  # and writes its last state into its output, as the kernel's record would have
+        expect(cells.nth(index).locator(".exlnb-record.exlnb-gone")).to_have_count(1, timeout=30_000)
+    GONE["answer"] = cells.nth(12).locator(".exlnb-record .exlnb-text").inner_text()
+    assert GONE["answer"].startswith(answer)
+    for index, name in zip(KILLED, ("stream", "jobs", "cache")):
+        cells.nth(index).locator(".jp-OutputArea").screenshot(path=str(ARTIFACTS / f"gone-{name}-dark.png"))
     after = views[0].locator(".exlnb-state").evaluate("el => getComputedStyle(el, '::after').content")
     assert "when the kernel went" in after  # "running when the kernel went", not "running"
     expect(views[2].locator(".exlnb-liveness")).to_be_hidden()
@@ -528,8 +667,12 @@ def test_a_saved_notebook_keeps_answers_and_statistics_after_the_kernel_has_gone
         api("DELETE", f"/api/kernels/{session['kernel']['id']}")  # shut the kernel down
 
     saved = nbformat.read(root / "face.ipynb", as_version=4)
-    recorded = [saved.cells[i] for i in (1, *RECORDED)]  # %exl_load's progress is text too, no library's widget
+    recorded = [saved.cells[i] for i in (1, *RECORDED, *KILLED)]  # %exl_load's progress is text too, no widget
     assert not [o for c in recorded for o in c.outputs if WIDGET_MIME in o.get("data", {})]
+    assert not [o for o in saved.cells[1].outputs if o.get("name") == "stderr"]  # nothing on red
+    for index in KILLED:  # the front end's records of the views the kernel never settled
+        [gone] = [o for o in saved.cells[index].outputs if "exlnb-gone" in o.get("data", {}).get("text/html", "")]
+        assert gone["data"]["text/plain"].startswith("The kernel that drew this has gone")
     stopped = saved.cells[2].outputs[-1]["data"]["text/plain"]  # the plain record of a run the Stop button ended
     assert "[stopped · " in stopped and "[done" not in stopped
     [tree_text] = [o["data"]["text/plain"] for o in saved.cells[11].outputs if "← #0 at " in o["data"]["text/plain"]]
@@ -546,13 +689,18 @@ def test_a_saved_notebook_keeps_answers_and_statistics_after_the_kernel_has_gone
         cells.nth(index).scroll_into_view_if_needed()  # JupyterLab renders the cells in view
         for text in texts:
             expect(cells.nth(index).locator(".exlnb-record")).to_contain_text(text, timeout=60_000)
-    for index in RECORDED:
+    for index in (*RECORDED, *KILLED):
         cells.nth(index).scroll_into_view_if_needed()
         records = cells.nth(index).locator(".exlnb-record")
         expect(records).to_have_count(2 if index == 11 else 1)  # the token view's cell: its branch tree's too
         for record in records.all():
             expect(record).to_be_visible()
         assert "model not found" not in cells.nth(index).inner_text()
+    for index in KILLED:  # the views the kernel's death cut short, as they last were, saying so
+        expect(cells.nth(index).locator(".exlnb-record .exlnb-gone-note")).to_be_visible()
+    assert first_line(GONE["answer"]) in cells.nth(12).locator(".exlnb-record .exlnb-text").inner_text()
+    assert "job" in cells.nth(13).locator(".exlnb-record tbody").inner_text()
+    assert "pages in use" in cells.nth(14).locator(".exlnb-record").inner_text()
     cells.nth(1).scroll_into_view_if_needed()
     assert "Error displaying widget" not in cells.nth(1).inner_text()  # %exl_load left text only
     chip = cells.nth(11).locator(".exlnb-token-view > .exlnb-chip").first
@@ -587,3 +735,8 @@ def test_the_reopened_branch_tree_reads_well_in_light_and_dark_themes(page, them
     tree.screenshot(path=str(ARTIFACTS / f"branch-tree-record-{theme}.png"))
     assert table_rows(tree) == BRANCHED["rows"]
     assert not unreadable(page, BRANCH_TREE)
+    for index, name in zip(KILLED, ("stream", "jobs", "cache")):  # what the front end kept of the killed kernel's views
+        output = page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-OutputArea")
+        output.scroll_into_view_if_needed()
+        output.screenshot(path=str(ARTIFACTS / f"gone-{name}-reopened-{theme}.png"))
+    assert not unreadable(page, (".exlnb-gone-note", ".exlnb-text", ".exlnb-summary", ".exlnb-jobs td"))

@@ -43,6 +43,10 @@ REFUSED = {
         "api_key_env='EXLNB_NO_SUCH_KEY': that environment variable is not set",
     ),
     "an unknown server api": (dict(url=SERVER, api="grpc"), "api='grpc': choose one of chat, completions"),
+    "an all-reduce the engine has no choice of": (
+        dict(engine="cpu", tp_backend="nccl"),
+        "the cpu engine has no choice of all-reduce: tp_backend needs",
+    ),
     "an engine that needs CUDA where there is none": (dict(engine=CUDA_ENGINE), "needs a CUDA GPU"),
 }
 
@@ -79,6 +83,16 @@ def test_a_refused_load_at_the_magic_leaves_the_loaded_model_untouched(shell, cp
         with pytest.raises(UsageError):
             shell.run_line_magic("exl_load", line)
     assert cpu_session.engine is engine
+
+
+def test_an_all_reduce_is_one_of_the_engine_s_and_only_with_tensor_parallelism():
+    from exlnb.engines.options import check_tp_backend
+
+    check_tp_backend("exllamav3", "nccl", tensor_parallel=True)
+    with pytest.raises(ValueError, match="tp_backend='mpi': the exllamav3 engine's are native, nccl"):
+        check_tp_backend("exllamav3", "mpi", tensor_parallel=True)
+    with pytest.raises(ValueError, match="tp_backend='nccl' is for tensor parallelism: add tensor_parallel=True"):
+        check_tp_backend("exllamav3", "nccl", tensor_parallel=False)
 
 
 def test_the_signature_and_the_magic_read_the_declaration():

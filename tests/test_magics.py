@@ -151,7 +151,10 @@ def test_exl_load_with_the_same_arguments_does_nothing(shell, cpu_session, capsy
     engine = cpu_session._engine_thread().engine
     shell.run_line_magic("exl_load", "--engine cpu")
     assert cpu_session._engine_thread().engine is engine
-    assert "paged" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "paged" in printed
+    # what a server of the same model is started on (the bundled model's lives in the user cache)
+    assert f"\nmodel folder: {cpu_session.options.model_dir}\n" in printed
 
 
 def test_bad_options_are_usage_errors_not_tracebacks(shell, idle):
@@ -261,6 +264,33 @@ def test_keyboard_interrupt_while_waiting_cancels_the_samples(shell, idle, ctrl_
     assert started.is_set()
     wait_until_idle(idle)
     assert idle.jobs() == []
+
+
+def test_an_interrupted_cell_still_stores_its_samples_with_out(shell, idle):
+    """Stop stored `--out`, a kernel interrupt did not: the samples as they ended were lost with the cell."""
+    import asyncio
+
+    from IPython.utils.capture import capture_output
+
+    from exlnb.magics import await_magic_cells
+
+    code = f"%%exl_generate --n 2 --max-new-tokens 400 --min-new-tokens 400 --display text --out cut\n{QUESTION}"
+    transformed = "".join(await_magic_cells(shell.transform_cell(code).splitlines(keepends=True)))
+
+    async def interrupt_cell():
+        task = asyncio.ensure_future(shell.run_cell_async(code, store_history=False, transformed_cell=transformed))
+        while not any(row.info.new_tokens for row in idle.jobs()):
+            assert not task.done(), task.result().error_in_exec
+            await asyncio.sleep(0.01)
+        task.cancel()  # what ipykernel does on an interrupt while a cell awaits
+        return await task
+
+    with capture_output():
+        outcome = asyncio.run(interrupt_cell())
+    cut = shell.user_ns.pop("cut")
+    assert type(outcome.error_in_exec).__name__ == "Interrupted"
+    assert [r.eos_reason for r in cut] == [EosReason.CANCELLED] * 2 and all(0 < r.new_tokens < 400 for r in cut)
+    wait_until_idle(idle)
 
 
 def test_cache_and_jobs_magics_print_text_without_a_widget_front_end(shell, idle, capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -206,3 +207,33 @@ def test_tokenizers_with_nothing_to_repair_are_left_alone(tmp_path):
     assert byte_level_repaired(sentencepiece) is None and byte_level_repaired(llama3) is None
     (tmp_path / "tokenizer.json").write_text(json.dumps(sentencepiece))
     assert not repair_tokenizer(tmp_path) and not repair_tokenizer(tmp_path / "missing")
+
+
+@pytest.mark.slow  # converts the bundled GGUF (30 s on two cores)
+def test_preparing_the_bundled_model_shows_exlnbs_one_progress_line_and_no_library_bar(tmp_path):
+    """A new user's first %exl_load showed transformers' bars ("Converting and de-quantizing GGUF tensors",
+    "Writing model shards"), as widgets that read "Error displaying widget" once the notebook was reopened, and
+    exlnb's own bar on red (stderr), left at 50% under them."""
+    from exlnb.models import bundled_gguf
+
+    env = {**os.environ, "EXLNB_HOME": str(tmp_path), "EXLNB_BUNDLED_GGUF": str(bundled_gguf())}
+    code = "from exlnb.models import prepare_bundled; print(prepare_bundled())"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, check=True)
+    out, err = done.stdout.decode(), done.stderr.decode()  # as bytes: text mode would turn tqdm's \r into \n
+
+    bar, folder = out.split("\r")[-1].splitlines()  # the line as tqdm last drew it over itself, then the print
+    assert folder == str(tmp_path / "models" / "smollm2-135m-instruct")
+    assert bar.startswith("exlnb: preparing SmolLM2-135M-Instruct: 100%") and "4/4" in bar
+    assert "%|" not in err and "Converting" not in err + out and "Writing model shards" not in err + out
+
+
+def test_silencing_the_libraries_bars_puts_them_back_afterwards():
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    from exlnb.models import library_bars_silenced
+
+    before = gguf_utils.tqdm
+    with library_bars_silenced():
+        assert not hf_logging.is_progress_bar_enabled() and gguf_utils.tqdm(range(3)).disable
+    assert hf_logging.is_progress_bar_enabled() and gguf_utils.tqdm is before

@@ -46,7 +46,7 @@ def finished(gen: generation.Generation) -> generation.Generation:
 
 def test_a_chat_answer_streams_from_transformers_serve(transformers_session):
     status = transformers_session.status()
-    assert status.library == "transformers" and "/v1/chat/completions" in status.decode
+    assert status.library == "transformers" and "/v1/chat/completions" in status.api and not status.logprobs
     gen = finished(
         generation.start("Name three colours.", session=transformers_session, max_new_tokens=12, temperature=0)
     )
@@ -132,7 +132,7 @@ def test_a_prompt_in_exlnbs_template_is_refused_by_a_chat_server(transformers_se
 
 
 def test_completions_send_exlnbs_own_template(llama_cpp_session):
-    assert "/v1/completions, exlnb's templates" in llama_cpp_session.status().decode
+    assert "/v1/completions (exlnb's templates)" in llama_cpp_session.status().api
     gen = finished(
         generation.start("Name a fruit.", template="chatml", session=llama_cpp_session, max_new_tokens=8, temperature=0)
     )
@@ -210,7 +210,12 @@ def test_the_magics_drive_a_server(llama_cpp_in_the_kernel, llama_cpp_server, ca
     shell.run_line_magic(
         "exl_load", f"--engine openai --url {llama_cpp_server} --served-model {BUNDLED_MODEL} --api completions"
     )
-    assert "openai engine (llama.cpp)" in capsys.readouterr().out
+    # the server's own status line: the server and its dialect, the API, whether it returns logprobs
+    status = get_session().status()
+    assert (
+        f"openai engine | {BUNDLED_MODEL} | server {llama_cpp_server}, llama.cpp dialect | API /v1/completions "
+        f"(exlnb's templates) | logprobs yes | context {status.cache_tokens} tokens\n"
+    ) in capsys.readouterr().out
     shell.run_cell_magic(
         "exl_generate",
         "--max-new-tokens 200 --background --out gen --display text",

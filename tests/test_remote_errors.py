@@ -80,6 +80,32 @@ def test_a_setting_the_server_cannot_take_is_refused_by_name(fake_session):
         fake_session.generate("hi", sampler=SamplerSettings(dry_multiplier=0.8))
 
 
+def test_a_servers_status_line_says_what_a_server_has(fake_session, fake_server):
+    """The status line was the local engines' template: "unpaged (llama.cpp dialect (returns logprobs)) | cache
+    8192 tokens server's | batch 16 | decode: prompts: ..."."""
+    assert fake_session.status().line() == (
+        f"openai engine | fake-model | server {fake_server.url}, vllm dialect "
+        "| API /v1/chat/completions (the server's chat template) | logprobs yes | context 2048 tokens"
+    )
+
+
+def test_branching_on_a_chat_server_is_refused_saying_it_needs_completions(fake_session):
+    """On a chat server a branch was refused with advice that could not work ("use template='auto'", in use)."""
+    from exlnb.widgets.branches import BranchChoices
+
+    gen = run(fake_session, "one two three")
+    [result] = gen.results
+    with pytest.raises(
+        ValueError,
+        match=r"^branching on a server needs --api completions: with api='chat' the server "
+        r"applies its own chat template .* --api completions \(api='completions'\)",
+    ):
+        result.branch(at=1, token=result.token_ids[1])
+    viewed = generation.start("one two", session=fake_session, max_new_tokens=4, tokens=2)
+    assert BranchChoices.offer(viewed) is None and viewed.branch_refusal.startswith("branching on a server needs")
+    assert viewed.wait_done(WAIT_S)
+
+
 def test_the_server_view_reads_its_metrics(fake_session):
     metrics = fake_session.run_on_engine(lambda engine: engine.server_metrics())
     assert (metrics.running, metrics.waiting, metrics.kv_cache_usage) == (3, 2, 0.25)
@@ -132,6 +158,7 @@ def test_the_server_view_shows_the_servers_gauges_over_this_kernels_jobs(fake_se
         view.refresh()
         assert "server: 3 running, 2 waiting, KV cache 25%" in view.html
         assert f"job {gen.samples[0].stream.job_id}" in view.text() and "Cancel" in view.html
+        assert "1 job, read by its stream" in view.html  # not "1 jobs"
     finally:
         view.close()
         gen.cancel()

@@ -8,7 +8,17 @@ import pytest
 
 from exlnb.engines.tokenizer import HfTokenizer
 from exlnb.models import BUNDLED_MODEL, resolve_model
-from exlnb.templates import CHATML_VARIANTS, LintKind, Message, conversation, lint, lint_rendered, render
+from exlnb.templates import (
+    CHATML_VARIANTS,
+    LLAMA3,
+    LintKind,
+    Message,
+    conversation,
+    lint,
+    lint_rendered,
+    render,
+    summarise,
+)
 
 BRIEF = conversation("Hi", system="Be brief.")
 WITH_HISTORY = conversation(
@@ -219,3 +229,21 @@ def test_formats_without_turn_tags_have_nothing_to_lint(template, tokenizer):
 
     assert lint(tokenizer.decode(ids)) != []  # as ChatML it would be wrong
     assert lint_rendered(ids, template, tokenizer) == []
+
+
+def test_another_templates_tags_are_summarised_as_one_finding_naming_the_models_template(tokenizer):
+    ids = tokenizer.encode(render("llama3", BRIEF), special=True)
+    findings = lint_rendered(ids, "llama3", tokenizer)
+    foreign = [f for f in findings if f.kind is LintKind.SPECIAL_AS_TEXT]
+
+    [first, *rest] = summarise(findings, "llama3", tokenizer)
+    assert {f.tag for f in foreign} == set(LLAMA3.tags) and len(foreign) > len(
+        LLAMA3.tags
+    )  # each, as often as it stands
+    assert first == (
+        f"{len(foreign)} llama3 tags are plain text here (<|begin_of_text|>, <|start_header_id|>, "
+        "<|end_header_id|>, <|eot_id|>): this model's template is chatml (--template chatml, or auto)"
+    )
+    assert rest == [str(f) for f in findings if f not in foreign]
+    special_as_text = lint(render("chatml", BRIEF), tokenizer, special=False)  # its own tags, encoded as text
+    assert summarise(special_as_text, "chatml", tokenizer) == [str(f) for f in special_as_text]

@@ -4,6 +4,8 @@ view is off."""
 
 from __future__ import annotations
 
+import dataclasses
+import html
 import re
 
 import pytest
@@ -168,7 +170,31 @@ def test_a_branch_view_places_its_choices_after_its_forced_token(cpu_session):
     BranchChoices(branch)
     branch.wait(60)
     positions = sorted({at for at, _token in branch_choices(generation_html(branch, 4))})
-    assert positions == [r.position for r in branch_result(branch).token_records] and positions[0] == 1
+    records = branch_result(branch).token_records
+    assert records[0].forced and [r.position for r in records] == list(range(len(records)))
+    assert positions == [r.position for r in records if not r.forced] and positions[0] == 1
+
+
+def test_a_branch_view_streams_its_forced_token_first_marked_with_the_parents_alternatives(cpu_session):
+    """`%exl_branch dragon --at 3` streamed " as a massive" where `b3.text` read " depicted as a massive": the forced
+    token had no record, so the token view, drawn from the records, left it out."""
+    [answer] = start(GenerationRequest.build(PROMPT, max_new_tokens=8, temperature=0, tokens=4)).wait(60)
+    branch = start_branch(answer, at=3)
+    [result] = branch.wait(60)
+    page = generation_html(branch, 5)
+    chips = re.findall(
+        r'<span class="exlnb-chip exlnb-p\d( exlnb-forced)?" tabindex="0">(.*?)<span class="exlnb-popover"', page
+    )
+    forced, parents = result.token_records[0], answer.token_records[3]
+
+    assert "".join(html.unescape(text) for _forced, text in chips) == result.text  # nothing dropped
+    assert [bool(mark) for mark, _text in chips] == [True] + [False] * (len(chips) - 1)
+    assert forced.forced and forced.info.token_id == result.token_ids[0] and forced.info.sampled_probability is None
+    assert forced.info.alternatives == parents.info.alternatives  # the same place: the parent's distribution
+    assert forced.info.probability == next(p for i, _t, p in parents.info.alternatives if i == result.token_ids[0])
+    popover = re.search(r'exlnb-forced" tabindex="0">.*?<span class="exlnb-popover" role="tooltip">(.*?)</table>', page)
+    assert "forced here by the branch" in popover.group(1) and "← forced" in popover.group(1)
+    assert f"[{forced.info.text} forced]" in generation_text(branch)
 
 
 def test_a_widget_token_view_has_an_output_under_it_for_its_branches(cpu_session, monkeypatch):
@@ -187,6 +213,35 @@ def test_a_widget_token_view_has_an_output_under_it_for_its_branches(cpu_session
     generate_live(PROMPT, max_new_tokens=3, temperature=0, display="widget")  # no token view: nothing under it
     [(view, _), (record, settled)] = shown  # the view and its record, nothing between
     assert isinstance(view, StreamView) and settled["display_id"] == view.display_id
+
+
+def test_a_popover_says_in_words_when_the_engine_reports_no_sampled_probability(cpu_session):
+    """ "sampled with not reported by this engine" """
+    from exlnb.widgets.tokens import popover_html
+
+    [result] = start(GenerationRequest.build(PROMPT, max_new_tokens=1, temperature=0, tokens=2)).wait(60)
+    record = result.token_records[0]
+    unreported = dataclasses.replace(record, info=dataclasses.replace(record.info, sampled_probability=None))
+    assert "<br>the sampler's probability is not reported by this engine<br>" in popover_html(unreported)
+    assert "sampled with" not in popover_html(unreported) and "sampled with 1.000" in popover_html(record)
+
+
+def test_on_an_engine_that_cannot_branch_the_alternatives_are_greyed_out_and_say_why(cpu_session):
+    """On a chat server a click on an alternative failed with advice that could not work: a view there offers no
+    choice, and each popover says what branching needs."""
+    from exlnb.engines.remote.engine import CHAT_CANNOT_BRANCH
+
+    generation = start(GenerationRequest.build(PROMPT, max_new_tokens=3, temperature=0, tokens=3))
+    generation.branch_refusal = CHAT_CANNOT_BRANCH  # what a generation on a chat server reads from its engine
+    [result] = generation.wait(60)
+    page = generation_html(generation, 3)
+
+    assert BranchChoices.offer(generation) is None  # nothing that hears a click
+
+    assert branch_choices(page) == [] and "data-exlnb-answer" not in page and "exlnb-branch-on" not in page
+    others = sum(i != r.info.token_id for r in result.token_records for i, _t, _p in r.info.alternatives)
+    assert page.count('class="exlnb-alt-off"') == others
+    assert page.count("branching on a server needs --api completions") == len(result.token_records)
 
 
 def test_latency_colouring_shades_the_slow_tokens_and_prints_milliseconds(cpu_session):

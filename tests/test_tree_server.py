@@ -10,6 +10,7 @@ from exlnb import generation
 from exlnb.noise_floor import noise_floor
 from exlnb.session import Session
 from exlnb.tree_reference import compare
+from exlnb.trees import grow
 
 pytest_plugins = ["tests.servers"]
 pytestmark = pytest.mark.slow  # starts a real server
@@ -73,3 +74,16 @@ def test_near_ties_on_a_server_read_its_logprobs_and_its_floor_says_what_it_cann
     assert [c.name for c in floor.comparisons] == ["alone against inside a batch of 2"]
     assert "decode against a whole-sequence pass (the openai engine returns no logits)" in floor.not_compared
     assert list(result.near_ties(floor).position) == list(margins[margins.margin <= floor.value].position)
+
+
+def test_a_tree_drawn_through_a_chat_server_refuses_in_one_line_to_grow_after_a_node(llama_cpp_server):
+    chat = Session()
+    chat.load(url=llama_cpp_server, api="chat", progress=False)
+    try:
+        growth = grow("Name a colour.", n=1, session=chat, max_new_tokens=2, temperature=1.0, seed=1)
+        assert growth.wait(120).samples == 1  # drawn: the server rendered the user's turn itself
+        for grow_after in (lambda: growth.expand(0, 0.9), lambda: growth.force(0, " Blue")):
+            with pytest.raises(ValueError, match=r"^branching on a server needs --api completions: with api='chat'"):
+                grow_after()
+    finally:
+        chat.unload()

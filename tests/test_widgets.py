@@ -18,8 +18,9 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
 from exlnb import EosReason
+from exlnb.engines.base import DecodeSpan
 from exlnb.generation import start
-from exlnb.widgets.cache import CacheInspector, JobTable
+from exlnb.widgets.cache import CacheInspector, JobTable, jobs_html, jobs_summary
 from exlnb.widgets.figures import generation_text
 from exlnb.widgets.loadtest import abench
 from exlnb.widgets.stream import StreamView
@@ -347,3 +348,141 @@ def test_the_status_says_when_a_ban_took_text_back(idle):
     assert banned.lower() not in generation.samples[0].text.lower()
     assert "a banned string was taken back once" in view.text() and "a banned string was taken back once" in view.html
     assert "taken back" not in StreamView(plain, max_new_tokens=4).text()
+
+
+def serial_events(generation, starts_s: list[float], tokens: int, decode_s: float) -> None:
+    """Each sample's last event as a server that runs one request at a time would give it: sample i's first token
+    at `starts_s[i]`, then `tokens - 1` more over `decode_s`."""
+    for sample, start_s in zip(generation.samples, starts_s):
+        enqueued = sample.last.time_enqueued
+        sample.last = dataclasses.replace(
+            sample.last,
+            new_tokens=tokens,
+            time_to_first_token_s=start_s,
+            time_produced=enqueued + start_s + decode_s,
+            decode_tokens_per_s=(tokens - 1) / decode_s,
+        )
+
+
+def test_several_samples_decode_rate_is_their_tokens_over_the_time_any_was_decoding(idle):
+    """llama-cpp-python served four samples one after another, and the header said "decode 65.8 tok/s (4 samples
+    together)" for 104 tokens in 7.8 s: the sum of each sample's own rate."""
+    generation = start(PROMPT, n=4, max_new_tokens=2, temperature=0)
+    generation.wait(60)
+    serial_events(generation, [0.2, 2.2, 4.2, 6.2], tokens=26, decode_s=1.95)
+    view = StreamView(generation, max_new_tokens=26)
+    head = re.search(r'<div class="exlnb-head">(.*?)</div>', view.html).group(1)
+
+    assert DecodeSpan.of([s.last for s in generation.samples]) == DecodeSpan(100, pytest.approx(7.8), 4)
+    assert "decode <b>12.8 tok/s</b>" in head  # 100 tokens / 7.8 s, not 4 x 12.8
+    assert "(4 samples together: 100 tokens over the 7.8 s while any was decoding)" in head
+    assert "decode 12.8 tok/s (4 samples together: 100 tokens over the 7.8 s" in view.text()  # and the plain record
+
+    overlapping = [(0.2, 3.0), (1.0, 2.0), (2.5, 4.0)]  # one interval inside another, one running past the first
+    events = [
+        dataclasses.replace(
+            generation.samples[0].last, time_enqueued=0.0, time_to_first_token_s=first, time_produced=end, new_tokens=11
+        )
+        for first, end in overlapping
+    ]
+    assert DecodeSpan.of(events) == DecodeSpan(30, pytest.approx(3.8), 3)
+
+
+def test_samples_decoding_side_by_side_share_the_time_their_rate_is_taken_over(idle):
+    generation = start(PROMPT, n=3, max_new_tokens=12, min_new_tokens=12, temperature=1.0, seed=4)
+    generation.wait(60)
+    events = [s.last for s in generation.samples]
+    span = DecodeSpan.of(events)
+    head = re.search(r'<div class="exlnb-head">(.*?)</div>', StreamView(generation, max_new_tokens=12).html).group(1)
+
+    assert span.tokens == 33 and span.seconds < sum(
+        e.time_produced - e.time_enqueued - e.time_to_first_token_s for e in events
+    )
+    assert f"decode <b>{span.tokens_per_s:.1f} tok/s</b>" in head
+    # decoded in one batch, they share the time: together about the three rates summed (in turn, it was not)
+    assert span.tokens_per_s == pytest.approx(sum(e.decode_tokens_per_s for e in events), rel=0.15)
+
+
+def test_a_sample_that_waited_for_another_samples_prefill_says_so_not_a_prefill_rate(idle):
+    """Samples started together share the prompt's pages: sample 0 computes them while the others wait, and their
+    "prefill 76 tokens in 3153 ms (24 tok/s)" was that wait."""
+    notes = " ".join(f"Entry {i}: the lighthouse keeper logs ship number {i * 7} at dusk." for i in range(40))
+    generation = start(notes, n=2, max_new_tokens=2, temperature=0)
+    generation.wait(120)
+    first, second = (s.last for s in generation.samples)
+    view = StreamView(generation, max_new_tokens=2)
+    computed, waited = (line for line in view.text().splitlines() if line.startswith("["))
+
+    shared = second.cached_tokens - first.cached_tokens
+    assert shared >= 256 and first.cached_tokens == 0  # a page or more that sample 0 computed
+    assert f"prefill {first.computed_prompt_tokens} tokens in " in computed and "waited" not in computed
+    assert (
+        f"waited for sample 0's prefill of {shared} prompt tokens · prefill {second.computed_prompt_tokens} tokens ·"
+        in waited
+    )
+    assert "tok/s) ·" not in waited.split("decode")[0]  # no prefill rate: the time was mostly the wait
+    assert f"waited for <b>sample 0&#x27;s prefill of {shared} prompt tokens</b>" in view.html
+
+
+def test_a_ttft_says_how_long_its_job_waited_before_its_prefill(idle):
+    """TTFT 1196 ms beside a 216 ms prefill read as a contradiction: the rest was the wait before the prefill."""
+    generation = start("What is the capital of France?", max_new_tokens=2, temperature=0)
+    generation.wait(60)
+    last = generation.samples[0].last
+    generation.samples[0].last = dataclasses.replace(
+        last, time_to_first_token_s=1.196, prefill_tokens_per_s=last.computed_prompt_tokens / 0.216
+    )
+    status = StreamView(generation, max_new_tokens=2).text().splitlines()[-1]
+    assert (
+        f"TTFT 1196 ms (980 ms before its prefill began) · prefill {last.computed_prompt_tokens} tokens in 216 ms"
+        in status
+    )
+
+
+def test_another_templates_tags_are_one_finding_naming_the_models_own_template(idle):
+    generation = start("Hi", template="llama3", max_new_tokens=1)
+    generation.wait(60)
+    view = StreamView(generation, max_new_tokens=1)
+    items = re.findall(r"<li>(.*?)</li>", view.html)
+
+    tags = sum(f.kind.value == "special_as_text" for f in generation.prompt_findings)
+    assert tags >= 4 and len(items) == 1 + len(generation.prompt_findings) - tags
+    assert items[0].startswith(f"{tags} llama3 tags are plain text here (&lt;|begin_of_text|&gt;, ")
+    assert items[0].endswith("this model&#x27;s template is chatml (--template chatml, or auto)")
+    assert "and " not in view.html.split("exlnb-warning")[1].split("</ul>")[0]  # nothing left uncounted
+
+
+def test_a_settled_job_table_shows_each_job_as_it_ended(idle, shell):
+    """A settled table kept "decode 395/400" for jobs that ended at 400/400: its last drawing while they ran."""
+    with capture_output(stdout=False, stderr=False) as captured:
+        table = JobTable(idle, interval=0.02, idle_check=0.02, retire_after=0.2)
+        table.show()
+        generation = start(PROMPT, max_new_tokens=24, min_new_tokens=24, temperature=1.0)
+        send(table, {"type": "visible", "view": "a", "visible": True})
+        settle(lambda: table.refreshing)
+        generation.wait(60)
+        settle(lambda: table.settled)
+
+    job = generation.samples[0].stream.job_id
+    record = captured.outputs[-1].data
+    row = next(line for line in record["text/plain"].splitlines() if line.startswith(f"job {job} "))
+    assert "ended: max new tokens reached" in row and "24 / 24" in row and "freed" in row
+    assert "ended: max new tokens reached</td>" in record["text/html"] and "decode</td>" not in record["text/html"]
+
+
+def test_the_job_table_says_what_its_stream_read_column_means(idle):
+    generation = start(PROMPT, max_new_tokens=2000, min_new_tokens=2000, temperature=1.0)
+    try:
+        settle(lambda: len(idle.jobs()) == 1)
+        rows = idle.jobs()
+        page = jobs_html(rows, time.perf_counter())
+        assert jobs_summary(rows) == "1 job, read by its stream"
+        assert '<th title="whether something still reads the job&#x27;s stream' in page
+        assert "stream read: whether something still reads the job&#x27;s answer as it comes" in page
+        unread = [dataclasses.replace(row, consumed=False) for row in rows * 2]
+        assert jobs_summary(unread) == (
+            "2 jobs, 2 with nobody reading its stream (they still hold cache pages and a batch slot)"
+        )
+    finally:
+        generation.cancel()
+        generation.wait(30)

@@ -12,7 +12,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from exlnb.engines.formats import check_engine_can_load, engine_for, model_format
-from exlnb.engines.registry import ENGINE_CHOICES, engine_spec, engines_loading, engines_that
+from exlnb.engines.registry import ENGINE_CHOICES, engine_names, engine_spec, engines_loading, engines_that
 
 ENGINE_NAMES = ENGINE_CHOICES  # "auto" and every registered engine, read afresh (registry.py)
 CACHE_DTYPES = ("fp16", "q4", "q6", "q8")
@@ -69,6 +69,7 @@ class EngineOptions:
     paged: str | bool
     graphs: str = "auto"
     tensor_parallel: bool = False
+    tp_backend: str | None = None  # tensor parallelism's all-reduce, one of the engine's; None: its library's own
     url: str | None = None  # an OpenAI-compatible server's API base (openai engine); model_dir then gives the tokenizer
     api_key_env: str | None = None  # the environment variable holding the server's API key
     api: str = "chat"  # one of SERVER_APIS
@@ -91,6 +92,7 @@ class EngineOptions:
         paged: str | bool,
         graphs: str = "auto",
         tensor_parallel: bool = False,
+        tp_backend: str | None = None,
         url: str | None = None,
         api_key_env: str | None = None,
         api: str = "chat",
@@ -117,6 +119,7 @@ class EngineOptions:
             paged=paged,
             gpu_split=gpu_split,
             tensor_parallel=tensor_parallel,
+            tp_backend=tp_backend,
         )
         return cls(
             engine=engine,
@@ -128,6 +131,7 @@ class EngineOptions:
             paged=paged,
             graphs=graphs,
             tensor_parallel=bool(tensor_parallel),
+            tp_backend=tp_backend,
             url=url,
             api_key_env=api_key_env,
             api=api,
@@ -192,9 +196,11 @@ def check_engine_offers(
     paged: str | bool,
     gpu_split: Sequence[float] | str | None,
     tensor_parallel: bool,
+    tp_backend: str | None = None,
 ) -> None:
     """Refuse what the engine's declaration does not offer: a quantized cache, an unpaged one, a split over GPUs
-    (or one the machine's GPUs cannot hold), tensor parallelism over weights its library cannot split."""
+    (or one the machine's GPUs cannot hold), tensor parallelism over weights its library cannot split, or with an
+    all-reduce it does not have."""
     if cache_dtype != "fp16" and not engine_spec(engine).can("quantized_cache"):
         raise ValueError(
             f"the {engine} engine keeps its cache in full precision; --cache {cache_dtype} needs "
@@ -206,6 +212,28 @@ def check_engine_offers(
         check_gpu_split(engine, gpu_split, tensor_parallel, cuda_device_memory())
     if tensor_parallel:
         check_tensor_parallel_format(engine, fmt, model_dir)
+    if tp_backend is not None:
+        check_tp_backend(engine, tp_backend, tensor_parallel)
+
+
+def check_tp_backend(engine: str, tp_backend: str, tensor_parallel: bool) -> None:
+    backends = engine_spec(engine).tensor_parallel_backends
+    if not backends:
+        able = [s.name for s in engines_with_tp_backends()]
+        raise ValueError(f"the {engine} engine has no choice of all-reduce: tp_backend needs {' or '.join(able)}")
+    if tp_backend not in backends:
+        raise ValueError(f"tp_backend={tp_backend!r}: the {engine} engine's are {', '.join(backends)}")
+    if not tensor_parallel:
+        raise ValueError(f"tp_backend={tp_backend!r} is for tensor parallelism: add tensor_parallel=True")
+
+
+def engines_with_tp_backends() -> list:
+    return [engine_spec(name) for name in engine_names() if engine_spec(name).tensor_parallel_backends]
+
+
+def tp_backend_choices() -> str:
+    """Each engine's all-reduces for tensor parallelism, as help text says them ("exllamav3: native, nccl")."""
+    return "; ".join(f"{s.name}: {', '.join(s.tensor_parallel_backends)}" for s in engines_with_tp_backends())
 
 
 def check_engine_runs_here(engine: str) -> None:

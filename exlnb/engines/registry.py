@@ -62,6 +62,8 @@ class EngineSpec:
     library: str | None = None
     # the formats tensor parallelism can split, where not every format the engine loads (None: all it loads)
     tensor_parallel_loads: tuple[str, ...] | None = None
+    # the ways its tensor parallelism can all-reduce, its library's default first (empty: no choice to make)
+    tensor_parallel_backends: tuple[str, ...] = ()
     kv_cache: str = "as_asked"  # a key of KV_CACHE_SIZING
     results_folder: str | None = None  # `report --publish` writes to data/results/<this>/ (None: the engine's name)
 
@@ -250,6 +252,8 @@ register_engine(
             }
         ),
         engine_class="exlnb.engines.exllamav3.engine:ExLlamaV3Engine",
+        # exllamav3 1.6.5's `Model.load(tp_backend=...)`: its own shared-memory all-reduce through the host, or NCCL
+        tensor_parallel_backends=("native", "nccl"),
         needs_cuda=True,
         auto_rank=2,
         library="exllamav3",

@@ -203,6 +203,8 @@ class TreeGrowth:
                 f"this tree grew on {self.loaded.model_dir.name} ({self.loaded.engine}), but {now} is loaded now: "
                 "load that model again to grow it"
             )
+        if self.session.engine.branch_refusal is not None:  # an expansion or a forcing is a branch at the node
+            raise ValueError(self.session.engine.branch_refusal)
         at = self.tree().node(node)
         if STOPPED in at.ended:
             raise ValueError(f"node {node} is a stop token: its samples ended there; grow the node before it")

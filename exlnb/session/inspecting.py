@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from exlnb.engine_thread import EngineStopped, EngineViews
-from exlnb.engines.base import CacheView, JobInfo
+from exlnb.engines.base import CacheView, JobInfo, StreamEvent
 from exlnb.session.base import NoModelLoaded, SessionBase
 
 
@@ -29,6 +29,10 @@ class Inspecting(SessionBase):
             JobRow(info, self._deliveries.consumed(info.job_id), self._deliveries.detached(info.job_id))
             for info in self._views().jobs
         ]
+
+    def ended(self, job_id: int) -> StreamEvent | None:
+        """The last event of a job that has ended lately: how a job table that saw it running says it ended."""
+        return self._deliveries.ended(job_id)
 
     def cache_view(self) -> CacheView:
         """The KV cache's pages; like `jobs`, never waits for a step (a long prefill held `%exl_cache` 3-5 s)."""

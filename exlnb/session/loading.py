@@ -31,6 +31,7 @@ from exlnb.engines.options import (
     check_engine_runs_here,
     parse_gpu_split,
     parse_paged,
+    tp_backend_choices,
 )
 from exlnb.models import BUNDLED_MODEL, library_bars_silenced, resolve_model
 from exlnb.session.base import SessionBase
@@ -93,6 +94,13 @@ class LoadOptions:
     )
     tensor_parallel: bool = option(
         False, group="GPUs", help="split every layer over the GPUs instead of placing whole layers (2+ GPUs)"
+    )
+    tp_backend: str | None = option(
+        None,
+        group="GPUs",
+        metavar="NAME",
+        help=f"how tensor parallelism all-reduces, where the engine offers a choice ({tp_backend_choices()}); "
+        "default: the library's own",
     )
     graphs: str = option(
         "auto", group="GPUs", choices=GRAPH_MODES, help="CUDA-graph decode: auto uses it where its load check passes"
@@ -167,6 +175,7 @@ class LoadOptions:
             paged=self.paged,
             graphs=self.graphs,
             tensor_parallel=self.tensor_parallel,
+            tp_backend=self.tp_backend,
             url=self.url,
             api_key_env=self.api_key_env,
             api=self.api,

@@ -15,7 +15,7 @@ from exlnb.templates.formats import (
     conversation,
     render,
 )
-from exlnb.templates.lint import LintFinding, LintKind, lint, lint_rendered
+from exlnb.templates.lint import LintFinding, LintKind, lint, lint_rendered, summarise
 
 __all__ = [
     "CHATML",
@@ -34,5 +34,6 @@ __all__ = [
     "conversation",
     "lint",
     "lint_rendered",
+    "summarise",
     "render",
 ]

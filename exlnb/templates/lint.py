@@ -34,6 +34,7 @@ class LintFinding:
     message: str
     excerpt: str  # the text around the position
     token_index: int | None = None  # where in the encoded prompt, when a tokenizer was given
+    tag: str | None = None  # the tag a special_as_text finding is about
 
     def __str__(self) -> str:
         where = f"line {self.line}, column {self.column}"
@@ -88,11 +89,38 @@ def lint_rendered(ids: Sequence[int], template: str, tokenizer: Tokenizer) -> li
     formats without turn tags ("mistral", "raw") have nothing to lint.
     """
     if template == "auto":
-        own = tokenizer.chat_template or ""
-        template = next((f.name for f in TURN_FORMATS.values() if f.turn_start in own), "")
+        template = own_turn_format(tokenizer) or ""
     if template not in TURN_FORMATS:
         return []
     return lint(ids, tokenizer, template=template)
+
+
+def own_turn_format(tokenizer: Tokenizer) -> str | None:
+    """The turn format of the model's own chat template, where exlnb knows it ("chatml", "llama3")."""
+    own = tokenizer.chat_template or ""
+    return next((f.name for f in TURN_FORMATS.values() if f.turn_start in own), None)
+
+
+def summarise(findings: Sequence[LintFinding], template: str, tokenizer: Tokenizer) -> list[str]:
+    """The findings as a reader takes them in: the tags of `template` that this tokenizer does not have at all,
+    which the model reads as plain text wherever they stand, as one line ("6 llama3 tags are plain text here:
+    this model's template is chatml"), then every other finding as itself."""
+    if template == "auto":
+        template = own_turn_format(tokenizer) or template
+    specials = set(tokenizer.special_tokens())
+    foreign = [f for f in findings if f.kind is LintKind.SPECIAL_AS_TEXT and f.tag not in specials]
+    lines = [str(f) for f in findings if f not in foreign]
+    if not foreign:
+        return lines
+    tags = ", ".join(dict.fromkeys(f.tag for f in foreign))
+    own = own_turn_format(tokenizer)
+    whose = (
+        f"this model's template is {own} (--template {own}, or auto)"
+        if own and own != template
+        else f"this model's template is not {template} (--template auto renders its own)"
+    )
+    plural = "s are" if len(foreign) > 1 else " is"
+    return [f"{len(foreign)} {template} tag{plural} plain text here ({tags}): {whose}", *lines]
 
 
 def _turn_format(template: str) -> TurnFormat:
@@ -123,12 +151,14 @@ class _Reporter:
         self.seen = seen
         self.findings: list[LintFinding] = []
 
-    def add(self, kind: LintKind, position: int, message: str) -> None:
+    def add(self, kind: LintKind, position: int, message: str, tag: str | None = None) -> None:
         text = self.seen.text
         line = text.count("\n", 0, position) + 1
         column = position - (text.rfind("\n", 0, position) + 1) + 1
         excerpt = text[max(0, position - 12) : position + 18]
-        self.findings.append(LintFinding(kind, position, line, column, message, excerpt, self.seen.token_at(position)))
+        self.findings.append(
+            LintFinding(kind, position, line, column, message, excerpt, self.seen.token_at(position), tag)
+        )
 
 
 def _shape(seen: _Text, fmt: TurnFormat, expect_generation_prompt: bool) -> list[LintFinding]:
@@ -246,6 +276,7 @@ def _tags_as_text(seen: _Text, fmt: TurnFormat, tokenizer: Tokenizer) -> list[Li
                     position,
                     f"{tag} was encoded as {count} plain tokens, not its special token: encode with special=True "
                     "(exllamav2: encode_special_tokens=True)",
+                    tag,
                 )
             else:
                 report.add(
@@ -253,5 +284,6 @@ def _tags_as_text(seen: _Text, fmt: TurnFormat, tokenizer: Tokenizer) -> list[Li
                     position,
                     f"{tag} is not a special token of this tokenizer, so the model reads {count} ordinary tokens: "
                     f"this model's template is probably not {fmt.name}",
+                    tag,
                 )
     return report.findings

@@ -28,6 +28,7 @@ from exlnb.streaming import GenerationResult
 from exlnb.widgets.record import ASSETS, record_html
 
 DRAW_S = 0.25  # how often a running branch's text is drawn in the tree at most: each drawing is a whole record
+KEPT_SHOWN = 60  # characters of a branch's kept text the tree shows before its forced token
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,10 @@ class BranchNode:
     position: int | None  # in the parent's tokens, where the forced token replaced the parent's
     forced_token: int | None
     forced_text: str | None
-    text: str
+    text: str  # its own text: for a branch, from the forced token on
     end: str  # why it ended, in words
+    kept: str = ""  # the parent's text before the forced token, which the branch kept
+    replaced: str | None = None  # the parent's token that the forced one replaced
 
 
 @dataclass(frozen=True)
@@ -66,13 +69,15 @@ class BranchTree:
         return cls(tuple(_node(i, member, members) for i, member in enumerate(members)))
 
     def text(self) -> str:
-        return "\n".join(f"#{n.index} job {n.job_id}{_branched_words(n)} [{n.end}]: {n.text!r}" for n in self.nodes)
+        return "\n".join(
+            f"#{n.index} job {n.job_id}{_branched_words(n)} [{n.end}]: {_text_words(n)}" for n in self.nodes
+        )
 
     def html(self) -> str:
         rows = "".join(
             f"<tr><td>#{n.index}</td><td>{'' if n.parent is None else f'#{n.parent}'}</td>"
             f"<td>{'' if n.position is None else n.position}</td><td>{_forced_html(n)}</td>"
-            f'<td class="exlnb-text">{html.escape(n.text)}</td><td class="exlnb-muted">{html.escape(n.end)}</td></tr>'
+            f'<td class="exlnb-text">{_text_html(n)}</td><td class="exlnb-muted">{html.escape(n.end)}</td></tr>'
             for n in self.nodes
         )
         return (
@@ -83,23 +88,52 @@ class BranchTree:
     def _repr_mimebundle_(self, **kwargs) -> dict[str, str]:
         return {"text/html": record_html(self.html()), "text/plain": self.text()}
 
+    def __str__(self) -> str:
+        return self.text()
+
     def show(self) -> None:
-        """Display the tree as a static record (HTML and text)."""
+        """Display the tree as a static record: HTML and text in a notebook, its text in a terminal."""
         from IPython.display import display
 
-        display(self._repr_mimebundle_(), raw=True)
+        display(self)  # a notebook takes the bundle, a terminal its text/plain, plain Python prints str()
+
+
+def shown_kept(kept: str) -> str:
+    """The end of a branch's kept text, as the tree shows it before the forced token."""
+    return kept if len(kept) <= KEPT_SHOWN else "…" + kept[-KEPT_SHOWN:]
 
 
 def _branched_words(node: BranchNode) -> str:
     if node.parent is None:
         return ""
-    return f" ← #{node.parent} at {node.position}, forced {node.forced_text!r} ({node.forced_token})"
+    return (
+        f" ← #{node.parent} at {node.position}, forced {node.forced_text!r} ({node.forced_token})"
+        f" in place of {node.replaced!r}"
+    )
+
+
+def _text_words(node: BranchNode) -> str:
+    return f"{node.text!r}" if node.parent is None else f"{shown_kept(node.kept)!r} + {node.text!r}"
 
 
 def _forced_html(node: BranchNode) -> str:
     if node.forced_token is None:
         return ""
-    return f"<code>{html.escape(repr(node.forced_text))}</code> ({node.forced_token})"
+    return (
+        f"<code>{html.escape(repr(node.forced_text))}</code> ({node.forced_token})"
+        f'<div class="exlnb-muted">in place of <code>{html.escape(repr(node.replaced))}</code></div>'
+    )
+
+
+def _text_html(node: BranchNode) -> str:
+    """A branch's text after the end of what it kept of its parent's, its forced token marked."""
+    if node.parent is None:
+        return html.escape(node.text)
+    rest = node.text[len(node.forced_text) :]
+    return (
+        f'<span class="exlnb-kept exlnb-muted">{html.escape(shown_kept(node.kept))}</span>'
+        f'<span class="exlnb-forced">{html.escape(node.forced_text)}</span>{html.escape(rest)}'
+    )
 
 
 def _node(index: int, member: GenerationResult, members: list[GenerationResult]) -> BranchNode:
@@ -115,6 +149,8 @@ def _node(index: int, member: GenerationResult, members: list[GenerationResult])
         forced_text=lineage.lead_text if lineage.lead else None,
         text=member.text,
         end=member.eos_reason.words if member.eos_reason else "running",
+        kept=lineage.kept_text,
+        replaced=lineage.replaced_text if lineage.lead else None,
     )
 
 
@@ -154,10 +190,11 @@ class BranchChoices(anywidget.AnyWidget):
 
     @classmethod
     def offer(cls, generation: Generation, owner: Hashable | None = None) -> BranchChoices | None:
-        """A chooser for a generation shown with its token view (`tokens=N`), else None. A cell run again
-        (the same `owner`) closes the chooser of its last run, whose view the new output replaced: it would
-        otherwise hold that generation, and a comm, for the kernel's life."""
-        chooser = cls(generation) if generation.request.tokens else None
+        """A chooser for a generation shown with its token view (`tokens=N`) on an engine that can branch, else
+        None (on a chat server the view greys its alternatives out and says why). A cell run again (the same
+        `owner`) closes the chooser of its last run, whose view the new output replaced: it would otherwise hold
+        that generation, and a comm, for the kernel's life."""
+        chooser = cls(generation) if generation.request.tokens and generation.branch_refusal is None else None
         if owner is not None:
             with _offered_lock:
                 previous = _offered.pop(owner, None)

@@ -7,8 +7,9 @@ visible: a job nobody reads any more still holds pages and still counts in the b
 from __future__ import annotations
 
 import html
+from collections.abc import Mapping
 
-from exlnb.engines.base import wall_clock
+from exlnb.engines.base import StreamEvent, wall_clock
 from exlnb.engines.options import check_display
 from exlnb.engines.views import CacheView, PageInfo, memory_per_gpu_text
 from exlnb.session import JobRow, Session, get_session
@@ -114,11 +115,36 @@ class CacheInspector(LiveView):
 
 
 JOB_COLUMNS = ("job", "stage", "age", "prompt tokens", "new / max", "pages", "stream read")
+# what a reader asks of the table's less obvious words, as each heading's tooltip
+JOB_HEADINGS = {
+    "age": "time since the job was submitted (for a job that has ended: how long it ran)",
+    "pages": "KV-cache pages the job holds now",
+    "stream read": "whether something still reads the job's stream (a widget, a loop over it): a job nobody reads "
+    "still holds its pages and a batch slot until it ends or is cancelled (field report 1)",
+}
+STREAM_READ_LEGEND = (
+    "stream read: whether something still reads the job's answer as it comes; a job nobody reads "
+    "still holds its pages and a batch slot"
+)
+Ended = Mapping[int, StreamEvent]  # the last events of jobs that have ended, by job id
 
 
-def job_cells(row: JobRow, now: float) -> list[str]:
+def job_cells(row: JobRow, now: float, ended: StreamEvent | None = None) -> list[str]:
+    """A job's row as the engine last showed it, or, for a job that has ended (`ended`, its last event), how it
+    ended: a table that settles into its record says 400 / 400, not the 395 it last saw running."""
     info = row.info
     read = "yes" if row.consumed else ("no (runs on by request)" if row.abandoned_ok else "no")
+    if ended is not None:
+        stage = f"ended: {ended.eos_reason.words}" if ended.eos_reason else "ended"
+        return [
+            job_label(row),
+            stage,
+            f"{ended.time_produced - info.time_enqueued:.0f} s",
+            str(info.prompt_tokens),
+            f"{ended.new_tokens} / {info.max_new_tokens}",
+            "freed",
+            read,
+        ]
     return [
         job_label(row),
         info.stage.value,
@@ -131,34 +157,49 @@ def job_cells(row: JobRow, now: float) -> list[str]:
 
 
 def jobs_summary(rows: list[JobRow], view: CacheView | None = None) -> str:
-    unread = sum(not r.consumed for r in rows)
+    """'4 jobs, each read by its stream', or how many nobody reads and what that costs, or that there are none."""
     memory = gpu_memory_note(view) if view is not None else ""
-    return (f"{len(rows)} jobs, {unread} with nobody reading" if rows else "no pending or active jobs") + memory
+    if not rows:
+        return "no pending or active jobs" + memory
+    unread = sum(not r.consumed for r in rows)
+    jobs = f"{len(rows)} job{'s' if len(rows) > 1 else ''}"
+    if not unread:
+        read = "read by its stream" if len(rows) == 1 else "each read by its stream"
+        return f"{jobs}, {read}{memory}"
+    holds = "it still holds" if unread == 1 else "they still hold"
+    return f"{jobs}, {unread} with nobody reading its stream ({holds} cache pages and a batch slot){memory}"
 
 
-def jobs_html(rows: list[JobRow], now: float, view: CacheView | None = None) -> str:
-    """The job table's markup: a row per job with its colour and a Cancel button, and Cancel all."""
+def jobs_html(rows: list[JobRow], now: float, view: CacheView | None = None, ended: Ended | None = None) -> str:
+    """The job table's markup: a row per job with its colour and a Cancel button, Cancel all, and a legend of the
+    stream-read column; a job in `ended` is drawn as it ended."""
+    ended = ended or {}
 
     def row(r: JobRow) -> str:
         colour = job_color(r.info.job_id)
         cancel = f'<button class="exlnb-cancel" data-action="cancel" data-job="{r.info.job_id}">Cancel</button>'
-        cells = "</td><td>".join(html.escape(c) for c in job_cells(r, now))
+        cells = "</td><td>".join(html.escape(c) for c in job_cells(r, now, ended.get(r.info.job_id)))
         square = page_square(f"--exlnb-owner:{colour};background:{colour}", "", "used")
         return f"<tr><td>{square}{cells}</td><td>{cancel}</td></tr>"
 
+    def heading(column: str) -> str:
+        title = JOB_HEADINGS.get(column)
+        return f'<th title="{html.escape(title)}">{column}</th>' if title else f"<th>{column}</th>"
+
     body = "".join(row(r) for r in rows)
-    header = "".join(f"<th>{c}</th>" for c in JOB_COLUMNS)
-    table = f"<table><thead><tr>{header}<th></th></tr></thead><tbody>{body}</tbody></table>" if rows else ""
+    header = "".join(heading(c) for c in JOB_COLUMNS)
+    legend = f'<div class="exlnb-legend exlnb-muted">{html.escape(STREAM_READ_LEGEND)}</div>'
+    table = f"<table><thead><tr>{header}<th></th></tr></thead><tbody>{body}</tbody></table>{legend}" if rows else ""
     cancel_all = '<button class="exlnb-cancel-all" data-action="cancel_all">Cancel all</button>' if rows else ""
     summary = html.escape(jobs_summary(rows, view))
     return f'<div class="exlnb-jobs"><div class="exlnb-summary">{summary}</div>{table}{cancel_all}</div>'
 
 
-def jobs_text(rows: list[JobRow], view: CacheView | None = None) -> str:
+def jobs_text(rows: list[JobRow], view: CacheView | None = None, ended: Ended | None = None) -> str:
     if not rows:
         return jobs_summary(rows, view)
-    now = wall_clock()
-    table = [list(JOB_COLUMNS)] + [job_cells(r, now) for r in rows]
+    now, ended = wall_clock(), ended or {}
+    table = [list(JOB_COLUMNS)] + [job_cells(r, now, ended.get(r.info.job_id)) for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(JOB_COLUMNS))]
     memory = gpu_memory_note(view).removeprefix(" · ") if view is not None else ""
     lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in table]
@@ -168,9 +209,14 @@ def jobs_text(rows: list[JobRow], view: CacheView | None = None) -> str:
 class JobTable(LiveView):
     """Pending and active jobs: age, tokens, whether anyone reads the stream; Cancel each, Cancel all."""
 
-    def draw(self, rows: list[JobRow]) -> tuple[str, str]:
+    def draw(self, rows: list[JobRow], ended: Ended | None = None) -> tuple[str, str]:
         view = self.session.cache_view()
-        return jobs_html(rows, wall_clock(), view), jobs_text(rows, view)
+        return jobs_html(rows, wall_clock(), view, ended), jobs_text(rows, view, ended)
+
+    def last_state(self, rows: list[JobRow]) -> tuple[str, str]:
+        """The jobs last seen running, each as it ended."""
+        ended = {r.info.job_id: event for r in rows if (event := self.session.ended(r.info.job_id)) is not None}
+        return self.draw(rows, ended)
 
     def act(self, message: dict) -> None:
         if message.get("type") == "cancel":

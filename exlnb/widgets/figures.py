@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import html
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from exlnb.engines.base import EosReason, SamplerSettings, StreamEvent, Tokenizer
+from exlnb.engines.base import DecodeSpan, EosReason, SamplerSettings, StreamEvent, Tokenizer
 from exlnb.engines.declaration import declared
 from exlnb.generation import Generation, Sample
+from exlnb.templates import summarise
 from exlnb.widgets.branches import branch_key
 from exlnb.widgets.tokens import sample_token_records, tokens_html, tokens_text
 
-FINDINGS_SHOWN = 3  # template findings listed in the warning; the rest are counted
+FINDINGS_SHOWN = 3  # template findings listed in the warning (another template's tags are one); the rest counted
 SAMPLING_SHAPE = ("temperature", "top_k", "top_p")  # what "greedy" says in one word
 MAIN_SETTINGS = (*SAMPLING_SHAPE, "token_repetition_penalty")  # shown even at their defaults: they shape every answer
 
@@ -23,25 +25,105 @@ MAIN_SETTINGS = (*SAMPLING_SHAPE, "token_repetition_penalty")  # shown even at t
 # -- figures, in words -------------------------------------------------------------------------------------
 
 
-def prefill_ms(event: StreamEvent) -> float | None:
-    """How long the prefill computed the prompt tokens that were not cached, once known."""
-    if not event.prefill_tokens_per_s or not event.computed_prompt_tokens:
+QUEUED_SHARE = 0.2  # a TTFT says how long its job waited before its prefill where that is this much of it
+
+
+@dataclass(frozen=True)
+class PromptWork:
+    """What one sample's prompt cost before its first token, as the samples' events tell it.
+
+    Samples started together share the prompt's pages: one computes them while the others wait for them, so
+    the others' prefill time is mostly that wait ("prefill 91 tokens in 2760 ms (22 tok/s)" for a sample whose
+    prompt sample 0 had computed). Such a sample says whose prefill it waited for, and gives no prefill time."""
+
+    prompt_tokens: int
+    ttft_ms: float | None
+    queued_ms: float | None  # submit -> its prefill began, where that is a notable part of the TTFT
+    cached: int  # prompt tokens found in the cache when the generation started
+    waited_for: int | None  # the sample whose prefill computed `shared` of its prompt tokens
+    shared: int
+    computed: int  # prompt tokens its own prefill computed
+    prefill_ms: float | None  # how long that took, where known and not mostly a wait
+    prefill_rate: float | None
+
+    @classmethod
+    def of(cls, index: int, events: Sequence[StreamEvent | None]) -> PromptWork:
+        """Sample `index`'s prompt work among the latest events of all its generation's samples (by index)."""
+        event = events[index]
+        cached = min(e.cached_tokens for e in events if e is not None)
+        shared = event.cached_tokens - cached
+        waited_for = next(i for i, e in enumerate(events) if e is not None and e.cached_tokens == cached)
+        rate = event.prefill_tokens_per_s if event.computed_prompt_tokens and not shared else None
+        prefill_ms = 1000 * event.computed_prompt_tokens / rate if rate else None
+        ttft_ms = None if event.time_to_first_token_s is None else 1000 * event.time_to_first_token_s
+        queued = ttft_ms - prefill_ms if ttft_ms is not None and prefill_ms is not None else None
+        return cls(
+            event.prompt_tokens,
+            ttft_ms,
+            queued if queued and queued >= QUEUED_SHARE * ttft_ms else None,
+            cached,
+            waited_for if shared else None,
+            shared,
+            event.computed_prompt_tokens,
+            prefill_ms,
+            rate,
+        )
+
+    def same_work(self, other: PromptWork) -> bool:
+        """Whether two samples did the same prompt work (then their figures are said once, above them)."""
+        return (self.cached, self.waited_for, self.shared, self.computed) == (
+            other.cached,
+            other.waited_for,
+            other.shared,
+            other.computed,
+        )
+
+    def figures(self) -> list[tuple[str, str, str]]:
+        """(name, value, the words of the plain-text status) of each figure known: the TTFT (with how long the job
+        waited before its prefill, where that is much of it), the tokens cached, the sample waited for, and
+        what the prefill computed in how long, before its rate: a cache hit leaves few tokens to compute, and a
+        rate over a few tokens is mostly fixed cost (issue 12: 512 of 599 tokens cached read "prefill 38 tok/s")."""
+        figures = []
+        if self.ttft_ms is not None:
+            queued = f" ({self.queued_ms:.0f} ms before its prefill began)" if self.queued_ms is not None else ""
+            figures.append(("TTFT", f"{self.ttft_ms:.0f} ms{queued}", f"TTFT {self.ttft_ms:.0f} ms{queued}"))
+        if self.cached:
+            figures.append(("cached", str(self.cached), f"{self.cached} of {self.prompt_tokens} prompt tokens cached"))
+        if self.waited_for is not None:
+            waited = f"sample {self.waited_for}'s prefill of {self.shared} prompt tokens"
+            figures.append(("waited for", waited, f"waited for {waited}"))
+        if self.prefill_ms is not None:
+            took = f"{self.computed} tokens in {self.prefill_ms:.0f} ms"
+            figures.append(("prefill", took, f"prefill {took} ({self.prefill_rate:.0f} tok/s)"))
+        elif self.waited_for is not None:
+            figures.append(("prefill", f"{self.computed} tokens", f"prefill {self.computed} tokens"))
+        return figures
+
+
+def prompt_works(generation: Generation) -> list[PromptWork | None]:
+    """Each sample's prompt work, None for a sample with no event yet."""
+    events = [s.last for s in generation.samples]
+    return [None if e is None else PromptWork.of(i, events) for i, e in enumerate(events)]
+
+
+def shared_work(works: Sequence[PromptWork | None]) -> bool:
+    """Whether every sample that has started did the same prompt work, so that the head says it once."""
+    started = [w for w in works if w is not None]
+    return all(w.same_work(started[0]) for w in started)
+
+
+def decode_together(generation: Generation) -> tuple[str, str] | None:
+    """The samples' decode rate as one (`DecodeSpan`), and for several samples what it divides, in words."""
+    span = DecodeSpan.of([s.last for s in generation.samples if s.last is not None])
+    if span.tokens_per_s is None:
         return None
-    return 1000 * event.computed_prompt_tokens / event.prefill_tokens_per_s
-
-
-def prefill_words(event: StreamEvent) -> str | None:
-    """What the prefill computed, in how long, and only then the rate: a cache hit leaves few tokens to compute
-    and a rate over a few tokens is mostly fixed cost (issue 12: 512 of 599 tokens cached read "prefill
-    38 tok/s" against 51 uncached, as if the cache had slowed it down)."""
-    ms = prefill_ms(event)
-    if ms is None:
-        return None
-    return f"prefill {event.computed_prompt_tokens} tokens in {ms:.0f} ms ({event.prefill_tokens_per_s:.0f} tok/s)"
-
-
-def cached_words(event: StreamEvent) -> str | None:
-    return f"{event.cached_tokens} of {event.prompt_tokens} prompt tokens cached" if event.cached_tokens else None
+    samples = len(generation.samples)
+    how = (
+        f"({samples} samples together: {span.tokens} tokens over the {span.seconds:.1f} s while any was decoding)"
+        if samples > 1
+        else ""
+    )
+    return f"{span.tokens_per_s:.1f} tok/s", how
 
 
 def end_words(sample: Sample) -> str:
@@ -64,9 +146,7 @@ def status_line(sample: Sample, generation: Generation) -> str:
         return "pending"
     state = sample_state(sample, generation)
     parts = [state if state != "running" else event.stage.value, f"{event.new_tokens} tokens"]
-    if event.time_to_first_token_s is not None:
-        parts.append(f"TTFT {event.time_to_first_token_s * 1000:.0f} ms")
-    parts += [w for w in (cached_words(event), prefill_words(event)) if w]
+    parts += [words for _name, _value, words in prompt_works(generation)[sample.index].figures()]
     if event.decode_tokens_per_s:
         parts.append(f"decode {event.decode_tokens_per_s:.1f} tok/s")
     parts.append(f"{sample.elapsed_s():.1f} s")
@@ -103,6 +183,11 @@ def template_warning(generation: Generation) -> str | None:
     )
 
 
+def finding_lines(generation: Generation) -> list[str]:
+    """The template findings under the warning: another template's tags as one finding, then the others."""
+    return summarise(generation.prompt_findings, generation.request.template, generation.session.tokenizer)
+
+
 def sample_text(sample: Sample, generation: Generation) -> str:
     """One sample's text, its tokens when asked for, and its status, as plain output prints it when it ends."""
     head = f"--- sample {sample.index} ---\n" if len(generation.samples) > 1 else ""
@@ -123,7 +208,12 @@ def special_ids(generation: Generation) -> set[int]:
 
 def generation_text(generation: Generation) -> str:
     warning = template_warning(generation)
-    blocks = [settings_words(generation)] + [sample_text(s, generation) for s in generation.samples]
+    decode = decode_together(generation) if len(generation.samples) > 1 else None
+    blocks = (
+        [settings_words(generation)]
+        + ([f"decode {' '.join(decode)}"] if decode else [])
+        + [sample_text(s, generation) for s in generation.samples]
+    )
     return "\n".join(([f"warning: {warning}"] if warning else []) + blocks)
 
 
@@ -139,44 +229,26 @@ def one_or_each(values: Sequence[str]) -> str:
     return values[0] if len(set(values)) == 1 else " / ".join(values)
 
 
-def same_prefill(events: Sequence[StreamEvent]) -> bool:
-    """Whether the samples did the same prompt work. Samples started together share the prompt's pages, but
-    one may compute the prompt while the others find it cached: then each sample's TTFT goes with its own
-    prefill, and one TTFT for all would credit the others with work they did not do."""
-    return len({(e.cached_tokens, e.computed_prompt_tokens) for e in events}) == 1
-
-
-def prompt_work_figures(events: Sequence[StreamEvent]) -> list[str]:
-    """TTFT, what of the prompt was cached and what the prefill computed: once for samples that did the same
-    work, each sample's in order otherwise."""
-    figures = []
-    ttfts = [e.time_to_first_token_s for e in events if e.time_to_first_token_s is not None]
-    if ttfts:
-        figures.append(figure("TTFT", one_or_each([f"{t * 1000:.0f} ms" for t in ttfts])))
-    if any(e.cached_tokens for e in events):
-        figures.append(figure("cached", one_or_each([str(e.cached_tokens) for e in events])))
-    prefills = [e for e in events if prefill_ms(e) is not None]
-    if prefills:
-        computed = one_or_each([str(e.computed_prompt_tokens) for e in prefills])
-        times = one_or_each([f"{prefill_ms(e):.0f} ms" for e in prefills])
-        figures.append(figure("prefill", f"{computed} tokens in {times}"))
-    return figures
-
-
 def header_html(generation: Generation) -> str:
     """The figures the samples share, once: the prompt, what of it was cached or computed and the TTFT (where
     every sample did the same prompt work), the decode rate of all samples together, and the sampler settings."""
-    events = [s.last for s in generation.samples if s.last is not None]
-    if not events:
+    works = [w for w in prompt_works(generation) if w is not None]
+    if not works:
         return '<div class="exlnb-head exlnb-muted">waiting for the engine</div>'
-    figures = [figure("prompt", f"{events[0].prompt_tokens} tokens")]
-    if same_prefill(events):
-        figures += prompt_work_figures(events)
-    decode = sum(e.decode_tokens_per_s or 0 for e in events)
-    if decode:
-        together = f" ({len(events)} samples together)" if len(generation.samples) > 1 else ""
-        figures.append(figure("decode", f"{decode:.1f} tok/s{together}"))
+    figures = [figure("prompt", f"{works[0].prompt_tokens} tokens")]
+    if shared_work(works):
+        named: dict[str, list[str]] = {}
+        for work in works:
+            for name, value, _words in work.figures():
+                named.setdefault(name, []).append(value)
+        figures += [figure(name, one_or_each(values)) for name, values in named.items()]
     figures.append(figure("elapsed", f"{max(s.elapsed_s() for s in generation.samples):.1f} s"))
+    if decode := decode_together(generation):  # last: what it divides is said beside it, and may wrap
+        rate, how = decode
+        figures.append(
+            f'<span class="exlnb-figure exlnb-figure-named">decode <b>{rate}</b> '
+            f'<span class="exlnb-muted">{html.escape(how)}</span></span>'
+        )
     settings = html.escape(settings_words(generation))
     return f'<div class="exlnb-head">{"".join(figures)}</div><div class="exlnb-settings exlnb-muted">{settings}</div>'
 
@@ -220,8 +292,9 @@ def sample_html(sample: Sample, generation: Generation, max_new_tokens: int) -> 
     parts = [f'<span class="exlnb-state">{state}</span>', f"<span>{tokens}/{max_new_tokens} tokens</span>"]
     if event is not None and event.decode_tokens_per_s:
         parts.append(f"<span>{event.decode_tokens_per_s:.1f} tok/s</span>")
-    if event is not None and not same_prefill([s.last for s in generation.samples if s.last is not None]):
-        parts += [f"<span>{f}</span>" for f in prompt_work_figures([event])]
+    works = prompt_works(generation)
+    if event is not None and not shared_work(works):
+        parts += [f"<span>{figure(name, value)}</span>" for name, value, _words in works[sample.index].figures()]
     if event is not None and taken_back_words(event):
         parts.append(f"<span>{html.escape(taken_back_words(event))}</span>")
     if sample.done:
@@ -233,7 +306,14 @@ def sample_html(sample: Sample, generation: Generation, max_new_tokens: int) -> 
     label = f'<div class="exlnb-label">sample {sample.index}</div>' if len(generation.samples) > 1 else ""
     records, request = sample_token_records(sample), generation.request
     body = (
-        tokens_html(records, special_ids(generation), request.show_whitespace, request.token_colour, branch_key(sample))
+        tokens_html(
+            records,
+            special_ids(generation),
+            request.show_whitespace,
+            request.token_colour,
+            branch_key(sample),
+            generation.branch_refusal,
+        )
         if records
         else f'<div class="exlnb-text">{html.escape(sample.text)}</div>'
     )
@@ -248,10 +328,10 @@ def warning_html(generation: Generation) -> str:
     warning = template_warning(generation)
     if warning is None:
         return ""
-    findings = generation.prompt_findings
-    items = "".join(f"<li>{html.escape(str(f))}</li>" for f in findings[:FINDINGS_SHOWN])
-    if len(findings) > FINDINGS_SHOWN:
-        items += f"<li>and {len(findings) - FINDINGS_SHOWN} more</li>"
+    lines = finding_lines(generation)
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in lines[:FINDINGS_SHOWN])
+    if len(lines) > FINDINGS_SHOWN:
+        items += f"<li>and {len(lines) - FINDINGS_SHOWN} more</li>"
     return f'<div class="exlnb-warning"><b>⚠ {html.escape(warning)}</b><ul>{items}</ul></div>'
 
 

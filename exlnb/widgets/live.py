@@ -37,7 +37,8 @@ class LiveView(RecordedView):
         self.retire_after = retire_after
         self.refreshing = False  # redrawing on a timer right now (jobs running and a view visible)
         self.refresh_count = 0
-        self._busy: tuple[str, str] | None = None  # html and text of the last state drawn with jobs running
+        self._busy: list[JobRow] | None = None  # the jobs of the last state drawn with jobs running
+        self._busy_drawn: tuple[str, str] = ("", "")  # that state's html and text
         self._visible_views: set[str] = set()
         self._stale = False  # a view came into sight: draw once, whether or not jobs run
         self._after_action = False  # a button acted: the next drawing is not a state to settle into
@@ -54,6 +55,11 @@ class LiveView(RecordedView):
     def act(self, message: dict) -> None:
         """A button's message (e.g. a Cancel click); the view redraws after it."""
 
+    def last_state(self, rows: list[JobRow]) -> tuple[str, str]:
+        """The last state with jobs (`rows`) as the record keeps it once they have all ended: as it was drawn, unless
+        a view can say how each job ended."""
+        return self._busy_drawn
+
     def refresh(self, *, record: bool = True) -> bool:
         """Redraw; whether jobs are running. `record=False`: not a state to settle into (jobs being cancelled)."""
         try:
@@ -66,7 +72,7 @@ class LiveView(RecordedView):
             running = False
             drawn, self._text = f'<div class="exlnb-summary">{html.escape(str(error))}</div>', str(error)
         if running and record:
-            self._busy = (drawn, self._text)
+            self._busy, self._busy_drawn = rows, (drawn, self._text)
         self.html = drawn + liveness_html(LIVE if running else IDLE)
         self.refresh_count += 1
         return running
@@ -95,7 +101,7 @@ class LiveView(RecordedView):
     def retire(self) -> None:
         """Settle into the last state that had jobs, saying when they had all ended."""
         if self._busy is not None:
-            busy_html, busy_text = self._busy
+            busy_html, busy_text = self.last_state(self._busy)
             ended = f"all these jobs had ended by {time.strftime('%H:%M:%S')}"
             self.html = busy_html + liveness_html(ended)
             self._text = f"{busy_text}\n{ended}"

@@ -6,6 +6,10 @@ So every exlnb widget is shown under a display id and, once it has nothing more 
 that output with its last state as HTML (with the stylesheet, so it looks the same) and plain text, and closes
 the widget. JupyterLab 4 keeps a cell's execute future after the cell ends (@jupyterlab/outputarea calls
 `requestExecute(content, false)`), so the update also lands when it comes from a background thread later.
+
+A kernel that restarts or dies never settles its views. Then the front end writes the last state a view holds
+into its output instead (view.js), found in the notebook by the widget's model id (`model_key`), so nothing that
+was on screen is lost on save.
 """
 
 from __future__ import annotations
@@ -33,9 +37,11 @@ class RecordedView(anywidget.AnyWidget):
     _css = STYLESHEET
     html = traitlets.Unicode("").tag(sync=True)
     controls = traitlets.List().tag(sync=True)
+    model_key = traitlets.Unicode("").tag(sync=True)  # the model id, which the view's output in the notebook names
 
     def __init__(self) -> None:
         super().__init__()
+        self.model_key = self.model_id
         self.display_id: str | None = None
         self.settled = False
         self._display_lock = threading.Lock()

@@ -17,7 +17,7 @@ from exlnb.engines.delivery import DeliveryAudit
 from exlnb.engines.options import check_display
 from exlnb.engines.registry import engine_spec
 from exlnb.session import JobRow, Session, get_session
-from exlnb.widgets.cache import JobTable, jobs_html, jobs_text, show_cache
+from exlnb.widgets.cache import Ended, JobTable, jobs_html, jobs_text, show_cache
 from exlnb.widgets.frontend import wants_widget
 
 NO_METRICS = "server: no /metrics page, so its queue, running requests and KV-cache use are not known here"
@@ -37,23 +37,26 @@ def delivery_line(session: Session) -> str:
     return NO_DELIVERY if audit is None else audit.line()
 
 
-def server_text(session: Session, rows: list[JobRow]) -> str:
+def server_text(session: Session, rows: list[JobRow], ended: Ended | None = None) -> str:
     status = session.status()
-    return f"{status.model} at {status.device}\n{server_line(session)}\n{delivery_line(session)}\n{jobs_text(rows)}"
+    return (
+        f"{status.model} at {status.device}\n{server_line(session)}\n{delivery_line(session)}\n"
+        f"{jobs_text(rows, ended=ended)}"
+    )
 
 
 class ServerView(JobTable):
     """The server's gauges over this kernel's in-flight jobs, refreshed while visible; Cancel buttons as in
     %exl_jobs."""
 
-    def draw(self, rows: list[JobRow]) -> tuple[str, str]:
+    def draw(self, rows: list[JobRow], ended: Ended | None = None) -> tuple[str, str]:
         status = self.session.status()
         head = f"{status.model} at {status.device} · {server_line(self.session)}"
         lines = "".join(
             f'<div class="exlnb-summary">{html.escape(line)}</div>' for line in (head, delivery_line(self.session))
         )
-        body = f"{lines}{jobs_html(rows, wall_clock())}"
-        return f'<div class="exlnb-server">{body}</div>', server_text(self.session, rows)
+        body = f"{lines}{jobs_html(rows, wall_clock(), ended=ended)}"
+        return f'<div class="exlnb-server">{body}</div>', server_text(self.session, rows, ended)
 
 
 def serves_metrics(session: Session) -> bool:

@@ -36,6 +36,7 @@ from exlnb.session import Session
 from exlnb.streaming import GenerationResult
 from exlnb.widgets.branches import BranchChoices
 from exlnb.widgets.figures import (
+    finding_lines,
     generation_html,
     generation_text,
     prompt_html,
@@ -166,11 +167,17 @@ class PlainPrinter:
 
 
 class Interrupted(asyncio.CancelledError):
-    """A kernel interrupt cancelled a cell while it awaited its samples, and the samples with it.
+    """A kernel interrupt cancelled a cell while it awaited its work (samples, a load test), and the work with it;
+    `generation` holds a generation's samples as they ended, for `--out` (Stop stores them, and so does an
+    interrupt).
 
     IPython shows an exception that has `_render_traceback_` as the lines it returns
     (InteractiveShell.showtraceback): one line, instead of 30 of CancelledError through exlnb and asyncio.
     """
+
+    def __init__(self, words: str, generation: Generation | None = None) -> None:
+        super().__init__(words)
+        self.generation = generation
 
     def _render_traceback_(self) -> list[str]:
         return [str(self)]
@@ -240,7 +247,7 @@ async def _await_shown(shown: _Shown) -> None:
             await shown.wait_async()
     except asyncio.CancelledError as cancelled:
         await _settle_cancelled(shown)
-        raise Interrupted(interrupted_words(shown.generation)) from cancelled
+        raise Interrupted(interrupted_words(shown.generation), shown.generation) from cancelled
     _raise_failure(shown.generation)
 
 
@@ -359,7 +366,7 @@ def _show(generation: Generation, show: ShowOptions, owner: Hashable | None = No
         warning = template_warning(generation)
         if warning:
             print(f"warning: {warning}")
-            print("\n".join(str(f) for f in generation.prompt_findings))
+            print("\n".join(finding_lines(generation)))
         if pieces:
             print(prompt_text(pieces))
         print(settings_words(generation))

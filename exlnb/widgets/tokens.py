@@ -18,6 +18,7 @@ dark (the browser test measures it). Special tokens are always marked, whitespac
 from __future__ import annotations
 
 import html
+import math
 import statistics
 from collections.abc import Collection, Sequence
 
@@ -43,7 +44,10 @@ def sample_token_records(sample: Sample) -> tuple[TokenRecord, ...]:
 
 
 def band(probability: float) -> int:
-    """0 for the most doubtful tokens up to len(BANDS) for the near-certain ones."""
+    """0 for the most doubtful tokens up to len(BANDS) for the near-certain ones; a probability not known (a
+    forced token outside the model's likeliest) counts as doubtful."""
+    if math.isnan(probability):
+        return 0
     return next((i for i, limit in enumerate(BANDS) if probability < limit), len(BANDS))
 
 
@@ -53,10 +57,17 @@ def margin_band(info: TokenInfo) -> int:
     return next((i for i, m in enumerate(MARGIN_BANDS) if lead is not None and lead < m), len(MARGIN_BANDS))
 
 
+def probability_words(info: TokenInfo) -> str:
+    if math.isnan(info.probability):
+        return f"below {info.alternatives[-1][2]:.3f} (not among its {len(info.alternatives)} likeliest)"
+    return f"{info.probability:.3f}"
+
+
 def latency_bands(records: Sequence[TokenRecord]) -> list[int]:
     """0 for the slowest tokens up to len(LATENCY_BANDS) for those near the median time between tokens (the
     first token's latency is the time to first token, so the median is taken over the others)."""
-    median = statistics.median(r.latency_s for r in records[1:] or records)
+    timed = [r for r in records if not r.forced] or list(records)  # a forced token came with the prompt
+    median = statistics.median(r.latency_s for r in timed[1:] or timed)
     return [
         next((i for i, m in enumerate(LATENCY_BANDS) if r.latency_s >= m * median), len(LATENCY_BANDS)) for r in records
     ]
@@ -69,8 +80,14 @@ def visible(text: str, special: bool, whitespace: bool) -> str:
     return ("".join(VISIBLE.get(ch, ch) for ch in text) if whitespace else text) or "∅"
 
 
-def sampled_words(info: TokenInfo) -> str:
-    return "not reported by this engine" if info.sampled_probability is None else f"{info.sampled_probability:.3f}"
+def sampled_words(record: TokenRecord) -> str:
+    """The sampler's probability, as the popover says it (a forced token had none)."""
+    info = record.info
+    if record.forced:
+        return "forced here by the branch: the sampler did not draw it"
+    if info.sampled_probability is None:
+        return "the sampler's probability is not reported by this engine"
+    return f"sampled with {info.sampled_probability:.3f} (after penalties, temperature and truncation)"
 
 
 # what the popover of a view that can branch says, both ways: exlnb.css shows the first only while view.js marks
@@ -81,12 +98,14 @@ BRANCH_HINT = (
 )
 
 
-def alternative_html(record: TokenRecord, token_id: int, text: str, branching: bool) -> str:
+def alternative_html(record: TokenRecord, token_id: int, text: str, branching: bool, refused: bool = False) -> str:
     """An alternative's text; where the view can branch, a choice of the branch at the record's position (not for
-    the drawn token: that branch is the answer again)."""
+    the drawn token: that branch is the answer again); where the engine refuses branches, greyed out."""
     words = html.escape(repr(text))
-    if not branching or token_id == record.info.token_id:
+    if token_id == record.info.token_id or not (branching or refused):
         return words
+    if refused:
+        return f'<span class="exlnb-alt-off">{words}</span>'
     return f'<span class="exlnb-alt" data-at="{record.position}" data-token="{token_id}" tabindex="-1">{words}</span>'
 
 
@@ -95,32 +114,46 @@ def margin_words(info: TokenInfo) -> str:
     return "" if lead is None else f"margin {lead:.4g} nats over the runner-up (the top logit minus the second)<br>"
 
 
-def popover_html(record: TokenRecord, branching: bool = False) -> str:
+def popover_html(record: TokenRecord, branching: bool = False, refusal: str | None = None) -> str:
     """A token's figures, each named, and the model's k likeliest tokens with the drawn one marked; with
-    `branching`, each other one a choice of a branch."""
+    `branching`, each other one a choice of a branch; with `refusal`, why none is (a chat server), said once and
+    the alternatives greyed out, rather than a choice that would fail."""
     info = record.info
+    branching, mark = branching and not record.forced, "← forced" if record.forced else "← drawn"
     rows = "".join(
-        f"<tr><td>{p:.3f}</td><td>{alternative_html(record, i, text, branching)}</td>"
-        f"<td>{'← drawn' if i == info.token_id else ''}</td></tr>"
+        f"<tr><td>{p:.3f}</td><td>{alternative_html(record, i, text, branching, refusal is not None)}</td>"
+        f"<td>{mark if i == info.token_id else ''}</td></tr>"
         for i, text, p in info.alternatives
+    )
+    hint = (
+        BRANCH_HINT
+        if branching
+        else f'<span class="exlnb-branch-refused"> ({html.escape(refusal)})</span>'
+        if refusal
+        else ""
     )
     return (
         f'<span class="exlnb-popover" role="tooltip">'
         f"<b>token {info.token_id} {html.escape(repr(info.text))}</b><br>"
-        f"model's probability {info.probability:.3f} (its softmax at temperature 1, before sampling)<br>"
+        f"model's probability {probability_words(info)} (its softmax at temperature 1, before sampling)<br>"
         f"{margin_words(info)}"
-        f"sampled with {sampled_words(info)} (after penalties, temperature and truncation)<br>"
-        f"arrived {record.latency_s * 1000:.0f} ms after the previous token<br>"
-        f"the model's {len(info.alternatives)} likeliest tokens{BRANCH_HINT if branching else ''}:"
-        f"<table>{rows}</table></span>"
+        f"{sampled_words(record)}<br>"
+        + ("" if record.forced else f"arrived {record.latency_s * 1000:.0f} ms after the previous token<br>")
+        + f"the model's {len(info.alternatives)} likeliest tokens{hint}:<table>{rows}</table></span>"
     )
 
 
 def tokens_html(
-    records: Sequence[TokenRecord], specials: Collection[int], whitespace: bool, colour: str, answer: str | None = None
+    records: Sequence[TokenRecord],
+    specials: Collection[int],
+    whitespace: bool,
+    colour: str,
+    answer: str | None = None,
+    refusal: str | None = None,
 ) -> str:
     """The answer as token chips shaded by `colour` ("probability": the model's, or "latency"), each with its
-    popover, and a legend of the bands; with `answer` (`branches.branch_key`), a view whose alternatives branch."""
+    popover, and a legend of the bands; with `answer` (`branches.branch_key`), a view whose alternatives branch;
+    with `refusal` (`Engine.branch_refusal`), one whose alternatives cannot."""
     if colour == "latency":
         bands = latency_bands(records)
         labels = [f"≥{m}× median" for m in LATENCY_BANDS] + ["faster"]
@@ -134,9 +167,10 @@ def tokens_html(
         labels = [f"&lt;{limit}" for limit in BANDS] + [f"≥{BANDS[-1]}"]
         shade = "the model's probability"
     chips = "".join(
-        f'<span class="exlnb-chip exlnb-p{b}{" exlnb-special" if r.info.token_id in specials else ""}" tabindex="0">'
+        f'<span class="exlnb-chip exlnb-p{b}{" exlnb-special" if r.info.token_id in specials else ""}'
+        f'{" exlnb-forced" if r.forced else ""}" tabindex="0">'
         f"{html.escape(visible(r.info.text, r.info.token_id in specials, whitespace))}"
-        f"{popover_html(r, answer is not None)}</span>"
+        f"{popover_html(r, answer is not None, refusal)}</span>"
         for r, b in zip(records, bands)
     )
     legend = "".join(f'<span class="exlnb-chip exlnb-p{i}">{label}</span>' for i, label in enumerate(labels))
@@ -150,7 +184,9 @@ def tokens_html(
 
 def text_figure(record: TokenRecord, colour: str) -> str:
     """A token's figure in the plain view: its latency, or the model's probability and the sampler's ("?" where
-    the engine does not report it)."""
+    the engine does not report it); a branch's forced token says so."""
+    if record.forced:
+        return "forced"
     if colour == "latency":
         return f"{record.latency_s * 1000:.0f}ms"
     if colour == "margin":

@@ -28,19 +28,51 @@ function whenKernelGoes(model, gone) {
   };
 }
 
+const GONE_NOTE = "The kernel that drew this has gone: this is its last state, nothing here runs any more.";
+const WIDGET_MIME = "application/vnd.jupyter.widget-view+json";
+
+// A kernel that restarts or dies never replaces its views' outputs with their records (widgets/record.py), and a
+// saved notebook reopened without it reads "Error displaying widget: model not found" where they were. So once
+// the kernel has gone, a view writes the state it holds into its output in the notebook, as static HTML with the
+// stylesheet and as text, as the kernel's record would have: the notebook's widget manager holds its document
+// (@jupyter-widgets/jupyterlab-manager 5, `WidgetManager.context`), whose cells hold the outputs, each naming its
+// widget by model id (`model_key`). The output then renders as that HTML, and the view goes.
+function recordInNotebook(model, body) {
+  const notebook = model.widget_manager && model.widget_manager.context && model.widget_manager.context.model;
+  const key = model.get("model_key");
+  if (!notebook || !notebook.cells || !key) return;
+  const record = {
+    output_type: "display_data",
+    metadata: {},
+    data: {
+      "text/html": `<style>${model.get("_css")}</style><div class="exlnb exlnb-record exlnb-gone">` +
+        `<div class="exlnb-gone-note">${GONE_NOTE}</div>${body.innerHTML}</div>`, // its buttons disabled
+      "text/plain": `${GONE_NOTE}\n${body.innerText}`,
+    },
+  };
+  for (let c = 0; c < notebook.cells.length; c++) {
+    const outputs = notebook.cells.get(c).outputs; // code cells only
+    for (let i = 0; outputs && i < outputs.length; i++) {
+      const shown = outputs.get(i).data[WIDGET_MIME];
+      if (shown && shown.model_id === key) outputs.set(i, record);
+    }
+  }
+}
+
 function render({ model, el }) {
   el.classList.add("exlnb");
   el.innerHTML =
-    '<div class="exlnb-gone-note">The kernel that drew this has gone: this is its last state, nothing here ' +
-    "runs any more.</div>" +
+    `<div class="exlnb-gone-note">${GONE_NOTE}</div>` +
     '<div class="exlnb-body"></div><div class="exlnb-controls"></div>';
   const body = el.querySelector(".exlnb-body");
   const controls = el.querySelector(".exlnb-controls");
   const gone = () => el.classList.contains("exlnb-gone");
   const stopButtons = () => el.querySelectorAll("button").forEach((button) => { button.disabled = true; });
   const markGone = () => {
+    if (gone()) return;
     el.classList.add("exlnb-gone");
     stopButtons();
+    setTimeout(() => recordInNotebook(model, body)); // after the signal that told it: the output's view then goes
   };
   const send = (content) => {
     if (gone()) return;

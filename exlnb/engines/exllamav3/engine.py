@@ -79,6 +79,7 @@ class ExLlamaV3Engine(LibraryEngine):
         self.model.load(
             use_per_device=options.split_gib(),
             tensor_p=options.tensor_parallel,
+            **({"tp_backend": options.tp_backend} if options.tp_backend else {}),
             progressbar=progress,
             max_batch_size=options.max_batch_size,
             max_chunk_size=self.max_chunk_size,

@@ -17,6 +17,7 @@ import queue
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -42,9 +43,36 @@ from exlnb.engines.remote.metrics import ServerMetrics, read_metrics
 from exlnb.engines.remote.prompt import PATHS, RemoteTokenizer, prompt_field
 from exlnb.engines.remote.request import Dialect, defaults_not_sent, dialect_for, refused, request_body
 
+API_WORDS = {
+    "chat": "/v1/chat/completions (the server's chat template)",
+    "completions": "/v1/completions (exlnb's templates)",
+}
+assert set(API_WORDS) == set(PATHS), "a server API without its words"
+# a branch's prompt is the answer's prompt and its first tokens, which a chat server would wrap in its template again
+CHAT_CANNOT_BRANCH = (
+    "branching on a server needs --api completions: with api='chat' the server applies its own "
+    "chat template to whole messages, so it cannot continue an answer from one of its tokens; "
+    "%exl_load the server with --api completions (api='completions') to branch"
+)
 STEP_WAIT_S = 0.02  # how long step() waits for a chunk: the engine thread then runs its queued commands
 RECENT_DELIVERIES = 256  # the answers the server view audits: enough for a median, bounded in memory
 _DONE = object()  # a stream's honest end: its [DONE], or its close after a finish_reason
+
+
+@dataclass(frozen=True)
+class ServerStatus(EngineStatus):
+    """The openai engine's status. A server keeps its attention, cache and batching to itself, so its line says
+    what is known instead: the server and its dialect (`library`), the API the prompts go through, whether it
+    returns logprobs (the token view needs them) and its context length."""
+
+    api: str = ""
+    logprobs: bool = False
+
+    def line(self) -> str:
+        return (
+            f"{self.engine} engine | {self.model} | server {self.device}, {self.library} dialect | API {self.api} "
+            f"| logprobs {'yes' if self.logprobs else 'no'} | context {self.cache_tokens} tokens"
+        )
 
 
 class RemoteEngine(Engine):
@@ -61,6 +89,8 @@ class RemoteEngine(Engine):
         self.dialect: Dialect = dialect_for(entry.get("owned_by"), listing)
         self.tokenizer = RemoteTokenizer(options.model_dir)
         self.max_seq_len = max_seq_len(entry, options.model_dir, self.address)
+        if self.api == "chat":
+            self.branch_refusal = CHAT_CANNOT_BRANCH
         self._options = options
         self._jobs: dict[int, RemoteJob] = {}
         self._tasks: dict[int, asyncio.Future] = {}
@@ -194,23 +224,19 @@ class RemoteEngine(Engine):
         )
         if not self.dialect.logprobs:
             notes.append("this server returns no logprobs: no token view (--tokens)")
-        endpoint = (
-            "/v1/chat/completions, the server's chat template"
-            if self.api == "chat"
-            else "/v1/completions, exlnb's templates"
-        )
-        return EngineStatus(
+        return ServerStatus(
             engine=self.name,
             model=self.model,
             device=self.address.shown,
             paged=False,
-            attention=f"{self.dialect.describe()}",
+            attention="the server's",
             cache_tokens=self.max_seq_len,
-            cache_dtype="server's",
+            cache_dtype="the server's",
             max_batch_size=self._options.max_batch_size,
             notes=tuple(notes),
             library=self.dialect.name,
-            decode=f"prompts: {endpoint}",
+            api=API_WORDS[self.api],
+            logprobs=self.dialect.logprobs,
         )
 
     def close(self) -> None:

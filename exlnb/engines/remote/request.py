@@ -81,10 +81,6 @@ class Dialect:
     # owned_by in /v1/models, which identifies the server at load
     owners: tuple[str, ...] = ()
 
-    def describe(self) -> str:
-        returns = "returns logprobs" if self.logprobs else "returns no logprobs"
-        return f"{self.name} dialect ({returns})"
-
 
 DIALECTS = {
     d.name: d
