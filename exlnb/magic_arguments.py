@@ -40,16 +40,17 @@ def variable_name(text: str) -> str:
     return text
 
 
+def out_option(help: str):
+    """A cell magic's declared `--out VAR`: the notebook variable it keeps its result in."""
+    return option(None, group="output", metavar="VAR", parse=variable_name, help=help)
+
+
 @dataclass(frozen=True)
 class CellOptions(ShowOptions):
     """What `%%exl_generate` adds to a `GenerationRequest`: how the answer is shown and where it is kept."""
 
-    out: str | None = option(
-        None,
-        group="output",
-        metavar="VAR",
-        parse=variable_name,
-        help="store the result in this variable (a list for --n > 1; the running Generation with --background)",
+    out: str | None = out_option(
+        "store the result in this variable (a list for --n > 1; the running Generation with --background)"
     )
 
 
@@ -58,12 +59,8 @@ class TreeCellOptions:
     """What `%%exl_tree` adds to a tree's options: how it is shown and where it is kept."""
 
     display: str = same_option(ShowOptions, "display")
-    out: str | None = option(
-        None,
-        group="output",
-        metavar="VAR",
-        parse=variable_name,
-        help="store the tree (a SampleTree) in this variable; what the view grows after is stored there too",
+    out: str | None = out_option(
+        "store the tree (a SampleTree) in this variable; what the view grows after is stored there too"
     )
 
 

@@ -19,16 +19,8 @@ PROMPT = "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.fixture(scope="module")
-def server(llama_cpp_server) -> Session:
-    session = Session()
-    session.load(url=llama_cpp_server, api="completions", progress=False)
-    yield session
-    session.unload()
-
-
-@pytest.fixture(scope="module")
-def tree(server):
-    return server.tree(PROMPT, n=3, max_new_tokens=5, temperature=1.0, seed=1, top_tokens=3)
+def tree(llama_cpp_session):
+    return llama_cpp_session.tree(PROMPT, n=3, max_new_tokens=5, temperature=1.0, seed=1, top_tokens=3)
 
 
 def test_a_tree_grows_from_a_servers_logprobs_and_says_what_it_cannot_score(tree):
@@ -56,8 +48,8 @@ def test_expanding_on_a_server_branches_the_alternatives_its_samples_recorded(tr
     assert given and all(n.model_probability is None for n in given)
 
 
-def test_a_reference_on_a_server_gives_its_probability_and_says_why_there_is_no_kl(server, tree, tmp_path):
-    compared = compare(server, tree, "smollm2-135m-instruct", engine="cpu", cache_dir=tmp_path)
+def test_a_reference_on_a_server_gives_its_probability_and_says_why_there_is_no_kl(llama_cpp_session, tree, tmp_path):
+    compared = compare(llama_cpp_session, tree, "smollm2-135m-instruct", engine="cpu", cache_dir=tmp_path)
     assert all(n.reference_probability is not None and n.kl is None for n in compared.nodes[1:])
     assert compared.notes[-1] == (
         "no KL: it needs the loaded model's logits, which the openai engine does not return "
@@ -65,12 +57,12 @@ def test_a_reference_on_a_server_gives_its_probability_and_says_why_there_is_no_
     )
 
 
-def test_near_ties_on_a_server_read_its_logprobs_and_its_floor_says_what_it_cannot_compare(server):
-    answer = generation.start("Name a colour.", session=server, max_new_tokens=6, temperature=0, tokens=3)
+def test_near_ties_on_a_server_read_its_logprobs_and_its_floor_says_what_it_cannot_compare(llama_cpp_session):
+    answer = generation.start("Name a colour.", session=llama_cpp_session, max_new_tokens=6, temperature=0, tokens=3)
     [result] = answer.wait(120)
     margins = result.margins()
     assert len(margins) == len(result.token_ids) and (margins.margin >= 0).all()
-    floor = noise_floor(server, probes=1, max_new_tokens=4, batch_sizes=(2,))
+    floor = noise_floor(llama_cpp_session, probes=1, max_new_tokens=4, batch_sizes=(2,))
     assert [c.name for c in floor.comparisons] == ["alone against inside a batch of 2"]
     assert "decode against a whole-sequence pass (the openai engine returns no logits)" in floor.not_compared
     assert list(result.near_ties(floor).position) == list(margins[margins.margin <= floor.value].position)
