@@ -84,6 +84,14 @@ BAD_REFERENCE_FILES = [
     ),
 ]
 
+
+def tree_cell(options: str) -> str:
+    return f"%%exl_tree {options} --max-new-tokens 4 --display text\nName a colour."
+
+
+TREE = "%%exl_tree --n 2 --max-new-tokens 4 --seed 1 --display text --out tree\nName a colour."  # one to grow
+PLAIN_ANSWER = generate("--max-new-tokens 4 --temperature 0 --display text --out answer")
+
 CASES = [
     Case("%exl_jobs  (before any %exl_load)", "%exl_jobs", loaded=False),
     Case("%exl_cache  (before any %exl_load)", "%exl_cache", loaded=False),
@@ -219,6 +227,19 @@ CASES = [
         for name, what, write in BAD_REFERENCE_FILES
     ),
     Case("%exl_bench --seed -1", "%exl_bench --seed -1 --no-progress"),
+    Case("%%exl_tree --n 0", tree_cell("--n 0")),
+    Case("%%exl_tree --n 10000", tree_cell("--n 10000")),
+    Case("%%exl_tree --mass 2", tree_cell("--mass 2")),
+    Case("tree.expand(99999)  (a node that is not in the tree)", "tree.expand(99999)", setup=TREE),
+    Case(
+        "tree.force(0, ' and' * 40)  (more tokens than the answer has left)", "tree.force(0, ' and' * 40)", setup=TREE
+    ),
+    Case(
+        "%%exl_tree --reference llama-3-8b.pt  (a reference with another vocabulary)",
+        tree_cell("--reference llama-3-8b.pt"),
+        setup=OTHER_TOKENIZER,
+    ),
+    Case("answer.near_ties()  (an answer generated without --tokens)", "answer.near_ties()", setup=PLAIN_ANSWER),
     Case("exlnb.bench(request_rate=1e-6)", "exlnb.bench(1e-6)"),
     *(
         Case(f"%%exl_generate  (the server sends {sent})", generate("--display text", f"shape:{fault}"), server=True)

@@ -8,6 +8,8 @@ from exlnb.engines.base import EosReason, SamplerSettings, Stage, StreamEvent
 from exlnb.engines.job_options import JobOptions
 from exlnb.generation import Generation
 from exlnb.loadtest import bench
+from exlnb.near_ties import NoiseFloor
+from exlnb.sample_tree import SampleTree
 from exlnb.session import LoadOptions, Session, get_session
 from exlnb.streaming import GenerationResult, JobStream
 
@@ -20,12 +22,15 @@ __all__ = [
     "JobOptions",
     "JobStream",
     "LoadOptions",
+    "NoiseFloor",
+    "SampleTree",
     "SamplerSettings",
     "Session",
     "Stage",
     "StreamEvent",
     "abench",
     "agenerate_live",
+    "atree_live",
     "bench",
     "branch_live",
     "generate_live",
@@ -35,6 +40,8 @@ __all__ = [
     "show_cache",
     "show_jobs",
     "show_server",
+    "show_tree",
+    "tree_live",
 ]
 __version__ = "0.1.0"
 
@@ -49,6 +56,9 @@ _WIDGETS = {
     "BranchTree": "exlnb.widgets.branches",
     "branch_live": "exlnb.widgets.stream",
     "generate_live": "exlnb.widgets.stream",
+    "show_tree": "exlnb.widgets.tree",
+    "tree_live": "exlnb.widgets.tree",
+    "atree_live": "exlnb.widgets.tree",
 }
 
 
@@ -59,12 +69,14 @@ def __getattr__(name: str):
 
 
 def load_ipython_extension(ipython) -> None:
-    """`%load_ext exlnb`: registers %exl_load, %%exl_generate, %exl_branch, %exl_cache, %exl_jobs, %exl_cancel,
-    %exl_bench, %exl_quantize and %exl_divergence."""
+    """`%load_ext exlnb`: registers %exl_load, %%exl_generate, %exl_branch, %%exl_tree, %exl_cache, %exl_jobs,
+    %exl_cancel, %exl_bench, %exl_quantize, %exl_divergence and %exl_noise_floor."""
     from exlnb.magics import ExlnbMagics, await_magic_cells
+    from exlnb.quality_magics import QualityMagics
 
     magics = ExlnbMagics(ipython)
     ipython.register_magics(magics)
+    ipython.register_magics(QualityMagics(ipython))
     ipython.events.register("pre_run_cell", magics.remember_cell)
     if getattr(ipython, "kernel", None) is not None and ipython.autoawait:
         ipython.input_transformers_post.append(await_magic_cells)

@@ -223,8 +223,17 @@ class Reference:
 
     def check_tokenizer(self, tokenizer_id: str, vocab_size: int) -> None:
         """A reference scored with another tokenizer compares different tokens: refused in one line."""
-        if tokenizer_id != self.tokenizer_id or vocab_size != self.vocab_size:
-            raise another_tokenizer(f"{self.model}, {self.vocab_size} tokens", f"{vocab_size} tokens")
+        check_same_tokenizer(self.model, self.tokenizer_id, self.vocab_size, tokenizer_id, vocab_size)
+
+
+def check_same_tokenizer(
+    reference: str, reference_tokenizer: str, reference_vocab: int | None, tokenizer_id: str, vocab_size: int
+) -> None:
+    """Refuse, in one line, a reference whose tokenizer (its files, or its vocabulary's size where known) is not the
+    loaded model's: its distributions are over other tokens."""
+    if reference_tokenizer != tokenizer_id or reference_vocab not in (None, vocab_size):
+        size = "" if reference_vocab is None else f", {reference_vocab} tokens"
+        raise another_tokenizer(f"{reference}{size}", f"{vocab_size} tokens")
 
 
 def another_tokenizer(reference: str, loaded: str) -> ValueError:

@@ -16,14 +16,15 @@ from dataclasses import dataclass, field
 
 from exlnb.analysis import Loop, find_tail_loop
 from exlnb.branching import check_still_loaded, plan_branch
-from exlnb.chat import Chat, get_chat
 from exlnb.engines.base import LOOP_DETECTOR, EosReason, JobSpec, StreamEvent, wall_clock
 from exlnb.engines.options import EngineOptions
 from exlnb.engines.token_info import TokenInfo
+from exlnb.near_ties import NoiseFloor
+from exlnb.noise_floor import measured_floor
+from exlnb.prepared_prompt import PreparedPrompt, prepare_prompt
 from exlnb.request import GenerationRequest, takes_request_options
 from exlnb.session import Session, get_session
 from exlnb.streaming import Delivered, GenerationResult, JobError, JobStream, reading
-from exlnb.templates import LintFinding, conversation, lint_rendered, render
 
 LOOP_CHECK_EVERY = 8  # tokens between loop checks; find_tail_loop looks at the last 32
 
@@ -91,6 +92,23 @@ class Lineage:
         if generation.errors:
             raise generation.errors[0]
         return branch_result(generation)
+
+    def noise_floor(self) -> NoiseFloor:
+        """The noise floor of the model that ran this, measured once (`exlnb.noise_floor.measured_floor`)."""
+        self.check_loaded("measure its engine's noise floor")
+        return measured_floor(self.session)
+
+    def check_loaded(self, to: str) -> None:
+        """Refuse, in one line, to act on a result whose model is no longer the one loaded."""
+        session = self.session
+        if session.options != self.model:
+            now = (
+                "nothing" if session.options is None else f"{session.options.model_dir.name} ({session.options.engine})"
+            )
+            raise ValueError(
+                f"this result ran on {self.model.model_dir.name} ({self.model.engine}), but {now} is loaded now: "
+                f"load that model again to {to}"
+            )
 
 
 class Generation:
@@ -244,17 +262,6 @@ def _due_for_loop_check(sample: Sample, event: StreamEvent) -> bool:
     return len(sample.token_ids) // LOOP_CHECK_EVERY > before // LOOP_CHECK_EVERY
 
 
-@dataclass(frozen=True)
-class PreparedPrompt:
-    """The prompt exactly as the model gets it, rendered and linted once."""
-
-    text: str
-    ids: list[int]
-    findings: list[LintFinding]
-    chat: Chat | None
-    loop_guard_by_engine: bool = False  # the jobs carry the engine's own loop detector (`--loop-guard`)
-
-
 _owned: dict[Hashable, Generation] = {}
 _owned_lock = threading.Lock()
 
@@ -314,18 +321,9 @@ def _prepare(
             f"n={request.n} is more than the engine decodes at once (max_batch_size {options.max_batch_size}): "
             "use fewer samples, or load with a larger max_batch_size"
         )
-    tokenizer = session.tokenizer
-    conv = _conversation_for(request)
-    text = (
-        conv.prompt(request.prompt, request.template, tokenizer)
-        if conv
-        else render(request.template, conversation(request.prompt, request.system), tokenizer)
-    )
-    ids = list(session.prompt_ids(text, request.max_new_tokens))
-    # a class attribute, read without the engine's thread: it never changes
-    by_engine = request.loop_guard and session.engine.loop_guard_by_engine
-    prompt = PreparedPrompt(text, ids, lint_rendered(ids, request.template, tokenizer), conv, by_engine)
-    specs = request.job_specs(ids, tokenizer, stop_on_loop=LOOP_DETECTOR if by_engine else None)
+    prompt = prepare_prompt(request, session)
+    stop_on_loop = LOOP_DETECTOR if prompt.loop_guard_by_engine else None
+    specs = request.job_specs(prompt.ids, session.tokenizer, stop_on_loop=stop_on_loop)
     if owner is not None:
         with _owned_lock:
             previous = _owned.pop(owner, None)
@@ -430,14 +428,3 @@ def branch_result(generation: Generation) -> GenerationResult:
     result = generation.samples[0].result()
     result.origin.family.append(result)
     return result
-
-
-def _conversation_for(request: GenerationRequest) -> Chat | None:
-    if request.chat is None:
-        return None
-    conv = get_chat(request.chat)
-    if request.system is not None:
-        conv.system = request.system
-    if request.amnesia:
-        conv.clear()
-    return conv

@@ -23,10 +23,11 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import MagicHelpFormatter, argument, argument_group, kwds, magic_arguments, real_name
 
 from exlnb.engines.base import SamplerSettings
-from exlnb.engines.declaration import GROUPS, LOAD_GROUPS, Option, declared, option
+from exlnb.engines.declaration import GROUPS, LOAD_GROUPS, TREE_GROUPS, Option, declared, option, same_option
 from exlnb.request import GenerationRequest
 from exlnb.session import LoadFailed, LoadOptions, NoModelLoaded
 from exlnb.streaming import JobError
+from exlnb.trees import REQUEST_OPTIONS, TreeOptions
 from exlnb.widgets.stream import ShowOptions
 
 
@@ -39,21 +40,55 @@ def variable_name(text: str) -> str:
     return text
 
 
+def out_option(help: str):
+    """A cell magic's declared `--out VAR`: the notebook variable it keeps its result in."""
+    return option(None, group="output", metavar="VAR", parse=variable_name, help=help)
+
+
 @dataclass(frozen=True)
 class CellOptions(ShowOptions):
     """What `%%exl_generate` adds to a `GenerationRequest`: how the answer is shown and where it is kept."""
 
-    out: str | None = option(
-        None,
-        group="output",
-        metavar="VAR",
-        parse=variable_name,
-        help="store the result in this variable (a list for --n > 1; the running Generation with --background)",
+    out: str | None = out_option(
+        "store the result in this variable (a list for --n > 1; the running Generation with --background)"
+    )
+
+
+@dataclass(frozen=True)
+class TreeCellOptions:
+    """What `%%exl_tree` adds to a tree's options: how it is shown and where it is kept."""
+
+    display: str = same_option(ShowOptions, "display")
+    out: str | None = out_option(
+        "store the tree (a SampleTree) in this variable; what the view grows after is stored there too"
     )
 
 
 # every %%exl_generate option, as its declarations say
 GENERATE_OPTIONS = (*declared(GenerationRequest), *declared(SamplerSettings), *declared(CellOptions))
+# every %%exl_tree option: the prompt's and the sampler's as %%exl_generate takes them, the tree's own, the cell's
+TREE_OPTIONS = (
+    *(o for o in declared(GenerationRequest) if o.keyword in REQUEST_OPTIONS),
+    *declared(SamplerSettings),
+    *declared(TreeOptions),
+    *declared(TreeCellOptions),
+)
+# %%exl_tree's help sections: %%exl_generate's, the tree's own before how it is shown and kept
+SHOWN_LAST = ("display", "output")
+TREE_HELP_GROUPS = {
+    **{name: words for name, words in GROUPS.items() if name not in SHOWN_LAST},
+    **TREE_GROUPS,
+    **{name: GROUPS[name] for name in SHOWN_LAST},
+}
+TREE_USAGE = "%%exl_tree [options]\n  the prompt, on the lines below"
+TREE_EXAMPLES = """Sample the cell body (the user's turn) N times and merge the answers into one tree (docs/tree.md).
+
+Examples:
+  %%exl_tree --n 64 --temperature 1.0 --max-new-tokens 24 --seed 1 --out tree
+  Name a colour.
+
+  %%exl_tree --n 32 --reference /models/my-model-fp16
+  Write the first line of a poem about {topic}."""
 CELL_OPTIONS = tuple(o.keyword for o in declared(CellOptions))  # what the magic keeps from the request
 GENERATE_USAGE = "%%exl_generate [options]\n  the prompt, on the lines below"
 GENERATE_EXAMPLES = """Generate from the cell body as the user's turn; {name} is filled from the notebook's variables.
@@ -98,6 +133,14 @@ def escaped(text: str) -> str:
     return text.replace("\\n", "\n").replace("\\t", "\t")
 
 
+def sizes_argument(text: str) -> tuple[int, ...]:
+    """`--batch-sizes 2,8,16`: whole numbers, comma separated."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise UsageError(f"{text!r}: give whole numbers separated by commas, e.g. 2,8,16") from None
+
+
 def python_value(text: str):
     """A setting written as a Python literal: `--token-bias "{42: -5.0}"`."""
     try:
@@ -124,9 +167,12 @@ def parse_options(magic, line: str) -> argparse.Namespace | None:
     return args
 
 
+CELL_MAGICS = ("exl_generate", "exl_tree")
+
+
 def _called_as(magic) -> str:
     name = real_name(magic)
-    return f"%%{name}" if name == "exl_generate" else f"%{name}"
+    return f"%%{name}" if name in CELL_MAGICS else f"%{name}"
 
 
 def _unknown_options(unknown: list[str], parser: argparse.ArgumentParser, name: str) -> str:
@@ -214,6 +260,7 @@ def declared_arguments(options: tuple[Option, ...], groups: dict[str, str], **ab
 
 # `%%exl_generate`'s options, examples first; `%exl_load`'s
 generation_arguments = declared_arguments(GENERATE_OPTIONS, GROUPS, usage=GENERATE_USAGE, description=GENERATE_EXAMPLES)
+tree_arguments = declared_arguments(TREE_OPTIONS, TREE_HELP_GROUPS, usage=TREE_USAGE, description=TREE_EXAMPLES)
 load_arguments = declared_arguments(declared(LoadOptions), LOAD_GROUPS)
 
 

@@ -3,9 +3,11 @@
 `%%exl_generate`'s options are read from the options that `GenerationRequest`, `SamplerSettings` and
 `CellOptions` declare (`exlnb.engines.declaration`), grouped as they declare them, so a new sampler setting is
 an option (with its help and default) the moment it is a field; `%exl_load`'s from `LoadOptions`, each one a
-keyword of `Session.load`. Every other option maps to a keyword of `show_cache` / `show_jobs`, `bench` or
+keyword of `Session.load`; `%%exl_tree`'s from `GenerationRequest`'s prompt options, `SamplerSettings` and
+`TreeOptions`. Every other option maps to a keyword of `show_cache` / `show_jobs`, `bench`, `branch_live` or
 `Session.cancel`. `%exl_generate?`, `%%exl_generate?` and `--help` print the help; a user's mistake is a
-one-line `UsageError`.
+one-line `UsageError`. The magics that measure how far a model's output moves (`%exl_quantize`,
+`%exl_divergence`, `%exl_noise_floor`) are `exlnb.quality_magics`.
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from exlnb.divergence import REFERENCE_DTYPES
-from exlnb.engines.options import ENGINE_NAMES
 from exlnb.generation import Generation
 from exlnb.loadtest import bench
 from exlnb.magic_arguments import (
@@ -34,12 +34,10 @@ from exlnb.magic_arguments import (
     parse_options,
     schema_from_notebook,
     tidy_help,
+    tree_arguments,
     usage_errors,
 )
-from exlnb.models import BUNDLED_MODEL
-from exlnb.quantize import BITS_RANGE, DEFAULT_BITS, DEFAULT_FORMAT, DEFAULT_HEAD_BITS, QUANT_FORMATS, quantize
 from exlnb.request import GenerationRequest
-from exlnb.scoring import DEFAULT_TOKENS, divergence_from
 from exlnb.session import get_session
 from exlnb.streaming import GenerationResult
 from exlnb.widgets.branches import BranchTree
@@ -47,24 +45,25 @@ from exlnb.widgets.cache import show_jobs
 from exlnb.widgets.loadtest import abench, shows_widget
 from exlnb.widgets.server import show_cache_or_server
 from exlnb.widgets.stream import Interrupted, abranch_live, agenerate_live, branch_live, generate_live
+from exlnb.widgets.tree import atree_live, tree_live
 from exlnb.workload import DEFAULT_REQUESTS, Workload, length_argument, rates_argument, slo_argument
 
 # what IPython's magic transforms make of a %%exl_generate cell and of an %exl_bench line
-_GENERATE_CALL = re.compile(r"^get_ipython\(\)\.run_cell_magic\('exl_generate', ")
+_CELL_CALL = re.compile(r"^get_ipython\(\)\.run_cell_magic\('(exl_generate|exl_tree)', ")
 _LINE_CALL = re.compile(r"^get_ipython\(\)\.run_line_magic\('(exl_bench|exl_branch)', ")
 _AWAIT_MAGIC = "await get_ipython().magics_manager.registry['ExlnbMagics'].{}("
 
 
 def await_magic_cells(lines: list[str]) -> list[str]:
-    """IPython input transformer: a kernel runs a %%exl_generate cell, and a cell with an %exl_bench or
-    %exl_branch line at its top level, as an async cell awaiting the magic.
+    """IPython input transformer: a kernel runs a %%exl_generate or %%exl_tree cell, and a cell with an %exl_bench
+    or %exl_branch line at its top level, as an async cell awaiting the magic.
 
     ipykernel (7.4) hands widget messages to their widgets while a cell awaits, not while it blocks: a cell
     blocked in a plain call would hear the Stop button only after its work had ended. An indented %exl_bench
     (or %exl_branch; perhaps inside a function, where `await` cannot go) stays a plain call.
     """
-    if lines and _GENERATE_CALL.match(lines[0]):
-        lines = [_GENERATE_CALL.sub(_AWAIT_MAGIC.format("exl_generate_async"), lines[0], count=1), *lines[1:]]
+    if lines and _CELL_CALL.match(lines[0]):
+        lines = [_CELL_CALL.sub(lambda m: _AWAIT_MAGIC.format(f"{m[1]}_async"), lines[0], count=1), *lines[1:]]
     return [_LINE_CALL.sub(lambda m: _AWAIT_MAGIC.format(f"{m[1]}_async"), line, count=1) for line in lines]
 
 
@@ -210,6 +209,39 @@ class ExlnbMagics(Magics):
             self.shell.user_ns[args.out] = branched
         BranchTree.of(branched).show()
 
+    @tree_arguments
+    @line_cell_magic
+    @no_var_expand  # options are literal, as %%exl_generate's
+    def exl_tree(self, line: str, cell: str | None = None) -> None:
+        """Sample the cell body (the user's turn) N times into one tree, drawn as it grows."""
+        if (call := self._tree_call(line, cell)) is None:
+            return
+        prompt, options = call
+        with usage_errors():
+            tree_live(prompt, **options)
+
+    async def exl_tree_async(self, line: str, cell: str) -> None:
+        """`%%exl_tree` as a kernel runs it (see `await_magic_cells`): the cell awaits, so Stop is heard."""
+        if (call := self._tree_call(line, cell)) is None:
+            return
+        prompt, options = call
+        with usage_errors():
+            await atree_live(prompt, **options)
+
+    def _tree_call(self, line: str, cell: str | None) -> tuple | None:
+        if (args := parse_options(self.exl_tree, line)) is None:
+            return None
+        if cell is None:
+            raise UsageError(
+                "%%exl_tree is a cell magic: options on the first line, the prompt in the cell below "
+                "(see %exl_tree? for the options)"
+            )
+        options = given_options(args)
+        out = options.pop("out", None)
+        if out:
+            options["on_change"] = lambda tree: self.shell.user_ns.__setitem__(out, tree)
+        return fill_prompt(cell.strip(), self.shell.user_ns), {**options, "owner": self.cell_id}
+
     @magic_arguments()
     @display_argument
     @help_argument
@@ -250,86 +282,6 @@ class ExlnbMagics(Magics):
             print(f"cancelled {count} job{'' if count == 1 else 's'}")
         for job_id in args.job_ids:
             print(f"job {job_id}: {'cancelled' if session.cancel(job_id) else 'not running'}")
-
-    @magic_arguments()
-    @argument(
-        "model",
-        nargs="?",
-        default=BUNDLED_MODEL,
-        help=f'an unquantized model folder, a hub repo id, or "{BUNDLED_MODEL}" (default)',
-    )
-    @argument("--format", choices=QUANT_FORMATS, default=DEFAULT_FORMAT, help=f"the format (default {DEFAULT_FORMAT})")
-    @argument(
-        "--bits",
-        type=float,
-        default=DEFAULT_BITS,
-        help=f"bits per weight (default {DEFAULT_BITS:g}; "
-        + ", ".join(f"{fmt.upper()} {low:g}-{high:g}" for fmt, (low, high) in BITS_RANGE.items())
-        + ")",
-    )
-    @argument("--head-bits", type=int, help=f"bits per weight of the output layer (default {DEFAULT_HEAD_BITS})")
-    @help_argument
-    @line_magic
-    def exl_quantize(self, line: str) -> None:
-        """Quantize with the library's own converter (cached, resumable) and print the folder to %exl_load."""
-        if (args := parse_options(self.exl_quantize, line)) is None:
-            return
-        try:
-            folder = quantize(args.model, format=args.format, bits=args.bits, head_bits=args.head_bits)
-        except (ValueError, OSError, RuntimeError) as error:  # OSError: a file, or a folder it may not read
-            raise UsageError(str(error)) from None
-        print(folder)
-
-    @magic_arguments()
-    @argument(
-        "reference",
-        help='the reference: a model folder (or "smollm2-135m-instruct"), or a .pt file of '
-        "reference logits that exlnb kept",
-    )
-    @argument(
-        "--tokens",
-        type=int,
-        default=DEFAULT_TOKENS,
-        help=f"length of the fixed text scored, for a reference folder (default {DEFAULT_TOKENS})",
-    )
-    @argument(
-        "--engine",
-        choices=ENGINE_NAMES,
-        default="auto",
-        help="the engine that computes the reference's logits when they are not cached (default: auto)",
-    )
-    @argument(
-        "--dtype",
-        choices=tuple(REFERENCE_DTYPES),
-        default="float32",
-        help="how the reference's logits are kept on disk (default: float32)",
-    )
-    @argument(
-        "--no-noise-floor",
-        action="store_true",
-        help="leave out the noise floor (the reference scored again with bf16 rounding's noise)",
-    )
-    @out_argument("the Divergence")
-    @help_argument
-    @line_magic
-    def exl_divergence(self, line: str) -> None:
-        """Score the loaded model against a reference (KL per position, top-1 agreement, perplexities) and print
-        the table; the reference's logits are computed once and cached on disk."""
-        if (args := parse_options(self.exl_divergence, line)) is None:
-            return
-        with usage_errors():
-            result = divergence_from(
-                get_session(),
-                args.reference,
-                tokens=args.tokens,
-                engine=args.engine,
-                dtype=args.dtype,
-                noise_floor=not args.no_noise_floor,
-                progress=True,
-            )
-        print(result.table())
-        if args.out:
-            self.shell.user_ns[args.out] = result
 
     @magic_arguments()
     @argument(
@@ -426,8 +378,7 @@ for _magic in (
     ExlnbMagics.exl_cache,
     ExlnbMagics.exl_jobs,
     ExlnbMagics.exl_cancel,
-    ExlnbMagics.exl_quantize,
     ExlnbMagics.exl_bench,
-    ExlnbMagics.exl_divergence,
+    ExlnbMagics.exl_tree,
 ):
     tidy_help(_magic)

@@ -52,6 +52,8 @@ PRESETS: dict[str, dict[str, dict]] = {
             "cache_tokens": 16384,
             "timing_repeats": 8,
         },
+        # a few hundred answers: two such runs over disjoint questions are data/results/cpu's near_ties rows
+        "near_ties": {"answers": 196, "max_new_tokens": 48, "calibration": 8, "questions_from": 8},
     },
 }
 

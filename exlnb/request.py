@@ -70,7 +70,8 @@ class GenerationRequest:
         "probability",
         group="display",
         choices=TOKEN_COLOURS,
-        help="shade the token view by probability, or by latency (time since the previous token)",
+        help="shade the token view by probability, by latency (time since the previous token), or by margin (the "
+        "top logit over the runner-up's: where greedy runs may part; needs --tokens 2)",
     )
     # what every sample's job asks, checked once (a bad schema or pattern fails here, before any job)
     job: JobOptions = field(init=False, repr=False, compare=False)
@@ -106,6 +107,11 @@ class GenerationRequest:
             raise ValueError("show_whitespace marks whitespace in the token view: ask for the view too (tokens=5)")
         if self.token_colour not in TOKEN_COLOURS:
             raise ValueError(f"token_colour={self.token_colour!r}: choose one of {', '.join(TOKEN_COLOURS)}")
+        if self.token_colour == "margin" and self.tokens < 2:
+            raise ValueError(
+                "token_colour='margin' shades by the top logit over the runner-up's: ask for two alternatives or more "
+                "(tokens=2, --tokens 2)"
+            )
         if self.chat is not None and self.n > 1:
             raise ValueError(f"a chat records one answer per turn: use n=1 with chat={self.chat!r} (got n={self.n})")
         if self.amnesia and self.chat is None:

@@ -28,6 +28,7 @@ from typing import Protocol
 from exlnb.engines.base import EosReason, Stage, StreamEvent, wall_clock
 from exlnb.engines.constraint import OutputConstraint
 from exlnb.engines.token_info import TokenInfo
+from exlnb.near_ties import NoiseFloor, floor_value, margin_frame
 from exlnb.token_records import TokenRecord, token_frame, token_records
 
 
@@ -59,6 +60,8 @@ class Origin(Protocol):
     lead_info: tuple[TokenInfo, ...]  # their records, where known
 
     def branch(self, result: GenerationResult, at: int, token: int | str | None) -> GenerationResult: ...
+
+    def noise_floor(self) -> NoiseFloor: ...  # the engine's, measured once per loaded model (exlnb.noise_floor)
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,24 @@ class GenerationResult:
     def tokens(self):
         """One row per generated token: probability, alternatives, arrival and latency (a pandas DataFrame)."""
         return token_frame(self.token_records)
+
+    def margins(self, floor: float | NoiseFloor | None = None):
+        """One row per generated token: its margin (the top logit minus the runner-up's, nats; exlnb.near_ties), the
+        runner-up, and with a `floor`, whether the margin is at or under it (`likely_flip`). A pandas DataFrame."""
+        return margin_frame(self.token_records, None if floor is None else floor_value(floor))
+
+    def near_ties(self, floor: float | NoiseFloor | None = None):
+        """The positions likely to flip: those whose margin is at or under the engine's noise floor (default: the
+        floor measured once for the model that ran this, `exlnb.noise_floor`), as `margins()` rows."""
+        if floor is None:
+            if self.origin is None:
+                raise ValueError(
+                    f"job {self.job_id}'s result does not keep the session that ran it: pass floor= (a NoiseFloor from "
+                    "exlnb.noise_floor.noise_floor(session), or nats)"
+                )
+            floor = self.origin.noise_floor()
+        frame = self.margins(floor)
+        return frame[frame.likely_flip].reset_index(drop=True)
 
     @property
     def parsed(self):

@@ -236,6 +236,35 @@ same model) to measure that server beside it, and `server_mode` to record how it
             "settle_timeout_s": "how long probes, and the watch on the server's CPU, wait for it to be idle again",
         },
     ),
+    Investigation(
+        name="near_ties",
+        title="Why greedy runs part",
+        story="""\
+Greedy decoding takes the argmax, so one would expect it to give the same answer every time. Users keep finding
+otherwise: the answer changes between runs, batch sizes or GPUs (exllamav3 issue 353; vLLM's batch-invariance
+threads), and exlnb's own tensor-parallel run parted from one card's at the first token. Where the two likeliest
+tokens are nearly tied, any change of rounding can swap them. The near-tie map reads the margin (the top logit
+minus the runner-up's) at every position and marks as likely to flip the positions whose margin is at or under
+this engine's noise floor: how far the same steps' margins moved when run alone against inside a batch of 2, 8
+and 16, against a whole-sequence pass, and, where the engine and machine have them, with a quantized cache,
+without CUDA graphs, split over two GPUs (`exlnb.noise_floor`, measured on a few calibration questions).
+
+Here questions are answered greedily in batches of 16, their flip positions predicted, and the same questions
+answered again alone, in batches of 2 and 8 and in every other layout this machine can load. At every position
+up to an answer's first parting, the prediction meets the outcome: how many predicted positions flipped, and how
+many flips came where none was predicted. Where the engine injects noise (the CPU engine), each step is also
+replayed with one bf16 rounding of noise after every layer, a simulated other kernel, calibrated the same way.""",
+        notes={
+            "answers": "questions answered greedily (after the calibration ones)",
+            "calibration": "questions the noise floor is measured on",
+            "questions_from": "the first question answered (data/questions/short_answers.csv, 0-based)",
+            "baseline_batch": "the batch the answers are first run in, and their margins read from",
+            "rerun_batches": "the batches they run in again (1: alone)",
+            "layouts": "also run again in every other layout this engine and machine can load, each in a session "
+            "of its own (a q8 cache, eager decode, a layer split, tensor parallelism)",
+            "noise_replay": "replay every step with bf16-rounding noise where the engine injects it (CPU): simulated",
+        },
+    ),
 )
 
 

@@ -4,10 +4,11 @@ One of each per test session (session-scoped fixtures, shared through `pytest_pl
 `transformers serve` on the bundled model's converted folder (and, for the disconnect investigation, a second
 one with `--continuous-batching`) and llama-cpp-python's server on the bundled GGUF, each started as
 `benchmarks/local_servers.py` starts it for a recorded run (the `..._process` fixtures give its PID and mode,
-the others its URL); and `FakeServer`, a small stand-in for the failures a real server will not produce on
-demand (malformed and badly shaped events, a stalled stream, 401, 429, 503, a server that dies mid-answer or cuts
-it short, one that keeps streaming, oversized events, error bodies and answers, a redirect, a nonsensical
-max_model_len), with `fake_session` loaded on it. Every wait is bounded.
+the others its URL; `llama_cpp_session` is a session loaded on the llama.cpp one, per test module); and
+`FakeServer`, a small stand-in for the failures a real server will not produce on demand (malformed and badly
+shaped events, a stalled stream, 401, 429, 503, a server that dies mid-answer or cuts it short, one that keeps
+streaming, oversized events, error bodies and answers, a redirect, a nonsensical max_model_len), with
+`fake_session` loaded on it. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -67,6 +68,15 @@ def llama_cpp_server_process(tmp_path_factory) -> Iterator[LocalServer]:
 @pytest.fixture(scope="session")
 def llama_cpp_server(llama_cpp_server_process) -> str:
     return llama_cpp_server_process.url
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_session(llama_cpp_server) -> Iterator[Session]:
+    """A session loaded on the llama.cpp server through /v1/completions, so exlnb's templates and branches reach it."""
+    session = Session()
+    session.load(url=llama_cpp_server, api="completions", progress=False)
+    yield session
+    session.unload()
 
 
 # -- the stand-in for failures ------------------------------------------------------------------------------

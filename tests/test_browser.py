@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -134,12 +136,6 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """JupyterLab on localhost with a token, serving a notebook that loads exlnb on the CPU engine."""
-    if not CHROMIUM.exists():
-        missing = f"no browser at {CHROMIUM}: apt-get install -y chromium (make browser-deps)"
-        if os.environ.get("EXLNB_REQUIRE_BROWSER") == "1":
-            pytest.fail(missing)
-        pytest.skip(missing)
-    root = tmp_path_factory.mktemp("lab")
     cells = [
         f"%load_ext exlnb\nimport exlnb\nprint(exlnb.__file__)\nnotes = {NOTES!r}",
         "%exl_load --engine cpu",
@@ -169,6 +165,19 @@ def lab(tmp_path_factory):
         "%exl_bench --request-rate inf --num-requests 3 --prompt-len 8 --output-len 3 --slo ttft_ms=60000",
         "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)  # the kernel dies without a word, as a crash does",
     ]
+    with serving_lab(tmp_path_factory.mktemp("lab"), cells) as served:
+        yield served
+
+
+@contextmanager
+def serving_lab(root: Path, cells: list[str]) -> Iterator[tuple]:
+    """JupyterLab on localhost with a token, serving face.ipynb of these cells from `root`: its url, `root`, and a
+    call of its REST API. Skipped (failed under EXLNB_REQUIRE_BROWSER=1) where the browser is missing."""
+    if not CHROMIUM.exists():
+        missing = f"no browser at {CHROMIUM}: apt-get install -y chromium (make browser-deps)"
+        if os.environ.get("EXLNB_REQUIRE_BROWSER") == "1":
+            pytest.fail(missing)
+        pytest.skip(missing)
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
     nbformat.write(nb, root / "face.ipynb")
@@ -225,16 +234,25 @@ def lab(tmp_path_factory):
             body = response.read()
         return json.loads(body) if body else None
 
-    yield f"{base}/lab/tree/face.ipynb?token={token}", root, api
-    server.terminate()
-    server.wait(timeout=30)
+    try:
+        yield f"{base}/lab/tree/face.ipynb?token={token}", root, api
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
 def page(lab):
+    url, _, _ = lab
+    with browser_page(url) as page:
+        yield page
+
+
+@contextmanager
+def browser_page(url: str) -> Iterator:
+    """Headless Chromium on the notebook at `url`, once its kernel is idle."""
     from playwright.sync_api import sync_playwright
 
-    url, _, _ = lab
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_FLAGS, headless=True)
         context = browser.new_context(viewport={"width": 1280, "height": 900})
@@ -243,8 +261,10 @@ def page(lab):
         page.goto(url)
         page.wait_for_selector(".jp-Notebook .jp-Cell")
         page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=120_000)
-        yield page
-        browser.close()
+        try:
+            yield page
+        finally:
+            browser.close()
 
 
 def run_cell(page, index: int) -> None:

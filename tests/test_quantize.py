@@ -148,10 +148,12 @@ def shell():
 
 
 def test_the_magic_passes_its_options_and_prints_the_folder(shell, monkeypatch, capsys):
-    import exlnb.magics
+    import exlnb.quality_magics
 
     calls = []
-    monkeypatch.setattr(exlnb.magics, "quantize", lambda *a, **k: calls.append((a, k)) or Path("/cache/q/model"))
+    monkeypatch.setattr(
+        exlnb.quality_magics, "quantize", lambda *a, **k: calls.append((a, k)) or Path("/cache/q/model")
+    )
     shell.run_line_magic("exl_quantize", "/models/smol --format exl2 --bits 2.5 --head-bits 8")
     assert calls == [(("/models/smol",), dict(format="exl2", bits=2.5, head_bits=8))]
     assert capsys.readouterr().out.strip() == "/cache/q/model"

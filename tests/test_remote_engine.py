@@ -31,14 +31,6 @@ def transformers_session(transformers_server) -> Session:
     session.unload()
 
 
-@pytest.fixture(scope="module")
-def llama_cpp_session(llama_cpp_server) -> Session:
-    session = Session()
-    session.load(url=llama_cpp_server, api="completions", progress=False)
-    yield session
-    session.unload()
-
-
 def finished(gen: generation.Generation) -> generation.Generation:
     assert gen.wait_done(WAIT_S), f"not done within {WAIT_S} s"
     return gen

@@ -24,6 +24,8 @@ GROUPS = {
     "display": "how the answer is shown",
     "output": "where the answer is kept",
 }
+# what %%exl_tree adds, shown before %%exl_generate's display and output groups
+TREE_GROUPS = {"tree": "what a sample tree records, how far an expansion reaches, and what the tree is compared with"}
 # %exl_load's
 LOAD_GROUPS = {
     "model": "what is loaded, and by which engine",
@@ -75,8 +77,8 @@ def option(
     """A dataclass field declaring an option: `short` is the keyword where the field's name is long
     (exllamav2's `token_repetition_penalty` is `rep_penalty`), `flag` the magic's where it differs from it,
     `parse` how the magic reads a flag whose values its type cannot say (`--gpu-split 20,24`)."""
-    if group not in GROUPS and group not in LOAD_GROUPS:
-        raise ValueError(f"group={group!r}: choose one of {', '.join([*GROUPS, *LOAD_GROUPS])}")
+    if group not in {**GROUPS, **TREE_GROUPS, **LOAD_GROUPS}:
+        raise ValueError(f"group={group!r}: choose one of {', '.join([*GROUPS, *TREE_GROUPS, *LOAD_GROUPS])}")
     metadata = dict(
         help=help,
         group=group,

@@ -45,6 +45,14 @@ def model_format(folder: Path) -> str:
     )
 
 
+def model_bits(folder: Path) -> float | None:
+    """The bits per weight an EXL2 or EXL3 folder was quantized to (its `quantization_config`'s `bits`, as both
+    converters write it); None for unquantized weights."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    bits = (config.get("quantization_config") or {}).get("bits")
+    return float(bits) if isinstance(bits, (int, float)) else None
+
+
 def check_engine_can_load(engine: str, fmt: str, folder: Path) -> None:
     """Refuse, before anything is unloaded, an engine whose declaration (registry.py) does not load `fmt`."""
     if fmt not in engine_spec(engine).loads:

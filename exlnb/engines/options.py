@@ -18,7 +18,7 @@ ENGINE_NAMES = ENGINE_CHOICES  # "auto" and every registered engine, read afresh
 CACHE_DTYPES = ("fp16", "q4", "q6", "q8")
 DISPLAY_MODES = ("auto", "widget", "text")
 DISPLAY_HELP = "auto: a widget where the front end renders widgets, plain text otherwise (papermill, terminal)"
-TOKEN_COLOURS = ("probability", "latency")  # what the token view's shades say
+TOKEN_COLOURS = ("probability", "latency", "margin")  # what the token view's shades say
 PAGED_MODES = {"auto": "auto", "on": True, "off": False}  # `paged=` as command lines write it
 UNPAGED_ENGINES = engines_that("unpaged")  # the built-in engines that can also run unpaged; the others always page
 GRAPH_MODES = ("auto", "off")  # CUDA-graph decode (the "graphs" engines): auto is on where the load check passes

@@ -23,6 +23,7 @@ NOTEBOOKS = (
     "context",
     "quantization",
     "disconnect",
+    "near_ties",
 )
 # latency's cache is small on purpose: 4 pages of 256 tokens, one per request, so abandoned jobs fill it soon
 CACHE_TOKENS = {"latency": 1024}

@@ -3,10 +3,11 @@
 Every cell, widget, magic and background job talks to `get_session()`. Field report 2 is what happens
 otherwise: generators created per request, sharing one cache, write over each other's pages.
 
-A `Session` is three parts over the one thread that owns its engine (`base.py`): loading (`loading.py`: what to
+A `Session` is built of parts over the one thread that owns its engine (`base.py`): loading (`loading.py`: what to
 load, checked whole before the loaded model is touched; load, replace, unload), submitting (`submitting.py`: a
-prompt and its options made into the engine's job, queued, cancelled) and inspecting (`inspecting.py`: the job
-table and the cache). Delivering events to streams is `exlnb.streaming.Deliveries`' job.
+prompt and its options made into the engine's job, queued, cancelled), exploring (`exploring.py`: a prompt's
+samples grown into one tree) and inspecting (`inspecting.py`: the job table and the cache). Delivering events to
+streams is `exlnb.streaming.Deliveries`' job.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ import atexit
 import threading
 
 from exlnb.session.base import NoModelLoaded
+from exlnb.session.exploring import Exploring, TreeGrowth
 from exlnb.session.inspecting import Inspecting, JobRow
 from exlnb.session.loading import LoadFailed, Loading, LoadOptions
-from exlnb.session.submitting import Submitting
 
-__all__ = ["JobRow", "LoadFailed", "LoadOptions", "NoModelLoaded", "Session", "get_session"]
+__all__ = ["JobRow", "LoadFailed", "LoadOptions", "NoModelLoaded", "Session", "TreeGrowth", "get_session"]
 
 
-class Session(Loading, Submitting, Inspecting):
+class Session(Loading, Exploring, Inspecting):
     """Owns the engine and its thread; hands out `JobStream`s. Safe to use from any thread or task."""
 
 

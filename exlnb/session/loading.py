@@ -148,6 +148,26 @@ class LoadOptions:
     def with_options(self, **options) -> LoadOptions:
         return LoadOptions.build(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **options})
 
+    @classmethod
+    def of(cls, options: EngineOptions) -> LoadOptions:
+        """The load that gives `options` again: the loaded model in a session of its own (another way, with
+        `with_options`), as the noise floor loads it."""
+        return cls(
+            model=str(options.model_dir),
+            engine=options.engine,
+            cache_tokens=options.cache_tokens,
+            cache=options.cache_dtype,
+            max_batch_size=options.max_batch_size,
+            paged=options.paged,
+            gpu_split=options.gpu_split,
+            tensor_parallel=options.tensor_parallel,
+            graphs=options.graphs,
+            url=options.url,
+            served_model=options.served_model,
+            api_key_env=options.api_key_env,
+            api=options.api,
+        )
+
     def resolve(self, *, progress: bool = True) -> EngineOptions:
         """The engine's options, once every check that needs nothing loaded has passed: the model folder (fetched
         where it is the bundled name or a hub id), the engine and what it can do with it, a cache the device can

@@ -62,7 +62,7 @@ class Submitting(SessionBase):
         options = options or JobOptions()
         return options.make_spec(self.prompt_ids(prompt, options.max_new_tokens), self.tokenizer)
 
-    def prompt_ids(self, prompt: str | Sequence[int], max_new_tokens: int = 1) -> Sequence[int]:
+    def prompt_ids(self, prompt: str | Sequence[int], max_new_tokens: int = 1) -> list[int]:
         """A prompt as the token ids of a job: text encoded with the session's tokenizer (special tokens as such)
         once it is known to be short enough, or ids as given. Either is compared with the cache by its length
         before each id is looked at: checking every one of 10^7 ids' types first took 42 s to refuse them."""
@@ -70,7 +70,7 @@ class Submitting(SessionBase):
             self.check_text_fits(prompt)
             ids = self.tokenizer.encode(prompt, special=True)
             check_prompt_fits(len(ids), max_new_tokens, self._engine_thread().engine.max_seq_len)
-            return ids
+            return list(ids)
         if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):  # bytes are no token ids
             ids = prompt
         elif getattr(prompt, "ndim", None) == 1 and hasattr(prompt, "tolist"):  # a numpy array or a torch tensor
@@ -81,7 +81,7 @@ class Submitting(SessionBase):
         ids = ids.tolist() if not isinstance(ids, Sequence) else ids
         if not all(is_number(i, int) for i in ids):
             raise _not_a_prompt(prompt)
-        return ids
+        return list(ids)
 
     def submit(self, spec: JobSpec, *, cancel_when_abandoned: bool = True) -> JobStream:
         """Queue a job and return its stream.

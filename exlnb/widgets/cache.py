@@ -13,7 +13,7 @@ from exlnb.engines.base import StreamEvent, wall_clock
 from exlnb.engines.options import check_display
 from exlnb.engines.views import CacheView, PageInfo, memory_per_gpu_text
 from exlnb.session import JobRow, Session, get_session
-from exlnb.widgets.frontend import widget_frontend
+from exlnb.widgets.frontend import wants_widget
 from exlnb.widgets.live import LiveView
 
 # matplotlib's tab10: ten colours told apart easily, also by most colour-blind readers, on light and dark
@@ -241,7 +241,7 @@ def show_jobs(session: Session | None = None, *, display: str = "auto") -> None:
 def _show(widget: type[LiveView], as_text, session: Session | None, display: str) -> None:
     session = session or get_session()
     check_display(display)
-    if display == "widget" or (display == "auto" and widget_frontend()):
+    if wants_widget(display):
         widget(session).show()
     else:
         print(as_text(session))

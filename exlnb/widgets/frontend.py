@@ -17,3 +17,8 @@ def widget_frontend() -> bool:
         return False
     shell = get_ipython()
     return shell is not None and getattr(shell, "kernel", None) is not None and "JPY_SESSION_NAME" in os.environ
+
+
+def wants_widget(display: str) -> bool:
+    """Whether `display` ("auto", "widget" or "text") asks for a widget here."""
+    return display == "widget" or (display == "auto" and widget_frontend())

@@ -26,7 +26,7 @@ from exlnb.engines.base import EosReason, wall_clock
 from exlnb.engines.options import check_display
 from exlnb.loadtest import Progress, bench
 from exlnb.metrics import Distribution, RequestRecord, meets_slos
-from exlnb.widgets.frontend import widget_frontend
+from exlnb.widgets.frontend import wants_widget
 from exlnb.widgets.record import RecordedView
 from exlnb.widgets.stream import FRAME_S, Interrupted
 from exlnb.workload import Workload, rate_label
@@ -367,7 +367,7 @@ def _ctrl_c_cancels(task: asyncio.Task | None) -> Iterator[None]:
 def shows_widget(display: str, progress: bool) -> bool:
     """Whether `abench` shows the live view, whose record then holds the results' table: `%exl_bench` prints
     vLLM's printout only where it does not (45 lines a rate under the widget were too many)."""
-    return progress and (display == "widget" or (display == "auto" and widget_frontend()))
+    return progress and wants_widget(display)
 
 
 async def _await_redrawing(running: concurrent.futures.Future, view: BenchView | None) -> BenchResult:

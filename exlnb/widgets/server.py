@@ -18,7 +18,7 @@ from exlnb.engines.options import check_display
 from exlnb.engines.registry import engine_spec
 from exlnb.session import JobRow, Session, get_session
 from exlnb.widgets.cache import Ended, JobTable, jobs_html, jobs_text, show_cache
-from exlnb.widgets.frontend import widget_frontend
+from exlnb.widgets.frontend import wants_widget
 
 NO_METRICS = "server: no /metrics page, so its queue, running requests and KV-cache use are not known here"
 NO_DELIVERY = "delivery: no answer has finished yet"
@@ -68,7 +68,7 @@ def show_server(session: Session | None = None, *, display: str = "auto") -> Non
     """Display the server view where widgets render, plain text otherwise."""
     session = session or get_session()
     check_display(display)
-    if display == "widget" or (display == "auto" and widget_frontend()):
+    if wants_widget(display):
         ServerView(session).show()
     else:
         print(server_text(session, session.jobs()))

@@ -48,7 +48,7 @@ from exlnb.widgets.figures import (
     template_warning,
     token_line,
 )
-from exlnb.widgets.frontend import widget_frontend
+from exlnb.widgets.frontend import wants_widget
 from exlnb.widgets.record import RecordedView
 
 
@@ -353,14 +353,10 @@ def _raise_failure(generation: Generation) -> None:
         raise generation.errors[0]
 
 
-def _wants_widget(display: str) -> bool:
-    return display == "widget" or (display == "auto" and widget_frontend())
-
-
 def _show(generation: Generation, show: ShowOptions, owner: Hashable | None = None) -> _Shown:
     with _cancel_on_exit(generation, wait=False):
         pieces = prompt_pieces(generation.prompt_ids, generation.session.tokenizer) if show.show_prompt else None
-        if _wants_widget(show.display):
+        if wants_widget(show.display):
             choices = BranchChoices.offer(generation, owner)  # before the view can draw its end, which then can branch
             view = StreamView(generation, max_new_tokens=generation.request.max_new_tokens, prompt=pieces)
             view.show()

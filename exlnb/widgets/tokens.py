@@ -24,6 +24,7 @@ from collections.abc import Collection, Sequence
 
 from exlnb.engines.token_info import TokenInfo
 from exlnb.generation import Sample
+from exlnb.near_ties import margin
 from exlnb.token_records import TokenRecord
 
 # upper probability limit of each band, most doubtful first; their shades are .exlnb-p0 to -p3 in exlnb.css.
@@ -31,6 +32,9 @@ from exlnb.token_records import TokenRecord
 BANDS = (0.1, 0.3, 0.6, 0.9)
 # lower limit of each latency band, slowest first, in multiples of the sample's median time between tokens
 LATENCY_BANDS = (4.0, 2.0, 1.5, 1.2)
+# upper limit of each margin band in nats (near_ties.py), nearest tie first: under a hundredth a greedy run parts
+# where rounding moves a logit that far
+MARGIN_BANDS = (0.01, 0.1, 0.5, 1.0)
 VISIBLE = {"\n": "↵\n", "\t": "→", " ": "·"}
 
 
@@ -45,6 +49,12 @@ def band(probability: float) -> int:
     if math.isnan(probability):
         return 0
     return next((i for i, limit in enumerate(BANDS) if probability < limit), len(BANDS))
+
+
+def margin_band(info: TokenInfo) -> int:
+    """0 for the nearest ties up to len(MARGIN_BANDS) for a clear lead."""
+    lead = margin(info)
+    return next((i for i, m in enumerate(MARGIN_BANDS) if lead is not None and lead < m), len(MARGIN_BANDS))
 
 
 def probability_words(info: TokenInfo) -> str:
@@ -99,6 +109,11 @@ def alternative_html(record: TokenRecord, token_id: int, text: str, branching: b
     return f'<span class="exlnb-alt" data-at="{record.position}" data-token="{token_id}" tabindex="-1">{words}</span>'
 
 
+def margin_words(info: TokenInfo) -> str:
+    lead = margin(info)
+    return "" if lead is None else f"margin {lead:.4g} nats over the runner-up (the top logit minus the second)<br>"
+
+
 def popover_html(record: TokenRecord, branching: bool = False, refusal: str | None = None) -> str:
     """A token's figures, each named, and the model's k likeliest tokens with the drawn one marked; with
     `branching`, each other one a choice of a branch; with `refusal`, why none is (a chat server), said once and
@@ -121,6 +136,7 @@ def popover_html(record: TokenRecord, branching: bool = False, refusal: str | No
         f'<span class="exlnb-popover" role="tooltip">'
         f"<b>token {info.token_id} {html.escape(repr(info.text))}</b><br>"
         f"model's probability {probability_words(info)} (its softmax at temperature 1, before sampling)<br>"
+        f"{margin_words(info)}"
         f"{sampled_words(record)}<br>"
         + ("" if record.forced else f"arrived {record.latency_s * 1000:.0f} ms after the previous token<br>")
         + f"the model's {len(info.alternatives)} likeliest tokens{hint}:<table>{rows}</table></span>"
@@ -142,6 +158,10 @@ def tokens_html(
         bands = latency_bands(records)
         labels = [f"≥{m}× median" for m in LATENCY_BANDS] + ["faster"]
         shade = "time since the previous token"
+    elif colour == "margin":
+        bands = [margin_band(r.info) for r in records]
+        labels = [f"&lt;{m} nats" for m in MARGIN_BANDS] + [f"≥{MARGIN_BANDS[-1]} nats"]
+        shade = "the top logit's margin over the runner-up's"
     else:
         bands = [band(r.info.probability) for r in records]
         labels = [f"&lt;{limit}" for limit in BANDS] + [f"≥{BANDS[-1]}"]
@@ -169,13 +189,17 @@ def text_figure(record: TokenRecord, colour: str) -> str:
         return "forced"
     if colour == "latency":
         return f"{record.latency_s * 1000:.0f}ms"
+    if colour == "margin":
+        return f"{margin(record.info):.3g}n"
     sampled = record.info.sampled_probability
     return f"{record.info.probability:.2f}/" + ("?" if sampled is None else f"{sampled:.2f}")
 
 
 def tokens_text(records: Sequence[TokenRecord], specials: Collection[int], whitespace: bool, colour: str) -> str:
     """The plain-text token view, with a head saying what its figures are."""
-    head = "ms since the previous token" if colour == "latency" else "the model's probability/sampled with"
+    head = {"latency": "ms since the previous token", "margin": "nats over the runner-up"}.get(
+        colour, "the model's probability/sampled with"
+    )
     tokens = " ".join(
         f"[{visible(r.info.text, r.info.token_id in specials, whitespace)} {text_figure(r, colour)}]" for r in records
     )

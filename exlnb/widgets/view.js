@@ -135,6 +135,8 @@ function render({ model, el }) {
 // has gone, nothing is marked and nothing is sent. Keys are handled in the capture phase, before JupyterLab's
 // own shortcuts (on the document, bubbling): ↓ would otherwise select the next cell.
 function initialize({ model }) {
+  const trees = model.get("trees");
+  if (trees && trees.length) return initializeTrees(model, trees);
   const answers = model.get("answers");
   if (!answers || !answers.length) return undefined; // every other exlnb widget
   const held = answers.map((key) => `[data-exlnb-answer="${key}"]`).join(", ");
@@ -193,6 +195,219 @@ function initialize({ model }) {
     document.removeEventListener("focusin", mark);
     document.removeEventListener("click", onClick);
     document.removeEventListener("keydown", onKey, true);
+  };
+}
+
+// The sample tree (widgets/tree.py): a `TreeChoices` model has no view either; it names tree records
+// (data-exlnb-tree), which the kernel draws again as the tree grows. While its kernel runs it marks them
+// .exlnb-tree-live (their action bar shows), keeps what was chosen, the folded rows, the focus and the typed text
+// across drawings, and sends what is asked: a node expanded to a mass, text forced after a node, Stop. A token
+// clicked, or a row reached by keyboard (its last token), is the node the tree grows after: named by its row's
+// first node and its place in the row, since only a row names its nodes (a big tree's HTML stays small). Keys on a
+// row, before JupyterLab's shortcuts (capture phase): ↑ ↓ the previous or next row, → unfold or go to the first row
+// under it, ← fold or go to the row above it, e expand after it, f type text to force after it (Enter sends, Escape
+// goes back).
+function initializeTrees(model, keys) {
+  const held = keys.map((key) => `[data-exlnb-tree="${key}"]`).join(", ");
+  const states = new Map();
+  const drawn = new WeakSet();
+  let live = true;
+  const treeOf = (target) => (target instanceof Element ? target.closest(held) : null);
+  const stateOf = (tree) => {
+    const key = tree.dataset.exlnbTree;
+    if (!states.has(key)) states.set(key, { chosen: null, folded: new Set(), focused: null, text: "", typing: false });
+    return states.get(key);
+  };
+  const rows = (tree) => [...tree.querySelectorAll("summary[data-node]")].filter((row) => row.offsetParent !== null);
+  const rowOf = (tree, node) => tree.querySelector(`summary[data-node="${node}"]`);
+  const say = (tree, words) => { tree.querySelector(".exlnb-tree-chosen").textContent = words; };
+  const mark = (tree) => {
+    const state = stateOf(tree);
+    tree.classList.toggle("exlnb-tree-live", live);
+    tree.querySelectorAll(".exlnb-tree-picked").forEach((el) => el.classList.remove("exlnb-tree-picked"));
+    const chain = state.chosen && tree.querySelector(`.exlnb-chain[data-first="${state.chosen.first}"]`);
+    const text = chain && tokenText(chain, state.chosen.offset);
+    if (text !== null && text !== undefined) {
+      const token = chain.children[state.chosen.offset];
+      if (token && !token.matches(".exlnb-tail")) token.classList.add("exlnb-tree-picked");
+      say(tree, `after ${JSON.stringify(text)} (row #${state.chosen.first}, token ${state.chosen.offset + 1})`);
+    }
+  };
+  // a row's tokens: its first ones spans, the rest one run of text (.exlnb-tail) with each token's length
+  const tailOf = (chain) => chain.querySelector(":scope > .exlnb-tail");
+  const lengthsOf = (tail) => tail.dataset.lengths.split(",").map(Number);
+  const tokenText = (chain, offset) => {
+    const tail = tailOf(chain);
+    const shaded = chain.children.length - (tail ? 1 : 0);
+    if (offset < shaded) return chain.children[offset].textContent;
+    if (!tail) return null;
+    const lengths = lengthsOf(tail);
+    const start = lengths.slice(0, offset - shaded).reduce((a, b) => a + b, 0);
+    return tail.textContent.slice(start, start + lengths[offset - shaded]);
+  };
+  const tailOffset = (tail, event) => {
+    // the token under the pointer, from the character there: a caret goes to the boundary nearest the pointer, so
+    // on a character's right half it lands after it, and the character before the caret is the one clicked
+    const [x, y, text] = [event.clientX, event.clientY, tail.firstChild];
+    const caret = document.caretPositionFromPoint
+      ? document.caretPositionFromPoint(x, y)
+      : document.caretRangeFromPoint?.(x, y);
+    let at = caret && (caret.offsetNode ?? caret.startContainer) === text ? (caret.offset ?? caret.startOffset) : 0;
+    if (at > 0) {
+      const before = document.createRange();
+      before.setStart(text, at - 1);
+      before.setEnd(text, at);
+      const box = before.getBoundingClientRect();
+      if (x >= box.left && x <= box.right && y >= box.top && y <= box.bottom) at -= 1;
+    }
+    let end = 0;
+    const lengths = lengthsOf(tail);
+    const index = lengths.findIndex((length) => (end += length) > at);
+    return (index < 0 ? lengths.length - 1 : index) + tail.parentElement.children.length - 1;
+  };
+  const lastOf = (row) => {
+    const chain = row.querySelector(".exlnb-chain");
+    return { first: chain.dataset.first, offset: Number(chain.dataset.count) - 1 };
+  };
+  const focusRow = (tree, row) => {
+    if (!row) return;
+    tree.querySelectorAll("summary[data-node]").forEach((other) => { other.tabIndex = -1; });
+    row.tabIndex = 0;
+    row.focus({ preventScroll: false });
+    const state = stateOf(tree);
+    state.focused = row.dataset.node;
+    state.chosen = lastOf(row);
+    mark(tree);
+  };
+  const restore = (tree) => {
+    const state = stateOf(tree);
+    state.folded.forEach((node) => { const row = rowOf(tree, node); if (row) row.parentElement.open = false; });
+    tree.querySelector(".exlnb-tree-text").value = state.text;
+    if (state.mass) tree.querySelector(".exlnb-tree-mass").value = state.mass;
+    const summaries = [...tree.querySelectorAll("summary[data-node]")];
+    const current = (state.focused !== null && rowOf(tree, state.focused)) || summaries[0];
+    summaries.forEach((row) => { row.tabIndex = row === current ? 0 : -1; });
+    const away = !document.activeElement || document.activeElement === document.body;
+    if (state.typing && away) tree.querySelector(".exlnb-tree-text").focus({ preventScroll: true });
+    else if (state.focused !== null && away) rowOf(tree, state.focused)?.focus({ preventScroll: true });
+    mark(tree);
+  };
+  const send = (tree, content) => {
+    if (!live) return;
+    try {
+      model.send({ ...content, tree: tree.dataset.exlnbTree });
+    } catch (error) {
+      goes();
+    }
+  };
+  const act = (tree, kind) => {
+    const state = stateOf(tree);
+    if (kind === "stop") return send(tree, { type: "stop" });
+    if (state.chosen === null) return say(tree, "choose a token first: click it, or reach its row with the arrow keys");
+    const mass = Number(tree.querySelector(".exlnb-tree-mass").value);
+    const node = { node: Number(state.chosen.first), offset: state.chosen.offset };
+    if (kind === "expand") send(tree, { type: "expand", ...node, mass });
+    if (kind === "force" && state.text) {
+      send(tree, { type: "force", ...node, text: state.text });
+      state.text = "";
+      tree.querySelector(".exlnb-tree-text").value = "";
+    }
+  };
+  const goes = () => {
+    live = false;
+    document.querySelectorAll(held).forEach((tree) => tree.classList.remove("exlnb-tree-live"));
+  };
+  const onClick = (event) => {
+    const tree = treeOf(event.target);
+    if (!live || !tree) return;
+    const button = event.target.closest("button[data-act]");
+    const token = event.target.closest(".exlnb-chain > span");
+    if (button) act(tree, button.dataset.act);
+    else if (token) {
+      event.preventDefault(); // a token is chosen, its row not folded
+      const tail = token.matches(".exlnb-tail");
+      const offset = tail ? tailOffset(token, event) : [...token.parentElement.children].indexOf(token);
+      stateOf(tree).chosen = { first: token.parentElement.dataset.first, offset };
+      mark(tree);
+    }
+  };
+  const onKey = (event) => {
+    const tree = treeOf(event.target);
+    if (!live || !tree) return;
+    const here = event.target;
+    const state = stateOf(tree);
+    if (here.matches("input")) {
+      if (event.key === "Enter") act(tree, here.matches(".exlnb-tree-text") ? "force" : "expand");
+      else if (event.key === "Escape" && state.focused !== null) rowOf(tree, state.focused)?.focus();
+      event.stopPropagation(); // typing here is not a notebook shortcut
+      return;
+    }
+    if (!here.matches("summary[data-node]")) return;
+    const all = rows(tree);
+    const at = all.indexOf(here);
+    const details = here.parentElement;
+    const parentRow = details.parentElement.closest("details")?.querySelector(":scope > summary");
+    const moves = {
+      ArrowDown: () => focusRow(tree, all[at + 1]),
+      ArrowUp: () => focusRow(tree, all[at - 1]),
+      ArrowRight: () => (details.open ? focusRow(tree, details.querySelector("ul summary")) : (details.open = true)),
+      ArrowLeft: () => (details.open && details.querySelector("ul") ? (details.open = false) : focusRow(tree, parentRow)),
+      Home: () => focusRow(tree, all[0]),
+      End: () => focusRow(tree, all[all.length - 1]),
+      e: () => { state.chosen = lastOf(here); mark(tree); act(tree, "expand"); },
+      f: () => { state.chosen = lastOf(here); mark(tree); tree.querySelector(".exlnb-tree-text").focus(); },
+    };
+    if (moves[event.key]) {
+      moves[event.key]();
+      event.preventDefault();
+    }
+    if (moves[event.key] || event.key === "Enter" || event.key === " ") event.stopPropagation();
+  };
+  const onToggle = (event) => {
+    const tree = treeOf(event.target);
+    const row = tree && event.target.querySelector(":scope > summary[data-node]");
+    if (!row) return;
+    const folded = stateOf(tree).folded;
+    if (event.target.open) folded.delete(row.dataset.node);
+    else folded.add(row.dataset.node);
+  };
+  const onInput = (event) => {
+    const tree = treeOf(event.target);
+    if (tree && event.target.matches(".exlnb-tree-text")) stateOf(tree).text = event.target.value;
+    if (tree && event.target.matches(".exlnb-tree-mass")) stateOf(tree).mass = event.target.value;
+  };
+  const onFocus = (event) => {
+    const tree = treeOf(event.target);
+    if (!tree) return;
+    const state = stateOf(tree);
+    state.typing = event.target.matches(".exlnb-tree-text");
+    if (event.target.matches("summary[data-node]")) state.focused = event.target.dataset.node;
+  };
+  const observer = new MutationObserver(() => {
+    document.querySelectorAll(held).forEach((tree) => {
+      if (!drawn.has(tree)) {
+        drawn.add(tree);
+        restore(tree);
+      }
+    });
+  });
+  observer.observe(document.body, { childList: true, subtree: true });
+  document.querySelectorAll(held).forEach((tree) => { drawn.add(tree); restore(tree); });
+  const stopWatching = whenKernelGoes(model, goes);
+  document.addEventListener("click", onClick, true);
+  document.addEventListener("keydown", onKey, true);
+  document.addEventListener("toggle", onToggle, true);
+  document.addEventListener("input", onInput, true);
+  document.addEventListener("focusin", onFocus);
+  return () => {
+    goes();
+    stopWatching();
+    observer.disconnect();
+    document.removeEventListener("click", onClick, true);
+    document.removeEventListener("keydown", onKey, true);
+    document.removeEventListener("toggle", onToggle, true);
+    document.removeEventListener("input", onInput, true);
+    document.removeEventListener("focusin", onFocus);
   };
 }
 export default { initialize, render };
