@@ -27,6 +27,7 @@ from exlnb.divergence import (
     reference_path,
     tokenizer_identity,
 )
+from exlnb.engines.options import DEFAULT_CACHE_TOKENS
 from exlnb.engines.registry import engine_spec, engines_that
 from exlnb.models import resolve_model
 from exlnb.session import Session
@@ -125,6 +126,8 @@ def divergence_from(
                 f"the reference's logits: scoring {against} over {len(ids)} tokens in a session of its own, and again "
                 "with noise for the floor where its engine can ..."
             )
-        kept = reference(against, ids, engine=engine, dtype=dtype)
+        # a reference longer than a default cache is scored in one as large as the loaded model's, which holds it
+        cache = session.options.cache_tokens if len(ids) > DEFAULT_CACHE_TOKENS else None
+        kept = reference(against, ids, engine=engine, dtype=dtype, cache_tokens=cache)
     say(f"the loaded model: scoring it over {len(kept.token_ids)} tokens ...")
     return replace(divergence(session, kept, noise_floor=noise_floor), reference_file=str(path))

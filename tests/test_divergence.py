@@ -426,3 +426,23 @@ def test_the_magic_stores_its_result_only_under_a_python_variable(shell, bundled
     with pytest.raises(UsageError, match=f"^--out {name}: name a Python variable"):
         shell.run_line_magic("exl_divergence", f"{kept} --out {name}")
     assert name not in shell.user_ns
+
+
+def test_a_reference_longer_than_a_default_cache_is_scored_in_one_as_large_as_the_loaded_model_s(monkeypatch):
+    import exlnb.scoring
+
+    asked = {}
+
+    def reference(model, token_ids, **options):
+        asked.update(options, tokens=len(token_ids))
+        raise RuntimeError("stopped before loading the reference model")
+
+    monkeypatch.setattr(exlnb.scoring, "reference", reference)
+    session = Session()
+    session.load("smollm2-135m-instruct", engine="cpu", cache_tokens=12288, progress=False)
+    try:
+        with pytest.raises(RuntimeError, match="stopped before"):
+            exlnb.scoring.divergence_from(session, "smollm2-135m-instruct", tokens=9000)
+    finally:
+        session.unload()
+    assert asked["tokens"] == 9000 and asked["cache_tokens"] == 12288
