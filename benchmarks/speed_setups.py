@@ -18,6 +18,7 @@ import torch
 
 from benchmarks import decode
 from benchmarks.harness import clock, summarise
+from exlnb.engines.base import one_line
 from exlnb.session import Session
 
 CACHE_TOKENS = 4608  # 18 pages of 256: a 4,096-token context, or 8 jobs of 256 + 128, in every setup alike
@@ -162,9 +163,9 @@ def _serve(runner: str, folder: Path, conn) -> None:
                 try:
                     conn.send((True, (timed.generate if name == "generate" else timed.together)(*args)))
                 except Exception as error:  # the driver records it as the setup's failure
-                    conn.send((False, f"{type(error).__name__}: {error}"))
+                    conn.send((False, one_line(error)))
     except Exception as error:
-        conn.send((False, f"{type(error).__name__}: {error}"))
+        conn.send((False, one_line(error)))
 
 
 @torch.inference_mode()
