@@ -71,17 +71,15 @@ class Submitting(SessionBase):
             ids = self.tokenizer.encode(prompt, special=True)
             check_prompt_fits(len(ids), max_new_tokens, self._engine_thread().engine.max_seq_len)
             return list(ids)
-        if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):  # bytes are no token ids
-            ids = prompt
-        elif getattr(prompt, "ndim", None) == 1 and hasattr(prompt, "tolist"):  # a numpy array or a torch tensor
-            ids = prompt
-        else:
+        listed = isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray))  # bytes are no ids
+        array = getattr(prompt, "ndim", None) == 1 and hasattr(prompt, "tolist")  # a numpy array or a torch tensor
+        if not (listed or array):
             raise _not_a_prompt(prompt)
-        check_prompt_fits(len(ids), max_new_tokens, self._engine_thread().engine.max_seq_len)
-        ids = ids.tolist() if not isinstance(ids, Sequence) else ids
+        check_prompt_fits(len(prompt), max_new_tokens, self._engine_thread().engine.max_seq_len)
+        ids = prompt.tolist() if array else list(prompt)
         if not all(is_number(i, int) for i in ids):
             raise _not_a_prompt(prompt)
-        return list(ids)
+        return ids
 
     def submit(self, spec: JobSpec, *, cancel_when_abandoned: bool = True) -> JobStream:
         """Queue a job and return its stream.
