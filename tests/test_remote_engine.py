@@ -149,8 +149,10 @@ def test_n_samples_each_stream_their_own_answer(llama_cpp_session):
     assert gen.errors == [] and len(gen.texts) == 2 and all(t.strip() for t in gen.texts)
 
 
-def test_bench_measures_a_server_with_vllms_metrics(llama_cpp_session):
-    result = bench(
+@pytest.fixture(scope="module")
+def llama_cpp_bench(llama_cpp_session):
+    """One load test of three requests against the llama.cpp server, read by the tests of what it measured."""
+    return bench(
         request_rate=[4.0],
         num_requests=3,
         prompt_len=16,
@@ -159,24 +161,19 @@ def test_bench_measures_a_server_with_vllms_metrics(llama_cpp_session):
         progress=False,
         session=llama_cpp_session,
     )
-    [run] = result.runs
+
+
+def test_bench_measures_a_server_with_vllms_metrics(llama_cpp_bench):
+    [run] = llama_cpp_bench.runs
     assert len(run.records) == 3 and all(r.succeeded for r in run.records)
     assert [r.output_tokens for r in run.records] == [4, 4, 4]  # exact lengths: the server was told min_tokens
     assert run.metrics.successful_requests == 3 and run.metrics.ttft_ms.mean > 0
 
 
-def test_bench_and_the_server_view_audit_how_the_server_delivered(llama_cpp_session):
+def test_bench_and_the_server_view_audit_how_the_server_delivered(llama_cpp_session, llama_cpp_bench):
     from exlnb.widgets.server import server_text
 
-    result = bench(
-        request_rate=[4.0],
-        num_requests=3,
-        prompt_len=16,
-        output_len=4,
-        seed=2,
-        progress=False,
-        session=llama_cpp_session,
-    )
+    result = llama_cpp_bench
     audit = result.runs[0].delivery
     assert (audit.answers, audit.received_tokens) == (3, 12) and audit.server_tokens in (12, None)
     assert audit.chunks_per_token == 1.0  # llama.cpp streams a token a frame
