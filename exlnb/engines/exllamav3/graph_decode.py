@@ -85,6 +85,7 @@ class GraphDecoder:
         ]
         self.installed = False
         self.gave_up = ""  # why decode went back to eager after a capture failed mid-generation, if it did
+        self._pointer_tables: list[torch.Tensor] = []  # pinned tables the captured graphs copy from at each replay
         self.library_graphs = "inside"  # exllamav3's own per-layer graphs: inside this decoder's, or turned off
         self.draws: DeviceDraws | None = None  # where the engine samples on the device: the last graph draws too
         self.step_rows: Callable[[], list[tuple[object, Row | None]]] = list  # the engine's rows of a step
@@ -101,12 +102,18 @@ class GraphDecoder:
     # -- in front of the model's own forward ---------------------------------------------------------------
 
     def install(self) -> None:
+        # exllamav3's own per-layer graphs launched inside this decoder's capture crashed the process (a segfault in
+        # its BC attention, a 12-layer 7B-shaped EXL3 model, H100, 2026-11-28): a crash no CaptureFailed can catch,
+        # so their plain paths are what every capture records
+        self._library_graphs_off("off: this decoder's graph records their plain paths")
+        self._undo_pointer_tables = _pinned_pointer_tables(self._pointer_tables)
         self.model.forward = self.forward  # an instance attribute: the generator calls self.model.forward
         self.installed = True
 
     def uninstall(self) -> None:
         if self.installed:
             del self.model.forward
+            self._undo_pointer_tables()
             self.installed = False
         for card in self._cards:
             card.graphs.clear()
@@ -119,14 +126,14 @@ class GraphDecoder:
                 with torch.inference_mode():
                     return self._replay(key, input_ids, params)
             except CaptureFailed as failure:
-                if self._library_graphs_off():
+                if self._library_graphs_off("off (they could not be launched inside a capture)"):
                     return self.forward(input_ids, params)  # the same step again, over exllamav3's plain paths
                 self.gave_up = str(failure)  # this step and every later one run eagerly; the status says why
         if self.draws is not None:
             self.draws.forget_step()  # the jobs draw alone from the eager logits
         return self._eager(input_ids, params)
 
-    def _library_graphs_off(self) -> bool:
+    def _library_graphs_off(self, why: str) -> bool:
         """Route exllamav3's EXL3 decode around its own per-layer graphs (its gated MLP's graphed batch-1 path,
         its attention's "BC" block), whose launch inside this decoder's capture failed; whether there were any
         to turn off. Their plain paths launch the same kinds of kernel one by one, which the capture records."""
@@ -140,7 +147,7 @@ class GraphDecoder:
             elif isinstance(module, Attention) and not isinstance(module.bc_attn, _Declined):
                 module.bc_attn, turned_off = _Declined(), turned_off + 1
         if turned_off:
-            self.library_graphs = "off (they could not be launched inside a capture)"
+            self.library_graphs = why
             for card in self._cards:
                 card.graphs.clear()
         return bool(turned_off)
@@ -266,6 +273,34 @@ class _Declined(dict):
 
     def get(self, key, default=None):
         return False
+
+
+def _pinned_pointer_tables(kept: list) -> Callable[[], None]:
+    """exllamav3 1.6.5's fused EXL3 projections (`SlicedMultiLinear.c_ptrs`) upload a table of output pointers from a
+    Python list at every call: a pageable copy, which a capture refuses. Inside a capture the table is copied from
+    pinned memory instead, kept in `kept` as long as the graphs that copy it at each replay (the pointers are the
+    graph's own outputs, the same at every replay). Returns what puts the library's method back."""
+    from exllamav3.modules.multilinear import SlicedMultiLinear
+
+    own = SlicedMultiLinear.c_ptrs
+
+    def c_ptrs(self, outputs: list[torch.Tensor]) -> torch.Tensor:
+        if not torch.cuda.is_current_stream_capturing():
+            return own(self, outputs)
+        ptrs = [
+            outputs[t].data_ptr() + n0 * outputs[t].element_size()
+            for t, n0 in zip(self.slice_targets, self.slice_offsets)
+        ]
+        host = torch.tensor(ptrs, dtype=torch.long).pin_memory()
+        kept.append(host)
+        return host.to(self.device, non_blocking=True)
+
+    SlicedMultiLinear.c_ptrs = c_ptrs
+
+    def undo() -> None:
+        SlicedMultiLinear.c_ptrs = own
+
+    return undo
 
 
 def _run_modules(modules: list, x: torch.Tensor, params: dict) -> torch.Tensor:
