@@ -65,6 +65,7 @@ def run_one(name: str, repeat: int, out: Path, parameters: dict) -> dict:
                 engine="cpu",
                 output_dir=str(raw),
                 url=server.url,
+                served_model=server.served_model,
                 server_pid=server.pid,
                 server_mode=server.mode,
                 **parameters,

@@ -31,6 +31,8 @@ class LocalServer:
     url: str  # the API base, http://127.0.0.1:PORT/v1
     pid: int
     mode: str  # how it was started, as a reader would start it again: "transformers serve --continuous-batching"
+    served_model: str  # the name it answers to, for `served_model=` (some servers list no model: transformers
+    # serve before 5.24 lists only its Hub cache, not the folder it was started on)
 
 
 def free_port() -> int:
@@ -41,7 +43,7 @@ def free_port() -> int:
 
 @contextmanager
 def server_process(
-    argv: list[str], port: int, log: Path, mode: str, env: dict[str, str] | None = None
+    argv: list[str], port: int, log: Path, mode: str, served_model: str, env: dict[str, str] | None = None
 ) -> Iterator[LocalServer]:
     """Run a server until its /v1/models answers; yield it; stop it (and say why if it never came up). `env` is
     added to this process's environment for it."""
@@ -66,7 +68,7 @@ def server_process(
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        yield LocalServer(url, process.pid, mode)
+        yield LocalServer(url, process.pid, mode, served_model)
     finally:
         process.terminate()
         try:
@@ -105,7 +107,8 @@ def transformers_serve(
     hub = log_dir / "hub"  # its /v1/models scans the Hub cache, and answers 500 on a machine that has none yet
     hub.mkdir(parents=True, exist_ok=True)
     env = {"HF_HUB_CACHE": str(hub)} | ({} if threads is None else {"OMP_NUM_THREADS": str(threads)})
-    return server_process(argv, port, log_dir / "server.log", " ".join(["transformers serve", *flags]), env)
+    mode = " ".join(["transformers serve", *flags])
+    return server_process(argv, port, log_dir / "server.log", mode, str(folder), env)
 
 
 def llama_cpp_server(log_dir: Path, *, threads: int) -> AbstractContextManager[LocalServer]:
@@ -136,4 +139,5 @@ def llama_cpp_server(log_dir: Path, *, threads: int) -> AbstractContextManager[L
         "--verbose",
         "False",
     ]
-    return server_process(argv, port, log_dir / "server.log", "python -m llama_cpp.server --interrupt_requests False")
+    mode = "python -m llama_cpp.server --interrupt_requests False"
+    return server_process(argv, port, log_dir / "server.log", mode, BUNDLED_MODEL)

@@ -126,7 +126,8 @@ class FakeHandler(StandInHandler):
     `written` counts what went), "chatter" (frames with no token, without end), "packed" (a role-only first frame,
     two words a frame, a finish frame, a usage frame). A request with `ignore_eos` (a load test's exact lengths)
     gets `max_tokens` words of one token each. Any other message streams it back word by word. Every request needs
-    the key FAKE_KEY. Under /moved/v1 the models listing redirects, under /len-5/v1 it says max_model_len=-5."""
+    the key FAKE_KEY. Under /moved/v1 the models listing redirects, under /len-5/v1 it says max_model_len=-5, under
+    /unlisted/v1 it lists no model (as transformers serve before 5.24 does for the folder it was started on)."""
 
     def do_GET(self) -> None:
         if self.path == "/metrics":
@@ -139,6 +140,8 @@ class FakeHandler(StandInHandler):
             self.send_header("Location", f"http://someone:hunter2@127.0.0.1:{port}/v1/models")
             self.send_header("Content-Length", "0")
             return self.end_headers()
+        if self.path == "/unlisted/v1/models":
+            return self._send(200, json.dumps({"object": "list", "data": []}))
         if self.path in ("/v1/models", "/len-5/v1/models"):
             length = -5 if self.path.startswith("/len-5") else 2048
             return self._send(

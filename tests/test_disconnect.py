@@ -26,6 +26,8 @@ from exlnb.experiments.disconnect_signals import ABORT_WAIT_S, STOPPED, UNAVAILA
 from exlnb.experiments.server_cpu import process_cpu_s
 from exlnb.models import BUNDLED_MODEL, resolve_model
 from exlnb.session import Session
+from tests.fake_llm_server import MODEL as FAKE_MODEL
+from tests.helpers import lists_its_model
 
 pytest_plugins = ["tests.servers"]
 
@@ -152,7 +154,8 @@ def test_the_cpu_time_of_a_process_that_is_not_here_is_refused_by_its_pid():
 def fake_server(after_leaving: str, log_dir: Path):
     port = free_port()
     argv = [sys.executable, str(FAKE_SERVER), "--port", str(port), "--after-leaving", after_leaving]
-    return server_process(argv, port, log_dir / "server.log", f"fake LLM server, --after-leaving {after_leaving}")
+    mode = f"fake LLM server, --after-leaving {after_leaving}"
+    return server_process(argv, port, log_dir / "server.log", mode, FAKE_MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +210,14 @@ def run_against(server: LocalServer, session: Session) -> tuple[pd.DataFrame, pd
     """The run on `server` beside the control, its PID and mode given: its rows on the control and on the
     server, checked for what every run must have (each request kind and phase once on the server, each row its
     mode, its CPU signal and its finding)."""
-    result = disconnect.run(session, url=server.url, server_pid=server.pid, server_mode=server.mode, **SMALL)
+    result = disconnect.run(
+        session,
+        url=server.url,
+        served_model=server.served_model,
+        server_pid=server.pid,
+        server_mode=server.mode,
+        **SMALL,
+    )
     phases = result.tables["phases"]
     control, on_server = phases[phases.target == CONTROL], phases[phases.target != CONTROL]
     assert sorted(zip(on_server.request, on_server.phase)) == sorted((r, p) for r in REQUESTS for p in PHASES)
@@ -254,6 +264,7 @@ def test_the_disconnect_notebook_measures_a_server_beside_the_control(transforme
             cache_tokens=2048,
             output_dir=str(tmp_path),
             url=server.url,
+            served_model=server.served_model,
             server_pid=server.pid,
             server_mode=server.mode,
             abandoned=1,
@@ -264,12 +275,11 @@ def test_the_disconnect_notebook_measures_a_server_beside_the_control(transforme
         ),
     )
     phases = pd.read_csv(tmp_path / "disconnect-phases.csv")
-    expected = [(CONTROL, "streaming", p) for p in PHASES] + [
-        ("transformers server", r, p) for r in REQUESTS for p in PHASES
-    ]
+    named = f"{'transformers' if lists_its_model(server.url) else 'openai'} server"  # by its listing
+    expected = [(CONTROL, "streaming", p) for p in PHASES] + [(named, r, p) for r in REQUESTS for p in PHASES]
     assert sorted(zip(phases.target, phases.request, phases.phase)) == sorted(expected)
     assert (phases.probe_ttft_s > 0).all() and (phases.idle_ttft_s > 0).all()
-    on_server = phases[phases.target == "transformers server"]
+    on_server = phases[phases.target == named]
     assert (on_server["mode"] == "transformers serve").all() and on_server.server_cpu_after_left_s.notna().all()
     assert set(on_server.cpu_says) <= {WORKED, STOPPED}
     summary = json.loads((tmp_path / "disconnect.json").read_text())

@@ -243,13 +243,31 @@ def test_a_redirect_is_named_as_such_and_not_followed(fake_server, monkeypatch):
     assert "hunter2" not in str(refused.value)
 
 
+def load_under(session: Session, server, prefix: str, **options) -> None:
+    """Load the stand-in server's API under `/prefix/v1`, where it answers its models listing another way."""
+    url = f"{server.url.removesuffix('/v1')}/{prefix}/v1"
+    session.load(url=url, api_key_env="EXLNB_FAKE_KEY", progress=False, **options)
+
+
+def test_a_server_that_lists_no_model_asks_for_its_name_and_serves_the_name_given(fake_session, fake_server):
+    with pytest.raises(
+        LoadFailed,
+        match=r"the server at http://127\.0\.0\.1:\d+/unlisted/v1 lists no models: give the name it answers to "
+        r"with served_model= \(for transformers serve started on a folder, that folder's path\)",
+    ):
+        load_under(fake_session, fake_server, "unlisted")
+    load_under(fake_session, fake_server, "unlisted", served_model="fake-model")
+    assert fake_session.status().cache_tokens == 8192  # no listing, no max_model_len: the local config's
+    assert run(fake_session, "named").texts == ["Hello named"]
+    fake_session.load(url=fake_server.url, api_key_env="EXLNB_FAKE_KEY", progress=False)
+
+
 def test_a_context_length_that_makes_no_sense_is_refused_at_load(fake_session, fake_server):
-    root = fake_server.url.removesuffix("/v1")
     with pytest.raises(
         LoadFailed,
         match=r"reports max_model_len=-5 for 'fake-model', which is not a positive number "
         r"of tokens.*is loaded again",
     ):
-        fake_session.load(url=f"{root}/len-5/v1", api_key_env="EXLNB_FAKE_KEY", progress=False)
+        load_under(fake_session, fake_server, "len-5")
     assert fake_session.status().cache_tokens == 2048
     assert run(fake_session, "still here").texts == ["Hello still here"]

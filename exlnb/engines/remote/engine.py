@@ -250,9 +250,18 @@ class RemoteEngine(Engine):
 
 def served_entry(listing: dict, wanted: str | None, model_dir: Path, address: ServerAddress) -> dict:
     """The server's /v1/models entry for the model to use: `wanted`, else the one it serves, else the one named
-    like the local folder; ValueError naming what it serves otherwise."""
+    like the local folder; ValueError naming what it serves otherwise. A server that lists no model at all is
+    taken at its word for `wanted` (transformers serve before 5.24, started on a folder, lists only its Hub
+    cache): its first answer says whether it serves that name."""
     entries = [e for e in listing.get("data") or [] if isinstance(e, dict) and isinstance(e.get("id"), str)]
     ids = [e["id"] for e in entries]
+    if wanted is not None and not entries:
+        return {"id": wanted}
+    if not entries:
+        raise ValueError(
+            f"the server at {address.shown} lists no models: give the name it answers to with served_model= "
+            "(for transformers serve started on a folder, that folder's path)"
+        )
     if wanted is not None:
         match = [e for e in entries if e["id"] == wanted]
         if not match:
