@@ -66,6 +66,7 @@ def run_one(name: str, repeat: int, out: Path, parameters: dict) -> dict:
                 output_dir=str(raw),
                 url=server.url,
                 served_model=server.served_model,
+                dialect=server.dialect,
                 server_pid=server.pid,
                 server_mode=server.mode,
                 **parameters,

@@ -33,6 +33,7 @@ class LocalServer:
     mode: str  # how it was started, as a reader would start it again: "transformers serve --continuous-batching"
     served_model: str  # the name it answers to, for `served_model=` (some servers list no model: transformers
     # serve before 5.24 lists only its Hub cache, not the folder it was started on)
+    dialect: str | None = None  # its kind, for `dialect=`, where its listing may not say
 
 
 def free_port() -> int:
@@ -43,7 +44,13 @@ def free_port() -> int:
 
 @contextmanager
 def server_process(
-    argv: list[str], port: int, log: Path, mode: str, served_model: str, env: dict[str, str] | None = None
+    argv: list[str],
+    port: int,
+    log: Path,
+    mode: str,
+    served_model: str,
+    env: dict[str, str] | None = None,
+    dialect: str | None = None,
 ) -> Iterator[LocalServer]:
     """Run a server until its /v1/models answers; yield it; stop it (and say why if it never came up). `env` is
     added to this process's environment for it."""
@@ -68,7 +75,7 @@ def server_process(
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        yield LocalServer(url, process.pid, mode, served_model)
+        yield LocalServer(url, process.pid, mode, served_model, dialect)
     finally:
         process.terminate()
         try:
@@ -108,7 +115,7 @@ def transformers_serve(
     hub.mkdir(parents=True, exist_ok=True)
     env = {"HF_HUB_CACHE": str(hub)} | ({} if threads is None else {"OMP_NUM_THREADS": str(threads)})
     mode = " ".join(["transformers serve", *flags])
-    return server_process(argv, port, log_dir / "server.log", mode, str(folder), env)
+    return server_process(argv, port, log_dir / "server.log", mode, str(folder), env, "transformers")
 
 
 def llama_cpp_server(log_dir: Path, *, threads: int) -> AbstractContextManager[LocalServer]:

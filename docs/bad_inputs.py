@@ -281,6 +281,12 @@ CASES = [
         "%exl_load --url http://{HOST}/moved/v1 --api-key-env EXLNB_FAKE_KEY",
         server=True,
     ),
+    Case(
+        "%exl_load --url ...  (the server lists no model, as transformers serve before 5.24 does)",
+        "%exl_load --url http://{HOST}/unlisted/v1 --api-key-env EXLNB_FAKE_KEY",
+        server=True,
+    ),
+    Case("%exl_load --url ... --dialect ollama", "%exl_load --url http://{HOST}/v1 --dialect ollama", server=True),
 ]
 
 # the names the cases use, defined in the kernel before the first case

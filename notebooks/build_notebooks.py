@@ -223,6 +223,7 @@ same model) to measure that server beside it, and `server_mode` to record how it
         notes={
             "url": "an OpenAI-compatible server's API base, e.g. http://127.0.0.1:8000/v1; None: the control alone",
             "served_model": "the server's name for the model; None: the one it serves",
+            "dialect": 'the server\'s kind where its /v1/models does not say, e.g. "transformers"; None: read from it',
             "api_key_env": "environment variable holding the server's API key, if it wants one",
             "server_pid": "the server's process id where it runs on this machine: its CPU time is read from /proc; "
             "None: that signal is not available, and each row says so",

@@ -8,7 +8,6 @@ import time
 import types
 from contextlib import contextmanager
 
-import httpx
 import pytest
 
 from exlnb.session import Session
@@ -47,9 +46,3 @@ def imported_over_stand_ins(monkeypatch, module_name: str, library_module: str, 
         yield importlib.import_module(module_name)
     finally:
         sys.modules.pop(module_name, None)  # a later import meets the real library again
-
-
-def lists_its_model(url: str) -> bool:
-    """Whether the server's /v1/models lists a model: transformers serve before 5.24, started on a folder, lists
-    only its Hub cache, so nothing names it and exlnb talks plain OpenAI to it (docs/servers.md)."""
-    return bool(httpx.get(f"{url}/models", timeout=10).json()["data"])

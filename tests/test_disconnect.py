@@ -27,7 +27,6 @@ from exlnb.experiments.server_cpu import process_cpu_s
 from exlnb.models import BUNDLED_MODEL, resolve_model
 from exlnb.session import Session
 from tests.fake_llm_server import MODEL as FAKE_MODEL
-from tests.helpers import lists_its_model
 
 pytest_plugins = ["tests.servers"]
 
@@ -214,6 +213,7 @@ def run_against(server: LocalServer, session: Session) -> tuple[pd.DataFrame, pd
         session,
         url=server.url,
         served_model=server.served_model,
+        dialect=server.dialect,
         server_pid=server.pid,
         server_mode=server.mode,
         **SMALL,
@@ -265,6 +265,7 @@ def test_the_disconnect_notebook_measures_a_server_beside_the_control(transforme
             output_dir=str(tmp_path),
             url=server.url,
             served_model=server.served_model,
+            dialect=server.dialect,
             server_pid=server.pid,
             server_mode=server.mode,
             abandoned=1,
@@ -275,11 +276,12 @@ def test_the_disconnect_notebook_measures_a_server_beside_the_control(transforme
         ),
     )
     phases = pd.read_csv(tmp_path / "disconnect-phases.csv")
-    named = f"{'transformers' if lists_its_model(server.url) else 'openai'} server"  # by its listing
-    expected = [(CONTROL, "streaming", p) for p in PHASES] + [(named, r, p) for r in REQUESTS for p in PHASES]
+    expected = [(CONTROL, "streaming", p) for p in PHASES] + [
+        ("transformers server", r, p) for r in REQUESTS for p in PHASES
+    ]
     assert sorted(zip(phases.target, phases.request, phases.phase)) == sorted(expected)
     assert (phases.probe_ttft_s > 0).all() and (phases.idle_ttft_s > 0).all()
-    on_server = phases[phases.target == named]
+    on_server = phases[phases.target == "transformers server"]
     assert (on_server["mode"] == "transformers serve").all() and on_server.server_cpu_after_left_s.notna().all()
     assert set(on_server.cpu_says) <= {WORKED, STOPPED}
     summary = json.loads((tmp_path / "disconnect.json").read_text())

@@ -43,6 +43,11 @@ REFUSED = {
         "api_key_env='EXLNB_NO_SUCH_KEY': that environment variable is not set",
     ),
     "an unknown server api": (dict(url=SERVER, api="grpc"), "api='grpc': choose one of chat, completions"),
+    "an unknown server dialect": (
+        dict(url=SERVER, dialect="ollama"),
+        "dialect='ollama': choose one of vllm, sglang, tabbyapi, llama.cpp, transformers, openai",
+    ),
+    "a dialect without a server": (dict(dialect="vllm"), "dialect= names a server's kind: give the server's url too"),
     "an all-reduce the engine has no choice of": (
         dict(engine="cpu", tp_backend="nccl"),
         "the cpu engine has no choice of all-reduce: tp_backend needs",

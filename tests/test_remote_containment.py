@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from exlnb import generation
+from exlnb import SamplerSettings, generation
 from exlnb.engine_thread import EngineThread
 from exlnb.engines.base import EosReason
 from exlnb.engines.delivery import DeliveryAudit
@@ -34,8 +34,8 @@ SHAPE_WORDS = {  # what each bad shape's one line says was wrong
 }
 
 
-def run(session: Session, prompt: str, max_new_tokens: int = 16) -> generation.Generation:
-    gen = generation.start(prompt, session=session, max_new_tokens=max_new_tokens)
+def run(session: Session, prompt: str, max_new_tokens: int = 16, **options) -> generation.Generation:
+    gen = generation.start(prompt, session=session, max_new_tokens=max_new_tokens, **options)
     assert gen.wait_done(WAIT_S), f"{prompt!r} did not end within {WAIT_S} s"
     return gen
 
@@ -253,12 +253,21 @@ def test_a_server_that_lists_no_model_asks_for_its_name_and_serves_the_name_give
     with pytest.raises(
         LoadFailed,
         match=r"the server at http://127\.0\.0\.1:\d+/unlisted/v1 lists no models: give the name it answers to "
-        r"with served_model= \(for transformers serve started on a folder, that folder's path\)",
+        r"with served_model= \(for transformers serve started on a folder, that folder's path, and "
+        r"dialect='transformers'\)",
     ):
         load_under(fake_session, fake_server, "unlisted")
     load_under(fake_session, fake_server, "unlisted", served_model="fake-model")
-    assert fake_session.status().cache_tokens == 8192  # no listing, no max_model_len: the local config's
+    status = fake_session.status()
+    assert (status.cache_tokens, status.library) == (8192, "openai")  # no entry: the local config's, OpenAI's fields
     assert run(fake_session, "named").texts == ["Hello named"]
+    # greedy asks nothing OpenAI's fields cannot say (temperature 0; a repetition penalty of 1.0 is none)
+    greedy = generation.start("greedy", session=fake_session, sampler=SamplerSettings.greedy(), max_new_tokens=4)
+    assert greedy.wait_done(WAIT_S) and greedy.texts == ["Hello greedy"]
+    with pytest.raises(ValueError, match=r"top_k=40 \(no field for it on an openai server\)"):
+        generation.start("no", session=fake_session, top_k=40)
+    load_under(fake_session, fake_server, "unlisted", served_model="fake-model", dialect="vllm")  # named: vLLM's
+    assert fake_session.status().library == "vllm" and run(fake_session, "top-k", top_k=40).texts == ["Hello top-k"]
     fake_session.load(url=fake_server.url, api_key_env="EXLNB_FAKE_KEY", progress=False)
 
 

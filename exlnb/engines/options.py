@@ -22,6 +22,7 @@ TOKEN_COLOURS = ("probability", "latency", "margin")  # what the token view's sh
 PAGED_MODES = {"auto": "auto", "on": True, "off": False}  # `paged=` as command lines write it
 UNPAGED_ENGINES = engines_that("unpaged")  # the built-in engines that can also run unpaged; the others always page
 GRAPH_MODES = ("auto", "off")  # CUDA-graph decode (the "graphs" engines): auto is on where the load check passes
+SERVER_DIALECTS = ("vllm", "sglang", "tabbyapi", "llama.cpp", "transformers", "openai")  # the fields a server takes
 SERVER_APIS = ("chat", "completions")  # a server's endpoint (openai engine): its chat template, or exlnb's rendering
 
 AUTO_SPLIT = "auto"  # gpu_split: the library fills the GPUs in turn (exllamav2's autosplit, exllamav3's default)
@@ -74,6 +75,7 @@ class EngineOptions:
     api_key_env: str | None = None  # the environment variable holding the server's API key
     api: str = "chat"  # one of SERVER_APIS
     served_model: str | None = None  # the server's name for the model; None: the one it serves
+    dialect: str | None = None  # one of SERVER_DIALECTS; None: read from the server's /v1/models
 
     def split_gib(self) -> list[float] | None:
         """GiB per GPU as the libraries take it; None lets the library fill the GPUs in turn."""
@@ -97,6 +99,7 @@ class EngineOptions:
         api_key_env: str | None = None,
         api: str = "chat",
         served_model: str | None = None,
+        dialect: str | None = None,
     ) -> EngineOptions:
         """The options an engine is built with, once every check that needs nothing loaded has passed: the values
         themselves, the engine (`engine_for`'s choice for "auto") and what it can do with the folder's format."""
@@ -109,6 +112,7 @@ class EngineOptions:
             url=url,
             api_key_env=api_key_env,
             api=api,
+            dialect=dialect,
         )
         engine, fmt = choose_engine(engine, Path(model_dir), url)
         check_engine_offers(
@@ -136,6 +140,7 @@ class EngineOptions:
             api_key_env=api_key_env,
             api=api,
             served_model=served_model,
+            dialect=dialect,
         )
 
 
@@ -149,6 +154,7 @@ def check_values(
     url: str | None,
     api_key_env: str | None,
     api: str,
+    dialect: str | None = None,
 ) -> None:
     """Refuse a value no engine takes: a choice outside its list, a count too small, a server's url that cannot be
     one (`check_server_url`)."""
@@ -156,6 +162,10 @@ def check_values(
         raise ValueError(f"unknown cache type {cache_dtype!r}: choose one of {', '.join(CACHE_DTYPES)}")
     if api not in SERVER_APIS:
         raise ValueError(f"api={api!r}: choose one of {', '.join(SERVER_APIS)}")
+    if dialect is not None and dialect not in SERVER_DIALECTS:
+        raise ValueError(f"dialect={dialect!r}: choose one of {', '.join(SERVER_DIALECTS)}")
+    if dialect is not None and url is None:
+        raise ValueError("dialect= names a server's kind: give the server's url too")
     if url is not None:
         check_server_url(url, api_key_env)
     if cache_tokens is not None and cache_tokens < PAGE_TOKENS:

@@ -59,6 +59,7 @@ def run(
     *,
     url: str | None = None,
     served_model: str | None = None,
+    dialect: str | None = None,
     api_key_env: str | None = None,
     server_pid: int | None = None,
     server_mode: str | None = None,
@@ -88,7 +89,12 @@ def run(
     if url is not None:
         server = Session()
         server.load(
-            session.options.model_dir, url=url, served_model=served_model, api_key_env=api_key_env, progress=False
+            session.options.model_dir,
+            url=url,
+            served_model=served_model,
+            dialect=dialect,
+            api_key_env=api_key_env,
+            progress=False,
         )
         library = server.status().library
         targets.append(
@@ -105,6 +111,7 @@ def run(
     parameters = dict(
         url=url,
         served_model=served_model,
+        dialect=dialect,
         server_pid=server_pid,
         server_mode=server_mode,
         abandoned=abandoned,

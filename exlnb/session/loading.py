@@ -27,6 +27,7 @@ from exlnb.engines.options import (
     GRAPH_MODES,
     PAGED_MODES,
     SERVER_APIS,
+    SERVER_DIALECTS,
     EngineOptions,
     check_cache_fits,
     check_engine_runs_here,
@@ -115,6 +116,12 @@ class LoadOptions:
     served_model: str | None = option(
         None, group="server", metavar="NAME", help="the server's name for the model (default: the one it serves)"
     )
+    dialect: str | None = option(
+        None,
+        group="server",
+        choices=SERVER_DIALECTS,
+        help="the server's kind, where its /v1/models does not say (default: read from it)",
+    )
     api_key_env: str | None = option(
         None,
         group="server",
@@ -164,6 +171,7 @@ class LoadOptions:
             graphs=options.graphs,
             url=options.url,
             served_model=options.served_model,
+            dialect=options.dialect,
             api_key_env=options.api_key_env,
             api=options.api,
         )
@@ -187,6 +195,7 @@ class LoadOptions:
             api_key_env=self.api_key_env,
             api=self.api,
             served_model=self.served_model,
+            dialect=self.dialect,
         )
         check_cache_fits(options)
         check_engine_runs_here(options.engine)

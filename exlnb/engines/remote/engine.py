@@ -86,7 +86,7 @@ class RemoteEngine(Engine):
         listing = get_json(self.address, "/models")
         entry = served_entry(listing, options.served_model, options.model_dir, self.address)
         self.model: str = entry["id"]
-        self.dialect: Dialect = dialect_for(entry.get("owned_by"), listing)
+        self.dialect: Dialect = dialect_for(entry.get("owned_by"), listing, named=options.dialect)
         self.tokenizer = RemoteTokenizer(options.model_dir)
         self.max_seq_len = max_seq_len(entry, options.model_dir, self.address)
         if self.api == "chat":
@@ -260,7 +260,7 @@ def served_entry(listing: dict, wanted: str | None, model_dir: Path, address: Se
     if not entries:
         raise ValueError(
             f"the server at {address.shown} lists no models: give the name it answers to with served_model= "
-            "(for transformers serve started on a folder, that folder's path)"
+            "(for transformers serve started on a folder, that folder's path, and dialect='transformers')"
         )
     if wanted is not None:
         match = [e for e in entries if e["id"] == wanted]

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, fields
 
 from exlnb.engines.base import JobSpec, SamplerSettings
+from exlnb.engines.options import SERVER_DIALECTS
 
 # SamplerSettings field -> the request field each dialect sends it as
 _OPENAI = {
@@ -97,9 +98,15 @@ DIALECTS = {
 }
 
 
-def dialect_for(owner: object, listing: dict) -> Dialect:
-    """The dialect of a server from its /v1/models answer: `owned_by` names vLLM, SGLang, TabbyAPI and llama.cpp;
-    `transformers serve` marks each model with a load `status`. Anything else gets OpenAI's own fields only."""
+assert set(DIALECTS) == set(SERVER_DIALECTS), "a server dialect without its fields"
+
+
+def dialect_for(owner: object, listing: dict, named: str | None = None) -> Dialect:
+    """The dialect the user `named`, else the server's from its /v1/models answer: `owned_by` names vLLM, SGLang,
+    TabbyAPI and llama.cpp; `transformers serve` marks each model with a load `status`. Anything else gets OpenAI's
+    own fields only."""
+    if named is not None:
+        return DIALECTS[named]
     owner = owner.lower() if isinstance(owner, str) else ""
     for dialect in DIALECTS.values():
         if owner in dialect.owners:
@@ -110,15 +117,9 @@ def dialect_for(owner: object, listing: dict) -> Dialect:
     return DIALECTS["openai"]
 
 
-def check_dialect(name: str) -> Dialect:
-    if name not in DIALECTS:
-        raise ValueError(f"unknown server dialect {name!r}: choose one of {', '.join(DIALECTS)}")
-    return DIALECTS[name]
-
-
 def refused(spec: JobSpec, dialect: Dialect, eos_ids: frozenset[int]) -> list[str]:
     """What `spec` asks that this server cannot be told, as "name=value (why)"."""
-    where = f"a {dialect.name} server"
+    where = f"{'an' if dialect.name[0] in 'aeiou' else 'a'} {dialect.name} server"
     missing = [
         f"{name}={value!r} (no field for it on {where})" for name, value in unmapped_settings(spec.sampler, dialect)
     ]
@@ -143,31 +144,35 @@ def refused(spec: JobSpec, dialect: Dialect, eos_ids: frozenset[int]) -> list[st
     return missing
 
 
+# each setting at the value that does nothing: what a server with no field for it does anyway
+_NEUTRAL = SamplerSettings(top_k=0, top_p=1.0, token_repetition_penalty=1.0)
+
+
 def unmapped_settings(settings: SamplerSettings, dialect: Dialect) -> list[tuple[str, object]]:
-    """Settings changed from their defaults that the dialect has no field for."""
+    """Settings changed from their defaults that the dialect has no field for, and that ask something (a value that
+    does nothing needs no field: greedy's repetition penalty of 1.0 on a plain OpenAI server)."""
     default = SamplerSettings()
     return [
         (f.name, getattr(settings, f.name))
         for f in fields(settings)
         if f.name not in dialect.sampler
         and not _sent_otherwise(f.name, settings, dialect)
-        and getattr(settings, f.name) != getattr(default, f.name)
+        and getattr(settings, f.name) not in (getattr(default, f.name), getattr(_NEUTRAL, f.name))
     ]
 
 
 def _sent_otherwise(name: str, settings: SamplerSettings, dialect: Dialect) -> bool:
-    """TabbyAPI's mirostat is a mode number, sent with its tau and eta."""
-    return name == "mirostat" and "mirostat_tau" in dialect.sampler
+    """TabbyAPI's mirostat is a mode number, sent with its tau and eta; greedy's top_k=1 goes as temperature 0."""
+    return (name == "mirostat" and "mirostat_tau" in dialect.sampler) or (name == "top_k" and settings.is_greedy)
 
 
 def defaults_not_sent(dialect: Dialect) -> list[str]:
     """exllamav2's defaults this dialect cannot carry (where the server's own defaults stand instead)."""
     default = SamplerSettings()
-    neutral = SamplerSettings(top_k=0, top_p=1.0, token_repetition_penalty=1.0)
     return [
         f"{f.name}={getattr(default, f.name)!r}"
         for f in fields(default)
-        if f.name not in dialect.sampler and getattr(default, f.name) != getattr(neutral, f.name)
+        if f.name not in dialect.sampler and getattr(default, f.name) != getattr(_NEUTRAL, f.name)
     ]
 
 
