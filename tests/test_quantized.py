@@ -83,3 +83,26 @@ def test_the_other_engine_refuses_the_folder(quantized):
     other = "exllamav2" if fmt == "exl3" else "exllamav3"
     with pytest.raises(ValueError, match=f"the {other} engine cannot load {fmt.upper()} weights"):
         Session().load(str(folder), engine=other, progress=False)
+
+
+def test_an_exl3_model_decodes_from_cuda_graphs_with_the_tokens_of_eager_decode(quantized):
+    """exllamav3's own per-layer graphs, launched inside the engine's capture, crashed the process, and their plain
+    paths' pointer tables made every capture fail, so EXL3 models decoded eagerly (H100, 2026-11-28)."""
+    fmt, folder = quantized
+    if fmt != "exl3":
+        pytest.skip("the ExLlamaV3 engine's graphs over exllamav3's EXL3 layers")
+    answers = {}
+    for graphs in ("auto", "off"):
+        session = Session()
+        try:
+            status = session.load(str(folder), graphs=graphs, progress=False)
+            answers[graphs] = session.complete(
+                chatml("What is the capital of France?"), max_new_tokens=24, sampler=SamplerSettings.greedy()
+            ).token_ids
+        finally:
+            session.unload()
+        if graphs == "auto":
+            assert status.decode.startswith("CUDA graphs") and "exllamav3's own graphs off" in status.decode, (
+                status.notes
+            )
+    assert answers["auto"] == answers["off"]
