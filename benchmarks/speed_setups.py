@@ -86,7 +86,9 @@ def setup(runner: str, folder: Path) -> Iterator[Timed]:
             yield Timed(
                 lambda p, n: decode.session_decode(session, p, n),
                 lambda ps, n: decode.session_aggregate(session, ps, n),
-                status.line(),
+                # with its notes: an engine that fell back to eager decode says why (every EXL3 capture once failed,
+                # and the record showed only "decode: eager")
+                " | ".join([status.line(), *status.notes]),
             )
         finally:
             session.unload()
