@@ -115,7 +115,7 @@ def transformers_serve(
     hub.mkdir(parents=True, exist_ok=True)
     env = {"HF_HUB_CACHE": str(hub)} | ({} if threads is None else {"OMP_NUM_THREADS": str(threads)})
     mode = " ".join(["transformers serve", *flags])
-    return server_process(argv, port, log_dir / "server.log", mode, str(folder), env, "transformers")
+    return server_process(argv, port, log_dir / "server.log", mode, str(folder), env, dialect="transformers")
 
 
 def llama_cpp_server(log_dir: Path, *, threads: int) -> AbstractContextManager[LocalServer]:

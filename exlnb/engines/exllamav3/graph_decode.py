@@ -86,7 +86,7 @@ class GraphDecoder:
         self.installed = False
         self.gave_up = ""  # why decode went back to eager after a capture failed mid-generation, if it did
         self._pointer_tables: list[torch.Tensor] = []  # pinned tables the captured graphs copy from at each replay
-        self.library_graphs = "inside"  # exllamav3's own per-layer graphs: inside this decoder's, or turned off
+        self.library_graphs_off = 0  # exllamav3's own per-layer graphs turned off at install (EXL3 layers have them)
         self.draws: DeviceDraws | None = None  # where the engine samples on the device: the last graph draws too
         self.step_rows: Callable[[], list[tuple[object, Row | None]]] = list  # the engine's rows of a step
 
@@ -102,10 +102,7 @@ class GraphDecoder:
     # -- in front of the model's own forward ---------------------------------------------------------------
 
     def install(self) -> None:
-        # exllamav3's own per-layer graphs launched inside this decoder's capture crashed the process (a segfault in
-        # its BC attention, a 12-layer 7B-shaped EXL3 model, H100, 2026-11-28): a crash no CaptureFailed can catch,
-        # so their plain paths are what every capture records
-        self._library_graphs_off("off: this decoder's graph records their plain paths")
+        self.library_graphs_off += _turn_library_graphs_off(self.model)
         self._undo_pointer_tables = _pinned_pointer_tables(self._pointer_tables)
         self.model.forward = self.forward  # an instance attribute: the generator calls self.model.forward
         self.installed = True
@@ -126,31 +123,10 @@ class GraphDecoder:
                 with torch.inference_mode():
                     return self._replay(key, input_ids, params)
             except CaptureFailed as failure:
-                if self._library_graphs_off("off (they could not be launched inside a capture)"):
-                    return self.forward(input_ids, params)  # the same step again, over exllamav3's plain paths
                 self.gave_up = str(failure)  # this step and every later one run eagerly; the status says why
         if self.draws is not None:
             self.draws.forget_step()  # the jobs draw alone from the eager logits
         return self._eager(input_ids, params)
-
-    def _library_graphs_off(self, why: str) -> bool:
-        """Route exllamav3's EXL3 decode around its own per-layer graphs (its gated MLP's graphed batch-1 path,
-        its attention's "BC" block), whose launch inside this decoder's capture failed; whether there were any
-        to turn off. Their plain paths launch the same kinds of kernel one by one, which the capture records."""
-        from exllamav3.modules.attn import Attention
-        from exllamav3.modules.mlp import MLP, GatedMLP
-
-        turned_off = 0
-        for module in self.model:
-            if isinstance(module, (MLP, GatedMLP)) and module.bc is not None:
-                module.bc, turned_off = None, turned_off + 1
-            elif isinstance(module, Attention) and not isinstance(module.bc_attn, _Declined):
-                module.bc_attn, turned_off = _Declined(), turned_off + 1
-        if turned_off:
-            self.library_graphs = why
-            for card in self._cards:
-                card.graphs.clear()
-        return bool(turned_off)
 
     def _key(self, input_ids: torch.Tensor, params: dict | None) -> tuple[int, int] | None:
         """The (batch size, block-table width) of a step that qualifies for a graph; None for one that does not."""
@@ -263,7 +239,7 @@ class GraphDecoder:
         captured = sum(len(card.graphs) for card in self._cards)
         graph_bytes = sum(card.graphs.graph_bytes for card in self._cards)
         drawn = ", sampling on the GPU" if self.draws is not None else ""
-        plain = ", exllamav3's own graphs off" if self.library_graphs != "inside" else ""
+        plain = ", exllamav3's own graphs off" if self.library_graphs_off else ""
         return f"CUDA graphs{cards}, {captured} captured, {graph_bytes / 2**20:.0f} MiB{drawn}{plain}"
 
 
@@ -273,6 +249,24 @@ class _Declined(dict):
 
     def get(self, key, default=None):
         return False
+
+
+def _turn_library_graphs_off(model) -> int:
+    """Route exllamav3's EXL3 decode around its own per-layer graphs (its gated MLP's graphed batch-1 path, its
+    attention's "BC" block), so that their plain paths, which launch the same kinds of kernel one by one, are what
+    a capture records: launched inside this decoder's capture, its graphs crashed the process (a segfault in the BC
+    attention, a 12-layer 7B-shaped EXL3 model, H100, 2026-11-28), which no CaptureFailed can catch. Returns how
+    many modules it turned off."""
+    from exllamav3.modules.attn import Attention
+    from exllamav3.modules.mlp import MLP, GatedMLP
+
+    turned_off = 0
+    for module in model:
+        if isinstance(module, (MLP, GatedMLP)) and module.bc is not None:
+            module.bc, turned_off = None, turned_off + 1
+        elif isinstance(module, Attention) and not isinstance(module.bc_attn, _Declined):
+            module.bc_attn, turned_off = _Declined(), turned_off + 1
+    return turned_off
 
 
 def _pinned_pointer_tables(kept: list) -> Callable[[], None]:
