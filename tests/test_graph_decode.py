@@ -16,6 +16,7 @@ import torch
 from benchmarks.paged_acceptance import LONG_PROMPT, QUESTIONS, answers_together
 from exlnb.engines.base import EngineStatus
 from exlnb.engines.cuda_graphs import StepGraphs, bucket_for, buckets, by_card
+from exlnb.engines.job_options import JobOptions
 from exlnb.engines.options import GRAPH_MODES, EngineOptions
 from exlnb.engines.sampling import SamplerSettings
 from exlnb.models import resolve_model
@@ -153,6 +154,65 @@ def test_a_prompt_several_pages_long_decodes_the_same_from_graphs(sessions):
 
     assert got == expected
     assert graphed.cache_view().free_pages == graphed.cache_view().total_pages
+
+
+def exllamav3_only(session: Session) -> None:
+    if session.status().engine != "exllamav3":
+        pytest.skip("the ExLlamaV3 engine queues decode steps ahead (its generator says which tokens come next)")
+
+
+@pytest.mark.gpu
+def test_each_decode_step_is_queued_ahead_and_used_while_the_rows_go_on(sessions):
+    eager, graphed = sessions
+    exllamav3_only(graphed)
+    prompt = chatml(QUESTIONS[3])
+    used_before, queued_before = graphed.run_on_engine(lambda e: (e.graphs.used_ahead, e.graphs.queued_ahead))
+
+    expected = eager.complete(prompt, max_new_tokens=40, sampler=SamplerSettings.greedy(), stop_at_eos=False)
+    got = graphed.complete(prompt, max_new_tokens=40, sampler=SamplerSettings.greedy(), stop_at_eos=False)
+
+    assert got.token_ids == expected.token_ids
+    used, queued = graphed.run_on_engine(lambda e: (e.graphs.used_ahead - used_before, e.graphs.queued_ahead))
+    assert used >= 40 - 3  # every step after the first replay, but the last (queued, then dropped)
+    assert used <= queued - queued_before <= used + 1  # the last, queued after the last token, was dropped
+    assert "steps queued ahead used" in graphed.status().decode
+
+
+@pytest.mark.gpu
+def test_rows_that_end_at_different_steps_drop_the_queued_step_and_decode_as_eager(sessions):
+    eager, graphed = sessions
+    exllamav3_only(graphed)
+
+    def run(session: Session) -> list[tuple[int, ...]]:
+        greedy = SamplerSettings.greedy()
+        specs = [
+            session.spec_for(chatml(q), JobOptions(max_new_tokens=n, sampler=greedy, stop_at_eos=False))
+            for q, n in zip(QUESTIONS, (6, 40, 17, 29))
+        ]
+        return [stream.result().token_ids for stream in session.submit_together(specs)]
+
+    used_before, queued_before = graphed.run_on_engine(lambda e: (e.graphs.used_ahead, e.graphs.queued_ahead))
+    expected, got = run(eager), run(graphed)
+
+    assert got == expected
+    assert [len(ids) for ids in got] == [6, 40, 17, 29]
+    used, queued = graphed.run_on_engine(lambda e: (e.graphs.used_ahead - used_before, e.graphs.queued_ahead))
+    assert queued - queued_before - used >= 3  # a guess dropped where each of the first three rows ended
+    assert graphed.cache_view().free_pages == graphed.cache_view().total_pages
+
+
+@pytest.mark.gpu
+def test_queuing_ahead_is_off_where_switched_off(sessions, monkeypatch):
+    _, graphed = sessions
+    exllamav3_only(graphed)
+    monkeypatch.setenv("EXLNB_QUEUE_AHEAD", "0")
+    session = load("auto", "exllamav3")
+    try:
+        session.complete(chatml(QUESTIONS[0]), max_new_tokens=8, sampler=SamplerSettings.greedy())
+        assert session.run_on_engine(lambda e: e.graphs.queued_ahead) == 0
+        assert "queued ahead" not in session.status().decode
+    finally:
+        session.unload()
 
 
 @pytest.mark.gpu

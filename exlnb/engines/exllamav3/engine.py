@@ -92,12 +92,25 @@ class ExLlamaV3Engine(LibraryEngine):
         self._check_it_runs()
 
     def _graph_decoder(self) -> GraphDecoder:
-        return GraphDecoder(
+        decoder = GraphDecoder(
             self.model,
             self.cache,
             max_batch_size=self.generator.max_batch_size,
             max_pages=self.generator.max_total_tokens // self.page_size,
         )
+        decoder.capacities = self._row_capacities
+        return decoder
+
+    def _row_capacities(self) -> list[int]:
+        """How many tokens each decode row's allocated pages hold, in the order exllamav3 1.6.5 batches its rows
+        (`Generator.iterate_gen`: its active jobs past their prefill, a row per sequence): how far a step queued
+        ahead may write (queue_ahead.py)."""
+        return [
+            len(sequence.allocated_pages) * self.page_size
+            for job in self.generator.active_jobs
+            if job.is_prefill_done()
+            for sequence in job.sequences
+        ]
 
     def _check_it_runs(self) -> None:
         """One tiny greedy job before the load counts as done: exllamav3 loads weights its kernels cannot run
@@ -194,7 +207,11 @@ class ExLlamaV3Engine(LibraryEngine):
     def step(self) -> list[StreamEvent]:
         events, self._failed_step_events = self._failed_step_events, []
         results = self.generator.iterate()
-        self.synchronize()  # field report 5: read the clock only after the GPU has done the work
+        # field report 5: read the clock only after the GPU has done the work (not a step queued ahead of the next)
+        if self.graphs is not None:
+            self.graphs.synchronize()
+        else:
+            self.synchronize()
         now = wall_clock()
         failures: dict[int, BaseException] = {}
         for result in results:

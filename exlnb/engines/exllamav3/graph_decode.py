@@ -16,6 +16,10 @@ state copied from card to card in between, as exllamav3's own layer split copies
 first use per batch size and block-table width (the generator pads the width to a multiple of 16 pages, so
 there are few); the batch is not padded, since a GEMM of 8 rows rounds differently from one of 5 and padded
 batches flipped greedy tokens against eager decode on exllamav2 (graph_decode.py there).
+
+The decoder also stands in for the model's `prefetch_tokens`, where the generator hands over the tokens it has just
+sampled: there it queues the next step ahead, so that the GPU computes it while the host does the step's
+bookkeeping (queue_ahead.py says how a guess is made, checked and dropped).
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ import torch
 
 from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, by_card, replay_differs
 from exlnb.engines.device_sampling import DeviceDraws, Row
+from exlnb.engines.queue_ahead import Ahead, Step, next_step, queue_ahead_on
 
 CHECK_PROMPT_TOKENS = 24
 TABLE_STEP = 16  # exllamav3 1.6.5 pads a step's block table to a multiple of 16 pages (Generator.iterate_gen)
+PAGE_SIZE = 256  # exllamav3.constants.PAGE_SIZE
 
 # the parameters exllamav3's generator passes a plain decode step (Generator.iterate_gen); any other, such as a
 # draft model's verifier parameters, makes the step run eagerly
@@ -89,6 +95,15 @@ class GraphDecoder:
         self.library_graphs_off = 0  # exllamav3's own per-layer graphs turned off at install (EXL3 layers have them)
         self.draws: DeviceDraws | None = None  # where the engine samples on the device: the last graph draws too
         self.step_rows: Callable[[], list[tuple[object, Row | None]]] = list  # the engine's rows of a step
+        # queuing ahead (queue_ahead.py): the engine's account of how many tokens each row's pages hold, in batch
+        # order (None: unknown, nothing is queued), the last step asked for and the step queued after it
+        self.queue_ahead = queue_ahead_on()
+        self.capacities: Callable[[], list[int] | None] = lambda: None
+        self._last: Step | None = None
+        self._ahead: Ahead | None = None
+        self._asked_done = {card.device: torch.cuda.Event() for card in self._cards}  # the asked step's end
+        self.queued_ahead = 0
+        self.used_ahead = 0
 
     @property
     def replays(self) -> int:
@@ -104,21 +119,35 @@ class GraphDecoder:
     def install(self) -> None:
         self.library_graphs_off += _turn_library_graphs_off(self.model)
         self._undo_pointer_tables = _pinned_pointer_tables(self._pointer_tables)
-        self.model.forward = self.forward  # an instance attribute: the generator calls self.model.forward
+        # instance attributes: the generator calls self.model.forward and self.model.prefetch_tokens
+        self._own_prefetch = self.model.prefetch_tokens
+        self.model.forward = self.forward
+        self.model.prefetch_tokens = self.prefetch_tokens
         self.installed = True
 
     def uninstall(self) -> None:
+        if self._ahead is not None:
+            torch.cuda.synchronize()  # a queued replay must end before its graph is freed
+            self._ahead = None
         if self.installed:
-            del self.model.forward
+            del self.model.forward, self.model.prefetch_tokens
             self._undo_pointer_tables()
             self.installed = False
         for card in self._cards:
             card.graphs.clear()
 
     def forward(self, input_ids: torch.Tensor, params: dict | None = None):
-        """The model's `forward`: a replay where the step qualifies, the model's own method otherwise."""
+        """The model's `forward`: the step queued ahead where it is the one asked for, else a replay where the step
+        qualifies, the model's own method otherwise."""
+        ahead, self._ahead, self._last = self._ahead, None, None
         key = None if self.gave_up else self._key(input_ids, params)
         if key is not None:
+            if ahead is not None and ahead.matches(key, input_ids, params["block_table"], params["cache_seqlens"]):
+                self.used_ahead += 1
+                if self.draws is not None:
+                    self.draws.forget_step()  # a step queued ahead is one the host samples
+                self._last = ahead.step
+                return ahead.output
             try:
                 with torch.inference_mode():
                     return self._replay(key, input_ids, params)
@@ -127,6 +156,30 @@ class GraphDecoder:
         if self.draws is not None:
             self.draws.forget_step()  # the jobs draw alone from the eager logits
         return self._eager(input_ids, params)
+
+    def prefetch_tokens(self, tokens: list[int]) -> None:
+        """The model's `prefetch_tokens`, which the generator calls with the tokens it has just sampled, one per
+        row, before it turns them into text and results: the model's own, then the next step queued ahead where
+        the last step was a replay the host sampled from and the guess is safe (queue_ahead.py)."""
+        self._own_prefetch(tokens)
+        last, self._last = self._last, None
+        if last is None or not self.queue_ahead or self.gave_up:
+            return
+        step = next_step(last, tokens, self.capacities(), PAGE_SIZE)
+        if step is not None:
+            with torch.inference_mode():
+                input_ids = torch.tensor(tokens, dtype=torch.long).view(-1, 1)
+                self._ahead = Ahead(step, input_ids, self._queue(step, input_ids))
+            self.queued_ahead += 1
+
+    def synchronize(self) -> None:
+        """Wait for the device work of the steps the generator asked for, not for a step queued ahead, which is
+        what the host's work overlaps (the engine reads its clock after this, field report 5)."""
+        if self._ahead is None:
+            torch.cuda.synchronize()
+            return
+        for event in self._asked_done.values():
+            event.synchronize()
 
     def _key(self, input_ids: torch.Tensor, params: dict | None) -> tuple[int, int] | None:
         """The (batch size, block-table width) of a step that qualifies for a graph; None for one that does not."""
@@ -145,14 +198,44 @@ class GraphDecoder:
         from exllamav3.util.tensor import get_for_device
 
         batch, width = key
-        x = self.model.prepare_inputs(input_ids, params)
-        for module, instance, _ in self._host_modules:  # the embedding, on the CPU in exllamav3 by default
-            params["layer_instance"] = instance
-            x = module.forward(module.prepare_for_device(x, params), params)
+        x = self._embed(input_ids, params)
         for card in self._cards:  # the tables the generator already uploaded to each card (its dev_cache)
             card.block_table(batch, width).copy_(get_for_device(params, "block_table", card.device), non_blocking=True)
             card.seqlens[:batch].copy_(get_for_device(params, "cache_seqlens", card.device), non_blocking=True)
         drawn = self.draws.stage(self.step_rows(), batch) if self.draws is not None else None
+        x = self._through_cards(key, x, drawn)
+        if drawn:
+            x, tokens = x
+            self.draws.remember(tokens)
+        else:  # a step the host samples from: the next one can be queued ahead of it
+            self._last = Step.of(key, params["block_table"], params["cache_seqlens"])
+        return x
+
+    def _queue(self, step: Step, input_ids: torch.Tensor) -> torch.Tensor:
+        """Replay `step` now, over the cards' tables as the last step left them (the same block table; each row's
+        length moved on by one on the card), and return its output."""
+        batch, _ = step.key
+        params = dict(_decode_params(self.cache, [], []), block_table=step.block_table, cache_seqlens=step.lengths)
+        x = self._embed(input_ids, params)
+        for card in self._cards:
+            with torch.cuda.device(card.device):
+                self._asked_done[card.device].record()  # the asked step's work ends here on this card
+            card.seqlens[:batch].add_(1)
+        return self._through_cards(step.key, x, None)
+
+    def _embed(self, input_ids: torch.Tensor, params: dict) -> torch.Tensor:
+        """The step's input through the modules that run before the graphs (the embedding, on the CPU in exllamav3
+        by default)."""
+        x = self.model.prepare_inputs(input_ids, params)
+        for module, instance, _ in self._host_modules:
+            params["layer_instance"] = instance
+            x = module.forward(module.prepare_for_device(x, params), params)
+        return x
+
+    def _through_cards(self, key: tuple[int, int], x: torch.Tensor, drawn: str | None):
+        """Each card's graph in turn over the staged tables, the hidden state copied from card to card: the logits,
+        or (logits, tokens) where the step draws in `drawn` mode."""
+        batch, width = key
         for card in self._cards:
             if card.hidden is None:
                 card.hidden = torch.zeros((self.max_batch_size, 1, x.shape[-1]), dtype=x.dtype, device=card.device)
@@ -163,9 +246,6 @@ class GraphDecoder:
                 lambda card=card, draws_here=draws_here: self._step(card, batch, width, draws_here),
                 shape=f"batch {batch} over {width} pages on {card.device}",
             )
-        if drawn:
-            x, tokens = x
-            self.draws.remember(tokens)
         return x
 
     # -- what a graph replays -------------------------------------------------------------------------------
@@ -239,8 +319,9 @@ class GraphDecoder:
         captured = sum(len(card.graphs) for card in self._cards)
         graph_bytes = sum(card.graphs.graph_bytes for card in self._cards)
         drawn = ", sampling on the GPU" if self.draws is not None else ""
+        ahead = f", {self.used_ahead} of {self.queued_ahead} steps queued ahead used" if self.queue_ahead else ""
         plain = ", exllamav3's own graphs off" if self.library_graphs_off else ""
-        return f"CUDA graphs{cards}, {captured} captured, {graph_bytes / 2**20:.0f} MiB{drawn}{plain}"
+        return f"CUDA graphs{cards}, {captured} captured, {graph_bytes / 2**20:.0f} MiB{drawn}{ahead}{plain}"
 
 
 class _Declined(dict):

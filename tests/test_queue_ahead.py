@@ -1,0 +1,59 @@
+"""Queuing the next decode step ahead (exlnb/engines/queue_ahead.py): how the next step is guessed and when the
+guess is refused, and how the step the generator then asks for is held against it. The decoders that use it run
+on the GPU (tests/test_graph_decode.py); the guess and the check are host arithmetic and run everywhere."""
+
+from __future__ import annotations
+
+import torch
+
+from exlnb.engines.queue_ahead import Ahead, Step, next_step, queue_ahead_on
+
+PAGE = 256
+
+
+def step(lengths: list[int], width: int = 16) -> Step:
+    batch = len(lengths)
+    table = torch.arange(batch * width, dtype=torch.int32).view(batch, width)
+    return Step.of((batch, width), table, torch.tensor(lengths, dtype=torch.int32))
+
+
+def test_the_next_step_is_the_same_rows_one_token_longer_over_the_same_table():
+    last = step([40, 300])
+
+    following = next_step(last, [11, 12], [512, 1024], PAGE)
+
+    assert following.key == last.key
+    assert torch.equal(following.block_table, last.block_table)
+    assert following.lengths.tolist() == [41, 301]
+    assert last.lengths.tolist() == [40, 300]  # the step it was guessed from is left as it was
+
+
+def test_no_step_is_guessed_that_would_write_past_a_row_s_pages_or_the_table():
+    assert next_step(step([510, 20]), [1, 2], [512, 512], PAGE) is not None  # writes at 511, the pages' last
+    assert next_step(step([511, 20]), [1, 2], [512, 512], PAGE) is None  # would write at 512, past its pages
+    assert next_step(step([4095], width=16), [1], [8192], PAGE) is None  # past the table's 16 pages
+    assert next_step(step([40, 41]), [1], [512, 512], PAGE) is None  # a token for only one of two rows
+    assert next_step(step([40, 41]), [1, 2], [512], PAGE) is None  # the rows are not the step's
+    assert next_step(step([40]), [1], None, PAGE) is None  # the engine cannot say
+
+
+def test_the_step_asked_for_is_held_against_the_queued_one_field_by_field():
+    last = step([40, 41])
+    guess = next_step(last, [7, 8], [512, 512], PAGE)
+    ahead = Ahead(guess, torch.tensor([[7], [8]]), torch.zeros(2, 1, 5))
+    table, lengths = guess.block_table.clone(), torch.tensor([41, 42], dtype=torch.int32)
+
+    assert ahead.matches((2, 16), torch.tensor([[7], [8]]), table, lengths)
+    assert not ahead.matches((2, 16), torch.tensor([[7], [9]]), table, lengths)  # a row took another token
+    assert not ahead.matches((2, 16), torch.tensor([[7], [8]]), table, torch.tensor([41, 41], dtype=torch.int32))
+    moved = table.clone()
+    moved[1, 0] = 99
+    assert not ahead.matches((2, 16), torch.tensor([[7], [8]]), moved, lengths)  # the pages moved (a defrag)
+    assert not ahead.matches((2, 32), torch.tensor([[7], [8]]), table, lengths)  # another graph's shape
+
+
+def test_queuing_ahead_is_on_unless_switched_off(monkeypatch):
+    monkeypatch.delenv("EXLNB_QUEUE_AHEAD", raising=False)
+    assert queue_ahead_on()
+    monkeypatch.setenv("EXLNB_QUEUE_AHEAD", "0")
+    assert not queue_ahead_on()
