@@ -276,3 +276,19 @@ def test_every_engine_reports_the_greedy_tokens_as_the_likeliest(idle_session, g
         assert 0 < info.probability <= 1
         assert info.alternatives[0][0] == info.token_id
         assert [p for _, _, p in info.alternatives] == sorted((p for _, _, p in info.alternatives), reverse=True)
+
+
+def test_every_engine_reports_the_models_probability_before_the_penalties(idle_session):
+    """A repetition penalty changes what is drawn, not the model's probability: exllamav2 0.3.2's sampler penalises
+    the logits in place before its job keeps them, and the ExLlamaV2 engine once reported the penalised ones."""
+    prompt = idle_session.tokenizer.encode("1, 2, 3, 4, 5, 6,", special=True)
+    penalised = dict(temperature=0.0, top_k=1, token_repetition_penalty=1.2)  # greedy over the penalised logits
+    result = idle_session.generate(prompt, max_new_tokens=10, top_tokens=3, stop_at_eos=False, **penalised).result()
+    logits = idle_session.run_on_engine(lambda e: e.score([*prompt, *result.token_ids]))
+    probs = logits[len(prompt) - 1 : -1].float().softmax(-1)
+
+    records = result.token_records
+    earlier = [[*prompt, *result.token_ids][: len(prompt) + i] for i in range(len(records))]
+    assert any(r.info.token_id in seen for r, seen in zip(records, earlier))  # a drawn token the penalty lowered
+    for record, p in zip(records, probs):
+        assert record.info.probability == pytest.approx(float(p[record.info.token_id]), abs=0.02)

@@ -9,10 +9,10 @@ researcher asks two questions of a token:
 - `sampled_probability`, the sampler's: the chance the token had in the distribution it was drawn from (after
   penalties, temperature and truncation, renormalised; 1.0 for a greedy step). Under top-k or top-p it is
   often 1.0 when the model was far from sure, which is why it is never shown alone.
-The CPU engine computes both. ExLlamaV2 0.3.2 returns the model's logits (`return_logits`) and the drawn token's
-sampled probability (`return_probs`). ExLlamaV3 1.6.5's `return_probs` is the model's softmax at temperature 1
-before its sampler, and it reports no sampled figure: there `sampled_probability` is None, except for a greedy
-step, which is certain on every engine.
+The CPU engine computes both. ExLlamaV2 0.3.2 returns the model's logits (`return_logits`; its sampler penalises
+them in place first, which the engine undoes) and the drawn token's sampled probability (`return_probs`).
+ExLlamaV3 1.6.5's `return_probs` is the model's softmax at temperature 1 before its sampler, and it reports no
+sampled figure: there `sampled_probability` is None, except for a greedy step, which is certain on every engine.
 """
 
 from __future__ import annotations

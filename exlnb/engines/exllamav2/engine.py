@@ -220,6 +220,8 @@ class ExLlamaV2Engine(LibraryEngine):
         draw = self._job_draw(spec)
         if draw is not None:
             job.receive_logits = self._drawn_on_device(job, job_id, draw)
+        elif spec.top_tokens:
+            job.receive_logits = _keeping_raw_logits(job.receive_logits)
         self.generator.enqueue(job)
         return self._track(job_id, job, spec, max_new, draw)
 
@@ -438,6 +440,22 @@ def _token_info_outputs(spec: JobSpec) -> dict:
     if spec.sampler.is_greedy:
         return {"return_logits": True}
     return {"return_logits": True, "return_probs": True}
+
+
+def _keeping_raw_logits(receive_logits):
+    """A job's `receive_logits` that leaves the model's logits as they came: exllamav2 0.3.2's sampler applies the
+    repetition, frequency and presence penalties, token bias and bans to them in place, and the job then keeps
+    what is left as the logits it returns (`return_logits`), which exlnb reads as the model's own. A penalised
+    token's probability fell from 0.709 to 0.579 that way (the bundled model's sample tree at the default
+    repetition penalty of 1.025, against its own whole-sequence pass and the CPU engine's, H100, 2026-11-28)."""
+
+    def receive_logits(logits: torch.Tensor):
+        raw = logits.clone()
+        drawn = receive_logits(logits)
+        logits.copy_(raw)
+        return drawn
+
+    return receive_logits
 
 
 def _apply_rope_theta(config, model_dir) -> None:
