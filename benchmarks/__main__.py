@@ -18,6 +18,11 @@ SUITES = {
     "serving": ("serving", "latency under load at rising request rates, and where each setup saturates"),
     "graphs": ("graphs", "eager against CUDA-graph decode, beside transformers and the ExLlamaV3 engine (CUDA)"),
     "decode-attention": ("decode_attention", "exlnb's paged attention alone at decode, per context length (CUDA)"),
+    "gemv": (
+        "gemv",
+        "fp16 decode GEMVs of a 7B layer: separate, fused QKV and gate/up, split-K Triton, "
+        "against copy bandwidth (CUDA)",
+    ),
     "kit-overhead": ("kit_overhead", "what the session adds per token, the model replaced by a fixed-cost step"),
     "profile-decode": ("profile_decode", "the torch profiler over decode steps"),
     "paged-acceptance": ("paged_acceptance", "paged against unpaged answers and speed on the ExLlamaV2 engine (CUDA)"),
