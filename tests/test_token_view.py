@@ -292,3 +292,28 @@ def test_every_engine_reports_the_models_probability_before_the_penalties(idle_s
     assert any(r.info.token_id in seen for r, seen in zip(records, earlier))  # a drawn token the penalty lowered
     for record, p in zip(records, probs):
         assert record.info.probability == pytest.approx(float(p[record.info.token_id]), abs=0.02)
+
+
+def test_the_logits_an_exllamav2_job_keeps_are_the_models_not_the_penalised_ones():
+    from exlnb.engines.exllamav2.engine import KeptRawLogits, _stop_token_logits
+
+    def penalising_sampler(logits: torch.Tensor):  # what exllamav2 0.3.2's sampler does to them: in place
+        logits[..., 3] /= 1.5
+        logits[..., 5] = -1e30
+        return "drawn"
+
+    model = torch.arange(8.0).view(1, 1, 8)
+    logits = model.clone()
+    kept = KeptRawLogits(penalising_sampler)
+
+    assert kept(logits) == "drawn"
+    assert torch.equal(logits, model)  # what the job keeps and returns
+    assert torch.equal(kept.last, model)
+
+    class Job:
+        receive_logits = kept
+
+    (part,) = _stop_token_logits(Job(), stopped=True)
+    assert torch.equal(part["logits"], model)  # the stop token's record comes from the step that drew it
+    assert _stop_token_logits(Job(), stopped=False) == ()
+    assert _stop_token_logits(object(), stopped=True) == ()  # a job drawn on the device keeps none

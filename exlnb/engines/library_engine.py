@@ -297,7 +297,8 @@ class LibraryEngine(Engine):
         softmax at temperature 1 is taken here, with "token_probs" (1, n) then the sampler's probability of each
         drawn token; or from "token_probs" with "top_k_tokens" / "top_k_probs" (1, n, k), which exllamav3 reports
         from the model's softmax, with no sampler's figure. A greedy step's sampler's figure is a certain 1.0.
-        A token the library reports without them (exllamav2's stop token) has no record: the list may be shorter.
+        A token reported without them has no record: the list may be shorter (exllamav2's stop token, but where
+        its engine kept the stop step's logits and passes them as one more part).
         """
         if not spec.top_tokens:
             return []

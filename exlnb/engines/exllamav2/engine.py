@@ -221,7 +221,7 @@ class ExLlamaV2Engine(LibraryEngine):
         if draw is not None:
             job.receive_logits = self._drawn_on_device(job, job_id, draw)
         elif spec.top_tokens:
-            job.receive_logits = _keeping_raw_logits(job.receive_logits)
+            job.receive_logits = KeptRawLogits(job.receive_logits)
         self.generator.enqueue(job)
         return self._track(job_id, job, spec, max_new, draw)
 
@@ -303,9 +303,10 @@ class ExLlamaV2Engine(LibraryEngine):
             elif result["stage"] == "streaming":
                 ids = result.get("token_ids")
                 new_ids = without_taken_back(ids.flatten().tolist() if ids is not None else [], result)
-                if result.get("eos_reason") == "stop_token":  # exllamav2 holds the stop token back; report it
-                    new_ids.append(result["eos_triggering_token_id"])  # like the CPU engine
-                info = self._token_info(tracked.spec, new_ids, result)
+                stopped = result.get("eos_reason") == "stop_token"
+                if stopped:  # exllamav2 holds the stop token back; report it, like the CPU engine
+                    new_ids.append(result["eos_triggering_token_id"])
+                info = self._token_info(tracked.spec, new_ids, result, *_stop_token_logits(tracked.job, stopped))
                 events.append(
                     self._produced(
                         job_id, tracked, now, result.get("text", ""), new_ids, result.get("eos_reason"), info
@@ -442,20 +443,32 @@ def _token_info_outputs(spec: JobSpec) -> dict:
     return {"return_logits": True, "return_probs": True}
 
 
-def _keeping_raw_logits(receive_logits):
-    """A job's `receive_logits` that leaves the model's logits as they came: exllamav2 0.3.2's sampler applies the
-    repetition, frequency and presence penalties, token bias and bans to them in place, and the job then keeps
-    what is left as the logits it returns (`return_logits`), which exlnb reads as the model's own. A penalised
-    token's probability fell from 0.709 to 0.579 that way (the bundled model's sample tree at the default
-    repetition penalty of 1.025, against its own whole-sequence pass and the CPU engine's, H100, 2026-11-28)."""
+class KeptRawLogits:
+    """A job's `receive_logits` that leaves the model's logits as they came, and keeps the last step's: exllamav2
+    0.3.2's sampler applies the repetition, frequency and presence penalties, token bias and bans to them in place,
+    and the job then keeps what is left as the logits it returns (`return_logits`), which exlnb reads as the
+    model's own. A penalised token's probability fell from 0.709 to 0.579 that way (the bundled model's sample tree
+    at the default repetition penalty of 1.025, against its own whole-sequence pass and the CPU engine's, H100,
+    2026-11-28). The last step's logits are the stop token's, which exllamav2 reports without any."""
 
-    def receive_logits(logits: torch.Tensor):
+    def __init__(self, own) -> None:
+        self.own = own
+        self.last: torch.Tensor | None = None
+
+    def __call__(self, logits: torch.Tensor):
         raw = logits.clone()
-        drawn = receive_logits(logits)
+        drawn = self.own(logits)
         logits.copy_(raw)
+        self.last = raw
         return drawn
 
-    return receive_logits
+
+def _stop_token_logits(job, stopped: bool) -> tuple[dict, ...]:
+    """The stop token's logits as one more result part (`_token_info`), where its job ended on it and kept them."""
+    kept = getattr(job, "receive_logits", None)
+    if stopped and isinstance(kept, KeptRawLogits) and kept.last is not None:
+        return ({"logits": kept.last.reshape(1, 1, -1)},)
+    return ()
 
 
 def _apply_rope_theta(config, model_dir) -> None:
