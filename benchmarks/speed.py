@@ -42,6 +42,7 @@ from benchmarks.speed_setups import (
     BATCH,
     BATCHED,
     CACHE_TOKENS,
+    KIT_VARIANTS,
     copy_bandwidth,
     free_memory,
     measure,
@@ -68,8 +69,8 @@ RUNNER_LIBRARY = {
     "profile-exllamav3": "exllamav3",
     "transformers": "transformers",
     "kit-cpu": None,
+    **{runner: library for runner, (library, _) in KIT_VARIANTS.items()},
 }
-TIMED = ("kit-exllamav2", "raw-exllamav2", "kit-exllamav3", "raw-exllamav3", "transformers")
 PARTS = (  # the goals' parts first (7B-shaped fp16, then EXL3), so that a short lease measures them; setups a goal
     # compares are one part, timed in turns
     [
@@ -78,7 +79,8 @@ PARTS = (  # the goals' parts first (7B-shaped fp16, then EXL3), so that a short
         "kit-exllamav2+kit-exllamav3+transformers@7b-fp16",
         "raw-exllamav2+raw-exllamav3@7b-fp16",
     ]
-    + ["quantize@7b-exl3", "floor@7b-exl3", "kit-exllamav3+raw-exllamav3@7b-exl3"]
+    # the engine with each step queued ahead and without, beside exllamav3's own loop
+    + ["quantize@7b-exl3", "floor@7b-exl3", "kit-exllamav3+kit-exllamav3-ahead-off+raw-exllamav3@7b-exl3"]
     + [
         "floor@bundled",
         "kit-cpu@bundled",

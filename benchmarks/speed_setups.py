@@ -9,6 +9,7 @@ import contextlib
 import gc
 import json
 import multiprocessing
+import os
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -76,12 +77,33 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+# exlnb's engines loaded with a switch flipped, timed in turns beside the engine as it ships: runner -> (engine, the
+# environment its load reads)
+KIT_VARIANTS = {"kit-exllamav3-ahead-off": ("exllamav3", {"EXLNB_QUEUE_AHEAD": "0"})}
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]) -> Iterator[None]:
+    """`variables` set while the block runs, then as they were."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 @contextlib.contextmanager
 def setup(runner: str, folder: Path) -> Iterator[Timed]:
     if runner.startswith("kit-"):
         session = Session()
-        engine = runner.removeprefix("kit-")
-        status = session.load(str(folder), engine=engine, cache_tokens=CACHE_TOKENS, progress=False)
+        engine, variables = KIT_VARIANTS.get(runner, (runner.removeprefix("kit-"), {}))
+        with _environment(variables):
+            status = session.load(str(folder), engine=engine, cache_tokens=CACHE_TOKENS, progress=False)
         try:
             yield Timed(
                 lambda p, n: decode.session_decode(session, p, n),
@@ -275,7 +297,35 @@ def profile(runner: str, folder: Path) -> dict:
     session = Session()
     session.load(str(folder), engine=runner.removeprefix("profile-"), cache_tokens=CACHE_TOKENS, progress=False)
     try:
-        return {"metrics": profile_steps(session, tokens=8, extra=kernels_by_kind)}
+        metrics = profile_steps(session, tokens=8, extra=kernels_by_kind)
+        if (clocked := clocked_steps(session)) is not None:
+            metrics["step_clock"] = clocked
+        return {"metrics": metrics}
     finally:
         session.unload()
         free_memory()
+
+
+CLOCKED_TOKENS = 128  # decode steps the step clock times, after a 256-token prompt
+
+
+def clocked_steps(session: Session) -> dict | None:
+    """Where a decode step's time goes without the profiler's overhead (exlnb/engines/step_clock.py), over one
+    greedy job as the speed parts time it; None where the engine's decoder keeps no clock (only the ExLlamaV3
+    engine's graph decoder does)."""
+    from exlnb.engines.step_clock import StepClock
+
+    def start(engine) -> bool:
+        decoder = getattr(engine, "graphs", None)
+        if decoder is None or not hasattr(decoder, "clock"):
+            return False
+        decoder.clock = StepClock()
+        return True
+
+    if not session.run_on_engine(start):
+        return None
+    try:
+        decode.session_decode(session, list(range(1000, 1256)), CLOCKED_TOKENS)
+        return session.run_on_engine(lambda engine: engine.graphs.clock.account())
+    finally:
+        session.run_on_engine(lambda engine: setattr(engine.graphs, "clock", None))

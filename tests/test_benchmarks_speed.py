@@ -5,6 +5,7 @@ the goals table is the one place a goal's name, its computation and its threshol
 import ast
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -171,7 +172,7 @@ def test_only_accepts_parts_runners_and_models_and_names_the_choices_when_wrong(
         "bandwidth",
         "quantize@7b-exl3",
         "floor@7b-exl3",
-        "kit-exllamav3+raw-exllamav3@7b-exl3",
+        "kit-exllamav3+kit-exllamav3-ahead-off+raw-exllamav3@7b-exl3",
     ]
     assert speed.select("7b-exl3", profile=True)[-1] == "profile-exllamav3@7b-exl3"
     assert speed.select("profile-exllamav3", profile=False) == [
@@ -183,7 +184,9 @@ def test_only_accepts_parts_runners_and_models_and_names_the_choices_when_wrong(
         "kit-exllamav2+kit-exllamav3+transformers@7b-fp16",
         "kit-exllamav2+kit-exllamav3+transformers@bundled",
     ]
-    assert speed.select("raw-exllamav3@7b-exl3", profile=False) == ["kit-exllamav3+raw-exllamav3@7b-exl3"]
+    assert speed.select("raw-exllamav3@7b-exl3", profile=False) == [
+        "kit-exllamav3+kit-exllamav3-ahead-off+raw-exllamav3@7b-exl3"
+    ]
     with pytest.raises(ValueError, match="--only 7b-gguf: not a part, runner or model; parts: bandwidth, "):
         speed.select("7b-gguf", profile=False)
 
@@ -217,3 +220,20 @@ def test_a_setup_timed_in_a_worker_of_its_own_says_why_it_could_not_load(tmp_pat
         with speed_setups.setup_apart("kit-cpu", tmp_path / "no model here"):
             pass
     assert "\n" not in str(error.value)
+
+
+def test_a_kit_variant_loads_its_engine_with_its_switch_set_only_while_it_loads(monkeypatch):
+    """The speed suite times the ExLlamaV3 engine with each step queued ahead and without, in turns (the switch is
+    read at load): the variant's environment holds during its load and is gone after, as it was before."""
+    monkeypatch.delenv("EXLNB_QUEUE_AHEAD", raising=False)
+    engine, variables = speed_setups.KIT_VARIANTS["kit-exllamav3-ahead-off"]
+    assert engine == "exllamav3" and speed.RUNNER_LIBRARY["kit-exllamav3-ahead-off"] == "exllamav3"
+    from exlnb.engines.queue_ahead import queue_ahead_on
+
+    with speed_setups._environment(variables):
+        assert not queue_ahead_on()
+    assert queue_ahead_on() and "EXLNB_QUEUE_AHEAD" not in os.environ
+    monkeypatch.setenv("EXLNB_QUEUE_AHEAD", "1")
+    with speed_setups._environment(variables):
+        assert not queue_ahead_on()
+    assert os.environ["EXLNB_QUEUE_AHEAD"] == "1"

@@ -295,7 +295,7 @@ def test_every_engine_reports_the_models_probability_before_the_penalties(idle_s
 
 
 def test_the_logits_an_exllamav2_job_keeps_are_the_models_not_the_penalised_ones():
-    from exlnb.engines.exllamav2.engine import KeptRawLogits, _stop_token_logits
+    from exlnb.engines.exllamav2.logits import KeptRawLogits, stop_token_logits
 
     def penalising_sampler(logits: torch.Tensor):  # what exllamav2 0.3.2's sampler does to them: in place
         logits[..., 3] /= 1.5
@@ -313,7 +313,7 @@ def test_the_logits_an_exllamav2_job_keeps_are_the_models_not_the_penalised_ones
     class Job:
         receive_logits = kept
 
-    (part,) = _stop_token_logits(Job(), stopped=True)
+    (part,) = stop_token_logits(Job(), stopped=True)
     assert torch.equal(part["logits"], model)  # the stop token's record comes from the step that drew it
-    assert _stop_token_logits(Job(), stopped=False) == ()
-    assert _stop_token_logits(object(), stopped=True) == ()  # a job drawn on the device keeps none
+    assert stop_token_logits(Job(), stopped=False) == ()
+    assert stop_token_logits(object(), stopped=True) == ()  # a job drawn on the device keeps none

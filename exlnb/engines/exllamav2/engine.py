@@ -26,6 +26,7 @@ from exlnb.engines.base import (
 )
 from exlnb.engines.device_sampling import JobDraw
 from exlnb.engines.exllamav2.graph_decode import GraphDecoder, cannot_graph
+from exlnb.engines.exllamav2.logits import KeptRawLogits, stop_token_logits, token_info_outputs
 from exlnb.engines.exllamav2.paged_attention import VERIFIED_EXLLAMAV2
 from exlnb.engines.grammar import GrammarMatcher
 from exlnb.engines.library_engine import (
@@ -214,7 +215,7 @@ class ExLlamaV2Engine(LibraryEngine):
         job = ExLlamaV2DynamicJob(
             gen_settings=settings,
             **job_arguments(spec, max_new, job_id),
-            **_token_info_outputs(spec),
+            **token_info_outputs(spec),
             filters=self._filters(spec),
         )
         draw = self._job_draw(spec)
@@ -306,7 +307,7 @@ class ExLlamaV2Engine(LibraryEngine):
                 stopped = result.get("eos_reason") == "stop_token"
                 if stopped:  # exllamav2 holds the stop token back; report it, like the CPU engine
                     new_ids.append(result["eos_triggering_token_id"])
-                info = self._token_info(tracked.spec, new_ids, result, *_stop_token_logits(tracked.job, stopped))
+                info = self._token_info(tracked.spec, new_ids, result, *stop_token_logits(tracked.job, stopped))
                 events.append(
                     self._produced(
                         job_id, tracked, now, result.get("text", ""), new_ids, result.get("eos_reason"), info
@@ -430,45 +431,6 @@ class ExLlamaV2Engine(LibraryEngine):
         self.model.unload()
         del self.generator, self.cache, self.model
         torch.cuda.empty_cache()
-
-
-def _token_info_outputs(spec: JobSpec) -> dict:
-    """The per-token outputs a job asks exllamav2 for: the model's logits, from which exlnb takes the model's own
-    probabilities (token_info.py), and, for a sampled job, each drawn token's probability after the sampler
-    (`return_probs`; a greedy job is top_k = 1 in sample_basic, certain, and needs no such figure)."""
-    if not spec.top_tokens:
-        return {}
-    if spec.sampler.is_greedy:
-        return {"return_logits": True}
-    return {"return_logits": True, "return_probs": True}
-
-
-class KeptRawLogits:
-    """A job's `receive_logits` that leaves the model's logits as they came, and keeps the last step's: exllamav2
-    0.3.2's sampler applies the repetition, frequency and presence penalties, token bias and bans to them in place,
-    and the job then keeps what is left as the logits it returns (`return_logits`), which exlnb reads as the
-    model's own. A penalised token's probability fell from 0.709 to 0.579 that way (the bundled model's sample tree
-    at the default repetition penalty of 1.025, against its own whole-sequence pass and the CPU engine's, H100,
-    2026-11-28). The last step's logits are the stop token's, which exllamav2 reports without any."""
-
-    def __init__(self, own) -> None:
-        self.own = own
-        self.last: torch.Tensor | None = None
-
-    def __call__(self, logits: torch.Tensor):
-        raw = logits.clone()
-        drawn = self.own(logits)
-        logits.copy_(raw)
-        self.last = raw
-        return drawn
-
-
-def _stop_token_logits(job, stopped: bool) -> tuple[dict, ...]:
-    """The stop token's logits as one more result part (`_token_info`), where its job ended on it and kept them."""
-    kept = getattr(job, "receive_logits", None)
-    if stopped and isinstance(kept, KeptRawLogits) and kept.last is not None:
-        return ({"logits": kept.last.reshape(1, 1, -1)},)
-    return ()
 
 
 def _apply_rope_theta(config, model_dir) -> None:

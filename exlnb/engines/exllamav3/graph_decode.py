@@ -24,6 +24,7 @@ bookkeeping (queue_ahead.py says how a guess is made, checked and dropped).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,7 +32,9 @@ import torch
 
 from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, by_card, replay_differs
 from exlnb.engines.device_sampling import DeviceDraws, Row
+from exlnb.engines.exllamav3.capture_fixes import pinned_pointer_tables, turn_library_graphs_off
 from exlnb.engines.queue_ahead import Ahead, Step, next_step, queue_ahead_on
+from exlnb.engines.step_clock import StepClock
 
 CHECK_PROMPT_TOKENS = 24
 TABLE_STEP = 16  # exllamav3 1.6.5 pads a step's block table to a multiple of 16 pages (Generator.iterate_gen)
@@ -104,6 +107,7 @@ class GraphDecoder:
         self._asked_done = {card.device: torch.cuda.Event() for card in self._cards}  # the asked step's end
         self.queued_ahead = 0
         self.used_ahead = 0
+        self.clock: StepClock | None = None  # where a benchmark times each step's parts (step_clock.py)
 
     @property
     def replays(self) -> int:
@@ -117,8 +121,8 @@ class GraphDecoder:
     # -- in front of the model's own forward ---------------------------------------------------------------
 
     def install(self) -> None:
-        self.library_graphs_off += _turn_library_graphs_off(self.model)
-        self._undo_pointer_tables = _pinned_pointer_tables(self._pointer_tables)
+        self.library_graphs_off += turn_library_graphs_off(self.model)
+        self._undo_pointer_tables = pinned_pointer_tables(self._pointer_tables)
         # instance attributes: the generator calls self.model.forward and self.model.prefetch_tokens
         self._own_prefetch = self.model.prefetch_tokens
         self.model.forward = self.forward
@@ -142,15 +146,22 @@ class GraphDecoder:
         ahead, self._ahead, self._last = self._ahead, None, None
         key = None if self.gave_up else self._key(input_ids, params)
         if key is not None:
+            if self.clock:
+                self.clock.asked()
             if ahead is not None and ahead.matches(key, input_ids, params["block_table"], params["cache_seqlens"]):
                 self.used_ahead += 1
                 if self.draws is not None:
                     self.draws.forget_step()  # a step queued ahead is one the host samples
                 self._last = ahead.step
+                if self.clock:
+                    self.clock.returned(ahead=True)
                 return ahead.output
             try:
                 with torch.inference_mode():
-                    return self._replay(key, input_ids, params)
+                    x = self._replay(key, input_ids, params)
+                if self.clock:
+                    self.clock.returned(ahead=False)
+                return x
             except CaptureFailed as failure:
                 self.gave_up = str(failure)  # this step and every later one run eagerly; the status says why
         if self.draws is not None:
@@ -162,6 +173,8 @@ class GraphDecoder:
         row, before it turns them into text and results: the model's own, then the next step queued ahead where
         the last step was a replay the host sampled from and the guess is safe (queue_ahead.py)."""
         self._own_prefetch(tokens)
+        if self.clock:
+            self.clock.tokens_known()
         last, self._last = self._last, None
         if last is None or not self.queue_ahead or self.gave_up:
             return
@@ -171,6 +184,8 @@ class GraphDecoder:
                 input_ids = torch.tensor(tokens, dtype=torch.long).view(-1, 1)
                 self._ahead = Ahead(step, input_ids, self._queue(step, input_ids))
             self.queued_ahead += 1
+            if self.clock:
+                self.clock.queued()
 
     def synchronize(self) -> None:
         """Wait for the device work of the steps the generator asked for, not for a step queued ahead, which is
@@ -221,7 +236,7 @@ class GraphDecoder:
             with torch.cuda.device(card.device):
                 self._asked_done[card.device].record()  # the asked step's work ends here on this card
             card.seqlens[:batch].add_(1)
-        return self._through_cards(step.key, x, None)
+        return self._through_cards(step.key, x, None, ahead=True)
 
     def _embed(self, input_ids: torch.Tensor, params: dict) -> torch.Tensor:
         """The step's input through the modules that run before the graphs (the embedding, on the CPU in exllamav3
@@ -232,21 +247,31 @@ class GraphDecoder:
             x = module.forward(module.prepare_for_device(x, params), params)
         return x
 
-    def _through_cards(self, key: tuple[int, int], x: torch.Tensor, drawn: str | None):
+    def _through_cards(self, key: tuple[int, int], x: torch.Tensor, drawn: str | None, *, ahead: bool = False):
         """Each card's graph in turn over the staged tables, the hidden state copied from card to card: the logits,
-        or (logits, tokens) where the step draws in `drawn` mode."""
+        or (logits, tokens) where the step draws in `drawn` mode. `ahead`: a step queued before it was asked for."""
         batch, width = key
         for card in self._cards:
             if card.hidden is None:
                 card.hidden = torch.zeros((self.max_batch_size, 1, x.shape[-1]), dtype=x.dtype, device=card.device)
             card.hidden[:batch].copy_(_to_card(x, card.device), non_blocking=True)
             draws_here = drawn if card is self._cards[-1] else None  # the mode the last card draws in
-            x = card.graphs.replay(
-                (batch, width, draws_here),
-                lambda card=card, draws_here=draws_here: self._step(card, batch, width, draws_here),
-                shape=f"batch {batch} over {width} pages on {card.device}",
-            )
+            with self._timed(card, ahead):
+                x = card.graphs.replay(
+                    (batch, width, draws_here),
+                    lambda card=card, draws_here=draws_here: self._step(card, batch, width, draws_here),
+                    shape=f"batch {batch} over {width} pages on {card.device}",
+                )
         return x
+
+    def _timed(self, card: _Card, ahead: bool) -> contextlib.AbstractContextManager:
+        """The clock's record of a replay on the card that gives the logits, on that card's stream; else nothing."""
+        if self.clock is None or card is not self._cards[-1]:
+            return contextlib.nullcontext()
+        timed = contextlib.ExitStack()
+        timed.enter_context(torch.cuda.device(card.device))
+        timed.enter_context(self.clock.replay(ahead=ahead))
+        return timed
 
     # -- what a graph replays -------------------------------------------------------------------------------
 
@@ -322,60 +347,6 @@ class GraphDecoder:
         ahead = f", {self.used_ahead} of {self.queued_ahead} steps queued ahead used" if self.queue_ahead else ""
         plain = ", exllamav3's own graphs off" if self.library_graphs_off else ""
         return f"CUDA graphs{cards}, {captured} captured, {graph_bytes / 2**20:.0f} MiB{drawn}{ahead}{plain}"
-
-
-class _Declined(dict):
-    """An attention module's table of its graphed decode blocks that declines every one (exllamav3 1.6.5's
-    `bc_attn_step` then takes the plain path)."""
-
-    def get(self, key, default=None):
-        return False
-
-
-def _turn_library_graphs_off(model) -> int:
-    """Route exllamav3's EXL3 decode around its own per-layer graphs (its gated MLP's graphed batch-1 path, its
-    attention's "BC" block), so that their plain paths, which launch the same kinds of kernel one by one, are what
-    a capture records: launched inside this decoder's capture, its graphs crashed the process (a segfault in the BC
-    attention, a 12-layer 7B-shaped EXL3 model, H100, 2026-11-28), which no CaptureFailed can catch. Returns how
-    many modules it turned off."""
-    from exllamav3.modules.attn import Attention
-    from exllamav3.modules.mlp import MLP, GatedMLP
-
-    turned_off = 0
-    for module in model:
-        if isinstance(module, (MLP, GatedMLP)) and module.bc is not None:
-            module.bc, turned_off = None, turned_off + 1
-        elif isinstance(module, Attention) and not isinstance(module.bc_attn, _Declined):
-            module.bc_attn, turned_off = _Declined(), turned_off + 1
-    return turned_off
-
-
-def _pinned_pointer_tables(kept: list) -> Callable[[], None]:
-    """exllamav3 1.6.5's fused EXL3 projections (`SlicedMultiLinear.c_ptrs`) upload a table of output pointers from a
-    Python list at every call: a pageable copy, which a capture refuses. Inside a capture the table is copied from
-    pinned memory instead, kept in `kept` as long as the graphs that copy it at each replay (the pointers are the
-    graph's own outputs, the same at every replay). Returns what puts the library's method back."""
-    from exllamav3.modules.multilinear import SlicedMultiLinear
-
-    own = SlicedMultiLinear.c_ptrs
-
-    def c_ptrs(self, outputs: list[torch.Tensor]) -> torch.Tensor:
-        if not torch.cuda.is_current_stream_capturing():
-            return own(self, outputs)
-        ptrs = [
-            outputs[t].data_ptr() + n0 * outputs[t].element_size()
-            for t, n0 in zip(self.slice_targets, self.slice_offsets)
-        ]
-        host = torch.tensor(ptrs, dtype=torch.long).pin_memory()
-        kept.append(host)
-        return host.to(self.device, non_blocking=True)
-
-    SlicedMultiLinear.c_ptrs = c_ptrs
-
-    def undo() -> None:
-        SlicedMultiLinear.c_ptrs = own
-
-    return undo
 
 
 def _run_modules(modules: list, x: torch.Tensor, params: dict) -> torch.Tensor:
