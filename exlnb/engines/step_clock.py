@@ -75,14 +75,10 @@ class StepClock:
     def account(self) -> dict:
         """The steps' means in ms (`account`), the replays' events read now (a synchronize first)."""
         torch.cuda.synchronize()
-        rows = []
-        for step in self.steps:
-            if len(step.events) == 2 and step.returned is not None:
-                rows.append((step, step.events[0], step.events[1]))
-        gpu = [(start, end) for _, start, end in rows]
-        graph_ms = [start.elapsed_time(end) for start, end in gpu]
-        gap_ms = [gpu[i][1].elapsed_time(gpu[i + 1][0]) for i in range(len(gpu) - 1)]
-        return account([s for s, _, _ in rows], graph_ms, gap_ms)
+        timed = [step for step in self.steps if len(step.events) == 2 and step.returned is not None]
+        graph_ms = [step.events[0].elapsed_time(step.events[1]) for step in timed]
+        gap_ms = [step.events[1].elapsed_time(following.events[0]) for step, following in zip(timed, timed[1:])]
+        return account(timed, graph_ms, gap_ms)
 
 
 def account(steps: list[StepTimes], graph_ms: list[float], gap_ms: list[float]) -> dict:

@@ -33,12 +33,12 @@ import torch
 from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, by_card, replay_differs
 from exlnb.engines.device_sampling import DeviceDraws, Row
 from exlnb.engines.exllamav3.capture_fixes import pinned_pointer_tables, turn_library_graphs_off
+from exlnb.engines.options import PAGE_TOKENS
 from exlnb.engines.queue_ahead import Ahead, Step, next_step, queue_ahead_on
 from exlnb.engines.step_clock import StepClock
 
 CHECK_PROMPT_TOKENS = 24
 TABLE_STEP = 16  # exllamav3 1.6.5 pads a step's block table to a multiple of 16 pages (Generator.iterate_gen)
-PAGE_SIZE = 256  # exllamav3.constants.PAGE_SIZE
 
 # the parameters exllamav3's generator passes a plain decode step (Generator.iterate_gen); any other, such as a
 # draft model's verifier parameters, makes the step run eagerly
@@ -178,7 +178,7 @@ class GraphDecoder:
         last, self._last = self._last, None
         if last is None or not self.queue_ahead or self.gave_up:
             return
-        step = next_step(last, tokens, self.capacities(), PAGE_SIZE)
+        step = next_step(last, tokens, self.capacities(), PAGE_TOKENS)
         if step is not None:
             with torch.inference_mode():
                 input_ids = torch.tensor(tokens, dtype=torch.long).view(-1, 1)
@@ -222,7 +222,7 @@ class GraphDecoder:
         if drawn:
             x, tokens = x
             self.draws.remember(tokens)
-        else:  # a step the host samples from: the next one can be queued ahead of it
+        elif self.queue_ahead:  # a step the host samples from: the next one can be queued ahead of it
             self._last = Step.of(key, params["block_table"], params["cache_seqlens"])
         return x
 
@@ -230,7 +230,7 @@ class GraphDecoder:
         """Replay `step` now, over the cards' tables as the last step left them (the same block table; each row's
         length moved on by one on the card), and return its output."""
         batch, _ = step.key
-        params = dict(_decode_params(self.cache, [], []), block_table=step.block_table, cache_seqlens=step.lengths)
+        params = _decode_params(self.cache, step.block_table, step.lengths)
         x = self._embed(input_ids, params)
         for card in self._cards:
             with torch.cuda.device(card.device):
@@ -366,13 +366,14 @@ def _run_modules(modules: list, x: torch.Tensor, params: dict) -> torch.Tensor:
     return x
 
 
-def _decode_params(cache, block_table: list[list[int]], lengths: list[int]) -> dict:
-    """A decode or prefill step's parameters as exllamav3's generator passes them."""
+def _decode_params(cache, block_table, lengths) -> dict:
+    """A decode or prefill step's parameters as exllamav3's generator passes them; the tables as lists, or as int32
+    tensors, which are used as they are."""
     return {
         "attn_mode": "flash_attn",
-        "block_table": torch.tensor(block_table, dtype=torch.int32),
+        "block_table": torch.as_tensor(block_table, dtype=torch.int32),
         "cache": cache,
-        "cache_seqlens": torch.tensor(lengths, dtype=torch.int32),
+        "cache_seqlens": torch.as_tensor(lengths, dtype=torch.int32),
         "recurrent_states": None,
         "indexed_embeddings": [],
         "positions": None,
