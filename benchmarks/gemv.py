@@ -170,6 +170,21 @@ def through_cublaslt(fused: dict[str, torch.Tensor], x: dict[str, torch.Tensor])
     return Variant(lambda: [F.linear(a, w, bias) for a, w, bias in triples], read, len(triples))
 
 
+def through_stacked(weights: dict[str, torch.Tensor], x: dict[str, torch.Tensor]) -> Variant:
+    """QKV and gate/up as one batched product each over their weights stacked input-major, (n, in, out): each
+    output comes out contiguous, as exlnb's fused ExLlamaV3 projections need (exllamav3/fused_products.py)."""
+    groups = [(x[input_of(parts[0])], torch.stack([weights[part].t() for part in parts])) for parts in FUSED.values()]
+
+    def layer() -> list[torch.Tensor]:
+        outputs: list[torch.Tensor] = []
+        for a, stacked in groups:
+            outputs += torch.bmm(a.expand(stacked.shape[0], -1, -1), stacked).unbind(0)
+        return outputs
+
+    read = sum(w.numel() * w.element_size() for w in weights.values())
+    return Variant(layer, read, len(groups))
+
+
 def variants(weights: dict, fused: dict, x: dict, cuda: bool) -> dict[str, Variant | str]:
     """Each way of doing the layer's products; or, for one left out, why."""
     transposed = {name: w.t().contiguous() for name, w in fused.items()}  # (in, out): cuBLAS runs NN, not TN
@@ -177,6 +192,7 @@ def variants(weights: dict, fused: dict, x: dict, cuda: bool) -> dict[str, Varia
         "separate": variant(weights, x, lambda a, w: torch.matmul(a, w.t())),
         "fused": variant(fused, x, lambda a, w: torch.matmul(a, w.t())),
         "fused_transposed": variant(transposed, x, torch.matmul),
+        "stacked": through_stacked(weights, x),
         "cublaslt": through_cublaslt(fused, x) if cuda else "no CUDA here: cuBLASLt is CUDA's",
     }
     for name, chosen in (("triton_splitk_fused", fused), ("triton_splitk_separate", weights)):

@@ -79,7 +79,10 @@ def free_memory() -> None:
 
 # exlnb's engines loaded with a switch flipped, timed in turns beside the engine as it ships: runner -> (engine, the
 # environment its load reads)
-KIT_VARIANTS = {"kit-exllamav3-ahead-off": ("exllamav3", {"EXLNB_QUEUE_AHEAD": "0"})}
+KIT_VARIANTS = {
+    "kit-exllamav3-ahead-off": ("exllamav3", {"EXLNB_QUEUE_AHEAD": "0"}),
+    "kit-exllamav3-unfused": ("exllamav3", {"EXLNB_FUSED_PRODUCTS": "0"}),
+}
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@ either measured or says why not; it resumes today's record; a GPU-only part refu
 the goals table is the one place a goal's name, its computation and its threshold are said."""
 
 import ast
+import importlib
 import json
 import math
 import os
@@ -222,18 +223,25 @@ def test_a_setup_timed_in_a_worker_of_its_own_says_why_it_could_not_load(tmp_pat
     assert "\n" not in str(error.value)
 
 
-def test_a_kit_variant_loads_its_engine_with_its_switch_set_only_while_it_loads(monkeypatch):
-    """The speed suite times the ExLlamaV3 engine with each step queued ahead and without, in turns (the switch is
-    read at load): the variant's environment holds during its load and is gone after, as it was before."""
-    monkeypatch.delenv("EXLNB_QUEUE_AHEAD", raising=False)
-    engine, variables = speed_setups.KIT_VARIANTS["kit-exllamav3-ahead-off"]
-    assert engine == "exllamav3" and speed.RUNNER_LIBRARY["kit-exllamav3-ahead-off"] == "exllamav3"
-    from exlnb.engines.queue_ahead import queue_ahead_on
-
+@pytest.mark.parametrize(
+    ("runner", "variable", "switch"),
+    [
+        ("kit-exllamav3-ahead-off", "EXLNB_QUEUE_AHEAD", "exlnb.engines.queue_ahead:queue_ahead_on"),
+        ("kit-exllamav3-unfused", "EXLNB_FUSED_PRODUCTS", "exlnb.engines.exllamav3.fused_products:fused_products_on"),
+    ],
+)
+def test_a_kit_variant_loads_its_engine_with_its_switch_set_only_while_it_loads(monkeypatch, runner, variable, switch):
+    """The speed suite times the ExLlamaV3 engine with a switch flipped beside the engine as it ships, in turns (the
+    switch is read at load): the variant's environment holds during its load and is gone after, as it was before."""
+    module, name = switch.split(":")
+    is_on = getattr(importlib.import_module(module), name)
+    monkeypatch.delenv(variable, raising=False)
+    engine, variables = speed_setups.KIT_VARIANTS[runner]
+    assert engine == "exllamav3" and speed.RUNNER_LIBRARY[runner] == "exllamav3"
     with speed_setups._environment(variables):
-        assert not queue_ahead_on()
-    assert queue_ahead_on() and "EXLNB_QUEUE_AHEAD" not in os.environ
-    monkeypatch.setenv("EXLNB_QUEUE_AHEAD", "1")
+        assert not is_on()
+    assert is_on() and variable not in os.environ
+    monkeypatch.setenv(variable, "1")
     with speed_setups._environment(variables):
-        assert not queue_ahead_on()
-    assert os.environ["EXLNB_QUEUE_AHEAD"] == "1"
+        assert not is_on()
+    assert os.environ[variable] == "1"

@@ -27,7 +27,7 @@ def test_every_variant_that_ran_matches_the_separate_products(tiny_run):
         for name, row in rows.items()
         if "eager" in row
     ]
-    assert {name for _, name, _ in ran} >= {"separate", "fused", "fused_transposed"}
+    assert {name for _, name, _ in ran} >= {"separate", "fused", "fused_transposed", "stacked"}
     assert set(tiny_run["batches"]) == {"1", "8"}
     for batch, name, eager in ran:
         assert math.isfinite(eager["max_error"]) and eager["max_error"] < 1e-2, (batch, name)
@@ -39,7 +39,8 @@ def test_fused_and_separate_read_the_same_weights(tiny_run):
     for rows in tiny_run["batches"].values():
         fp16_weights = 2 * (4 * 256 * 256 + 3 * 704 * 256)
         assert rows["fused"]["eager"]["bytes"] == rows["separate"]["eager"]["bytes"] == fp16_weights
-        assert (rows["separate"]["products"], rows["fused"]["products"]) == (7, 4)
+        assert rows["stacked"]["eager"]["bytes"] == fp16_weights
+        assert (rows["separate"]["products"], rows["fused"]["products"], rows["stacked"]["products"]) == (7, 4, 4)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the Triton variants run")

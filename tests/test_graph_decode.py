@@ -123,7 +123,7 @@ def token_ids(session: Session, prompts: list[str], max_new_tokens: int) -> tupl
 def test_graphs_are_on_by_default_and_off_on_request(sessions):
     eager, graphed = sessions
     assert graphed.status().decode.startswith("CUDA graphs"), graphed.status().notes
-    assert eager.status().decode == "eager"
+    assert eager.status().decode.split(", ")[0] == "eager"
     assert "decode: CUDA graphs" in graphed.status().line()
 
 
@@ -278,7 +278,7 @@ def test_a_quantized_cache_decodes_eagerly_and_says_why():
     session = load("auto", cache="q4")
     try:
         status = session.status()
-        assert status.decode == "eager"
+        assert status.decode.split(", ")[0] == "eager"
         assert any("not from CUDA graphs" in note and "q4 cache" in note for note in status.notes), status.notes
         # greedy: under the default sampler (temperature 0.8) the answer held "Paris" in 46 of 120 tries on an H100
         answer = session.complete(chatml(QUESTIONS[0]), max_new_tokens=16, sampler=SamplerSettings.greedy())

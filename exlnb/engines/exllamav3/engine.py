@@ -25,6 +25,7 @@ from exlnb.engines.base import (
 )
 from exlnb.engines.device_sampling import DeviceDraws, JobDraw
 from exlnb.engines.exllamav3.compat import fix_exllamav3
+from exlnb.engines.exllamav3.fused_products import FusedProducts, fused_products_on
 from exlnb.engines.exllamav3.graph_decode import GraphDecoder, cannot_graph
 from exlnb.engines.exllamav3.sampler import refused_settings, sampler_steps
 from exlnb.engines.library_engine import (
@@ -85,6 +86,9 @@ class ExLlamaV3Engine(LibraryEngine):
             max_chunk_size=self.max_chunk_size,
         )
         self.max_seq_len = min(config.max_position_embeddings or cache_tokens, cache_tokens)
+        self.fused = FusedProducts(self.model)
+        if fused_products_on() and not self.model.loaded_tp:  # tensor parallel: the shards live in worker processes
+            self.fused.install()
         self._start_tracking()
         self._own_generator(exl3.Tokenizer.from_config(config))
         self.graphs = self._start_graphs(self._graph_decoder, cannot_graph)
@@ -276,7 +280,7 @@ class ExLlamaV3Engine(LibraryEngine):
             device_memory_per_gpu=per_gpu,
             notes=tuple(self._notes),
             library=f"exllamav3 {VERIFIED_EXLLAMAV3}",
-            decode=self.graphs.describe() if self.graphs else "eager",
+            decode=", ".join(filter(None, [self.graphs.describe() if self.graphs else "eager", self.fused.describe()])),
         )
 
     def _new_generator(self, tokenizer):
@@ -331,6 +335,7 @@ class ExLlamaV3Engine(LibraryEngine):
         if self.graphs:
             self.graphs.uninstall()
             self.graphs = None
+        self.fused.uninstall()
         self.generator.close()
         self.model.unload()
         del self.generator, self.cache, self.model
