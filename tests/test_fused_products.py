@@ -1,7 +1,8 @@
-"""The ExLlamaV3 engine's fused fp16 projections (exllamav3/fused_products.py), on a small random Llama whose q, k
-and v are one shape (as Llama-2-7B's): each projection gives what its own product gives, the model's logits stay
-those of the separate products, no weight is held twice, and the switch turns it off. The GPU suite's other
-ExLlamaV3 tests run the bundled model with the products fused, as the engine loads by default."""
+"""Fused fp16 projections (engines/fused_products.py) on both GPU engines, over a small random Llama whose q, k and
+v are one shape (as Llama-2-7B's): each projection gives what its own product gives, the model's logits stay those
+of the separate products, no weight is held twice, and the switch turns it off. On the CPU: a group's mechanics
+over stand-in projections. The GPU suite's other tests run the bundled model with the products fused, as the
+engines load by default."""
 
 from __future__ import annotations
 
@@ -12,40 +13,38 @@ import torch
 
 from benchmarks.paged_acceptance import QUESTIONS
 from exlnb.engines.cuda_graphs import CHECK_TOLERANCE
+from exlnb.engines.fused_products import FusedProducts, ProductGroup, check_fused
 from exlnb.random_model import LLAMA_7B, random_llama
 from exlnb.session import Session
 from exlnb.templates import chatml
 
 LAYERS = 3
+# an intermediate width of 768: exllamav3 pads 704 to 768, and a padded projection is rightly not fused
 SHAPE = dict(LLAMA_7B, hidden_size=256, intermediate_size=768, num_hidden_layers=LAYERS, num_attention_heads=4)
+ENGINES = ("exllamav2", "exllamav3")
 
 
 @pytest.fixture(scope="module")
 def folder():
     if not torch.cuda.is_available():
         pytest.skip("the fused products run on CUDA")
-    if importlib.util.find_spec("exllamav3") is None:
-        pytest.skip("exllamav3 is not installed")
     with random_llama(dict(SHAPE, num_key_value_heads=4)) as (path, _):
         yield path
 
 
-def load(folder) -> Session:
+def load(folder, engine: str, **options) -> Session:
+    if importlib.util.find_spec(engine) is None:
+        pytest.skip(f"{engine} is not installed")
     session = Session()
-    session.load(str(folder), engine="exllamav3", progress=False)
+    session.load(str(folder), engine=engine, progress=False, **options)
     return session
 
 
-@pytest.fixture(scope="module")
-def session(folder):
-    loaded = load(folder)
+@pytest.fixture(scope="module", params=ENGINES)
+def session(folder, request):
+    loaded = load(folder, request.param)
     yield loaded
     loaded.unload()
-
-
-def _whole_sequence_logits(engine, token_ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return engine.model.forward(torch.tensor([token_ids]), {"attn_mode": "flash_attn_nc"}).float().cpu()
 
 
 @pytest.mark.gpu
@@ -53,18 +52,19 @@ def test_the_status_says_how_many_groups_are_fused(session):
     sizes = session.run_on_engine(lambda engine: [len(group.linears) for group in engine.fused.groups])
     assert sizes == [3, 2] * LAYERS  # each layer's q, k and v, then its gate and up
     assert f"{2 * LAYERS} fp16 projection groups fused" in session.status().decode
+    assert not any("not fused" in note for note in session.status().notes)
 
 
 @pytest.mark.gpu
 def test_each_projection_gives_its_own_product_and_another_input_takes_the_separate_path(session):
     def check(engine):
-        group = engine.fused.groups[-1]  # the last layer's gate and up: float32 outputs in exllamav3's Llama
+        group = engine.fused.groups[-1]  # the last layer's gate and up (float32 outputs in exllamav3's Llama)
+        params = () if engine.name == "exllamav2" else ({},)  # exllamav3's projections take the step's params
         x = torch.randn((3, 1, group.stacked.shape[1]), dtype=torch.half, device=group.stacked.device)
-        other = x.clone()
         with torch.inference_mode():
-            fused = [linear.forward(x, {}) for linear in group.linears]
-            separate = [own(x, {}) for own in group._own]
-            alone = group.linears[-1].forward(other, {})  # not the input the group just read: its own product
+            fused = [linear.forward(x, *params) for linear in group.linears]
+            separate = [own(x, *params) for own in group._own]
+            alone = group.linears[-1].forward(x.clone(), *params)
         return fused, separate, alone, group._pending
 
     fused, separate, alone, pending = session.run_on_engine(check)
@@ -72,7 +72,7 @@ def test_each_projection_gives_its_own_product_and_another_input_takes_the_separ
     for mine, theirs in zip(fused, separate, strict=True):
         assert mine.shape == theirs.shape and mine.dtype == theirs.dtype and mine.is_contiguous()
         assert float((mine.float() - theirs.float()).abs().max() / theirs.float().abs().max()) < 1e-3
-    assert torch.equal(alone, separate[-1])
+    assert torch.equal(alone, separate[-1])  # not the input the group just read: the projection's own product
 
 
 @pytest.mark.gpu
@@ -80,12 +80,9 @@ def test_the_logits_stay_those_of_the_separate_products(session):
     token_ids = session.run_on_engine(lambda engine: engine.tokenizer.encode(chatml(QUESTIONS[0])))
 
     def both(engine):
-        fused = _whole_sequence_logits(engine, token_ids)
-        engine.fused.uninstall()
-        try:
-            return fused, _whole_sequence_logits(engine, token_ids)
-        finally:
-            engine.fused.install()
+        fused = engine.score(token_ids)
+        with engine.fused.paused():
+            return fused, engine.score(token_ids)
 
     fused, separate = session.run_on_engine(both)
     error = float((fused - separate).abs().max() / separate.abs().max())
@@ -93,57 +90,94 @@ def test_the_logits_stay_those_of_the_separate_products(session):
 
 
 @pytest.mark.gpu
-def test_no_weight_is_held_twice(session):
-    def reinstall(engine):
-        engine.fused.uninstall()
+@pytest.mark.parametrize("engine", ENGINES)
+def test_no_weight_is_held_twice_and_the_switch_keeps_the_separate_products(folder, engine, monkeypatch):
+    def loaded_bytes() -> tuple[int, Session]:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        engine.fused.install()
+        session = load(folder, engine, graphs="off")
         torch.cuda.synchronize()
-        largest = max(group.stacked.numel() * group.stacked.element_size() for group in engine.fused.groups)
-        return torch.cuda.memory_allocated() - before, largest
+        return torch.cuda.memory_allocated() - before, session
 
-    grown, largest = session.run_on_engine(reinstall)
-    assert grown <= largest, (grown, largest)  # stacking moves the weights: at most rounding, never a copy
-
-
-@pytest.mark.gpu
-def test_the_switch_keeps_the_separate_products(folder, monkeypatch):
+    fused_bytes, fused = loaded_bytes()
+    largest = fused.run_on_engine(lambda e: max(g.stacked.numel() * g.stacked.element_size() for g in e.fused.groups))
+    fused.unload()
     monkeypatch.setenv("EXLNB_FUSED_PRODUCTS", "0")
-    separate = load(folder)
+    apart_bytes, apart = loaded_bytes()
     try:
-        assert separate.run_on_engine(lambda engine: engine.fused.groups) == []
-        assert "fused" not in separate.status().decode
+        assert apart.run_on_engine(lambda e: e.fused.groups) == []
+        assert "fused" not in apart.status().decode
     finally:
-        separate.unload()
+        apart.unload()
+    assert fused_bytes <= apart_bytes + largest, (fused_bytes, apart_bytes, largest)  # moved, never copied
 
 
 class _Projection:
-    """A stand-in for an exllamav3 fp16 projection on the CPU: its weight input-major, its forward the product."""
+    """A stand-in for a library's fp16 projection on the CPU: its weight input-major, its forward the product."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight, self.calls = weight, 0
 
-    def forward(self, x: torch.Tensor, params: dict, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, loras=None) -> torch.Tensor:
         self.calls += 1
         return x @ self.weight
 
 
-def test_a_group_computes_every_output_at_its_first_projection_and_hands_the_rest_over():
-    from exlnb.engines.exllamav3.fused_products import _Group
-
+def _group(count: int = 3) -> tuple[list[_Projection], ProductGroup]:
     torch.manual_seed(0)
-    projections = [_Projection(torch.randn(16, 8)) for _ in range(3)]
+    projections = [_Projection(torch.randn(16, 8)) for _ in range(count)]
     stacked = torch.stack([p.weight for p in projections])
-    group = _Group(projections, stacked, torch.float32)
-    group.install()
+    group = ProductGroup(projections, stacked, torch.float32, lambda args, kwargs: not kwargs.get("loras"))
+    return projections, group
+
+
+def test_a_group_computes_every_output_at_its_first_projection_and_hands_the_rest_over():
+    projections, group = _group()
+    fused = FusedProducts([group])
     x, other = torch.randn(2, 1, 16), torch.randn(2, 1, 16)
-    outputs = [p.forward(x, {}) for p in projections]
+    outputs = [p.forward(x) for p in projections]
     for p, y in zip(projections, outputs, strict=True):
         assert y.shape == (2, 1, 8) and y.is_contiguous()
         assert torch.allclose(y, x @ p.weight, atol=1e-5)
     assert [p.calls for p in projections] == [0, 0, 0] and group._pending is None
-    assert torch.allclose(projections[1].forward(other, {}), other @ projections[1].weight)
+    assert torch.allclose(projections[1].forward(other), other @ projections[1].weight)
     assert projections[1].calls == 1  # another input: the projection's own product
-    group.uninstall()
-    assert projections[0].forward(x, {}) is not None and projections[0].calls == 1
+    projections[0].forward(x, loras=["a LoRA"])
+    assert projections[0].calls == 1  # options the batched product does not cover: its own product
+    with fused.paused():
+        projections[2].forward(x)
+        assert projections[2].calls == 1
+    fused.uninstall()
+    projections[0].forward(x)
+    assert projections[0].calls == 2 and fused.describe() == ""
+
+
+def test_fused_logits_that_differ_from_the_separate_ones_are_refused_in_one_line():
+    projections, group = _group(2)
+    fused = FusedProducts([group])
+
+    def rows(token_ids: list[int]) -> torch.Tensor:
+        return torch.tensor(token_ids, dtype=torch.float32).repeat(16, 1).t().unsqueeze(1)
+
+    def agreeing(token_ids: list[int]) -> torch.Tensor:
+        return projections[0].forward(rows(token_ids))
+
+    def off_by_one_when_fused(token_ids: list[int]) -> torch.Tensor:
+        return agreeing(token_ids) + ("forward" in vars(projections[0]))  # the fused path wrong, on purpose
+
+    assert check_fused(fused, agreeing, [1, 2, 3]) is None
+    reason = check_fused(fused, off_by_one_when_fused, [1, 2, 3])
+    assert reason is not None and "differ from the separate ones" in reason and "\n" not in reason
+    assert "forward" in vars(projections[0])  # the check leaves the groups as they were; the engine uninstalls
+
+
+def test_a_group_that_cannot_be_made_leaves_every_projection_with_its_own_forward():
+    projections, group = _group()
+
+    def groups():
+        yield group
+        raise RuntimeError("a projection the fusion misread")
+
+    with pytest.raises(RuntimeError, match="misread"):
+        FusedProducts(groups())
+    assert not any("forward" in vars(p) for p in projections)

@@ -31,6 +31,7 @@ from exlnb.engines.base import (
 )
 from exlnb.engines.checks import check_prompt_fits
 from exlnb.engines.device_sampling import DeviceDraws, JobDraw, Row, device_sampling_on
+from exlnb.engines.fused_products import CHECK_TEXT, FusedProducts, check_fused, fused_products_on
 from exlnb.engines.token_info import TokenInfo, token_info
 from exlnb.engines.views import PageInfo
 
@@ -135,6 +136,29 @@ class LibraryEngine(Engine):
     page_size: int
     vocab_size: int  # the model's vocabulary; exllamav2 pads its logits past it
     _notes: list[str]  # what the status line says about how the engine was set up
+
+    def _start_fused(self, fuse: Callable[[object], FusedProducts]) -> FusedProducts:
+        """The model's fp16 projections fused (fused_products.py) unless asked not to, kept where a whole-sequence
+        pass gives the separate products' logits; otherwise separate, with a note. Before the graphs, which then
+        capture the fused products."""
+        if not fused_products_on() or not torch.cuda.is_available():
+            return FusedProducts()
+        fused = FusedProducts()
+        try:
+            fused = fuse(self.model)
+            reason = check_fused(fused, self.score, self.tokenizer.encode(CHECK_TEXT))
+        except Exception as error:  # a model the fusion misreads loads with its separate products, and says why
+            reason = one_line(error)
+        if reason is not None:
+            fused.uninstall()
+            self._notes.append(f"projections not fused: {reason}")
+            return FusedProducts()
+        return fused
+
+    def _decode_line(self) -> str:
+        """How decode steps run, for the status: eager or from graphs, and the fused products."""
+        graphs = self.graphs.describe() if self.graphs else "eager"
+        return ", ".join(filter(None, [graphs, self.fused.describe()]))
 
     def _start_graphs(self, make_decoder: Callable[[], object], cannot_graph: Callable[[object], str | None]):
         """Decode from CUDA graphs unless asked not to, where the engine's setup allows it (`cannot_graph` says

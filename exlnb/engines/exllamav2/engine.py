@@ -25,6 +25,7 @@ from exlnb.engines.base import (
     wall_clock,
 )
 from exlnb.engines.device_sampling import JobDraw
+from exlnb.engines.exllamav2.fused_products import fuse_exllamav2
 from exlnb.engines.exllamav2.graph_decode import GraphDecoder, cannot_graph
 from exlnb.engines.exllamav2.logits import KeptRawLogits, stop_token_logits, token_info_outputs
 from exlnb.engines.exllamav2.paged_attention import VERIFIED_EXLLAMAV2
@@ -110,6 +111,7 @@ class ExLlamaV2Engine(LibraryEngine):
             paged=self.paged,
         )
         self.page_size = self.generator.page_size
+        self.fused = self._start_fused(fuse_exllamav2)
         self.graphs = self._start_graphs(self._graph_decoder, cannot_graph)
         self._start_draws()
         self._start_tracking()
@@ -411,7 +413,7 @@ class ExLlamaV2Engine(LibraryEngine):
             device_memory_per_gpu=per_gpu,
             notes=tuple(self._notes),
             library=f"exllamav2 {VERIFIED_EXLLAMAV2}",
-            decode=self.graphs.describe() if self.graphs else "eager",
+            decode=self._decode_line(),
         )
 
     def score(self, token_ids: Sequence[int], *, noise_eps: float = 0.0) -> torch.Tensor:
@@ -428,6 +430,7 @@ class ExLlamaV2Engine(LibraryEngine):
         if self.graphs:
             self.graphs.uninstall()
             self.graphs = None
+        self.fused.uninstall()
         self.model.unload()
         del self.generator, self.cache, self.model
         torch.cuda.empty_cache()

@@ -25,7 +25,7 @@ from exlnb.engines.base import (
 )
 from exlnb.engines.device_sampling import DeviceDraws, JobDraw
 from exlnb.engines.exllamav3.compat import fix_exllamav3
-from exlnb.engines.exllamav3.fused_products import FusedProducts, fused_products_on
+from exlnb.engines.exllamav3.fused_products import fuse_exllamav3
 from exlnb.engines.exllamav3.graph_decode import GraphDecoder, cannot_graph
 from exlnb.engines.exllamav3.sampler import refused_settings, sampler_steps
 from exlnb.engines.library_engine import (
@@ -86,11 +86,9 @@ class ExLlamaV3Engine(LibraryEngine):
             max_chunk_size=self.max_chunk_size,
         )
         self.max_seq_len = min(config.max_position_embeddings or cache_tokens, cache_tokens)
-        self.fused = FusedProducts(self.model)
-        if fused_products_on() and not self.model.loaded_tp:  # tensor parallel: the shards live in worker processes
-            self.fused.install()
         self._start_tracking()
         self._own_generator(exl3.Tokenizer.from_config(config))
+        self.fused = self._start_fused(fuse_exllamav3)
         self.graphs = self._start_graphs(self._graph_decoder, cannot_graph)
         self._start_draws()
         self._check_it_runs()
@@ -280,7 +278,7 @@ class ExLlamaV3Engine(LibraryEngine):
             device_memory_per_gpu=per_gpu,
             notes=tuple(self._notes),
             library=f"exllamav3 {VERIFIED_EXLLAMAV3}",
-            decode=", ".join(filter(None, [self.graphs.describe() if self.graphs else "eager", self.fused.describe()])),
+            decode=self._decode_line(),
         )
 
     def _new_generator(self, tokenizer):

@@ -1,0 +1,66 @@
+"""Which of an ExLlamaV2 model's fp16 projections are fused, and how (the mechanism: engines/fused_products.py).
+
+exllamav2 0.3.2 runs an unquantized attention or MLP through its Python path, which calls q, k and v
+(`ExLlamaV2Attention.forward_paged`, `forward_torch`), and gate and up (`ExLlamaV2MLP.forward_torch`), one after
+another with one input. Its fp16 projections hold an `nn.Linear` whose weight is output-major, (out, in), and
+multiply by its transpose; the group's stack is input-major, (n, in, out), and each `nn.Linear` gets the transpose
+of its slice, so that a projection's own product reads a contiguous (in, out) matrix as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from exlnb.engines.fused_products import FusedProducts, ProductGroup
+
+
+def fuse_exllamav2(model) -> FusedProducts:
+    """The model's qualifying groups, stacked and installed."""
+    return FusedProducts(_group(linears) for linears in _candidate_groups(model) if _fusable(linears))
+
+
+def _accepts(args: tuple, kwargs: dict) -> bool:
+    """A call the batched product covers: `forward(x, loras=...)` with no LoRA, as the attention and MLP make it."""
+    return not args and set(kwargs) <= {"loras"} and not kwargs.get("loras")
+
+
+def _group(linears: list) -> ProductGroup:
+    stacked = torch.stack([linear.linear.weight.data.t() for linear in linears])
+    for index, linear in enumerate(linears):
+        linear.linear.weight = nn.Parameter(stacked[index].t(), requires_grad=False)
+    return ProductGroup(linears, stacked, torch.half, _accepts)
+
+
+def _candidate_groups(model) -> Iterator[list]:
+    """Each unquantized attention's q, k, v (only k and v where q is wider, as under grouped-query attention), and
+    each unquantized gated MLP's gate and up."""
+    from exllamav2.attn import ExLlamaV2Attention
+    from exllamav2.mlp import ExLlamaV2MLP
+
+    for module in model.modules:
+        if getattr(module, "q_handle", None) is not None or getattr(module, "is_tp", False):
+            continue
+        if type(module) is ExLlamaV2Attention and getattr(module, "v_proj", None) is not None:
+            qkv = [module.q_proj, module.k_proj, module.v_proj]
+            yield qkv if len({linear.out_features for linear in qkv}) == 1 else qkv[1:]
+        elif type(module) is ExLlamaV2MLP and getattr(module, "gate_proj", None) is not None:
+            yield [module.gate_proj, module.up_proj]
+
+
+def _fusable(linears: list) -> bool:
+    """fp16 projections on one card, of one shape, with nothing but the product in their forward (no bias,
+    padding, prescale, quantized matrix or tensor parallelism)."""
+    if any(linear.linear is None or linear.q_handle is not None for linear in linears):
+        return False
+    weights = [linear.linear.weight.data for linear in linears]
+    plain = all(
+        not linear.has_bias and linear.padding == 0 and linear.prescale == 1 and not linear.is_tp for linear in linears
+    )
+    return (
+        plain
+        and all(w.is_cuda and w.dtype == torch.half and w.is_contiguous() for w in weights)
+        and len({(w.device, w.shape) for w in weights}) == 1
+    )

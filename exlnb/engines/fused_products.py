@@ -1,0 +1,135 @@
+"""The fp16 projections that read the same input, done as one batched product: QKV, and each gate/up pair.
+
+exllamav2 0.3.2 and exllamav3 1.6.5 run each unquantized projection as its own cuBLAS product. On an H200 a 7B
+layer's seven separate products read the weights at 75 % of copy bandwidth; with QKV and gate/up as one batched
+product each, over their weights stacked input-major, at 83-84 % (benchmarks/results/gemv-nvidia-h200-2026-11-28
+and fused-products-nvidia-h200-2026-11-28): about 0.4 ms of a 32-layer token.
+
+How, without a second copy of any weight and without touching the libraries' attention or MLP code: a group's
+weights are moved into one stacked tensor (n, in, out), and each projection's weight becomes its slice of it (a
+view). The group's first projection computes every output with one `torch.bmm` over the stack; the others, which
+both libraries call next with the very same input tensor (their attention: q, k, v; their gated MLP: gate, up),
+hand back their slice of it, each contiguous, so the RoPE, cache and activation kernels after them read what they
+always did. Called with any other input, or with options the batched product does not cover (LoRAs, an output
+type of its own), a projection runs its own product. Eager steps and graph replays take the same path, so a replay
+still matches the eager step it stands for; and a load checks the fused logits against the separate ones
+(`check_fused`) before it keeps them. Each library's module says which projections qualify and how its weights
+are held (exllamav2/fused_products.py, exllamav3/fused_products.py).
+
+On by default; `EXLNB_FUSED_PRODUCTS=0` (read at each load) keeps the separate products, to time the two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from exlnb.engines.cuda_graphs import CHECK_TOLERANCE
+
+CHECK_TEXT = "The fused products are checked against the separate ones on this text before a load keeps them."
+
+
+def fused_products_on() -> bool:
+    """Whether an engine fuses its fp16 projections (on unless `EXLNB_FUSED_PRODUCTS=0`, read at each load)."""
+    return os.environ.get("EXLNB_FUSED_PRODUCTS", "1") != "0"
+
+
+@dataclass
+class ProductGroup:
+    """Projections that read one input, their weights stacked (n, in, out): the first computes every output, the
+    others hand theirs over. `accepts(args, kwargs)` says whether a call's options are ones the batched product
+    covers (beyond the input); any other call takes the projection's own product."""
+
+    linears: list
+    stacked: torch.Tensor
+    out_dtype: torch.dtype
+    accepts: Callable[[tuple, dict], bool]
+    _pending: tuple[torch.Tensor, list[torch.Tensor]] | None = field(default=None, repr=False)
+    _own: list = field(default_factory=list, repr=False)  # each projection's own bound forward
+
+    def install(self) -> None:
+        self._own = [linear.forward for linear in self.linears]
+        for index, linear in enumerate(self.linears):
+            linear.forward = self._leading if index == 0 else self._following(index)
+
+    def uninstall(self) -> None:
+        for linear in self.linears:
+            linear.__dict__.pop("forward", None)  # the instance attribute: the class's method again
+        self._pending = None
+
+    def _leading(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if not self.accepts(args, kwargs) or x.shape[-1] != self.stacked.shape[1]:
+            return self._own[0](x, *args, **kwargs)
+        rows = x.reshape(1, -1, x.shape[-1]).expand(self.stacked.shape[0], -1, -1)
+        if self.out_dtype == x.dtype:
+            products = torch.bmm(rows, self.stacked)
+        else:  # fp16 products accumulated and written in float32, as exllamav3's Llama keeps gate/up
+            products = torch.bmm(rows, self.stacked, out_dtype=self.out_dtype)
+        outputs = [y.view(*x.shape[:-1], y.shape[-1]) for y in products.unbind(0)]
+        self._pending = (x, outputs)
+        return outputs[0]
+
+    def _following(self, index: int):
+        def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            pending = self._pending
+            if pending is None or pending[0] is not x or not self.accepts(args, kwargs):
+                return self._own[index](x, *args, **kwargs)
+            if index == len(self.linears) - 1:
+                self._pending = None  # the group's last output handed over: hold no tensor past the step
+            return pending[1][index]
+
+        return forward
+
+
+class FusedProducts:
+    """The fused groups of one loaded model."""
+
+    def __init__(self, groups: Iterator[ProductGroup] | None = None) -> None:
+        self.groups: list[ProductGroup] = []
+        try:
+            for group in groups or ():
+                group.install()
+                self.groups.append(group)
+        except BaseException:  # a group that cannot be made leaves every projection with its own forward
+            self.uninstall()
+            raise
+
+    def uninstall(self) -> None:
+        """The separate forwards back for good (the weights stay views of their stacks, read as before)."""
+        for group in self.groups:
+            group.uninstall()
+        self.groups = []
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The separate products for the length of the block, the groups as they were after it."""
+        for group in self.groups:
+            group.uninstall()
+        try:
+            yield
+        finally:
+            for group in self.groups:
+                group.install()
+
+    def describe(self) -> str:
+        return f"{len(self.groups)} fp16 projection groups fused" if self.groups else ""
+
+
+def check_fused(fused: FusedProducts, score: Callable[[list[int]], torch.Tensor], token_ids: list[int]) -> str | None:
+    """Whether the fused products give the model's logits: a whole-sequence pass fused and one with the separate
+    products, held to the tolerance a graph's replay is held to against eager decode; None where they agree, else
+    why not, in a line."""
+    if not fused.groups:
+        return None
+    together = score(token_ids)
+    with fused.paused():
+        apart = score(token_ids)
+    error = float((together - apart).abs().max() / apart.abs().max().clamp_min(1e-6))
+    if not math.isfinite(error) or error > CHECK_TOLERANCE:
+        return f"the fused products' logits differ from the separate ones by {error:.3g} of their largest"
+    return None
