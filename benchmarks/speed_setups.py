@@ -314,8 +314,8 @@ CLOCKED_TOKENS = 128  # decode steps the step clock times, after a 256-token pro
 
 def clocked_steps(session: Session) -> dict | None:
     """Where a decode step's time goes without the profiler's overhead (exlnb/engines/step_clock.py), over one
-    greedy job as the speed parts time it; None where the engine's decoder keeps no clock (only the ExLlamaV3
-    engine's graph decoder does)."""
+    greedy job as the speed parts time it; None where the engine decodes without graphs (both graph decoders keep
+    a clock)."""
     from exlnb.engines.step_clock import StepClock
 
     def start(engine) -> bool:

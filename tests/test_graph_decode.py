@@ -285,3 +285,15 @@ def test_a_quantized_cache_decodes_eagerly_and_says_why():
         assert "Paris" in answer.text
     finally:
         session.unload()
+
+
+@pytest.mark.gpu
+def test_the_step_clock_accounts_for_each_replayed_step_on_both_engines(sessions):
+    from benchmarks.speed_setups import CLOCKED_TOKENS, clocked_steps
+
+    _, graphed = sessions
+    got = clocked_steps(graphed)
+    assert got["steps"] >= CLOCKED_TOKENS // 2, got  # a step is one asking of the decoder: one token at batch 1
+    assert got["graph_ms"] > 0 and got["gpu_gap_ms"] >= 0
+    assert sum(got["host_ms"].values()) == pytest.approx(got["wall_ms"], rel=1e-6)
+    assert graphed.run_on_engine(lambda engine: engine.graphs.clock) is None  # stopped after

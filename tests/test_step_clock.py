@@ -37,3 +37,10 @@ def test_a_step_nothing_was_queued_after_counts_its_bookkeeping_from_the_tokens(
 
     assert host == pytest.approx({"forward": 1.0, "sample_and_wait": 1.0, "queue": 0.0, "bookkeeping": 1.0})
     assert account(steps[:1], [], []) == {"steps": 1}
+
+
+def test_a_replay_without_a_clock_records_nothing():
+    from exlnb.engines.step_clock import timed_replay
+
+    with timed_replay(None, "cpu"):
+        pass  # no clock: no CUDA event, no device switch, so it runs where there is no GPU

@@ -4,8 +4,10 @@ before the next graph, and the gap into what the host was doing.
 
 The torch profiler inflates exactly what is in question (its host hooks cost as much as the gap, 2026-11-28: 4.15
 ms a 2.34 ms EXL3 step under it), and CUDA events with host timestamps do not. A decoder calls `asked`, `returned`,
-`tokens_known` and `queued` at those moments, and `replay` around each replay on the card whose output is the
-logits; `account` turns the steps into means. Off unless a benchmark starts one (`GraphDecoder.clock`).
+`tokens_known` and `queued` at those moments (a decoder without a hook where the tokens are known, as the
+ExLlamaV2 one, counts everything after the return as bookkeeping), and `replay` around each replay on the card
+whose output is the logits; `account` turns the steps into means. Off unless a benchmark starts one
+(`GraphDecoder.clock`).
 """
 
 from __future__ import annotations
@@ -79,6 +81,17 @@ class StepClock:
         graph_ms = [step.events[0].elapsed_time(step.events[1]) for step in timed]
         gap_ms = [step.events[1].elapsed_time(following.events[0]) for step, following in zip(timed, timed[1:])]
         return account(timed, graph_ms, gap_ms)
+
+
+def timed_replay(clock: StepClock | None, device: torch.device, *, ahead: bool = False):
+    """The clock's record of a replay on `device` (the card whose output is the logits), on that card's current
+    stream; nothing where no clock runs."""
+    if clock is None:
+        return contextlib.nullcontext()
+    timed = contextlib.ExitStack()
+    timed.enter_context(torch.cuda.device(device))
+    timed.enter_context(clock.replay(ahead=ahead))
+    return timed
 
 
 def account(steps: list[StepTimes], graph_ms: list[float], gap_ms: list[float]) -> dict:

@@ -34,6 +34,7 @@ import torch
 from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, bucket_for, buckets, by_card, replay_differs
 from exlnb.engines.device_sampling import DeviceDraws, Row
 from exlnb.engines.exllamav2 import paged_attention
+from exlnb.engines.step_clock import StepClock, timed_replay
 
 CHECK_PROMPT_TOKENS = 24
 
@@ -62,6 +63,7 @@ class GraphDecoder:
         self.gave_up = ""  # why decode went back to eager after a capture failed mid-generation, if it did
         self.draws: DeviceDraws | None = None  # where the engine samples on the device: the last graph draws too
         self.step_rows: Callable[[], list[tuple[object, Row | None]]] = list  # the engine's rows of a step
+        self.clock: StepClock | None = None  # where a benchmark times each step's parts (step_clock.py)
 
     @property
     def replays(self) -> int:
@@ -89,8 +91,13 @@ class GraphDecoder:
         """The model's `forward_chunk`: a replay where the step qualifies, the model's own method otherwise."""
         key = None if args or self.gave_up else self._key(input_ids, cache, attn_params, kwargs)
         if key is not None:
+            if self.clock:
+                self.clock.asked()
             try:
-                return {"logits": self._replay(key, input_ids, attn_params, kwargs)}
+                logits = self._replay(key, input_ids, attn_params, kwargs)
+                if self.clock:
+                    self.clock.returned(ahead=False)
+                return {"logits": logits}
             except CaptureFailed as failure:  # this step and every later one run eagerly; the status says why
                 self.gave_up = str(failure)
         if self.draws is not None:
@@ -131,12 +138,13 @@ class GraphDecoder:
             self._stage(card, key, x, attn_params.cache_seqlens, attn_params.block_index)
             draws_here = drawn if card is self._cards[-1] else None  # the mode the last card draws in
             # the graph must record the attention layout's kernels, not reuse the warm-up's
-            x = card.graphs.replay(
-                (rows, width, draws_here),
-                lambda card=card, draws_here=draws_here: self._step(card, rows, width, draws_here),
-                shape=f"batch {rows} over {width} pages on {card.device}",
-                around_capture=paged_attention.forget_layout,
-            )
+            with timed_replay(self.clock if card is self._cards[-1] else None, card.device):
+                x = card.graphs.replay(
+                    (rows, width, draws_here),
+                    lambda card=card, draws_here=draws_here: self._step(card, rows, width, draws_here),
+                    shape=f"batch {rows} over {width} pages on {card.device}",
+                    around_capture=paged_attention.forget_layout,
+                )
         self.cache.current_seq_len += 1
         if drawn:
             x, tokens = x

@@ -24,7 +24,6 @@ bookkeeping (queue_ahead.py says how a guess is made, checked and dropped).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,7 +34,7 @@ from exlnb.engines.device_sampling import DeviceDraws, Row
 from exlnb.engines.exllamav3.capture_fixes import pinned_pointer_tables, turn_library_graphs_off
 from exlnb.engines.options import PAGE_TOKENS
 from exlnb.engines.queue_ahead import Ahead, Step, next_step, queue_ahead_on
-from exlnb.engines.step_clock import StepClock
+from exlnb.engines.step_clock import StepClock, timed_replay
 
 CHECK_PROMPT_TOKENS = 24
 TABLE_STEP = 16  # exllamav3 1.6.5 pads a step's block table to a multiple of 16 pages (Generator.iterate_gen)
@@ -256,22 +255,13 @@ class GraphDecoder:
                 card.hidden = torch.zeros((self.max_batch_size, 1, x.shape[-1]), dtype=x.dtype, device=card.device)
             card.hidden[:batch].copy_(_to_card(x, card.device), non_blocking=True)
             draws_here = drawn if card is self._cards[-1] else None  # the mode the last card draws in
-            with self._timed(card, ahead):
+            with timed_replay(self.clock if card is self._cards[-1] else None, card.device, ahead=ahead):
                 x = card.graphs.replay(
                     (batch, width, draws_here),
                     lambda card=card, draws_here=draws_here: self._step(card, batch, width, draws_here),
                     shape=f"batch {batch} over {width} pages on {card.device}",
                 )
         return x
-
-    def _timed(self, card: _Card, ahead: bool) -> contextlib.AbstractContextManager:
-        """The clock's record of a replay on the card that gives the logits, on that card's stream; else nothing."""
-        if self.clock is None or card is not self._cards[-1]:
-            return contextlib.nullcontext()
-        timed = contextlib.ExitStack()
-        timed.enter_context(torch.cuda.device(card.device))
-        timed.enter_context(self.clock.replay(ahead=ahead))
-        return timed
 
     # -- what a graph replays -------------------------------------------------------------------------------
 
