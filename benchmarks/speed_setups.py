@@ -303,6 +303,7 @@ def profile(runner: str, folder: Path) -> dict:
         metrics = profile_steps(session, tokens=8, extra=kernels_by_kind)
         if (clocked := clocked_steps(session)) is not None:
             metrics["step_clock"] = clocked
+            metrics["step_clock_batch8"] = clocked_steps(session, batch=8)
         return {"metrics": metrics}
     finally:
         session.unload()
@@ -312,10 +313,10 @@ def profile(runner: str, folder: Path) -> dict:
 CLOCKED_TOKENS = 128  # decode steps the step clock times, after a 256-token prompt
 
 
-def clocked_steps(session: Session) -> dict | None:
+def clocked_steps(session: Session, batch: int = 1) -> dict | None:
     """Where a decode step's time goes without the profiler's overhead (exlnb/engines/step_clock.py), over one
-    greedy job as the speed parts time it; None where the engine decodes without graphs (both graph decoders keep
-    a clock)."""
+    greedy job as the speed parts time it, or `batch` jobs submitted together as the batch-8 figure times them;
+    None where the engine decodes without graphs (both graph decoders keep a clock)."""
     from exlnb.engines.step_clock import StepClock
 
     def start(engine) -> bool:
@@ -328,7 +329,10 @@ def clocked_steps(session: Session) -> dict | None:
     if not session.run_on_engine(start):
         return None
     try:
-        decode.session_decode(session, list(range(1000, 1256)), CLOCKED_TOKENS)
+        if batch == 1:
+            decode.session_decode(session, list(range(1000, 1256)), CLOCKED_TOKENS)
+        else:
+            decode.aggregate_throughput(session, batch, CLOCKED_TOKENS, seed=0)
         return session.run_on_engine(lambda engine: engine.graphs.clock.account())
     finally:
         session.run_on_engine(lambda engine: setattr(engine.graphs, "clock", None))

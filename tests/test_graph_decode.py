@@ -296,4 +296,6 @@ def test_the_step_clock_accounts_for_each_replayed_step_on_both_engines(sessions
     assert got["steps"] >= CLOCKED_TOKENS // 2, got  # a step is one asking of the decoder: one token at batch 1
     assert got["graph_ms"] > 0 and got["gpu_gap_ms"] >= 0
     assert sum(got["host_ms"].values()) == pytest.approx(got["wall_ms"], rel=1e-6)
+    eight = clocked_steps(graphed, batch=8)
+    assert eight["steps"] >= CLOCKED_TOKENS // 2 and eight["graph_ms"] > 0, eight  # a step of eight rows
     assert graphed.run_on_engine(lambda engine: engine.graphs.clock) is None  # stopped after
