@@ -227,7 +227,7 @@ def test_a_setup_timed_in_a_worker_of_its_own_says_why_it_could_not_load(tmp_pat
     ("runner", "variable", "switch"),
     [
         ("kit-exllamav3-ahead-off", "EXLNB_QUEUE_AHEAD", "exlnb.engines.queue_ahead:queue_ahead_on"),
-        ("kit-exllamav3-unfused", "EXLNB_FUSED_PRODUCTS", "exlnb.engines.exllamav3.fused_products:fused_products_on"),
+        ("kit-exllamav3-unfused", "EXLNB_FUSED_PRODUCTS", "exlnb.engines.fused_products:fused_products_on"),
     ],
 )
 def test_a_kit_variant_loads_its_engine_with_its_switch_set_only_while_it_loads(monkeypatch, runner, variable, switch):
