@@ -120,7 +120,7 @@ class _Projection:
 
     def forward(self, x: torch.Tensor, loras=None) -> torch.Tensor:
         self.calls += 1
-        return x @ self.weight
+        return x.to(self.weight.dtype) @ self.weight
 
 
 def _group(count: int = 3) -> tuple[list[_Projection], ProductGroup]:
@@ -144,12 +144,14 @@ def test_a_group_computes_every_output_at_its_first_projection_and_hands_the_res
     assert projections[1].calls == 1  # another input: the projection's own product
     projections[0].forward(x, loras=["a LoRA"])
     assert projections[0].calls == 1  # options the batched product does not cover: its own product
+    projections[0].forward(x.double())
+    assert projections[0].calls == 2 and group._pending is None  # an input of another type: its own product too
     with fused.paused():
         projections[2].forward(x)
         assert projections[2].calls == 1
     fused.uninstall()
     projections[0].forward(x)
-    assert projections[0].calls == 2 and fused.describe() == ""
+    assert projections[0].calls == 3 and fused.describe() == ""
 
 
 def test_fused_logits_that_differ_from_the_separate_ones_are_refused_in_one_line():

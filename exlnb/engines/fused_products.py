@@ -63,7 +63,7 @@ class ProductGroup:
         self._pending = None
 
     def _leading(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if not self.accepts(args, kwargs) or x.shape[-1] != self.stacked.shape[1]:
+        if not self.accepts(args, kwargs) or x.shape[-1] != self.stacked.shape[1] or x.dtype != self.stacked.dtype:
             return self._own[0](x, *args, **kwargs)
         rows = x.reshape(1, -1, x.shape[-1]).expand(self.stacked.shape[0], -1, -1)
         if self.out_dtype == x.dtype:
