@@ -141,9 +141,9 @@ class LibraryEngine(Engine):
         """The model's fp16 projections fused (fused_products.py) unless asked not to, kept where a whole-sequence
         pass gives the separate products' logits; otherwise separate, with a note. Before the graphs, which then
         capture the fused products."""
-        if not fused_products_on() or not torch.cuda.is_available():
-            return FusedProducts()
         fused = FusedProducts()
+        if not fused_products_on() or not torch.cuda.is_available():
+            return fused
         try:
             fused = fuse(self.model)
             reason = check_fused(fused, self.score, self.tokenizer.encode(CHECK_TEXT))

@@ -83,7 +83,9 @@ class StepClock:
         return account(timed, graph_ms, gap_ms)
 
 
-def timed_replay(clock: StepClock | None, device: torch.device, *, ahead: bool = False):
+def timed_replay(
+    clock: StepClock | None, device: torch.device, *, ahead: bool = False
+) -> contextlib.AbstractContextManager:
     """The clock's record of a replay on `device` (the card whose output is the logits), on that card's current
     stream; nothing where no clock runs."""
     if clock is None:
