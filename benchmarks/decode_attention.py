@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import device_slug, environment
+from benchmarks.harness import device_slug, environment, gpu_ms_per_call
 from exlnb.engines.exllamav2 import paged_attention
 from exlnb.random_model import LLAMA_7B
 
@@ -98,13 +98,7 @@ def graph_ms(inputs: dict, layers: int, replays: int = 50) -> tuple[float, torch
     with torch.cuda.graph(graph):
         out = one_token(inputs, layers)
     graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays, out.clone()
+    return gpu_ms_per_call(graph.replay, replays), out.clone()
 
 
 def measure(shape: str, context: int, batch: int, form: str) -> dict:

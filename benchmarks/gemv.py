@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import device_slug, environment, new_result_path, summarise, write_json
+from benchmarks.harness import device_slug, environment, gpu_ms_per_call, new_result_path, summarise, write_json
 
 TRITON = importlib.util.find_spec("triton") is not None
 if TRITON:
@@ -220,13 +220,7 @@ def relative_error(outputs: list[torch.Tensor], reference: torch.Tensor) -> floa
 def ms_per_call(fn: Callable[[], object], repeats: int, cuda: bool) -> float:
     """Mean ms of `repeats` back-to-back calls: CUDA events around them on CUDA, the clock on the CPU."""
     if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / repeats
+        return gpu_ms_per_call(fn, repeats)
     began = time.perf_counter()
     for _ in range(repeats):
         fn()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from benchmarks.harness import gpu_ms_per_call
+
 
 def copy_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:
     """Device-to-device copy rate in bytes/s, counting bytes read and written (as docs/gpu.md reports it)."""
@@ -16,11 +18,5 @@ def copy_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1000 / repeats
+    seconds = gpu_ms_per_call(lambda: dst.copy_(src), repeats) / 1000
     return 2 * n / seconds

@@ -28,6 +28,18 @@ def clock() -> float:
     return time.perf_counter()
 
 
+def gpu_ms_per_call(fn, repeats: int) -> float:
+    """Mean GPU ms of `repeats` back-to-back calls of `fn`: CUDA events around them, read once the last has ended
+    (the host's own time per call does not count, as long as it keeps the GPU fed)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def summarise(samples: list[float]) -> dict:
     """Median and spread (interquartile range, min, max) of raw samples, which are kept too."""
     ordered = sorted(samples)
