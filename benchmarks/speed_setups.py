@@ -322,7 +322,7 @@ def clocked_steps(session: Session, batch: int = 1) -> dict | None:
 
     def start(engine) -> bool:
         decoder = getattr(engine, "graphs", None)
-        if decoder is None or not hasattr(decoder, "clock"):
+        if decoder is None:
             return False
         decoder.clock = StepClock()
         return True
