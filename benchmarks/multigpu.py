@@ -272,6 +272,13 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def write_json(result: dict, path: Path) -> None:
+    """Replace the record whole (a reader never sees half a file)."""
+    temporary = path.with_suffix(".json.partial")
+    temporary.write_text(json.dumps(result, indent=2, default=str))
+    temporary.replace(path)
+
+
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(prog="python -m benchmarks multigpu", description=__doc__.splitlines()[0])
     parser.add_argument("--engines", default="exllamav2", help="comma-separated: exllamav2, exllamav3")
@@ -299,24 +306,32 @@ def main(argv: list[str] | None = None) -> Path:
         "engines": {},
     }
     engines = [name for name in args.engines.split(",") if name]
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"multigpu-{device_slug(env)}-x{gpus}-{env['date'][:10]}-{'-'.join(engines)}"
+    path = args.out / f"{stem}.json"
     with random_llama(LLAMA_7B) as (folder, weight_bytes):
         result["seven_b_weights_bytes"] = weight_bytes
         for engine in engines:
             result["engines"][engine] = measure_layouts(folder, engine, gpus, card_bytes, weight_bytes, args.repeats)
+            result["engines"][engine]["layers"] = LLAMA_7B["num_hidden_layers"]
+            write_json(result, path)  # what has run survives a time limit
     if args.exl3:
         exl3_bytes = sum(f.stat().st_size for f in args.exl3.glob("*.safetensors"))
         result["exl3"] = {
             "folder": str(args.exl3),
+            "layers": json.loads((args.exl3 / "config.json").read_text())["num_hidden_layers"],
             **measure_layouts(
                 args.exl3, "exllamav3", gpus, card_bytes, exl3_bytes, args.repeats, only_tensor_parallel=True
             ),
         }
-    nccl_us = nccl_timings(gpus) if any("-nccl" in n for d in result["engines"].values() for n in d["layouts"]) else {}
+        write_json(result, path)
+    measured = [*result["engines"].values(), *([result["exl3"]] if "exl3" in result else [])]
+    nccl_us = nccl_timings(gpus) if any("-nccl" in n for data in measured for n in data["layouts"]) else {}
     result["nccl_allreduce_us"] = nccl_us
-    for data in [*result["engines"].values(), result.get("exl3", {"layouts": {}})]:
+    for data in measured:
         data["tensor_parallel_check"] = allreduce.check(
             data["layouts"],
-            layers=LLAMA_7B["num_hidden_layers"],
+            layers=data["layers"],
             cards_of={name: cards_of(name) for name in data["layouts"] if cards_of(name)},
             nccl_us=nccl_us,
         )
@@ -324,12 +339,7 @@ def main(argv: list[str] | None = None) -> Path:
         for engine, large in measure_larger_model(engines, card_bytes, gpus).items():
             result["engines"][engine]["larger_model"] = large
     result["goals"] = goals_from(result["engines"], gpus)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"multigpu-{device_slug(env)}-x{gpus}-{env['date'][:10]}-{'-'.join(engines)}"
-    path = args.out / f"{stem}.json"
-    temporary = path.with_suffix(".json.partial")
-    temporary.write_text(json.dumps(result, indent=2, default=str))
-    temporary.replace(path)
+    write_json(result, path)
     plot(result, args.out / f"{stem}.png")
     say(f"wrote {path}")
     say(json.dumps(result["goals"], indent=1))

@@ -77,11 +77,16 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-# exlnb's engines loaded with a switch flipped, timed in turns beside the engine as it ships: runner -> (engine, the
-# environment its load reads)
+# exlnb's engines loaded with a switch set, timed in turns beside each other: runner -> (engine, the environment its
+# load reads). A switch's A/B names both sides ("-fused", "-unfused"): a setup's record belongs to one part, and the
+# goals' own setups ("kit-exllamav3") keep the numbers of the turns they took with their peers.
 KIT_VARIANTS = {
     "kit-exllamav3-ahead-off": ("exllamav3", {"EXLNB_QUEUE_AHEAD": "0"}),
-    "kit-exllamav3-unfused": ("exllamav3", {"EXLNB_FUSED_PRODUCTS": "0"}),
+    **{
+        f"kit-{engine}-{side}": (engine, {"EXLNB_FUSED_PRODUCTS": value})
+        for engine in ("exllamav2", "exllamav3")
+        for side, value in (("fused", "1"), ("unfused", "0"))
+    },
 }
 
 

@@ -227,21 +227,36 @@ def test_a_setup_timed_in_a_worker_of_its_own_says_why_it_could_not_load(tmp_pat
     ("runner", "variable", "switch"),
     [
         ("kit-exllamav3-ahead-off", "EXLNB_QUEUE_AHEAD", "exlnb.engines.queue_ahead:queue_ahead_on"),
-        ("kit-exllamav3-unfused", "EXLNB_FUSED_PRODUCTS", "exlnb.engines.fused_products:fused_products_on"),
+        *(
+            (f"kit-{engine}-{side}", "EXLNB_FUSED_PRODUCTS", "exlnb.engines.fused_products:fused_products_on")
+            for engine in ("exllamav2", "exllamav3")
+            for side in ("fused", "unfused")
+        ),
     ],
 )
 def test_a_kit_variant_loads_its_engine_with_its_switch_set_only_while_it_loads(monkeypatch, runner, variable, switch):
-    """The speed suite times the ExLlamaV3 engine with a switch flipped beside the engine as it ships, in turns (the
-    switch is read at load): the variant's environment holds during its load and is gone after, as it was before."""
+    """The speed suite times an engine with a switch set beside the engine as it ships, in turns (the switch is
+    read at load): the variant's environment holds during its load and is gone after, as it was before."""
     module, name = switch.split(":")
     is_on = getattr(importlib.import_module(module), name)
-    monkeypatch.delenv(variable, raising=False)
     engine, variables = speed_setups.KIT_VARIANTS[runner]
-    assert engine == "exllamav3" and speed.RUNNER_LIBRARY[runner] == "exllamav3"
-    with speed_setups._environment(variables):
-        assert not is_on()
-    assert is_on() and variable not in os.environ
-    monkeypatch.setenv(variable, "1")
-    with speed_setups._environment(variables):
-        assert not is_on()
-    assert os.environ[variable] == "1"
+    assert runner.startswith(f"kit-{engine}-") and speed.RUNNER_LIBRARY[runner] == engine
+    wanted = variables[variable] != "0"
+    for before in (None, "0" if wanted else "1"):
+        if before is None:
+            monkeypatch.delenv(variable, raising=False)
+        else:
+            monkeypatch.setenv(variable, before)
+        with speed_setups._environment(variables):
+            assert is_on() is wanted
+        assert os.environ.get(variable) == before
+
+
+def test_each_setup_is_timed_by_one_part_per_model_so_its_record_is_its_turns():
+    """A setup's record (`runner@model`) holds the numbers of the part that timed it, and a goal against a peer
+    counts only where the two took turns: a second part timing the same setup would overwrite the first's."""
+    owners: dict[str, str] = {}
+    for part in speed.PARTS:
+        model = part.partition("@")[2]
+        for runner in speed.runners(part):
+            assert owners.setdefault(f"{runner}@{model}", part) == part, f"{runner}@{model} is timed by two parts"
