@@ -13,7 +13,7 @@ import torch
 
 from benchmarks.paged_acceptance import QUESTIONS
 from exlnb.engines.cuda_graphs import CHECK_TOLERANCE
-from exlnb.engines.fused_products import FusedProducts, ProductGroup, check_fused
+from exlnb.engines.fused_products import FusedProducts, ProductGroup, check_fused, stack_without_copy
 from exlnb.random_model import LLAMA_7B, random_llama
 from exlnb.session import Session
 from exlnb.templates import chatml
@@ -183,3 +183,36 @@ def test_a_group_that_cannot_be_made_leaves_every_projection_with_its_own_forwar
     with pytest.raises(RuntimeError, match="misread"):
         FusedProducts(groups())
     assert not any("forward" in vars(p) for p in projections)
+
+
+def test_weights_in_one_allocation_stack_as_a_view_and_weights_of_their_own_as_a_stack():
+    """No weight held twice: exllamav3's loader carves small weights from shared slab blocks, where a stack would
+    leave the block alive beside it (a GPU run found every grouped weight of a small model held twice)."""
+    block = torch.randn(600)
+    evenly = [block[i * 136 : i * 136 + 128].view(16, 8) for i in range(3)]  # gaps between them, as alignment leaves
+    view = stack_without_copy(evenly)
+    assert view is not None and view.untyped_storage().data_ptr() == block.untyped_storage().data_ptr()
+    for weight, stacked in zip(evenly, view.unbind(0), strict=True):
+        assert torch.equal(weight, stacked) and stacked.data_ptr() == weight.data_ptr()
+    x = torch.randn(3, 5, 16)
+    assert torch.allclose(torch.bmm(x, view), torch.stack([x[i] @ w for i, w in enumerate(evenly)]), atol=1e-5)
+    transposed = stack_without_copy([w.t() for w in evenly])  # exllamav2's (out, in) weights, read input-major
+    assert transposed is not None and torch.equal(transposed[1], evenly[1].t())
+
+    own = [torch.randn(16, 8) for _ in range(2)]
+    stacked = stack_without_copy(own)
+    assert stacked is not None and stacked.is_contiguous() and torch.equal(stacked[1], own[1])
+
+    uneven = [block[0:128].view(16, 8), block[128:256].view(16, 8), block[300:428].view(16, 8)]
+    overlapping = [block[0:128].view(16, 8), block[64:192].view(16, 8)]
+    sliced_apart = [block[0:128].view(16, 8), torch.randn(200)[8:136].view(16, 8)]  # each a slice of another block
+    shapes = [torch.randn(16, 8), torch.randn(8, 16)]
+    for weights in (uneven, overlapping, sliced_apart, shapes):
+        assert stack_without_copy(weights) is None
+
+
+def test_a_group_left_separate_is_counted_and_said():
+    projections, group = _group()
+    fused = FusedProducts(iter([group, None, None]))
+    assert fused.groups == [group] and fused.left_separate == 2
+    assert fused.describe() == "1 fp16 projection groups fused, 2 left separate (weights in a shared allocation)"

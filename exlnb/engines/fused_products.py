@@ -86,13 +86,40 @@ class ProductGroup:
         return forward
 
 
-class FusedProducts:
-    """The fused groups of one loaded model."""
+def stack_without_copy(weights: list[torch.Tensor]) -> torch.Tensor | None:
+    """A group's weights as one (n, *shape) tensor, with no weight held twice. A view, where the library laid them
+    out evenly spaced in one allocation (exllamav3 1.6.5 carves weights of up to 16 MiB from shared slab blocks, in
+    load order); a new stack, where each weight owns its allocation (freed once the projections read their slices
+    of the stack instead); else None: stacking slices of a shared allocation would keep it alive beside the stack,
+    every weight of the group held twice."""
+    layout = {(w.shape, w.stride(), w.dtype, w.device) for w in weights}
+    if len(layout) != 1:
+        return None
+    first = weights[0]
+    if len({w.untyped_storage().data_ptr() for w in weights}) == 1:
+        offsets = [w.storage_offset() for w in weights]
+        steps = {b - a for a, b in zip(offsets, offsets[1:], strict=False)}
+        dense = first.is_contiguous() or first.t().is_contiguous()
+        if dense and len(steps) == 1 and (step := steps.pop()) >= first.numel():
+            return first.as_strided((len(weights), *first.shape), (step, *first.stride()), offsets[0])
+        return None
+    if all(w.storage_offset() == 0 and w.untyped_storage().nbytes() == w.numel() * w.element_size() for w in weights):
+        return torch.stack(weights)
+    return None
 
-    def __init__(self, groups: Iterator[ProductGroup] | None = None) -> None:
+
+class FusedProducts:
+    """The fused groups of one loaded model; `groups` may yield None for a group left separate (its weights could
+    not be stacked without a copy), which is counted."""
+
+    def __init__(self, groups: Iterator[ProductGroup | None] | None = None) -> None:
         self.groups: list[ProductGroup] = []
+        self.left_separate = 0
         try:
             for group in groups or ():
+                if group is None:
+                    self.left_separate += 1
+                    continue
                 group.install()
                 self.groups.append(group)
         except BaseException:  # a group that cannot be made leaves every projection with its own forward
@@ -117,7 +144,9 @@ class FusedProducts:
                 group.install()
 
     def describe(self) -> str:
-        return f"{len(self.groups)} fp16 projection groups fused" if self.groups else ""
+        fused = f"{len(self.groups)} fp16 projection groups fused" if self.groups else ""
+        apart = f"{self.left_separate} left separate (weights in a shared allocation)" if self.left_separate else ""
+        return ", ".join(filter(None, [fused, apart]))
 
 
 def check_fused(fused: FusedProducts, score: Callable[[list[int]], torch.Tensor], token_ids: list[int]) -> str | None:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from exlnb.engines.fused_products import FusedProducts, ProductGroup
+from exlnb.engines.fused_products import FusedProducts, ProductGroup, stack_without_copy
 
 
 def fuse_exllamav2(model) -> FusedProducts:
@@ -27,8 +27,10 @@ def _accepts(args: tuple, kwargs: dict) -> bool:
     return not args and set(kwargs) <= {"loras"} and not kwargs.get("loras")
 
 
-def _group(linears: list) -> ProductGroup:
-    stacked = torch.stack([linear.linear.weight.data.t() for linear in linears])
+def _group(linears: list) -> ProductGroup | None:
+    stacked = stack_without_copy([linear.linear.weight.data.t() for linear in linears])
+    if stacked is None:
+        return None
     for index, linear in enumerate(linears):
         linear.linear.weight = nn.Parameter(stacked[index].t(), requires_grad=False)
     return ProductGroup(linears, stacked, torch.half, _accepts)

@@ -3,7 +3,9 @@
 exllamav3 1.6.5 calls an attention's q, k and v, and each slice's gate and up of a gated MLP, one after another with
 one input (`Attention.project_qkv`, `GatedMLP.forward`) wherever its own fused EXL3 kernels do not take them. Its
 fp16 projections (`LinearFP16`) hold their weights input-major, (in, out), so a group's weights stack as they are;
-each projection's weight becomes a contiguous slice of the stack.
+each projection's weight becomes a contiguous slice of the stack. Its loader carves weights of up to 16 MiB from
+shared slab blocks: a group laid out evenly in one block is stacked as a view of it, one spread over blocks stays
+separate (a copy would hold its weights twice).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-from exlnb.engines.fused_products import FusedProducts, ProductGroup
+from exlnb.engines.fused_products import FusedProducts, ProductGroup, stack_without_copy
 
 
 def fuse_exllamav3(model) -> FusedProducts:
@@ -23,9 +25,11 @@ def fuse_exllamav3(model) -> FusedProducts:
     return FusedProducts(_group(linears) for linears in _candidate_groups(model) if _fusable(linears))
 
 
-def _group(linears: list) -> ProductGroup:
+def _group(linears: list) -> ProductGroup | None:
     inners = [linear.inner for linear in linears]
-    stacked = torch.stack([inner.weight for inner in inners])
+    stacked = stack_without_copy([inner.weight for inner in inners])
+    if stacked is None:
+        return None
     for index, inner in enumerate(inners):
         inner.weight = stacked[index]
     out_dtype = _out_dtype(linears[0])
