@@ -190,18 +190,23 @@ def test_weights_in_one_allocation_stack_as_a_view_and_weights_of_their_own_as_a
     leave the block alive beside it (a GPU run found every grouped weight of a small model held twice)."""
     block = torch.randn(600)
     evenly = [block[i * 136 : i * 136 + 128].view(16, 8) for i in range(3)]  # gaps between them, as alignment leaves
-    view = stack_without_copy(evenly)
-    assert view is not None and view.untyped_storage().data_ptr() == block.untyped_storage().data_ptr()
+    view, slots = stack_without_copy(evenly)
+    assert slots == [0, 1, 2] and view.untyped_storage().data_ptr() == block.untyped_storage().data_ptr()
     for weight, stacked in zip(evenly, view.unbind(0), strict=True):
         assert torch.equal(weight, stacked) and stacked.data_ptr() == weight.data_ptr()
     x = torch.randn(3, 5, 16)
     assert torch.allclose(torch.bmm(x, view), torch.stack([x[i] @ w for i, w in enumerate(evenly)]), atol=1e-5)
-    transposed = stack_without_copy([w.t() for w in evenly])  # exllamav2's (out, in) weights, read input-major
-    assert transposed is not None and torch.equal(transposed[1], evenly[1].t())
+    transposed, _ = stack_without_copy([w.t() for w in evenly])  # exllamav2's (out, in) weights, read input-major
+    assert torch.equal(transposed[1], evenly[1].t())
+    # exllamav3 loads up before gate: the view follows the allocation, the slots say where each weight lies
+    gate, up = block[128:256].view(16, 8), block[0:128].view(16, 8)
+    view, slots = stack_without_copy([gate, up])
+    assert slots == [1, 0]
+    assert view[slots[0]].data_ptr() == gate.data_ptr() and view[slots[1]].data_ptr() == up.data_ptr()
 
     own = [torch.randn(16, 8) for _ in range(2)]
-    stacked = stack_without_copy(own)
-    assert stacked is not None and stacked.is_contiguous() and torch.equal(stacked[1], own[1])
+    stacked, slots = stack_without_copy(own)
+    assert slots == [0, 1] and stacked.is_contiguous() and torch.equal(stacked[1], own[1])
 
     uneven = [block[0:128].view(16, 8), block[128:256].view(16, 8), block[300:428].view(16, 8)]
     overlapping = [block[0:128].view(16, 8), block[64:192].view(16, 8)]
@@ -209,6 +214,17 @@ def test_weights_in_one_allocation_stack_as_a_view_and_weights_of_their_own_as_a
     shapes = [torch.randn(16, 8), torch.randn(8, 16)]
     for weights in (uneven, overlapping, sliced_apart, shapes):
         assert stack_without_copy(weights) is None
+
+
+def test_a_group_stacked_out_of_order_hands_each_projection_its_own_output():
+    block = torch.randn(256)
+    gate, up = _Projection(block[128:256].view(16, 8)), _Projection(block[0:128].view(16, 8))
+    stacked, slots = stack_without_copy([gate.weight, up.weight])
+    group = ProductGroup([gate, up], stacked, torch.float32, lambda args, kwargs: True, slots)
+    FusedProducts([group])
+    x = torch.randn(2, 1, 16)
+    assert torch.allclose(gate.forward(x), x @ gate.weight, atol=1e-5)
+    assert torch.allclose(up.forward(x), x @ up.weight, atol=1e-5) and gate.calls == up.calls == 0
 
 
 def test_a_group_left_separate_is_counted_and_said():

@@ -42,13 +42,15 @@ def fused_products_on() -> bool:
 @dataclass
 class ProductGroup:
     """Projections that read one input, their weights stacked (n, in, out): the first computes every output, the
-    others hand theirs over. `accepts(args, kwargs)` says whether a call's options are ones the batched product
-    covers (beyond the input); any other call takes the projection's own product."""
+    others hand theirs over; projection i's weight is `stacked[slots[i]]`. `accepts(args, kwargs)` says whether a
+    call's options are ones the batched product covers (beyond the input); any other call takes the projection's own
+    product."""
 
     linears: list
     stacked: torch.Tensor
     out_dtype: torch.dtype
     accepts: Callable[[tuple, dict], bool]
+    slots: list[int] | None = None  # each projection's place in the stack, where it is not the projections' order
     _pending: tuple[torch.Tensor, list[torch.Tensor]] | None = field(default=None, repr=False)
     _own: list = field(default_factory=list, repr=False)  # each projection's own bound forward
 
@@ -71,6 +73,8 @@ class ProductGroup:
         else:  # fp16 products accumulated and written in float32, as exllamav3's Llama keeps gate/up
             products = torch.bmm(rows, self.stacked, out_dtype=self.out_dtype)
         outputs = [y.view(*x.shape[:-1], y.shape[-1]) for y in products.unbind(0)]
+        if self.slots is not None:
+            outputs = [outputs[slot] for slot in self.slots]
         self._pending = (x, outputs)
         return outputs[0]
 
@@ -86,25 +90,26 @@ class ProductGroup:
         return forward
 
 
-def stack_without_copy(weights: list[torch.Tensor]) -> torch.Tensor | None:
-    """A group's weights as one (n, *shape) tensor, with no weight held twice. A view, where the library laid them
-    out evenly spaced in one allocation (exllamav3 1.6.5 carves weights of up to 16 MiB from shared slab blocks, in
-    load order); a new stack, where each weight owns its allocation (freed once the projections read their slices
-    of the stack instead); else None: stacking slices of a shared allocation would keep it alive beside the stack,
-    every weight of the group held twice."""
-    layout = {(w.shape, w.stride(), w.dtype, w.device) for w in weights}
-    if len(layout) != 1:
+def stack_without_copy(weights: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
+    """A group's weights as one (n, *shape) tensor with no weight held twice, and each weight's slot in it. A view,
+    where the library laid them out evenly spaced in one allocation (exllamav3 1.6.5 carves weights of up to 16 MiB
+    from shared slab blocks in load order, up before gate), its slots in the allocation's order; a new stack, where
+    each weight owns its allocation (freed once the projections read their slices of the stack instead); else None:
+    stacking slices of a shared allocation would keep it alive beside the stack, each weight held twice."""
+    if len({(w.shape, w.stride(), w.dtype, w.device) for w in weights}) != 1:
         return None
     first = weights[0]
     if len({w.untyped_storage().data_ptr() for w in weights}) == 1:
-        offsets = [w.storage_offset() for w in weights]
+        order = sorted(range(len(weights)), key=lambda i: weights[i].storage_offset())
+        offsets = [weights[i].storage_offset() for i in order]
         steps = {b - a for a, b in zip(offsets, offsets[1:], strict=False)}
         dense = first.is_contiguous() or first.t().is_contiguous()
-        if dense and len(steps) == 1 and (step := steps.pop()) >= first.numel():
-            return first.as_strided((len(weights), *first.shape), (step, *first.stride()), offsets[0])
-        return None
+        if not (dense and len(steps) == 1 and (step := steps.pop()) >= first.numel()):
+            return None
+        view = first.as_strided((len(weights), *first.shape), (step, *first.stride()), offsets[0])
+        return view, [order.index(i) for i in range(len(weights))]
     if all(w.storage_offset() == 0 and w.untyped_storage().nbytes() == w.numel() * w.element_size() for w in weights):
-        return torch.stack(weights)
+        return torch.stack(weights), list(range(len(weights)))
     return None
 
 

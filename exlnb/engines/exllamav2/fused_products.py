@@ -28,12 +28,13 @@ def _accepts(args: tuple, kwargs: dict) -> bool:
 
 
 def _group(linears: list) -> ProductGroup | None:
-    stacked = stack_without_copy([linear.linear.weight.data.t() for linear in linears])
-    if stacked is None:
+    stack = stack_without_copy([linear.linear.weight.data.t() for linear in linears])
+    if stack is None:
         return None
-    for index, linear in enumerate(linears):
-        linear.linear.weight = nn.Parameter(stacked[index].t(), requires_grad=False)
-    return ProductGroup(linears, stacked, torch.half, _accepts)
+    stacked, slots = stack
+    for linear, slot in zip(linears, slots, strict=True):
+        linear.linear.weight = nn.Parameter(stacked[slot].t(), requires_grad=False)
+    return ProductGroup(linears, stacked, torch.half, _accepts, slots)
 
 
 def _candidate_groups(model) -> Iterator[list]:

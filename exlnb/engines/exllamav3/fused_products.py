@@ -27,18 +27,19 @@ def fuse_exllamav3(model) -> FusedProducts:
 
 def _group(linears: list) -> ProductGroup | None:
     inners = [linear.inner for linear in linears]
-    stacked = stack_without_copy([inner.weight for inner in inners])
-    if stacked is None:
+    stack = stack_without_copy([inner.weight for inner in inners])
+    if stack is None:
         return None
-    for index, inner in enumerate(inners):
-        inner.weight = stacked[index]
+    stacked, slots = stack
+    for inner, slot in zip(inners, slots, strict=True):
+        inner.weight = stacked[slot]
     out_dtype = _out_dtype(linears[0])
 
     def accepts(args: tuple, kwargs: dict) -> bool:  # forward(x, params, out_dtype=None)
         asked = kwargs.get("out_dtype", args[1] if len(args) > 1 else None)
         return (asked or out_dtype) == out_dtype
 
-    return ProductGroup(linears, stacked, out_dtype, accepts)
+    return ProductGroup(linears, stacked, out_dtype, accepts, slots)
 
 
 def _candidate_groups(model) -> Iterator[list]:
