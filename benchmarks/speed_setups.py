@@ -82,6 +82,8 @@ def free_memory() -> None:
 # goals' own setups ("kit-exllamav3") keep the numbers of the turns they took with their peers.
 KIT_VARIANTS = {
     "kit-exllamav3-ahead-off": ("exllamav3", {"EXLNB_QUEUE_AHEAD": "0"}),
+    "kit-exllamav2-ahead-on": ("exllamav2", {"EXLNB_QUEUE_AHEAD": "1"}),
+    "kit-exllamav2-ahead-off": ("exllamav2", {"EXLNB_QUEUE_AHEAD": "0"}),
     **{
         f"kit-{engine}-{side}": (engine, {"EXLNB_FUSED_PRODUCTS": value})
         for engine in ("exllamav2", "exllamav3")

@@ -226,7 +226,10 @@ def test_a_setup_timed_in_a_worker_of_its_own_says_why_it_could_not_load(tmp_pat
 @pytest.mark.parametrize(
     ("runner", "variable", "switch"),
     [
-        ("kit-exllamav3-ahead-off", "EXLNB_QUEUE_AHEAD", "exlnb.engines.queue_ahead:queue_ahead_on"),
+        *(
+            (runner, "EXLNB_QUEUE_AHEAD", "exlnb.engines.queue_ahead:queue_ahead_on")
+            for runner in ("kit-exllamav3-ahead-off", "kit-exllamav2-ahead-on", "kit-exllamav2-ahead-off")
+        ),
         *(
             (f"kit-{engine}-{side}", "EXLNB_FUSED_PRODUCTS", "exlnb.engines.fused_products:fused_products_on")
             for engine in ("exllamav2", "exllamav3")

@@ -156,15 +156,9 @@ def test_a_prompt_several_pages_long_decodes_the_same_from_graphs(sessions):
     assert graphed.cache_view().free_pages == graphed.cache_view().total_pages
 
 
-def exllamav3_only(session: Session) -> None:
-    if session.status().engine != "exllamav3":
-        pytest.skip("the ExLlamaV3 engine queues decode steps ahead (its generator says which tokens come next)")
-
-
 @pytest.mark.gpu
 def test_each_decode_step_is_queued_ahead_and_used_while_the_rows_go_on(sessions):
     eager, graphed = sessions
-    exllamav3_only(graphed)
     prompt = chatml(QUESTIONS[3])
     used_before, queued_before = graphed.run_on_engine(lambda e: (e.graphs.used_ahead, e.graphs.queued_ahead))
 
@@ -181,7 +175,6 @@ def test_each_decode_step_is_queued_ahead_and_used_while_the_rows_go_on(sessions
 @pytest.mark.gpu
 def test_rows_that_end_at_different_steps_drop_the_queued_step_and_decode_as_eager(sessions):
     eager, graphed = sessions
-    exllamav3_only(graphed)
 
     def run(session: Session) -> list[tuple[int, ...]]:
         greedy = SamplerSettings.greedy()
@@ -204,9 +197,8 @@ def test_rows_that_end_at_different_steps_drop_the_queued_step_and_decode_as_eag
 @pytest.mark.gpu
 def test_queuing_ahead_is_off_where_switched_off(sessions, monkeypatch):
     _, graphed = sessions
-    exllamav3_only(graphed)
     monkeypatch.setenv("EXLNB_QUEUE_AHEAD", "0")
-    session = load("auto", "exllamav3")
+    session = load("auto", graphed.status().engine)
     try:
         session.complete(chatml(QUESTIONS[0]), max_new_tokens=8, sampler=SamplerSettings.greedy())
         assert session.run_on_engine(lambda e: e.graphs.queued_ahead) == 0

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from exlnb.engines.queue_ahead import Ahead, Step, next_step, queue_ahead_on
+from exlnb.engines.base import JobSpec
+from exlnb.engines.constraint import OutputConstraint
+from exlnb.engines.queue_ahead import Ahead, Step, next_step, pages_hold, queue_ahead_on, said, takes_the_argmax
+from exlnb.engines.sampling import SamplerSettings
 
 PAGE = 256
 
@@ -35,6 +38,43 @@ def test_no_step_is_guessed_that_would_write_past_a_row_s_pages_or_the_table():
     assert next_step(step([40, 41]), [1], [512, 512], PAGE) is None  # a token for only one of two rows
     assert next_step(step([40, 41]), [1, 2], [512], PAGE) is None  # the rows are not the step's
     assert next_step(step([40]), [1], None, PAGE) is None  # the engine cannot say
+    # a table narrower than the graph's bucket (exllamav2 pads it on the card with each row's first page)
+    narrow = Step.of((1, 4), torch.zeros((1, 2), dtype=torch.int32), torch.tensor([511], dtype=torch.int32))
+    assert next_step(narrow, [1], [4 * PAGE], PAGE) is None  # 512 would be written past the table's two pages
+
+
+def test_exllamav2_rows_hold_the_pages_their_tokens_so_far_need():
+    """exllamav2 0.3.2 gives a decode row the pages for its cached tokens and this step's input: a guess may write
+    the next position only while that lies on the same last page."""
+    lengths = torch.tensor([0, 254, 255, 256, 300], dtype=torch.int32)
+    assert pages_hold(lengths, PAGE) == [256, 256, 256, 512, 512]
+    last = Step.of((5, 2), torch.zeros((5, 2), dtype=torch.int32), lengths)
+    assert next_step(last, [1] * 5, pages_hold(lengths, PAGE), PAGE) is None  # the row at 255 needs a new page
+    fits = Step.of((2, 2), torch.zeros((2, 2), dtype=torch.int32), torch.tensor([254, 300], dtype=torch.int32))
+    assert next_step(fits, [1, 2], pages_hold(fits.lengths, PAGE), PAGE).lengths.tolist() == [255, 301]
+
+
+def test_a_row_is_guessed_by_its_argmax_only_where_nothing_changes_its_logits_first():
+    def spec(constraint=None, banned=(), **settings) -> JobSpec:
+        sampler = SamplerSettings.greedy(**settings)
+        stops = frozenset({0})  # a constrained job needs one
+        return JobSpec((1, 2, 3), sampler=sampler, stop_token_ids=stops, constraint=constraint, banned_strings=banned)
+
+    assert takes_the_argmax(spec())
+    assert takes_the_argmax(spec(top_k=1, temperature=0.8))  # greedy by top-k
+    for changed in (
+        spec(temperature=0.8, top_k=50),
+        spec(token_repetition_penalty=1.1),
+        spec(token_frequency_penalty=0.2),
+        spec(token_presence_penalty=0.2),
+        spec(token_bias=((5, 2.0),)),
+        spec(dry_multiplier=0.8),
+        spec(xtc_probability=0.5),
+        spec(banned=("no",)),
+        spec(constraint=OutputConstraint.given(regex="[a-z]+")),
+    ):
+        assert not takes_the_argmax(changed), changed
+    assert said(True, 38, 39) == ", 38 of 39 steps queued ahead used" and said(False, 0, 0) == ""
 
 
 def test_the_step_asked_for_is_held_against_the_queued_one_field_by_field():

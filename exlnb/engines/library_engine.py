@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -32,6 +32,7 @@ from exlnb.engines.base import (
 from exlnb.engines.checks import check_prompt_fits
 from exlnb.engines.device_sampling import DeviceDraws, JobDraw, Row, device_sampling_on
 from exlnb.engines.fused_products import CHECK_TEXT, FusedProducts, check_fused, fused_products_on
+from exlnb.engines.queue_ahead import takes_the_argmax
 from exlnb.engines.token_info import TokenInfo, token_info
 from exlnb.engines.views import PageInfo
 
@@ -239,25 +240,44 @@ class LibraryEngine(Engine):
         """What else keeps a job on the host in this engine (none here; an engine adds its own)."""
         return False
 
-    def _step_rows(self) -> list[tuple[int, Row | None]]:
+    def _decode_rows(self) -> Iterator[tuple[int, TrackedJob | None]]:
         """The decode step's rows in the library's batch order (its active jobs past their prefill, a row per
-        sequence, as exllamav2 0.3.2's and exllamav3 1.6.5's `iterate_gen` lay them out): each job's id and its
-        device row, or None where the host samples it."""
-        rows = []
+        sequence, as exllamav2 0.3.2's and exllamav3 1.6.5's `iterate_gen` lay them out): each job's id and what
+        the engine tracks of it."""
         for job in self.generator.active_jobs:
-            if not job.is_prefill_done():
-                continue
-            tracked = self._jobs.get(job.identifier)
+            if job.is_prefill_done():
+                for _ in job.sequences:
+                    yield job.identifier, self._jobs.get(job.identifier)
+
+    def _step_rows(self) -> list[tuple[int, Row | None]]:
+        """Each decode row's job id and its device row, or None where the host samples it."""
+        rows = []
+        for job_id, tracked in self._decode_rows():
             draw = tracked.draw if tracked is not None else None
-            row = self.draws.row(draw, tracked.new_tokens) if draw is not None else None
-            rows += [(job.identifier, row)] * len(job.sequences)
+            rows.append((job_id, self.draws.row(draw, tracked.new_tokens) if draw is not None else None))
         return rows
 
+    def _argmax_rows(self) -> list[bool]:
+        """Whether each decode row's token is its step's argmax, which a decoder may queue the next step on
+        (queue_ahead.py)."""
+        return [tracked is not None and takes_the_argmax(tracked.spec) for _, tracked in self._decode_rows()]
+
+    def _wait_for_asked_steps(self) -> None:
+        """Field report 5: read the clock only after the GPU has done the steps the generator asked for, not a step
+        queued ahead of the next."""
+        if self.graphs is not None:
+            self.graphs.synchronize()
+        else:
+            self.synchronize()
+
     def _count_defrags(self, owner: object, method: str) -> None:
-        """Wrap the library's defragmenter to count the times it really moved pages."""
+        """Wrap the library's defragmenter to count the times it really moved pages, and to drop a decode step
+        queued ahead before it does (queue_ahead.py: the queued step writes into pages the defragmenter may move)."""
         original = getattr(owner, method)
 
         def counting(*args, **kwargs):
+            if self.graphs is not None:
+                self.graphs.drop_ahead()
             before = owner.last_defrag_serial
             original(*args, **kwargs)
             if owner.last_defrag_serial != before:

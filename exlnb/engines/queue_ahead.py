@@ -1,14 +1,24 @@
 """Queuing a decode step before the generator asks for it, so that the GPU computes step t+1 while the host turns
-step t's tokens into text, events and the next step's tables.
+step t's tokens into text, events and the next step's tables. Both graph decoders do it, each where its library lets
+the tokens be known early.
 
 exllamav3 1.6.5's generator, after each decode step, waits for the sampled tokens, hands them to the model's
 `prefetch_tokens` (the next forward's inputs, known from then on), and only then does its host work: each job's
 text, stop conditions and results, then exlnb's events and the next step's tables. On an H100 the GPU sat idle for
 0.51 ms of a 2.36 ms EXL3 step while the host worked (benchmarks/results/speed-nvidia-h100-80gb-hbm3-2026-11-28-exl3).
 A decoder that replays the whole step from one graph can start the next step at `prefetch_tokens`, guessing its
-shape (`next_step`): the same rows, each one token longer, over the same block table. The generator's next forward
-is then held against the guess (`Ahead.matches`): where they agree, its output is the queued step's; where they do
-not (a job ended, joined or rewound), the queued step is dropped and the step runs as asked.
+shape (`next_step`): the same rows, each one token longer, over the same block table.
+
+exllamav2 0.3.2 has no such hand-over: its generator copies every row's logits to the host and then samples and
+finishes each job in turn, 3.1 ms of host work in a batch-8 step of 8.6 during which the GPU idled (H200, step clock,
+benchmarks/results/speed-nvidia-h200-x2-2026-11-28-fused). Where every row's token is its logits' argmax (a greedy
+job with nothing that changes its logits, `takes_the_argmax`), the ExLlamaV2 decoder takes that argmax itself right
+after the replay and queues the next step on a stream of its own, so that the generator's copy of this step's logits
+does not wait for it; each row's pages there cover exactly its tokens so far (`pages_hold`).
+
+Either way the generator's next forward is then held against the guess (`Ahead.matches`): where they agree, its
+output is the queued step's; where they do not (a job ended, joined or rewound), the queued step is dropped and the
+step runs as asked.
 
 What a dropped step wrote is never read: it wrote keys and values only at each row's next position, which a row
 that goes on rewrites with the same token later in the stream, and which the pages of a row that ended hold past
@@ -49,7 +59,7 @@ def next_step(last: Step, tokens: Sequence[int], capacities: Sequence[int] | Non
     """The step that follows `last` if every row goes on with its token in `tokens`; None where it cannot be guessed
     safely: the tokens or the rows' `capacities` (how many tokens each row's allocated pages hold, in batch order)
     are not one per row, or a row's next position lies past its pages or past the block table's width."""
-    batch, width = last.key
+    batch, width = last.key[0], last.block_table.shape[1]  # the library's own table: no column padded on the card
     if len(tokens) != batch or capacities is None or len(capacities) != batch:
         return None
     lengths = last.lengths + 1
@@ -59,13 +69,45 @@ def next_step(last: Step, tokens: Sequence[int], capacities: Sequence[int] | Non
     return Step(last.key, last.block_table, lengths)
 
 
+def pages_hold(lengths: torch.Tensor, page_size: int) -> list[int]:
+    """How many tokens each row's block-table pages hold where the library gave each row the pages its tokens so far
+    need, this step's input token included (exllamav2 0.3.2's `get_block_index`): a row whose cache holds `length`
+    tokens has length + 1 of them."""
+    return [(int(length) // page_size + 1) * page_size for length in lengths]
+
+
+def takes_the_argmax(spec) -> bool:
+    """Whether a job's next token is the argmax of its step's raw logits, so that a decoder may guess it: greedy,
+    with no penalty, bias, DRY, constraint or banned string to change the logits first (a guess is only a guess:
+    the step asked for is held against it, and a wrong one is dropped)."""
+    s = spec.sampler
+    return (
+        s.is_greedy
+        and s.token_repetition_penalty == 1.0
+        and s.token_frequency_penalty == 0.0
+        and s.token_presence_penalty == 0.0
+        and not s.token_bias
+        and s.dry_multiplier == 0.0
+        and s.xtc_probability == 0.0
+        and spec.constraint is None
+        and not spec.banned_strings
+    )
+
+
+def said(on: bool, used: int, queued: int) -> str:
+    """The status line's part on queuing ahead ("" where the decoder does not queue)."""
+    return f", {used} of {queued} steps queued ahead used" if on else ""
+
+
 @dataclass
 class Ahead:
-    """A step queued ahead: its shape, its input tokens (batch, 1) on the host and its graph's output."""
+    """A step queued ahead: its shape, its input tokens (batch, 1) on the host, its graph's output and, where it runs
+    on a stream of its own, the event that ends it there."""
 
     step: Step
     input_ids: torch.Tensor
     output: torch.Tensor
+    done: torch.cuda.Event | None = None
 
     def matches(
         self, key: tuple[int, int], input_ids: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor

@@ -120,13 +120,15 @@ class ExLlamaV2Engine(LibraryEngine):
         self.max_seq_len = min(config.max_seq_len, cache_tokens)
 
     def _graph_decoder(self) -> GraphDecoder:
-        return GraphDecoder(
+        decoder = GraphDecoder(
             self.model,
             self.cache,
             page_size=self.page_size,
             max_batch_size=self.generator.max_batch_size,
             max_pages=self.generator.max_pages,
         )
+        decoder.argmax_rows = self._argmax_rows
+        return decoder
 
     # -- load-time checks ----------------------------------------------------------------------------------
 
@@ -286,7 +288,7 @@ class ExLlamaV2Engine(LibraryEngine):
 
     def step(self) -> list[StreamEvent]:
         results = self.generator.iterate()
-        self.synchronize()  # field report 5: read the clock only after the GPU has done the work
+        self._wait_for_asked_steps()
         events = self._events(results, wall_clock())
         if failures := self._cancel_failed_filters():
             others = [event for event in events if event.job_id not in failures]

@@ -20,6 +20,10 @@ changes no value). The batch is not padded: on the GPU a GEMM of 8 rows rounds d
 padded batches flipped greedy tokens against eager decode on a 7B-shaped model (near-ties are common with
 random weights), where a graph per exact batch size gives the same tokens as eager.
 
+On one card, where every row's token is its logits' argmax, the step after each replay is queued ahead on a stream
+of its own while exllamav2's generator does each job's host work (queue_ahead.py), and held against the step it
+then asks for.
+
 Measured on an H100 (benchmarks/README.md): the bundled model decodes 4.2x to 7.8x as fast at batch 1; the
 7B-shaped model's replayed step takes 7.3 ms of GPU time, 1.66x the floor, so there the kernels now set the speed.
 """
@@ -31,9 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
+from exlnb.engines.base import one_line
 from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, bucket_for, buckets, by_card, replay_differs
 from exlnb.engines.device_sampling import DeviceDraws, Row
 from exlnb.engines.exllamav2 import paged_attention
+from exlnb.engines.queue_ahead import Ahead, Step, next_step, pages_hold, queue_ahead_on, said
 from exlnb.engines.step_clock import StepClock, timed_replay
 
 CHECK_PROMPT_TOKENS = 24
@@ -64,6 +70,16 @@ class GraphDecoder:
         self.draws: DeviceDraws | None = None  # where the engine samples on the device: the last graph draws too
         self.step_rows: Callable[[], list[tuple[object, Row | None]]] = list  # the engine's rows of a step
         self.clock: StepClock | None = None  # where a benchmark times each step's parts (step_clock.py)
+        # queuing ahead (queue_ahead.py), on one card: the engine says, per row in batch order, whether its token is
+        # the step's argmax; the step queued after the last one runs on a stream of its own
+        self.queue_ahead = queue_ahead_on() and len(self._cards) == 1
+        self.argmax_rows: Callable[[], list[bool]] = list
+        self._ahead: Ahead | None = None
+        self._side = torch.cuda.Stream(self.device) if self.queue_ahead else None
+        self._asked_done = torch.cuda.Event()  # the end of the asked step's work, where a step is queued after it
+        self.queued_ahead = 0
+        self.used_ahead = 0
+        self.ahead_failed = ""  # why queuing ahead stopped, where a queued replay failed
 
     @property
     def replays(self) -> int:
@@ -81,6 +97,9 @@ class GraphDecoder:
         self.installed = True
 
     def uninstall(self) -> None:
+        if self._ahead is not None:
+            torch.cuda.synchronize()  # a queued replay must end before its graph is freed
+            self._ahead = None
         if self.installed:
             del self.model.forward_chunk
             self.installed = False
@@ -88,21 +107,84 @@ class GraphDecoder:
             card.graphs.clear()
 
     def forward_chunk(self, input_ids: torch.Tensor, cache=None, *args, attn_params=None, **kwargs):
-        """The model's `forward_chunk`: a replay where the step qualifies, the model's own method otherwise."""
+        """The model's `forward_chunk`: the step queued ahead where it is the one asked for, else a replay where the
+        step qualifies, the model's own method otherwise; after a step from a graph, the next one queued ahead
+        where its tokens can be guessed."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:  # whatever comes next reads or restages the buffers the queued replay uses
+            torch.cuda.current_stream(self.device).wait_event(ahead.done)
         key = None if args or self.gave_up else self._key(input_ids, cache, attn_params, kwargs)
         if key is not None:
             if self.clock:
                 self.clock.asked()
+            table, lengths = attn_params.block_index, attn_params.cache_seqlens
+            step = Step.of(key, table, lengths) if self.queue_ahead else None
+            hit = ahead is not None and ahead.matches(key, input_ids, table, lengths)
             try:
-                logits = self._replay(key, input_ids, attn_params, kwargs)
+                if hit:
+                    self.used_ahead += 1
+                    self.cache.current_seq_len += 1
+                    logits = ahead.output
+                else:
+                    logits = self._replay(key, input_ids, attn_params, kwargs)
+                if step is not None and self.draws is None:
+                    logits = self._queue_after(step, logits, attn_params, kwargs)
                 if self.clock:
-                    self.clock.returned(ahead=False)
+                    self.clock.returned(ahead=hit)
                 return {"logits": logits}
             except CaptureFailed as failure:  # this step and every later one run eagerly; the status says why
                 self.gave_up = str(failure)
         if self.draws is not None:
             self.draws.forget_step()  # the jobs draw alone from the eager logits
         return self._eager(input_ids, cache, *args, attn_params=attn_params, **kwargs)
+
+    def drop_ahead(self) -> None:
+        """Wait for a step queued ahead and forget it: the library is about to move pages, which the queued replay
+        may still be writing into on its own stream."""
+        if self._ahead is not None:
+            self._ahead.done.synchronize()
+            self._ahead = None
+
+    def synchronize(self) -> None:
+        """Wait for the device work of the steps the generator asked for, not for a step queued ahead, which is
+        what the host's work overlaps (the engine reads its clock after this, field report 5)."""
+        if self._ahead is None:
+            torch.cuda.synchronize()
+        else:
+            self._asked_done.synchronize()
+
+    def _queue_after(self, step: Step, logits: torch.Tensor, attn_params, kwargs: dict) -> torch.Tensor:
+        """Queue the step after `step` where every row's token is its argmax (queue_ahead.py): the argmax read back
+        (the generator's copy of the logits would wait for this step next anyway), the logits kept in a buffer of
+        their own for the generator, and the next step replayed on the side stream. Returns the logits to hand on."""
+        rows = self.argmax_rows()
+        if len(rows) != step.key[0] or not all(rows):
+            return logits
+        tokens = logits[:, -1].argmax(-1).cpu()
+        following = next_step(step, tokens.tolist(), pages_hold(step.lengths, self.page_size), self.page_size)
+        if following is None:
+            return logits
+        kept = logits.clone()  # the queued replay writes the graph's output again
+        input_ids = tokens.view(-1, 1)
+        main = torch.cuda.current_stream(self.device)
+        self._asked_done.record(main)
+        self._side.wait_stream(main)
+        seq_len = self.cache.current_seq_len  # counted when the generator asks for the step, not now
+        try:
+            with torch.cuda.stream(self._side):
+                params = _next_params(attn_params, following)
+                output = self._replay(following.key, input_ids, params, kwargs, ahead=True)
+                done = torch.cuda.Event()
+                done.record(self._side)
+        except Exception as error:  # decode goes on as asked, without queuing; the status says why
+            main.wait_stream(self._side)
+            self.queue_ahead, self.ahead_failed = False, one_line(error)
+            return kept
+        finally:
+            self.cache.current_seq_len = seq_len
+        self._ahead = Ahead(following, input_ids, output, done)
+        self.queued_ahead += 1
+        return kept
 
     def _key(self, input_ids: torch.Tensor, cache, attn_params, kwargs: dict) -> tuple[int, int] | None:
         """The (batch size, pages bucket) of a step that qualifies for a graph; None for one that does not."""
@@ -118,7 +200,9 @@ class GraphDecoder:
         pages = bucket_for(attn_params.block_index.shape[1], self.page_buckets)
         return None if batch > self.max_batch_size or pages is None else (batch, pages)
 
-    def _replay(self, key: tuple[int, int], input_ids: torch.Tensor, attn_params, kwargs: dict) -> torch.Tensor:
+    def _replay(
+        self, key: tuple[int, int], input_ids: torch.Tensor, attn_params, kwargs: dict, *, ahead: bool = False
+    ) -> torch.Tensor:
         from exllamav2.device import set_device_streams
 
         x = input_ids
@@ -131,14 +215,15 @@ class GraphDecoder:
                 loras=kwargs.get("loras"),
                 indexed_embeddings=kwargs.get("indexed_embeddings"),
             )
-        set_device_streams()  # as forward_chunk does: the generator reads the logits on exllamav2's stream
+        if not ahead:  # a step queued ahead runs on the side stream its caller made current
+            set_device_streams()  # as forward_chunk does: the generator reads the logits on exllamav2's stream
         rows, width = key
         drawn = self.draws.stage(self.step_rows(), rows) if self.draws is not None else None
         for card in self._cards:
             self._stage(card, key, x, attn_params.cache_seqlens, attn_params.block_index)
             draws_here = drawn if card is self._cards[-1] else None  # the mode the last card draws in
             # the graph must record the attention layout's kernels, not reuse the warm-up's
-            with timed_replay(self.clock if card is self._cards[-1] else None, card.device):
+            with timed_replay(self.clock if card is self._cards[-1] else None, card.device, ahead=ahead):
                 x = card.graphs.replay(
                     (rows, width, draws_here),
                     lambda card=card, draws_here=draws_here: self._step(card, rows, width, draws_here),
@@ -275,12 +360,29 @@ class GraphDecoder:
         captured = sum(len(card.graphs) for card in self._cards)
         graph_bytes = sum(card.graphs.graph_bytes for card in self._cards)
         drawn = ", sampling on the GPU" if self.draws is not None else ""
-        return f"CUDA graphs{cards}, {captured} captured, {graph_bytes / 2**20:.0f} MiB{drawn}"
+        ahead = said(self.queue_ahead, self.used_ahead, self.queued_ahead)
+        if self.ahead_failed:
+            ahead = f", no step queued ahead since {self.ahead_failed}"
+        return f"CUDA graphs{cards}, {captured} captured, {graph_bytes / 2**20:.0f} MiB{drawn}{ahead}"
 
 
 # forward_chunk's arguments a replay can take (the dynamic generator passes these), and those that need eager
 _ALLOWED_ARGUMENTS = {"loras", "indexed_embeddings", "abort_event"}
 _EAGER_ONLY_ARGUMENTS = ("loras", "indexed_embeddings")
+
+
+def _next_params(params, step: Step):
+    """The paged parameters of the step queued after `params`' step: its block table and cache lengths."""
+    from exllamav2.attn import ExLlamaV2Attention
+
+    return ExLlamaV2Attention.PagedParams(
+        batch_size=step.key[0],
+        block_index=step.block_table,
+        cache_seqlens=step.lengths,
+        max_cache_seqlen=int(step.lengths.max()),
+        page_size=params.page_size,
+        q_len=1,
+    )
 
 
 def _on_gpu(module) -> bool:

@@ -209,11 +209,7 @@ class ExLlamaV3Engine(LibraryEngine):
     def step(self) -> list[StreamEvent]:
         events, self._failed_step_events = self._failed_step_events, []
         results = self.generator.iterate()
-        # field report 5: read the clock only after the GPU has done the work (not a step queued ahead of the next)
-        if self.graphs is not None:
-            self.graphs.synchronize()
-        else:
-            self.synchronize()
+        self._wait_for_asked_steps()
         now = wall_clock()
         failures: dict[int, BaseException] = {}
         for result in results:

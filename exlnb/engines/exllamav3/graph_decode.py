@@ -33,7 +33,7 @@ from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, by_card, replay
 from exlnb.engines.device_sampling import DeviceDraws, Row
 from exlnb.engines.exllamav3.capture_fixes import pinned_pointer_tables, turn_library_graphs_off
 from exlnb.engines.options import PAGE_TOKENS
-from exlnb.engines.queue_ahead import Ahead, Step, next_step, queue_ahead_on
+from exlnb.engines.queue_ahead import Ahead, Step, next_step, queue_ahead_on, said
 from exlnb.engines.step_clock import StepClock, timed_replay
 
 CHECK_PROMPT_TOKENS = 24
@@ -186,6 +186,11 @@ class GraphDecoder:
             if self.clock:
                 self.clock.queued()
 
+    def drop_ahead(self) -> None:
+        """Forget a step queued ahead: the library is about to move pages, so it cannot be the step asked for next
+        (it runs on the generator's stream, before the moves)."""
+        self._ahead = None
+
     def synchronize(self) -> None:
         """Wait for the device work of the steps the generator asked for, not for a step queued ahead, which is
         what the host's work overlaps (the engine reads its clock after this, field report 5)."""
@@ -334,7 +339,7 @@ class GraphDecoder:
         captured = sum(len(card.graphs) for card in self._cards)
         graph_bytes = sum(card.graphs.graph_bytes for card in self._cards)
         drawn = ", sampling on the GPU" if self.draws is not None else ""
-        ahead = f", {self.used_ahead} of {self.queued_ahead} steps queued ahead used" if self.queue_ahead else ""
+        ahead = said(self.queue_ahead, self.used_ahead, self.queued_ahead)
         plain = ", exllamav3's own graphs off" if self.library_graphs_off else ""
         return f"CUDA graphs{cards}, {captured} captured, {graph_bytes / 2**20:.0f} MiB{drawn}{ahead}{plain}"
 
