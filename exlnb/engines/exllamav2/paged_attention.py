@@ -44,10 +44,9 @@ class PagedLayout:
     """
 
     write_slots: torch.Tensor | None  # (batch * q_len,) rows of the (slots, kv_heads, dim) cache for new keys
-    # None where the layout serves triton_decode, which reads the pages itself:
-    read_rows: torch.Tensor | None  # (batch * heads * keys,) rows of the (slots * kv_heads, dim) cache, in the
-    #                                 order (sequence, query head, position): the gather also repeats key heads for GQA
-    bias: torch.Tensor | None  # (batch, 1, q_len, keys): 0 where the query may attend to the key, -inf elsewhere
+    read_rows: torch.Tensor  # (batch * heads * keys,) rows of the (slots * kv_heads, dim) cache, in the
+    #                          order (sequence, query head, position): the gather also repeats key heads for GQA
+    bias: torch.Tensor  # (batch, 1, q_len, keys): 0 where the query may attend to the key, -inf elsewhere
 
 
 def paged_layout(
@@ -62,10 +61,9 @@ def paged_layout(
     heads: int,
     kv_heads: int,
     dtype: torch.dtype,
-    gathers: bool = True,
 ) -> PagedLayout:
-    """Slots and mask for queries that follow `cache_seqlens` tokens (plus the `q_len` new ones if `appends`);
-    the write slots alone where the pages are not gathered (triton_decode reads them in place)."""
+    """Slots and mask for queries that follow `cache_seqlens` tokens (plus the `q_len` new ones if `appends`), for
+    the PyTorch path (triton_decode reads the pages in place and writes the new keys itself)."""
     device = block_table.device
     block_table = block_table.long()
     cache_seqlens = cache_seqlens.long()
@@ -76,8 +74,6 @@ def paged_layout(
     if appends:
         pages = block_table.gather(1, new_positions // page_size)
         write_slots = (pages * page_size + new_positions % page_size).flatten()
-    if not gathers:
-        return PagedLayout(write_slots, None, None)
 
     # every page in the table: exllamav2 sizes a pass's table to its longest sequence, so little is padding
     offsets = torch.arange(page_size, device=device)
@@ -208,7 +204,23 @@ def flash_attn_with_kvcache(
     _, page_size, kv_heads, _ = k_cache.shape
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads evenly")
-    on_triton = _decodes_on_triton(q, k_cache, v_cache)
+    scale = softmax_scale if softmax_scale is not None else dim**-0.5
+    if _decodes_on_triton(q, k_cache, v_cache):  # one kernel writes the new keys and values and attends
+        from exlnb.engines.exllamav2 import triton_decode
+
+        return triton_decode.paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            block_table,
+            new_keys=k,
+            new_values=v,
+            scale=scale,
+            causal=causal,
+            window_size=tuple(window_size),
+            softcap=softcap,
+        )
     layout = _memo.get(
         block_table,
         cache_seqlens,
@@ -220,27 +232,10 @@ def flash_attn_with_kvcache(
         heads=heads,
         kv_heads=kv_heads,
         dtype=q.dtype,
-        gathers=not on_triton,
     )
     if k is not None:  # views of the caller's cache: the new keys and values land in its pages
         k_cache.view(-1, kv_heads, dim).index_copy_(0, layout.write_slots, k.reshape(-1, kv_heads, dim))
         v_cache.view(-1, kv_heads, dim).index_copy_(0, layout.write_slots, v.reshape(-1, kv_heads, dim))
-    scale = softmax_scale if softmax_scale is not None else dim**-0.5
-    if on_triton:
-        from exlnb.engines.exllamav2 import triton_decode
-
-        return triton_decode.paged_decode_attention(
-            q,
-            k_cache,
-            v_cache,
-            cache_seqlens,
-            block_table,
-            appended=q_len if k is not None else 0,
-            scale=scale,
-            causal=causal,
-            window_size=tuple(window_size),
-            softcap=softcap,
-        )
     keys = k_cache.view(-1, dim).index_select(0, layout.read_rows).view(batch, heads, -1, dim)
     values = v_cache.view(-1, dim).index_select(0, layout.read_rows).view(batch, heads, -1, dim)
     out = attend(q.transpose(1, 2), keys, values, layout.bias, scale, softcap)
