@@ -8,8 +8,8 @@ and 19.1 at 4096, where reading the keys and values once costs about 0.7 ms a to
   keys). Its rows are the (query position, query head) pairs that read that key/value head, so grouped heads
   share each key tile. It walks its keys a tile at a time with an online softmax in float32, and leaves each row's
   unnormalised sum of values, running maximum and denominator. The call's new keys and values are read from the
-  call itself, and the first program of each (sequence, key/value head) writes them into their pages (`_append`):
-  no program reads a slot another is writing, and a step needs no kernels of its own for the writes (two a layer,
+  call itself, and the first program of each (sequence, key/value head) writes them into their pages: no program
+  reads a slot another is writing, and a step needs no kernels of its own for the writes (two a layer,
   64 of a 7B step's 594 on the ExLlamaV2 engine, H200 profile of 2026-11-28).
 - `_attention_combine_kernel`: one program per (sequence, query position, head) brings the splits to one maximum,
   sums them and writes the output in the query's dtype. With a single split the first kernel writes it directly.
@@ -190,26 +190,20 @@ def _attention_split_kernel(
     cached = tl.load(cache_seqlens + sequence)  # keys in the cache before this call
     length = cached + Q_LEN if APPENDS else cached
     query_at = length - Q_LEN + position  # bottom-right alignment: the last query is the last key
-    if APPENDS:  # the call's new keys and values go into the cache here, by one program per (sequence, head)
+    if APPENDS:  # the call's new keys and values go into their pages, by one program per (sequence, kv head)
         if (program % ROW_BLOCKS == 0) & (split == 0):
-            _append(
-                new_keys,
-                new_values,
-                k_cache,
-                v_cache,
-                block_table,
-                sequence,
-                kv_head,
-                cached,
-                table_row_stride,
-                table_column_stride,
-                Q_LEN,
-                Q_PAD,
-                KV_HEADS,
-                PAGE_SIZE,
-                DIM,
-                DIM_PAD,
-            )
+            index = tl.arange(0, Q_PAD)
+            real = index < Q_LEN
+            at = cached + index
+            # names of their own: compiled Triton carries a name assigned before the key loop into it
+            table_at = block_table + sequence * table_row_stride + at // PAGE_SIZE * table_column_stride
+            at_page = tl.load(table_at, mask=real)
+            at_slot = (at_page.to(tl.int64) * PAGE_SIZE + at % PAGE_SIZE) * KV_HEADS + kv_head
+            source = ((sequence * Q_LEN + index) * KV_HEADS + kv_head)[:, None] * DIM + dims[None, :]
+            target = at_slot[:, None] * DIM + dims[None, :]
+            written = real[:, None] & real_dim[None, :]
+            tl.store(k_cache + target, tl.load(new_keys + source, mask=written), mask=written)
+            tl.store(v_cache + target, tl.load(new_values + source, mask=written), mask=written)
     start = split * SPLIT_KEYS
     end = tl.minimum(start + SPLIT_KEYS, length)
     if HAS_LEFT:  # keys left of every row's window: skipped, not just masked
@@ -227,10 +221,11 @@ def _attention_split_kernel(
         slot = (
             page.to(tl.int64) * PAGE_SIZE + key % PAGE_SIZE
         ) * KV_HEADS + kv_head  # a row of (slots * kv_heads, dim)
+        in_cache = in_split & (key < cached)  # a new key is read from the call, never from the slot being written
         keys = tl.load(
-            k_cache + slot[None, :] * DIM + dims[:, None], mask=in_split[None, :] & real_dim[:, None], other=0.0
+            k_cache + slot[None, :] * DIM + dims[:, None], mask=in_cache[None, :] & real_dim[:, None], other=0.0
         )
-        if APPENDS:  # a new key is read from the call, not from the cache another program is writing it into
+        if APPENDS:
             fresh = in_split & (key >= cached)
             new_row = (sequence * Q_LEN + key - cached) * KV_HEADS + kv_head  # a row of (batch * q_len * kv_heads, dim)
             keys = tl.where(
@@ -256,7 +251,7 @@ def _attention_split_kernel(
         rescale = tl.exp(maximum - shift)
         denominator = denominator * rescale + tl.sum(weights, 1)
         values = tl.load(
-            v_cache + slot[:, None] * DIM + dims[None, :], mask=in_split[:, None] & real_dim[None, :], other=0.0
+            v_cache + slot[:, None] * DIM + dims[None, :], mask=in_cache[:, None] & real_dim[None, :], other=0.0
         )
         if APPENDS:
             values = tl.where(
@@ -279,41 +274,6 @@ def _attention_split_kernel(
         tl.store(partial_sums + part[:, None] * DIM_PAD + dims[None, :], acc, mask=real_row[:, None])
         tl.store(partial_stats + part * 2, maximum, mask=real_row)
         tl.store(partial_stats + part * 2 + 1, denominator, mask=real_row)
-
-
-@triton.jit
-def _append(
-    new_keys,
-    new_values,
-    k_cache,
-    v_cache,
-    block_table,
-    sequence,
-    kv_head,
-    cached,
-    table_row_stride,
-    table_column_stride,
-    Q_LEN: tl.constexpr,
-    Q_PAD: tl.constexpr,
-    KV_HEADS: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    DIM: tl.constexpr,
-    DIM_PAD: tl.constexpr,
-):
-    """A sequence's new keys and values for one head, written at cache positions cached ... cached + Q_LEN - 1
-    on its pages (where flash-attn's flash_attn_with_kvcache puts them)."""
-    index = tl.arange(0, Q_PAD)
-    real = index < Q_LEN
-    dims = tl.arange(0, DIM_PAD)
-    where = real[:, None] & (dims < DIM)[None, :]
-    at = cached + index
-    page = tl.load(block_table + sequence * table_row_stride + at // PAGE_SIZE * table_column_stride, mask=real)
-    slot = (page.to(tl.int64) * PAGE_SIZE + at % PAGE_SIZE) * KV_HEADS + kv_head
-    row = (sequence * Q_LEN + index) * KV_HEADS + kv_head
-    source = row[:, None] * DIM + dims[None, :]
-    target = slot[:, None] * DIM + dims[None, :]
-    tl.store(k_cache + target, tl.load(new_keys + source, mask=where), mask=where)
-    tl.store(v_cache + target, tl.load(new_values + source, mask=where), mask=where)
 
 
 @triton.jit
