@@ -118,7 +118,8 @@ class GraphDecoder:
             if self.clock:
                 self.clock.asked()
             table, lengths = attn_params.block_index, attn_params.cache_seqlens
-            step = Step.of(key, table, lengths) if self.queue_ahead else None
+            queues = self.queue_ahead and self.draws is None  # a step the device draws is not guessed
+            step = Step.of(key, table, lengths) if queues else None
             hit = ahead is not None and ahead.matches(key, input_ids, table, lengths)
             try:
                 if hit:
@@ -127,7 +128,7 @@ class GraphDecoder:
                     logits = ahead.output
                 else:
                     logits = self._replay(key, input_ids, attn_params, kwargs)
-                if step is not None and self.draws is None:
+                if step is not None:
                     logits = self._queue_after(step, logits, attn_params, kwargs)
                 if self.clock:
                     self.clock.returned(ahead=hit)
