@@ -28,6 +28,7 @@ from benchmarks.harness import device_slug, environment
 from exlnb import get_session
 from exlnb.engines.library_engine import used_per_gpu
 from exlnb.engines.registry import engine_spec
+from exlnb.experiments.record import write_atomically
 from exlnb.random_model import LLAMA_7B, random_llama, shape_larger_than, tokenizer_folder
 
 LARGER_THAN_CARD = 1.2  # the goal: a model at least this many times one card's memory
@@ -273,11 +274,9 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_json(result: dict, path: Path) -> None:
-    """Replace the record whole (a reader never sees half a file)."""
-    temporary = path.with_suffix(".json.partial")
-    temporary.write_text(json.dumps(result, indent=2, default=str))
-    temporary.replace(path)
+def save(result: dict, path: Path) -> None:
+    """The record so far, replacing the last one whole; its ratios may be NaN where a layout did not run."""
+    write_atomically(path, json.dumps(result, indent=2, default=str))
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -315,7 +314,7 @@ def main(argv: list[str] | None = None) -> Path:
         for engine in engines:
             result["engines"][engine] = measure_layouts(folder, engine, gpus, card_bytes, weight_bytes, args.repeats)
             result["engines"][engine]["layers"] = LLAMA_7B["num_hidden_layers"]
-            write_json(result, path)  # what has run survives a time limit
+            save(result, path)  # what has run survives a time limit
     if args.exl3:
         exl3_bytes = sum(f.stat().st_size for f in args.exl3.glob("*.safetensors"))
         result["exl3"] = {
@@ -325,7 +324,7 @@ def main(argv: list[str] | None = None) -> Path:
                 args.exl3, "exllamav3", gpus, card_bytes, exl3_bytes, args.repeats, only_tensor_parallel=True
             ),
         }
-        write_json(result, path)
+        save(result, path)
     measured = [*result["engines"].values(), *([result["exl3"]] if "exl3" in result else [])]
     nccl_us = nccl_timings(gpus) if any("-nccl" in n for data in measured for n in data["layouts"]) else {}
     result["nccl_allreduce_us"] = nccl_us
@@ -340,7 +339,7 @@ def main(argv: list[str] | None = None) -> Path:
         for engine, large in measure_larger_model(engines, card_bytes, gpus).items():
             result["engines"][engine]["larger_model"] = large
     result["goals"] = goals_from(result["engines"], gpus)
-    write_json(result, path)
+    save(result, path)
     plot(result, args.out / f"{stem}.png")
     say(f"wrote {path}")
     say(json.dumps(result["goals"], indent=1))
