@@ -90,6 +90,13 @@ class ProductGroup:
         return forward
 
 
+def alike_fp16_on_cuda(weights: list[torch.Tensor]) -> bool:
+    """Whether a group's weights can be one batched product's: contiguous fp16 on CUDA, on one card, one shape."""
+    return all(w.is_cuda and w.dtype == torch.half and w.is_contiguous() for w in weights) and (
+        len({(w.device, w.shape) for w in weights}) == 1
+    )
+
+
 def stack_without_copy(weights: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
     """A group's weights as one (n, *shape) tensor with no weight held twice, and each weight's slot in it. A view,
     where the library laid them out evenly spaced in one allocation (exllamav3 1.6.5 carves weights of up to 16 MiB

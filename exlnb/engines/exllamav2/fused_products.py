@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from exlnb.engines.fused_products import FusedProducts, ProductGroup, stack_without_copy
+from exlnb.engines.fused_products import FusedProducts, ProductGroup, alike_fp16_on_cuda, stack_without_copy
 
 
 def fuse_exllamav2(model) -> FusedProducts:
@@ -62,8 +62,4 @@ def _fusable(linears: list) -> bool:
     plain = all(
         not linear.has_bias and linear.padding == 0 and linear.prescale == 1 and not linear.is_tp for linear in linears
     )
-    return (
-        plain
-        and all(w.is_cuda and w.dtype == torch.half and w.is_contiguous() for w in weights)
-        and len({(w.device, w.shape) for w in weights}) == 1
-    )
+    return plain and alike_fp16_on_cuda(weights)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-from exlnb.engines.fused_products import FusedProducts, ProductGroup, stack_without_copy
+from exlnb.engines.fused_products import FusedProducts, ProductGroup, alike_fp16_on_cuda, stack_without_copy
 
 
 def fuse_exllamav3(model) -> FusedProducts:
@@ -89,12 +89,7 @@ def _fusable(linears: list) -> bool:
         and (linear.pre_scale, linear.post_scale, linear.softcap) == (1.0, 1.0, 0.0)
         for linear, inner in zip(linears, inners, strict=True)
     )
-    return (
-        plain
-        and all(w.is_cuda and w.dtype == torch.half and w.is_contiguous() for w in weights)
-        and len({(w.device, w.shape) for w in weights}) == 1
-        and len({_out_dtype(linear) for linear in linears}) == 1
-    )
+    return plain and alike_fp16_on_cuda(weights) and len({_out_dtype(linear) for linear in linears}) == 1
 
 
 def _out_dtype(linear) -> torch.dtype:
