@@ -1,6 +1,8 @@
 """Fused fp16 projections (engines/fused_products.py) on both GPU engines, over a small random Llama whose q, k and
 v are one shape (as Llama-2-7B's): each projection gives what its own product gives, the model's logits stay those
-of the separate products, no weight is held twice, and the switch turns it off. On the CPU: a group's mechanics
+of the separate products, no weight is held twice, and the switch turns it off. The single-row products on exlnb's
+GEMV over one layer of Llama-2-7B's widths, whose weights exceed exllamav3's 16 MiB slabs (the weights of its
+small models are carved from slabs and stay on cuBLAS). On the CPU: a group's and a single-row product's mechanics
 over stand-in projections. The GPU suite's other tests run the bundled model with the products fused, as the
 engines load by default."""
 
@@ -13,7 +15,7 @@ import torch
 
 from benchmarks.paged_acceptance import QUESTIONS
 from exlnb.engines.cuda_graphs import CHECK_TOLERANCE
-from exlnb.engines.fused_products import FusedProducts, ProductGroup, check_fused, stack_without_copy
+from exlnb.engines.fused_products import FusedProducts, ProductGroup, RowProduct, check_fused, stack_without_copy
 from exlnb.random_model import LLAMA_7B, random_llama
 from exlnb.session import Session
 from exlnb.templates import chatml
@@ -22,6 +24,7 @@ LAYERS = 3
 # an intermediate width of 768: exllamav3 pads 704 to 768, and a padded projection is rightly not fused
 SHAPE = dict(LLAMA_7B, hidden_size=256, intermediate_size=768, num_hidden_layers=LAYERS, num_attention_heads=4)
 ENGINES = ("exllamav2", "exllamav3")
+WIDE = dict(LLAMA_7B, num_hidden_layers=1)  # o: 32 MiB, down: 86 MiB, each an allocation of its own
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +32,14 @@ def folder():
     if not torch.cuda.is_available():
         pytest.skip("the fused products run on CUDA")
     with random_llama(dict(SHAPE, num_key_value_heads=4)) as (path, _):
+        yield path
+
+
+@pytest.fixture(scope="module")
+def wide_folder():
+    if not torch.cuda.is_available():
+        pytest.skip("the single-row products run on CUDA")
+    with random_llama(WIDE) as (path, _):
         yield path
 
 
@@ -91,7 +102,13 @@ def test_the_logits_stay_those_of_the_separate_products(session):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("engine", ENGINES)
-def test_no_weight_is_held_twice_and_the_switch_keeps_the_separate_products(folder, engine, monkeypatch):
+@pytest.mark.parametrize("model", ["folder", "wide_folder"])
+def test_no_weight_is_held_twice_and_the_switch_keeps_the_separate_products(model, engine, monkeypatch, request):
+    """On the wide model too, whose grouped weights exllamav3 allocates one by one: stacked, they must be let go
+    (a 7B-shaped model held them twice, 8.4 GiB, H200, 2026-11-28), and so must the o and down weights laid out
+    again for the GEMV."""
+    folder = request.getfixturevalue(model)
+
     def loaded_bytes() -> tuple[int, Session]:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -110,6 +127,36 @@ def test_no_weight_is_held_twice_and_the_switch_keeps_the_separate_products(fold
     finally:
         apart.unload()
     assert fused_bytes <= apart_bytes + largest, (fused_bytes, apart_bytes, largest)  # moved, never copied
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ENGINES)
+def test_single_rows_of_o_and_down_take_the_gemv_and_give_the_separate_product(wide_folder, engine):
+    session = load(wide_folder, engine)
+    try:
+
+        def check(engine):
+            rows = engine.fused.rows
+            params = () if engine.name == "exllamav2" else ({},)
+            results = []
+            with torch.inference_mode():
+                for row in rows:
+                    x = torch.randn((1, 1, row.weight.shape[1]), dtype=torch.half, device=row.weight.device)
+                    many = torch.randn((3, 1, row.weight.shape[1]), dtype=torch.half, device=row.weight.device)
+                    single, apart = row.linear.forward(x, *params), row.separate(x, *params)
+                    results.append((single, apart, row.linear.forward(many, *params), row.separate(many, *params)))
+            return len(rows), results
+
+        count, results = session.run_on_engine(check)
+        assert count == 2  # the layer's o and down
+        assert "2 single-row products on exlnb's GEMV" in session.status().decode
+        assert not any("not fused" in note for note in session.status().notes)
+        for single, apart, many, many_apart in results:
+            assert single.shape == apart.shape and single.dtype == apart.dtype
+            assert float((single.float() - apart.float()).abs().max() / apart.float().abs().max()) < 1e-3
+            assert torch.equal(many, many_apart)  # more than one row: the separate product itself
+    finally:
+        session.unload()
 
 
 class _Projection:
@@ -232,3 +279,50 @@ def test_a_group_left_separate_is_counted_and_said():
     fused = FusedProducts(iter([group, None, None]))
     assert fused.groups == [group] and fused.left_separate == 2
     assert fused.describe() == "1 fp16 projection groups fused, 2 left separate (weights in a shared allocation)"
+
+
+def _row_product(single_row) -> tuple[_Projection, RowProduct]:
+    torch.manual_seed(0)
+    projection = _Projection(torch.randn(16, 8))
+
+    def wanted(args: tuple, kwargs: dict) -> torch.dtype | None:
+        return None if kwargs.get("loras") else torch.float32
+
+    return projection, RowProduct(projection, projection.weight.t().contiguous(), wanted, single_row=single_row)
+
+
+def test_a_single_row_takes_the_gemv_and_every_other_call_the_separate_product():
+    rows_seen = []
+
+    def single_row(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        rows_seen.append(x.shape)
+        return (x.reshape(1, -1) @ weight.t()).to(out_dtype).view(*x.shape[:-1], weight.shape[0])
+
+    projection, row = _row_product(single_row)
+    fused = FusedProducts(rows=iter([row]))
+    x = torch.randn(1, 1, 16)
+    assert torch.allclose(projection.forward(x), x @ projection.weight, atol=1e-5)
+    assert rows_seen == [(1, 1, 16)] and projection.calls == 0
+    projection.forward(torch.randn(3, 1, 16))
+    projection.forward(x, loras=["a LoRA"])
+    projection.forward(x.double())
+    assert projection.calls == 3 and len(rows_seen) == 1  # batches, options and other types: the separate product
+    with fused.paused():
+        projection.forward(x)
+    assert projection.calls == 4
+    assert fused.describe() == "1 single-row products on exlnb's GEMV"
+    fused.uninstall()
+    projection.forward(x)
+    assert projection.calls == 5 and fused.describe() == ""
+
+
+def test_a_gemv_that_differs_from_the_separate_product_is_refused_in_one_line():
+    def off_by_one(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return (x.reshape(1, -1) @ weight.t() + 1).view(*x.shape[:-1], weight.shape[0])
+
+    def right(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return (x.reshape(1, -1) @ weight.t()).view(*x.shape[:-1], weight.shape[0])
+
+    assert check_fused(FusedProducts(rows=iter([_row_product(right)[1]])), lambda ids: torch.zeros(1), [1]) is None
+    reason = check_fused(FusedProducts(rows=iter([_row_product(off_by_one)[1]])), lambda ids: torch.zeros(1), [1])
+    assert reason is not None and "exlnb's GEMV differs" in reason and "\n" not in reason

@@ -16,6 +16,11 @@ still matches the eager step it stands for; and a load checks the fused logits a
 (`check_fused`) before it keeps them. Each library's module says which projections qualify and how its weights
 are held (exllamav2/fused_products.py, exllamav3/fused_products.py).
 
+The projections cuBLAS splits over their inputs at one row (each attention's o, each MLP's down) take exlnb's
+GEMV instead (gemv.py) for single rows: a `RowProduct` replaces the projection's forward the same way, and sends
+every other call (prefills, batches) to the projection's separate product. A load checks each against that
+product on a random row (`check_fused`).
+
 On by default; `EXLNB_FUSED_PRODUCTS=0` (read at each load) keeps the separate products, to time the two.
 """
 
@@ -90,6 +95,48 @@ class ProductGroup:
         return forward
 
 
+@dataclass
+class RowProduct:
+    """A projection whose single-row calls take exlnb's GEMV over `weight`, its (out, in) matrix. `wanted(args,
+    kwargs)` is the output dtype a call asks for where the GEMV covers its options, else None; such calls, and any
+    call of more than one row, take the projection's separate product (its forward before install)."""
+
+    linear: object
+    weight: torch.Tensor
+    wanted: Callable[[tuple, dict], torch.dtype | None]
+    probe_args: tuple = ()  # what a check passes the forward beside the row (exllamav3's: its params)
+    single_row: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor] | None = None  # gemv's default
+    _own: Callable | None = field(default=None, repr=False)
+
+    def install(self) -> None:
+        if self.single_row is None:
+            from exlnb.engines.gemv import row_times_matrix  # imports triton: only where a GPU engine loads
+
+            self.single_row = row_times_matrix
+        self._own = self.linear.forward
+        self.linear.forward = self._forward
+
+    def uninstall(self) -> None:
+        self.linear.__dict__.pop("forward", None)
+
+    def separate(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """The projection's own product, as before install."""
+        return self._own(x, *args, **kwargs)
+
+    def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        out_dtype = self.wanted(args, kwargs)
+        if out_dtype is None or x.numel() != x.shape[-1] or x.dtype != self.weight.dtype:
+            return self._own(x, *args, **kwargs)
+        return self.single_row(x, self.weight, out_dtype)
+
+    def differs(self) -> float:
+        """The GEMV's largest difference from the separate product on a random row, over the largest output."""
+        x = torch.randn(1, 1, self.weight.shape[1], dtype=self.weight.dtype, device=self.weight.device)
+        single = self._forward(x, *self.probe_args).float()
+        apart = self.separate(x, *self.probe_args).float()
+        return float((single - apart).abs().max() / apart.abs().max().clamp_min(1e-6))
+
+
 def alike_fp16_on_cuda(weights: list[torch.Tensor]) -> bool:
     """Whether a group's weights can be one batched product's: contiguous fp16 on CUDA, on one card, one shape."""
     return all(w.is_cuda and w.dtype == torch.half and w.is_contiguous() for w in weights) and (
@@ -121,11 +168,14 @@ def stack_without_copy(weights: list[torch.Tensor]) -> tuple[torch.Tensor, list[
 
 
 class FusedProducts:
-    """The fused groups of one loaded model; `groups` may yield None for a group left separate (its weights could
-    not be stacked without a copy), which is counted."""
+    """The fused groups and single-row products of one loaded model; `groups` may yield None for a group left
+    separate (its weights could not be stacked without a copy), which is counted."""
 
-    def __init__(self, groups: Iterator[ProductGroup | None] | None = None) -> None:
+    def __init__(
+        self, groups: Iterator[ProductGroup | None] | None = None, rows: Iterator[RowProduct] | None = None
+    ) -> None:
         self.groups: list[ProductGroup] = []
+        self.rows: list[RowProduct] = []
         self.left_separate = 0
         try:
             for group in groups or ():
@@ -134,37 +184,49 @@ class FusedProducts:
                     continue
                 group.install()
                 self.groups.append(group)
+            for row in rows or ():
+                row.install()
+                self.rows.append(row)
         except BaseException:  # a group that cannot be made leaves every projection with its own forward
             self.uninstall()
             raise
 
+    def _installed(self) -> list:
+        return [*self.groups, *self.rows]
+
     def uninstall(self) -> None:
         """The separate forwards back for good (the weights stay views of their stacks, read as before)."""
-        for group in self.groups:
-            group.uninstall()
-        self.groups = []
+        for product in self._installed():
+            product.uninstall()
+        self.groups, self.rows = [], []
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """The separate products for the length of the block, the groups as they were after it."""
-        for group in self.groups:
-            group.uninstall()
+        for product in self._installed():
+            product.uninstall()
         try:
             yield
         finally:
-            for group in self.groups:
-                group.install()
+            for product in self._installed():
+                product.install()
 
     def describe(self) -> str:
         fused = f"{len(self.groups)} fp16 projection groups fused" if self.groups else ""
         apart = f"{self.left_separate} left separate (weights in a shared allocation)" if self.left_separate else ""
-        return ", ".join(filter(None, [fused, apart]))
+        rows = f"{len(self.rows)} single-row products on exlnb's GEMV" if self.rows else ""
+        return ", ".join(filter(None, [fused, apart, rows]))
 
 
 def check_fused(fused: FusedProducts, score: Callable[[list[int]], torch.Tensor], token_ids: list[int]) -> str | None:
     """Whether the fused products give the model's logits: a whole-sequence pass fused and one with the separate
-    products, held to the tolerance a graph's replay is held to against eager decode; None where they agree, else
-    why not, in a line."""
+    products, held to the tolerance a graph's replay is held to against eager decode; and whether each single-row
+    product gives its separate product's outputs on a random row, to the same tolerance. None where they agree,
+    else why not, in a line."""
+    for row in fused.rows:
+        error = row.differs()
+        if not math.isfinite(error) or error > CHECK_TOLERANCE:
+            return f"exlnb's GEMV differs from the separate product by {error:.3g} of its largest output"
     if not fused.groups:
         return None
     together = score(token_ids)

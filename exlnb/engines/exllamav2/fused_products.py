@@ -4,7 +4,8 @@ exllamav2 0.3.2 runs an unquantized attention or MLP through its Python path, wh
 (`ExLlamaV2Attention.forward_paged`, `forward_torch`), and gate and up (`ExLlamaV2MLP.forward_torch`), one after
 another with one input. Its fp16 projections hold an `nn.Linear` whose weight is output-major, (out, in), and
 multiply by its transpose; the group's stack is input-major, (n, in, out), and each `nn.Linear` gets the transpose
-of its slice, so that a projection's own product reads a contiguous (in, out) matrix as before.
+of its slice, so that a projection's own product reads a contiguous (in, out) matrix as before. Each attention's o
+and each MLP's down take exlnb's GEMV for single rows, reading the `nn.Linear`'s (out, in) weight as it lies.
 """
 
 from __future__ import annotations
@@ -14,17 +15,44 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from exlnb.engines.fused_products import FusedProducts, ProductGroup, alike_fp16_on_cuda, stack_without_copy
+from exlnb.engines.fused_products import (
+    FusedProducts,
+    ProductGroup,
+    RowProduct,
+    alike_fp16_on_cuda,
+    stack_without_copy,
+)
 
 
 def fuse_exllamav2(model) -> FusedProducts:
-    """The model's qualifying groups, stacked and installed."""
-    return FusedProducts(_group(linears) for linears in _candidate_groups(model) if _fusable(linears))
+    """The model's qualifying groups, stacked, and its single-row products, installed."""
+    groups = (_group(linears) for linears in _candidate_groups(model) if _fusable(linears))
+    return FusedProducts(groups, _row_products(model))
 
 
 def _accepts(args: tuple, kwargs: dict) -> bool:
     """A call the batched product covers: `forward(x, loras=...)` with no LoRA, as the attention and MLP make it."""
     return not args and set(kwargs) <= {"loras"} and not kwargs.get("loras")
+
+
+def _wanted(args: tuple, kwargs: dict) -> torch.dtype | None:
+    return torch.half if _accepts(args, kwargs) else None
+
+
+def _row_products(model) -> Iterator[RowProduct]:
+    """Each unquantized attention's o and MLP's down: the products cuBLAS splits over their inputs at one row."""
+    from exllamav2.attn import ExLlamaV2Attention
+    from exllamav2.mlp import ExLlamaV2MLP
+
+    for module in model.modules:
+        if type(module) is ExLlamaV2Attention and not getattr(module, "is_tp", False):
+            linear = module.o_proj
+        elif type(module) is ExLlamaV2MLP and not getattr(module, "is_tp", False):
+            linear = module.down_proj
+        else:
+            continue
+        if _fusable([linear]):
+            yield RowProduct(linear, linear.linear.weight.data, _wanted)
 
 
 def _group(linears: list) -> ProductGroup | None:

@@ -5,7 +5,14 @@ one input (`Attention.project_qkv`, `GatedMLP.forward`) wherever its own fused E
 fp16 projections (`LinearFP16`) hold their weights input-major, (in, out), so a group's weights stack as they are;
 each projection's weight becomes a contiguous slice of the stack. Its loader carves weights of up to 16 MiB from
 shared slab blocks: a group laid out evenly in one block is stacked as a view of it, one spread over blocks stays
-separate (a copy would hold its weights twice).
+separate (a copy would hold its weights twice). Each projection's `bc`, exllamav3's C++ handle on its weight,
+which no fp16 path of these models reads, is dropped: it kept the weight it was made with alive beside its moved
+copy (a 7B-shaped model held its grouped weights twice, 8.4 GiB, H200, 2026-11-28).
+
+Each attention's o and each gated MLP's down take exlnb's GEMV for single rows, which reads an (out, in) matrix:
+a weight with an allocation of its own is laid out again (out, in) in memory, and the projection's product, which
+exllamav3 runs through its `hgemm` on (in, out) rows, becomes torch's over the transposed view. Weights carved
+from slab blocks stay as they are, on cuBLAS.
 """
 
 from __future__ import annotations
@@ -14,15 +21,22 @@ from collections.abc import Iterator
 
 import torch
 
-from exlnb.engines.fused_products import FusedProducts, ProductGroup, alike_fp16_on_cuda, stack_without_copy
+from exlnb.engines.fused_products import (
+    FusedProducts,
+    ProductGroup,
+    RowProduct,
+    alike_fp16_on_cuda,
+    stack_without_copy,
+)
 
 
 def fuse_exllamav3(model) -> FusedProducts:
-    """The model's qualifying groups, stacked and installed (none under tensor parallelism, whose shards live in
-    worker processes)."""
+    """The model's qualifying groups, stacked, and its single-row products, installed (none under tensor
+    parallelism, whose shards live in worker processes)."""
     if model.loaded_tp:
         return FusedProducts()
-    return FusedProducts(_group(linears) for linears in _candidate_groups(model) if _fusable(linears))
+    groups = (_group(linears) for linears in _candidate_groups(model) if _fusable(linears))
+    return FusedProducts(groups, _row_products(model))
 
 
 def _group(linears: list) -> ProductGroup | None:
@@ -32,14 +46,77 @@ def _group(linears: list) -> ProductGroup | None:
         return None
     stacked, slots = stack
     for inner, slot in zip(inners, slots, strict=True):
-        inner.weight = stacked[slot]
+        inner.weight, inner.bc = stacked[slot], None
     out_dtype = _out_dtype(linears[0])
 
-    def accepts(args: tuple, kwargs: dict) -> bool:  # forward(x, params, out_dtype=None)
-        asked = kwargs.get("out_dtype", args[1] if len(args) > 1 else None)
-        return (asked or out_dtype) == out_dtype
+    def accepts(args: tuple, kwargs: dict) -> bool:
+        return _asked(linears[0], args, kwargs) == out_dtype
 
     return ProductGroup(linears, stacked, out_dtype, accepts, slots)
+
+
+def _asked(linear, args: tuple, kwargs: dict) -> torch.dtype:
+    """The output dtype a call of `Linear.forward(x, params, out_dtype=None)` asks for."""
+    return kwargs.get("out_dtype", args[1] if len(args) > 1 else None) or _out_dtype(linear)
+
+
+def _row_products(model) -> Iterator[RowProduct]:
+    """Each attention's o and each gated MLP's down whose weight owns its allocation, laid out (out, in)."""
+    from exllamav3.modules.attn import Attention
+    from exllamav3.modules.mlp import GatedMLP
+
+    for module in model:
+        if type(module) is Attention and module.o_proj is not None:
+            linears = [module.o_proj]
+        elif type(module) is GatedMLP and getattr(module, "bc", None) is None:
+            linears = module.downs
+        else:
+            continue
+        for linear in linears:
+            if _fusable([linear]) and (row := _row_product(linear)) is not None:
+                yield row
+
+
+def _row_product(linear) -> RowProduct | None:
+    """The projection's weight laid out (out, in), its product torch's over the transposed view, checked against
+    exllamav3's own on two random rows before the old layout is let go; None where the weight shares its
+    allocation (a copy would hold it twice) or the check fails (the projection is left as it was)."""
+    inner = linear.inner
+    weight = inner.weight
+    if weight.storage_offset() != 0 or weight.untyped_storage().nbytes() != weight.numel() * weight.element_size():
+        return None
+    probe = torch.randn(2, weight.shape[0], dtype=weight.dtype, device=weight.device)
+    before = linear.forward(probe, {})
+    inner.weight = weight.t().contiguous().t()
+    inner.forward = _transposed_product(inner)
+    try:
+        after = linear.forward(probe, {})
+        kept = bool(torch.allclose(after.float(), before.float(), rtol=1e-2, atol=1e-2 * float(before.abs().max())))
+    except Exception:  # a product torch does not take here: the projection as exllamav3 made it
+        kept = False
+    if not kept:
+        inner.weight = weight
+        del inner.forward
+        return None
+    inner.bc = None
+
+    def wanted(args: tuple, kwargs: dict) -> torch.dtype:
+        return _asked(linear, args, kwargs)
+
+    return RowProduct(linear, inner.weight.t(), wanted, probe_args=({},))
+
+
+def _transposed_product(inner):
+    """`LinearFP16.forward` for a weight held as the transposed view of an (out, in) matrix: exllamav3's own runs
+    its hgemm, which reads the weight as (in, out) rows, wherever the output type is not the input's."""
+
+    def forward(x: torch.Tensor, params: dict, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = out_dtype or inner.out_dtype or torch.half
+        rows = x.reshape(-1, x.shape[-1])
+        y = torch.mm(rows, inner.weight) if dtype == x.dtype else torch.mm(rows, inner.weight, out_dtype=dtype)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    return forward
 
 
 def _candidate_groups(model) -> Iterator[list]:
