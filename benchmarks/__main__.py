@@ -23,6 +23,10 @@ SUITES = {
         "fp16 decode GEMVs of a 7B layer: separate, fused QKV and gate/up, split-K Triton, "
         "against copy bandwidth (CUDA)",
     ),
+    "gemv-sweep": (
+        "gemv_sweep",
+        "a 7B step's o and down products and its decode attention, each way of launching them (CUDA)",
+    ),
     "kit-overhead": ("kit_overhead", "what the session adds per token, the model replaced by a fixed-cost step"),
     "profile-decode": ("profile_decode", "the torch profiler over decode steps"),
     "paged-acceptance": ("paged_acceptance", "paged against unpaged answers and speed on the ExLlamaV2 engine (CUDA)"),

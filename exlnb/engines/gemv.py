@@ -3,7 +3,7 @@
 At one row cuBLAS splits a 7B layer's o and down products over their inputs (a split-K kernel and a reduce
 kernel each) and reads their weights at 75 % of copy bandwidth on an H200; this kernel, one program per
 BLOCK_N outputs reading whole rows of the output-major weight, at 89 % (32 layers of o and down replayed as one
-graph: 1.246 ms against 1.051 ms, benchmarks/results/gemv-nvidia-h200-2026-11-28b). The block sizes are the
+graph: 1.246 ms against 1.051 ms, benchmarks/results/gemv-sweep-nvidia-h200-2026-11-28). The block sizes are the
 fastest of the 26 configurations timed there. At eight rows cuBLAS is the faster, so only single rows come here.
 
 This module imports triton at its top: callers import it only where CUDA (and with it triton) is present.

@@ -1,0 +1,234 @@
+"""The decode products cuBLAS splits over their inputs, and the Triton decode attention, each way of launching them.
+
+    python -m benchmarks gemv-sweep [--out DIR]
+
+The 2026-11-28 H200 profiles had a 7B step's o and down products (a split-K kernel and a reduce kernel each, 64
+of each a step) at 75 % of copy bandwidth, and the ExLlamaV2 engine's attention at 4,096 tokens well below it.
+This replays 32 layers of distinct o and down weights (4096 -> 4096 and 11008 -> 4096) from one CUDA graph, at 1
+and 8 rows: through cuBLAS (torch.mm input-major, with float32 outputs as exllamav3 asks, F.linear output-major as
+exllamav2 holds them, and a zero-copy batched product over 2, 4 or 8 slices of the outputs), and through a Triton
+GEMV over output-major weights in 26 configurations (the one exlnb keeps is engines/gemv.py's). Then 32 layers of
+triton_decode's attention (batch 1, 32 heads of 128, a 4,608-token cache) at 256 and 4,096 tokens, under ten
+launch options. Median of 20 replays each; the weights' or keys' bytes over that time. CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from benchmarks.harness import device_slug, environment, new_result_path, write_json
+
+TRITON = importlib.util.find_spec("triton") is not None
+if TRITON:
+    import triton
+    import triton.language as tl
+
+LAYERS = 32
+HIDDEN, INTERMEDIATE = 4096, 11008
+HEADS, HEAD_DIM, PAGE, CACHE_TOKENS = 32, 128, 256, 4608
+ROW_CONFIGS = [  # (outputs a program, inputs a tile, warps, stages) at one row
+    *((n, k, w, s) for n in (8, 16, 32) for k in (256, 512) for w in (4, 8) for s in (2, 4)),
+    (4, 1024, 4, 2),
+    (16, 1024, 8, 3),
+]
+BATCH_CONFIGS = [(n, k, 4, s) for n in (16, 32, 64) for k in (128, 256) for s in (3, 4)]  # tl.dot, 16 rows
+ATTENTION_OPTIONS = [  # (keys a split, keys a tile, warps, stages or None for triton's default)
+    (256, 64, 4, None),
+    (256, 64, 8, None),
+    (256, 64, 4, 2),
+    (256, 64, 4, 4),
+    (256, 64, 8, 4),
+    (128, 64, 4, None),
+    (512, 64, 4, None),
+    (256, 32, 4, None),
+    (256, 128, 4, None),
+    (256, 128, 8, 3),
+]
+
+
+if TRITON:
+
+    @triton.jit
+    def rows_times_matrix(
+        x, w, out, M, N, K, x_stride, out_stride, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+    ):
+        """x (M, K) @ w.T for an output-major w (N, K): one row as engines/gemv.py's kernel does it (ROWS 1), up to
+        16 rows through tl.dot."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        real_n = n < N
+        if ROWS == 1:
+            acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                real_k = k < K
+                tile = tl.load(w + n[:, None].to(tl.int64) * K + k[None, :], mask=real_n[:, None] & real_k[None, :])
+                acc += tile.to(tl.float32) * tl.load(x + k, mask=real_k, other=0.0).to(tl.float32)[None, :]
+            tl.store(out + n, tl.sum(acc, 1).to(out.dtype.element_ty), mask=real_n)
+        else:
+            m = tl.arange(0, ROWS)
+            real_m = m < M
+            acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                real_k = k < K
+                xt = tl.load(x + m[:, None] * x_stride + k[None, :], mask=real_m[:, None] & real_k[None, :], other=0.0)
+                tile = tl.load(w + n[:, None].to(tl.int64) * K + k[None, :], mask=real_n[:, None] & real_k[None, :])
+                acc = tl.dot(xt, tl.trans(tile), acc)
+            out_at = out + m[:, None] * out_stride + n[None, :]
+            tl.store(out_at, acc.to(out.dtype.element_ty), mask=real_m[:, None] & real_n[None, :])
+
+
+def graph_ms(fn: Callable[[], object], replays: int = 20) -> tuple[float, float]:
+    """Median and best ms of `fn` replayed from one CUDA graph, after three eager calls (Triton compiles there)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), min(times)
+
+
+def timed(results: dict, name: str, fn: Callable[[], object], read_bytes: int) -> None:
+    try:
+        median, best = graph_ms(fn)
+        results[name] = {"ms": median, "best_ms": best, "tb_per_s": read_bytes / (median / 1e3) / 1e12}
+    except Exception as error:  # a configuration triton or cuBLAS refuses is recorded, not fatal
+        results[name] = {"error": repr(error)[:300]}
+    print(name, results[name], flush=True)
+
+
+def products(record: dict) -> None:
+    torch.manual_seed(0)
+
+    def weight(inputs: int) -> torch.Tensor:
+        return torch.randn(inputs, HIDDEN, device="cuda").half() * 0.02
+
+    input_major = [(weight(HIDDEN), weight(INTERMEDIATE)) for _ in range(LAYERS)]
+    output_major = [(o.t().contiguous(), d.t().contiguous()) for o, d in input_major]
+    weight_bytes = LAYERS * (HIDDEN * HIDDEN + INTERMEDIATE * HIDDEN) * 2
+    results = record.setdefault("products", {"weight_bytes": weight_bytes, "results": {}})["results"]
+    for rows in (1, 8):
+        xo, xd = torch.randn(rows, HIDDEN, device="cuda").half(), torch.randn(rows, INTERMEDIATE, device="cuda").half()
+
+        def sliced(slices: int) -> list[torch.Tensor]:
+            outs = []
+            for o, d in input_major:
+                for x, w in ((xo, o), (xd, d)):
+                    k, n = w.shape
+                    view = w.as_strided((slices, k, n // slices), (n // slices, n, 1))
+                    outs.append(torch.bmm(x.unsqueeze(0).expand(slices, -1, -1), view))
+            return outs
+
+        ways = {
+            "cublas_mm_kn_fp16": lambda: [(torch.mm(xo, o), torch.mm(xd, d)) for o, d in input_major],
+            "cublas_mm_kn_fp32out": lambda: [
+                (torch.mm(xo, o, out_dtype=torch.float32), torch.mm(xd, d, out_dtype=torch.float32))
+                for o, d in input_major
+            ],
+            "cublas_linear_nk_fp16": lambda: [
+                (torch.nn.functional.linear(xo, o), torch.nn.functional.linear(xd, d)) for o, d in output_major
+            ],
+            **{f"cublas_bmm_nsplit{s}_fp16": (lambda s=s: sliced(s)) for s in (2, 4, 8)},
+        }
+        for name, fn in ways.items():
+            timed(results, f"{name}@rows{rows}", fn, weight_bytes)
+        yo = torch.empty(rows, HIDDEN, device="cuda", dtype=torch.float32)
+        yd = torch.empty(rows, HIDDEN, device="cuda", dtype=torch.float32)
+        configs = ROW_CONFIGS if rows == 1 else BATCH_CONFIGS
+
+        def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, config: tuple) -> None:
+            bn, bk, warps, stages = config
+            rows_times_matrix[(triton.cdiv(HIDDEN, bn),)](
+                x, w, y, rows, HIDDEN, w.shape[1], x.stride(0), y.stride(0),
+                ROWS=1 if rows == 1 else 16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+            )  # fmt: skip
+
+        for config in configs:
+
+            def triton_way(config=config) -> None:
+                for o, d in output_major:
+                    launch(xo, o, yo, config)
+                    launch(xd, d, yd, config)
+
+            name = "triton_nk_fp32_bn{}_bk{}_w{}_s{}@rows{}".format(*config, rows)
+            timed(results, name, triton_way, weight_bytes)
+        reference = torch.mm(xd, input_major[0][1], out_dtype=torch.float32)
+        launch(xd, output_major[0][1], yd, configs[0])
+        results[f"max_rel_err@rows{rows}"] = float((yd - reference).abs().max() / reference.abs().max())
+
+
+def attention(record: dict) -> None:
+    from exlnb.engines.exllamav2 import triton_decode
+
+    kernel, constants = triton_decode._attention_split_kernel, (triton_decode.SPLIT_KEYS, triton_decode.BLOCK_KEYS)
+    pages = CACHE_TOKENS // PAGE
+
+    def cache() -> torch.Tensor:
+        return torch.randn(pages, PAGE, HEADS, HEAD_DIM, device="cuda").half()
+
+    caches = [(cache(), cache()) for _ in range(LAYERS)]
+    q, fresh = (torch.randn(1, 1, HEADS, HEAD_DIM, device="cuda").half() for _ in range(2))
+    table = torch.arange(pages, device="cuda", dtype=torch.int32)[None]
+    results = record.setdefault("attention", {"results": {}})["results"]
+
+    class Launched:  # the kernel launched with these options, wherever triton_decode launches it
+        def __init__(self, **options) -> None:
+            self.options = options
+
+        def __getitem__(self, grid):
+            launch = kernel[grid]
+            return lambda *args, **kwargs: launch(*args, **kwargs, **self.options)
+
+    try:
+        for tokens in (256, 4096):
+            lengths = torch.tensor([tokens - 1], device="cuda", dtype=torch.int32)
+            for split, block, warps, stages in ATTENTION_OPTIONS:
+                triton_decode.SPLIT_KEYS, triton_decode.BLOCK_KEYS = split, block
+                staged = {"num_stages": stages} if stages else {}
+                triton_decode._attention_split_kernel = Launched(num_warps=warps, **staged)
+
+                def layers() -> None:
+                    for k, v in caches:
+                        triton_decode.paged_decode_attention(
+                            q, k, v, lengths, table, new_keys=fresh, new_values=fresh, scale=HEAD_DIM**-0.5,
+                            causal=True, window_size=(-1, -1), softcap=0.0,
+                        )  # fmt: skip
+
+                key_bytes = LAYERS * tokens * HEADS * HEAD_DIM * 2 * 2
+                timed(results, f"split{split}_block{block}_w{warps}_s{stages}@ctx{tokens}", layers, key_bytes)
+    finally:
+        triton_decode._attention_split_kernel = kernel
+        triton_decode.SPLIT_KEYS, triton_decode.BLOCK_KEYS = constants
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks gemv-sweep", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or not TRITON:
+        parser.exit(2, "python -m benchmarks gemv-sweep needs a CUDA GPU and triton\n")
+    record = {"environment": environment()}
+    path = new_result_path(args.out, f"gemv-sweep-{device_slug(record['environment'])}")
+    products(record)
+    write_json(path, record, indent=1)
+    attention(record)
+    write_json(path, record, indent=1)
+    print(f"wrote {path}")
+    return record
