@@ -131,7 +131,7 @@ def test_no_weight_is_held_twice_and_the_switch_keeps_the_separate_products(mode
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("engine", ENGINES)
-def test_single_rows_of_o_and_down_take_the_gemv_and_give_the_separate_product(wide_folder, engine):
+def test_single_rows_of_o_down_and_the_head_take_the_gemv_and_give_the_separate_product(wide_folder, engine):
     session = load(wide_folder, engine)
     try:
 
@@ -148,8 +148,8 @@ def test_single_rows_of_o_and_down_take_the_gemv_and_give_the_separate_product(w
             return len(rows), results
 
         count, results = session.run_on_engine(check)
-        assert count == 2  # the layer's o and down
-        assert "2 single-row products on exlnb's GEMV" in session.status().decode
+        assert count == 3  # the layer's o and down, and the head
+        assert "3 single-row products on exlnb's GEMV" in session.status().decode
         assert not any("not fused" in note for note in session.status().notes)
         for single, apart, many, many_apart in results:
             assert single.shape == apart.shape and single.dtype == apart.dtype

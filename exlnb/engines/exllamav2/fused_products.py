@@ -4,8 +4,9 @@ exllamav2 0.3.2 runs an unquantized attention or MLP through its Python path, wh
 (`ExLlamaV2Attention.forward_paged`, `forward_torch`), and gate and up (`ExLlamaV2MLP.forward_torch`), one after
 another with one input. Its fp16 projections hold an `nn.Linear` whose weight is output-major, (out, in), and
 multiply by its transpose; the group's stack is input-major, (n, in, out), and each `nn.Linear` gets the transpose
-of its slice, so that a projection's own product reads a contiguous (in, out) matrix as before. Each attention's o
-and each MLP's down take exlnb's GEMV for single rows, reading the `nn.Linear`'s (out, in) weight as it lies.
+of its slice, so that a projection's own product reads a contiguous (in, out) matrix as before. Each attention's o,
+each MLP's down and the head take exlnb's GEMV for single rows, reading the `nn.Linear`'s (out, in) weight as it
+lies.
 """
 
 from __future__ import annotations
@@ -39,20 +40,31 @@ def _wanted(args: tuple, kwargs: dict) -> torch.dtype | None:
     return torch.half if _accepts(args, kwargs) else None
 
 
+def _head_wanted(args: tuple, kwargs: dict) -> torch.dtype | None:
+    """The head's calls come from the model's module loop, with the step's cache and attention parameters."""
+    plain = not args and set(kwargs) <= {"cache", "attn_params", "past_len", "loras"} and not kwargs.get("loras")
+    return torch.half if plain else None
+
+
 def _row_products(model) -> Iterator[RowProduct]:
-    """Each unquantized attention's o and MLP's down: the products cuBLAS splits over their inputs at one row."""
+    """Each unquantized attention's o and MLP's down, the products cuBLAS splits over their inputs at one row, and
+    an unquantized head, which it reads at 63 % of copy bandwidth (H200 profile, 2026-11-28)."""
     from exllamav2.attn import ExLlamaV2Attention
+    from exllamav2.linear import ExLlamaV2Linear
     from exllamav2.mlp import ExLlamaV2MLP
 
     for module in model.modules:
+        wanted = _wanted
         if type(module) is ExLlamaV2Attention and not getattr(module, "is_tp", False):
             linear = module.o_proj
         elif type(module) is ExLlamaV2MLP and not getattr(module, "is_tp", False):
             linear = module.down_proj
+        elif type(module) is ExLlamaV2Linear and module.key == "lm_head":
+            linear, wanted = module, _head_wanted
         else:
             continue
         if _fusable([linear]):
-            yield RowProduct(linear, linear.linear.weight.data, _wanted)
+            yield RowProduct(linear, linear.linear.weight.data, wanted)
 
 
 def _group(linears: list) -> ProductGroup | None:

@@ -9,10 +9,10 @@ separate (a copy would hold its weights twice). Each projection's `bc`, exllamav
 which no fp16 path of these models reads, is dropped: it kept the weight it was made with alive beside its moved
 copy (a 7B-shaped model held its grouped weights twice, 8.4 GiB, H200, 2026-11-28).
 
-Each attention's o and each gated MLP's down take exlnb's GEMV for single rows, which reads an (out, in) matrix:
-a weight with an allocation of its own is laid out again (out, in) in memory, and the projection's product, which
-exllamav3 runs through its `hgemm` on (in, out) rows, becomes torch's over the transposed view. Weights carved
-from slab blocks stay as they are, on cuBLAS.
+Each attention's o, each gated MLP's down and the head take exlnb's GEMV for single rows, which reads an (out, in)
+matrix: a weight with an allocation of its own is laid out again (out, in) in memory, and the projection's
+product, which exllamav3 runs through its `hgemm` on (in, out) rows, becomes torch's over the transposed view.
+Weights carved from slab blocks stay as they are, on cuBLAS.
 """
 
 from __future__ import annotations
@@ -61,8 +61,11 @@ def _asked(linear, args: tuple, kwargs: dict) -> torch.dtype:
 
 
 def _row_products(model) -> Iterator[RowProduct]:
-    """Each attention's o and each gated MLP's down whose weight owns its allocation, laid out (out, in)."""
+    """Each attention's o, each gated MLP's down and the head, where the weight owns its allocation, laid out
+    (out, in). A head tied to the embedding is a load of its own from the embedding's key (exllamav3's `alt_key`),
+    while an unquantized embedding stays on the CPU (`prefer_cpu`): laying the head out again holds nothing twice."""
     from exllamav3.modules.attn import Attention
+    from exllamav3.modules.linear import Linear
     from exllamav3.modules.mlp import GatedMLP
 
     for module in model:
@@ -70,6 +73,8 @@ def _row_products(model) -> Iterator[RowProduct]:
             linears = [module.o_proj]
         elif type(module) is GatedMLP and getattr(module, "bc", None) is None:
             linears = module.downs
+        elif type(module) is Linear and module.key == "lm_head":
+            linears = [module]
         else:
             continue
         for linear in linears:
