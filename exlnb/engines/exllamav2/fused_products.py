@@ -41,9 +41,10 @@ def _wanted(args: tuple, kwargs: dict) -> torch.dtype | None:
 
 
 def _head_wanted(args: tuple, kwargs: dict) -> torch.dtype | None:
-    """The head's calls come from the model's module loop, with the step's cache and attention parameters."""
-    plain = not args and set(kwargs) <= {"cache", "attn_params", "past_len", "loras"} and not kwargs.get("loras")
-    return torch.half if plain else None
+    """The head is called from the model's module loop, with the step's cache, attention parameters and whatever
+    else the loop passes (which `ExLlamaV2Linear.forward` ignores): the same in eager steps and in a capture."""
+    asks_more = args or any(kwargs.get(name) for name in ("loras", "intermediates", "force_recons"))
+    return None if asks_more else torch.half
 
 
 def _row_products(model) -> Iterator[RowProduct]:
