@@ -6,10 +6,11 @@ The 2026-11-28 H200 profiles had a 7B step's o and down products (a split-K kern
 of each a step) at 75 % of copy bandwidth, and the ExLlamaV2 engine's attention at 4,096 tokens well below it.
 This replays 32 layers of distinct o and down weights (4096 -> 4096 and 11008 -> 4096) from one CUDA graph, at 1
 and 8 rows: through cuBLAS (torch.mm input-major, with float32 outputs as exllamav3 asks, F.linear output-major as
-exllamav2 holds them, and a zero-copy batched product over 2, 4 or 8 slices of the outputs), and through a Triton
-GEMV over output-major weights in 26 configurations (the one exlnb keeps is engines/gemv.py's). Then 32 layers of
-triton_decode's attention (batch 1, 32 heads of 128, a 4,608-token cache) at 256 and 4,096 tokens, under ten
-launch options. Median of 20 replays each; the weights' or keys' bytes over that time. CUDA only.
+exllamav2 holds them, and a zero-copy batched product over 2, 4 or 8 slices of the outputs, of input-major and of
+output-major weights), through exlnb's own single-row call (engines/gemv.py), and through its Triton kernel over
+output-major weights in 26 configurations. Then 32 layers of triton_decode's attention (batch 1, 32 heads of 128,
+a 4,608-token cache) at 256 and 4,096 tokens, under ten launch options. Median of 20 replays each; the weights'
+or keys' bytes over that time. CUDA only.
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ def timed(results: dict, name: str, fn: Callable[[], object], read_bytes: int) -
 
 
 def products(record: dict) -> None:
+    from exlnb.engines.gemv import row_times_matrix
+
     torch.manual_seed(0)
 
     def weight(inputs: int) -> torch.Tensor:
@@ -136,6 +139,17 @@ def products(record: dict) -> None:
                     outs.append(torch.bmm(x.unsqueeze(0).expand(slices, -1, -1), view))
             return outs
 
+        def sliced_output_major(slices: int) -> list[torch.Tensor]:
+            """Each (out, in) weight as `slices` stacked blocks of outputs, times the rows' transpose: the product
+            (slices, out / slices, rows) is the (rows, out) result transposed, a view with no copy."""
+            outs = []
+            for o, d in output_major:
+                for x, w in ((xo, o), (xd, d)):
+                    n, k = w.shape
+                    product = torch.bmm(w.view(slices, n // slices, k), x.t().unsqueeze(0).expand(slices, -1, -1))
+                    outs.append(product.view(n, -1).t())
+            return outs
+
         ways = {
             "cublas_mm_kn_fp16": lambda: [(torch.mm(xo, o), torch.mm(xd, d)) for o, d in input_major],
             "cublas_mm_kn_fp32out": lambda: [
@@ -146,7 +160,14 @@ def products(record: dict) -> None:
                 (torch.nn.functional.linear(xo, o), torch.nn.functional.linear(xd, d)) for o, d in output_major
             ],
             **{f"cublas_bmm_nsplit{s}_fp16": (lambda s=s: sliced(s)) for s in (2, 4, 8)},
+            # the same slices over output-major weights, as both engines now hold o and down
+            **{f"cublas_bmm_nk_nsplit{s}_fp16": (lambda s=s: sliced_output_major(s)) for s in (2, 4, 8)},
         }
+        if rows == 1:  # the engines' own call, wrapper included, beside the configurations below
+            ways["exlnb_row_times_matrix_fp32out"] = lambda: [
+                (row_times_matrix(xo, o, torch.float32), row_times_matrix(xd, d, torch.float32))
+                for o, d in output_major
+            ]
         for name, fn in ways.items():
             timed(results, f"{name}@rows{rows}", fn, weight_bytes)
         yo = torch.empty(rows, HIDDEN, device="cuda", dtype=torch.float32)
