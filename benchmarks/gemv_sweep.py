@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.gemv import copy_bytes_per_s, graphed
 from benchmarks.harness import device_slug, environment, new_result_path, write_json
 
 TRITON = importlib.util.find_spec("triton") is not None
@@ -86,20 +87,16 @@ if TRITON:
 
 
 def graph_ms(fn: Callable[[], object], replays: int = 20) -> tuple[float, float]:
-    """Median and best ms of `fn` replayed from one CUDA graph, after three eager calls (Triton compiles there)."""
+    """Median and best ms of `fn` replayed from one CUDA graph (captured as the gemv suite captures a layer, after
+    warm-up calls, where Triton compiles)."""
+    replay, _ = graphed(fn)
     for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
+        replay()
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
@@ -245,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or not TRITON:
         parser.exit(2, "python -m benchmarks gemv-sweep needs a CUDA GPU and triton\n")
-    record = {"environment": environment()}
+    record = {"environment": environment(), "copy_bandwidth_bytes_per_s": copy_bytes_per_s(cuda=True)}
     path = new_result_path(args.out, f"gemv-sweep-{device_slug(record['environment'])}")
     products(record)
     write_json(path, record, indent=1)

@@ -144,6 +144,11 @@ def alike_fp16_on_cuda(weights: list[torch.Tensor]) -> bool:
     )
 
 
+def owns_its_allocation(weight: torch.Tensor) -> bool:
+    """Whether the weight is the whole of its allocation: moved or laid out again, it is then freed, not held twice."""
+    return weight.storage_offset() == 0 and weight.untyped_storage().nbytes() == weight.numel() * weight.element_size()
+
+
 def stack_without_copy(weights: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
     """A group's weights as one (n, *shape) tensor with no weight held twice, and each weight's slot in it. A view,
     where the library laid them out evenly spaced in one allocation (exllamav3 1.6.5 carves weights of up to 16 MiB
@@ -162,7 +167,7 @@ def stack_without_copy(weights: list[torch.Tensor]) -> tuple[torch.Tensor, list[
             return None
         view = first.as_strided((len(weights), *first.shape), (step, *first.stride()), offsets[0])
         return view, [order.index(i) for i in range(len(weights))]
-    if all(w.storage_offset() == 0 and w.untyped_storage().nbytes() == w.numel() * w.element_size() for w in weights):
+    if all(owns_its_allocation(w) for w in weights):
         return torch.stack(weights), list(range(len(weights)))
     return None
 

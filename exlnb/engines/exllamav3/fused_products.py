@@ -26,6 +26,7 @@ from exlnb.engines.fused_products import (
     ProductGroup,
     RowProduct,
     alike_fp16_on_cuda,
+    owns_its_allocation,
     stack_without_copy,
 )
 
@@ -88,7 +89,7 @@ def _row_product(linear) -> RowProduct | None:
     allocation (a copy would hold it twice) or the check fails (the projection is left as it was)."""
     inner = linear.inner
     weight = inner.weight
-    if weight.storage_offset() != 0 or weight.untyped_storage().nbytes() != weight.numel() * weight.element_size():
+    if not owns_its_allocation(weight):
         return None
     probe = torch.randn(2, weight.shape[0], dtype=weight.dtype, device=weight.device)
     before = linear.forward(probe, {})
