@@ -193,7 +193,7 @@ def products(record: dict) -> None:
 
 
 def attention(record: dict) -> None:
-    from exlnb.engines.exllamav2 import triton_decode
+    from exlnb.engines import triton_decode
 
     kernel, constants = triton_decode._attention_split_kernel, (triton_decode.SPLIT_KEYS, triton_decode.BLOCK_KEYS)
     pages = CACHE_TOKENS // PAGE

@@ -269,25 +269,82 @@ def run_bench_cell(shell, line: str, monkeypatch, act) -> tuple:
     return result, view
 
 
+class HeldEngine:
+    """The engine thread held at the end of the first step after which `ready(jobs_ended, events)` holds, until the
+    run's cancel is queued behind that step: it then runs before the next step, so the jobs in flight are cancelled
+    with tokens out however fast the engine is. (A test that looked every 10 ms missed them on a GPU, where the
+    bundled model's 16-token requests ended in less.) Every wait is bounded; leaving the block lets go."""
+
+    def __init__(self, session, monkeypatch, ready) -> None:
+        engine, thread = session.engine, session._engine_thread()
+        real_step, real_submit, real_cancel = engine.step, thread.submit, session.cancel_where
+        self.held, self.cancel_queued, self.go = threading.Event(), threading.Event(), threading.Event()
+        cancelling, ended = threading.Event(), [0]
+
+        def step():
+            events = real_step()
+            ended[0] += sum(event.eos for event in events)
+            if not self.held.is_set() and ready(ended[0], events):
+                self.held.set()
+                self.go.wait(60)
+            return events
+
+        def cancel_where(matches):
+            cancelling.set()
+            return real_cancel(matches)
+
+        def submit(fn):
+            future = real_submit(fn)  # queued (the engine thread is held mid-step), not run
+            if cancelling.is_set():
+                self.cancel_queued.set()
+            return future
+
+        monkeypatch.setattr(engine, "step", step)
+        monkeypatch.setattr(session, "cancel_where", cancel_where)
+        monkeypatch.setattr(thread, "submit", submit)
+
+    def __enter__(self) -> HeldEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.go.set()
+
+    async def until_held(self, task) -> None:
+        deadline = time.monotonic() + 60
+        while not self.held.is_set():
+            assert not task.done(), task.result().error_in_exec
+            assert time.monotonic() < deadline, "the engine never reached the step to hold it at"
+            await asyncio.sleep(0.01)
+
+    async def let_go_once_the_cancel_waits(self) -> None:
+        deadline = time.monotonic() + 60
+        while not self.cancel_queued.is_set():
+            assert time.monotonic() < deadline, "the run never asked to cancel its jobs"
+            await asyncio.sleep(0.01)
+        self.go.set()
+
+
 def test_the_stop_button_ends_exl_bench_with_no_job_left_and_counts_that_add_up(
     shell, idle_session, monkeypatch, capsys
 ):
-    async def press_stop_mid_run(task, view):
-        # two requests in flight at a time: once the first two have finished and the next two decode,
-        # two are still to send
-        while not (
-            view.rates and len(view.rates[0].records) >= 2 and any(row.info.new_tokens for row in idle_session.jobs())
-        ):
-            assert not task.done(), task.result().error_in_exec
-            await asyncio.sleep(0.01)
-        view.handle({"type": "stop"})  # what the widget's Stop button sends
+    # two requests in flight at a time: held once the first two have ended and the next two have tokens out,
+    # two are still to send
+    def two_ended_and_tokens_flow(jobs_ended, events):
+        return jobs_ended >= 2 and any(not event.eos for event in events)
 
-    cell, view = run_bench_cell(
-        shell,
-        "--request-rate inf,20 --num-requests 6 --max-concurrency 2 --prompt-len 8 --output-len 16 --out load",
-        monkeypatch,
-        press_stop_mid_run,
-    )
+    with HeldEngine(idle_session, monkeypatch, two_ended_and_tokens_flow) as held:
+
+        async def press_stop_mid_run(task, view):
+            await held.until_held(task)
+            view.handle({"type": "stop"})  # what the widget's Stop button sends
+            await held.let_go_once_the_cancel_waits()
+
+        cell, view = run_bench_cell(
+            shell,
+            "--request-rate inf,20 --num-requests 6 --max-concurrency 2 --prompt-len 8 --output-len 16 --out load",
+            monkeypatch,
+            press_stop_mid_run,
+        )
     assert cell.success
     result = shell.user_ns.pop("load")
     [run] = result.runs  # the second rate was never sent
@@ -313,15 +370,19 @@ def test_the_stop_button_ends_exl_bench_with_no_job_left_and_counts_that_add_up(
 
 
 def test_a_kernel_interrupt_stops_exl_bench_with_one_line_and_no_job_left(shell, idle_session, monkeypatch, capsys):
-    async def interrupt_once_tokens_flow(task, view):
-        while not any(row.info.new_tokens for row in idle_session.jobs()):
-            assert not task.done(), task.result().error_in_exec
-            await asyncio.sleep(0.01)
-        task.cancel()  # what ipykernel does on an interrupt while a cell awaits
+    def tokens_flow(jobs_ended, events):
+        return any(not event.eos for event in events)
 
-    cell, view = run_bench_cell(
-        shell, "--num-requests 4 --prompt-len 8 --output-len 16", monkeypatch, interrupt_once_tokens_flow
-    )
+    with HeldEngine(idle_session, monkeypatch, tokens_flow) as held:
+
+        async def interrupt_once_tokens_flow(task, view):
+            await held.until_held(task)
+            task.cancel()  # what ipykernel does on an interrupt while a cell awaits
+            await held.let_go_once_the_cancel_waits()
+
+        cell, view = run_bench_cell(
+            shell, "--num-requests 4 --prompt-len 8 --output-len 16", monkeypatch, interrupt_once_tokens_flow
+        )
 
     assert type(cell.error_in_exec).__name__ == "Interrupted"
     lines = capsys.readouterr().out.strip().splitlines()

@@ -135,7 +135,7 @@ def test_kernels_are_grouped_by_kind_by_their_names():
 def test_exlnb_s_own_triton_kernels_are_counted_as_attention():
     """The profile knows a kernel only by its function's name: the Triton decode kernels were once counted as
     "other" (speed-nvidia-h100-80gb-hbm3-2026-11-26-one-start). Read from the source, so triton need not be here."""
-    source = (Path(exlnb.__file__).parent / "engines" / "exllamav2" / "triton_decode.py").read_text()
+    source = (Path(exlnb.__file__).parent / "engines" / "triton_decode.py").read_text()
     kernels = [
         node.name
         for node in ast.walk(ast.parse(source))

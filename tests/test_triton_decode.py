@@ -93,7 +93,7 @@ def on_pytorch_path(args: dict) -> torch.Tensor:
 
 
 def _triton_on_any_device(q, k_cache, v_cache) -> bool:
-    from exlnb.engines.exllamav2 import triton_decode
+    from exlnb.engines import triton_decode
 
     return paged_attention.TRITON_DECODE and triton_decode.handles(q, k_cache, v_cache)
 

@@ -206,7 +206,7 @@ def flash_attn_with_kvcache(
         raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads evenly")
     scale = softmax_scale if softmax_scale is not None else dim**-0.5
     if _decodes_on_triton(q, k_cache, v_cache):  # one kernel writes the new keys and values and attends
-        from exlnb.engines.exllamav2 import triton_decode
+        from exlnb.engines import triton_decode
 
         return triton_decode.paged_decode_attention(
             q,
@@ -251,7 +251,7 @@ def _decodes_on_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     """Whether a call goes to triton_decode: TRITON_DECODE on, CUDA tensors, triton installed, a call it takes."""
     if not (q.is_cuda and decodes_on_triton()):
         return False
-    from exlnb.engines.exllamav2 import triton_decode
+    from exlnb.engines import triton_decode
 
     return triton_decode.handles(q, k_cache, v_cache)
 

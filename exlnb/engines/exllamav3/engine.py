@@ -4,7 +4,8 @@ exllamav3 is imported here only: importing it JIT-builds its CUDA extension (abo
 gpu.md). Verified against exllamav3 1.6.5, whose API this module uses as it is: `Config.from_directory`,
 `Model.from_config`, a `Cache` built before `model.load()` (its generator asserts that order), and
 `Generator.enqueue / iterate / cancel` over `Job`s. Attention runs on exllamav3's own paged kernels, so
-continuous batching and prefix sharing need no flash-attn.
+continuous batching and prefix sharing need no flash-attn; decode-sized calls take exlnb's Triton kernel where
+triton is installed (decode_attention.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from exlnb.engines.base import (
 )
 from exlnb.engines.device_sampling import DeviceDraws, JobDraw
 from exlnb.engines.exllamav3.compat import fix_exllamav3
+from exlnb.engines.exllamav3.decode_attention import take_decode_attention
 from exlnb.engines.exllamav3.fused_products import fuse_exllamav3
 from exlnb.engines.exllamav3.graph_decode import GraphDecoder, cannot_graph
 from exlnb.engines.exllamav3.sampler import refused_settings, sampler_steps
@@ -89,6 +91,8 @@ class ExLlamaV3Engine(LibraryEngine):
         self._start_tracking()
         self._own_generator(exl3.Tokenizer.from_config(config))
         self.fused = self._start_fused(fuse_exllamav3)
+        self.decode_attention, note = take_decode_attention(self.model, self.page_size)
+        self._notes += [note] if note else []
         self.graphs = self._start_graphs(self._graph_decoder, cannot_graph)
         self._start_draws()
         self._check_it_runs()
@@ -266,7 +270,11 @@ class ExLlamaV3Engine(LibraryEngine):
             model=self.options.model_dir.name,
             device=torch.cuda.get_device_name(),
             paged=True,
-            attention="exllamav3 paged attention",
+            attention=(
+                "exlnb paged attention (Triton decode), exllamav3's for prefill"
+                if self.decode_attention
+                else "exllamav3 paged attention"
+            ),
             cache_tokens=self.generator.max_total_tokens,
             cache_dtype=self.options.cache_dtype,
             max_batch_size=self.generator.max_batch_size,
@@ -330,6 +338,8 @@ class ExLlamaV3Engine(LibraryEngine):
             self.graphs.uninstall()
             self.graphs = None
         self.fused.uninstall()
+        if self.decode_attention:
+            self.decode_attention.uninstall()
         self.generator.close()
         self.model.unload()
         del self.generator, self.cache, self.model
