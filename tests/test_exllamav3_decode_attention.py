@@ -51,22 +51,23 @@ def test_an_empty_memo_offers_exlnb_alone_so_a_declined_call_searches_the_librar
 
 
 def decode_call(**changes) -> SimpleNamespace:
-    """A stand-in of exllamav3 1.6.5's AttnArgs for a decode step on an fp16 paged cache."""
+    """A stand-in of exllamav3 1.6.5's AttnArgs for one sequence's decode step on an fp16 paged cache."""
     window = changes.pop("window", (-1, -1))
     call = dict(
-        q=SimpleNamespace(is_cuda=True), k=object(), k_cache=object(), cu_seqlens=None, q_cache=None, sinks=None,
+        bsz=1, q=SimpleNamespace(is_cuda=True), k=object(), k_cache=object(), cu_seqlens=None, q_cache=None, sinks=None,
         non_causal_spans=None, sink_key0=False, softcap=0.0,
     )  # fmt: skip
     return SimpleNamespace(**{**call, **changes}, get_window_size=lambda: window)
 
 
-def test_a_decode_step_on_an_fp16_paged_cache_is_taken():
+def test_one_sequence_s_decode_step_on_an_fp16_paged_cache_is_taken():
     assert takes(decode_call())
 
 
 @pytest.mark.parametrize(
     "changes",
     [
+        {"bsz": 8},  # a batch: exllamav3 sizes its splits to it
         {"k_cache": None},  # no cache
         {"k": None},  # nothing to append
         {"cu_seqlens": object()},  # variable-length prefill
@@ -112,7 +113,10 @@ def test_the_bundled_model_decodes_through_exlnb_s_attention_which_agrees_with_e
 
     count, reasons = exl3.run_on_engine(checks)
     assert count == 30 and reasons == [None] * count  # each of SmolLM2-135M's 30 layers
-    assert exl3.status().attention == "exlnb paged attention (Triton decode), exllamav3's for prefill"
+    assert (
+        exl3.status().attention
+        == "exlnb paged attention (Triton decode, one sequence), exllamav3's for batches and prefill"
+    )
     assert exl3.generate("The capital of France is", max_new_tokens=8).result().new_tokens == 8
 
 

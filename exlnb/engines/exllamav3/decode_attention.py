@@ -3,13 +3,18 @@ new keys and values into their pages in the same kernel that attends.
 
 exllamav3 1.6.5 attends at decode in three kernels a layer: a cache write (`_paged_kv_update_rows_kernel`), a split
 pass and a combine pass (`paged_attn_triton_decode`): 0.357 ms of a 7B step's 4.17 ms of kernels at 256 tokens,
-96 of its 363 launches. exlnb's kernel, the ExLlamaV2 engine's decode attention, took 0.181 ms for the same 32
-calls (H200 profiles, benchmarks/results/speed-nvidia-h200-2026-11-28-gemv/). Each attention keeps a memo of the
+96 of its 363 launches; on exlnb's kernel, the ExLlamaV2 engine's decode attention, 0.288 ms and 331 launches
+(H200 profiles, benchmarks/results/speed-nvidia-h200-2026-11-28-attention/). Each attention keeps a memo of the
 attention function that took its last call (`dispatch_cache`), which exllamav3's `attn_dispatch` tries before its
 list; the memo is replaced by one that offers exlnb's kernel first and the library's choice after it. Calls the
 kernel does not take (more than 16 queries, quantized caches, sliding windows, softcap, sinks, non-causal spans)
 go where they went before, and nothing of exllamav3's own state changes: a raw exllamav3 generator in the same
 process keeps the library's kernels.
+
+Only single sequences take it. exlnb's kernel splits the keys by the block table's width, which exllamav3 pads to
+16 pages, so a batch of 8 launched 16 splits per sequence and head, nearly all past the sequences' ends, where
+exllamav3 sizes its splits to the batch (one at batch 8): the batch-8 step took 6.04 ms against 5.32 on
+exllamav3's kernel (7B-shaped, H200, 2026-11-28), while batch 1 went from 4.75 to 4.63 ms a token.
 """
 
 from __future__ import annotations
@@ -79,10 +84,12 @@ def exlnb_decode(args) -> torch.Tensor | None:
 
 
 def takes(args) -> bool:
-    """Whether a call is one the kernel is held to exllamav3's for: an fp16 paged cache read in place, new keys
-    to append, every query causal over all its keys, on a GPU. (Its shapes and dtypes: `triton_decode.handles`.)"""
+    """Whether a call is one the kernel is held to exllamav3's for, and faster at: one sequence, an fp16 paged cache
+    read in place, new keys to append, every query causal over all its keys, on a GPU. (Its shapes and dtypes:
+    `triton_decode.handles`.)"""
     return not (
-        args.k_cache is None
+        args.bsz != 1
+        or args.k_cache is None
         or args.k is None
         or args.cu_seqlens is not None
         or args.q_cache is not None
@@ -138,9 +145,9 @@ def plain_attentions(model) -> list:
 
 
 def check_decode_attention(attention, page_size: int) -> str | None:
-    """exlnb's kernel against exllamav3's own decode attention on random pages shaped like `attention`'s: two
-    sequences, one crossing a page, on pages out of order, each appending its new keys. None where the outputs
-    agree to the tolerance graphs are held to and the caches end alike, else why not, in a line."""
+    """exlnb's kernel against exllamav3's own decode attention on random pages shaped like `attention`'s: a
+    sequence that crosses a page, on pages out of order, appending its new keys. None where the outputs agree to
+    the tolerance graphs are held to and the caches end alike, else why not, in a line."""
     from exllamav3.modules.attention_fn.common import AttnArgs
     from exllamav3.modules.attention_fn.triton_paged import fn_triton_paged_attn_decode
 
@@ -151,15 +158,15 @@ def check_decode_attention(attention, page_size: int) -> str | None:
     def random(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator, device=device).half()
 
-    q, k, v = random(2, 1, heads, dim), random(2, 1, kv_heads, dim), random(2, 1, kv_heads, dim)
-    k_cache, v_cache = random(4, page_size, kv_heads, dim), random(4, page_size, kv_heads, dim)
-    table = torch.tensor([[1, 0], [3, 2]], dtype=torch.int32, device=device)
-    lengths = torch.tensor([page_size + 37, 5], dtype=torch.int32, device=device)
+    q, k, v = random(1, 1, heads, dim), random(1, 1, kv_heads, dim), random(1, 1, kv_heads, dim)
+    k_cache, v_cache = random(3, page_size, kv_heads, dim), random(3, page_size, kv_heads, dim)
+    table = torch.tensor([[2, 0]], dtype=torch.int32, device=device)
+    lengths = torch.tensor([page_size + 37], dtype=torch.int32, device=device)
     outcomes = []
     for attend in (fn_triton_paged_attn_decode, exlnb_decode):
         caches = (k_cache.clone(), v_cache.clone())
         args = AttnArgs(
-            bsz=2, q_len=1, num_q_heads=heads, dim=dim, kv_len=1, num_kv_heads=kv_heads, q=q, k=k, v=v,
+            bsz=1, q_len=1, num_q_heads=heads, dim=dim, kv_len=1, num_kv_heads=kv_heads, q=q, k=k, v=v,
             k_cache=caches[0], v_cache=caches[1], causal=True, sm_scale=attention.sm_scale, cu_seqlens=None,
             max_seqlen=None, window_size=None, softcap=0.0, block_table=table, cache_seqlens=lengths,
         )  # fmt: skip

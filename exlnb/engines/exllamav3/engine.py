@@ -271,7 +271,7 @@ class ExLlamaV3Engine(LibraryEngine):
             device=torch.cuda.get_device_name(),
             paged=True,
             attention=(
-                "exlnb paged attention (Triton decode), exllamav3's for prefill"
+                "exlnb paged attention (Triton decode, one sequence), exllamav3's for batches and prefill"
                 if self.decode_attention
                 else "exllamav3 paged attention"
             ),
