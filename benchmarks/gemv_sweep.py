@@ -9,8 +9,10 @@ and 8 rows: through cuBLAS (torch.mm input-major, with float32 outputs as exllam
 exllamav2 holds them, and a zero-copy batched product over 2, 4 or 8 slices of the outputs, of input-major and of
 output-major weights), through exlnb's own single-row call (engines/gemv.py), and through its Triton kernel over
 output-major weights in 26 configurations. Then 32 layers of triton_decode's attention (batch 1, 32 heads of 128,
-a 4,608-token cache) at 256 and 4,096 tokens, under ten launch options. Median of 20 replays each; the weights'
-or keys' bytes over that time. CUDA only.
+a 4,608-token cache) at 256 and 4,096 tokens, under ten launch options. Last, a batch of 8 as the ExLlamaV3
+engine attends it (its block table padded to 16 pages, as exllamav3 pads it): exllamav3's own decode kernel, and
+exlnb's with 256, 1,024 and 4,096 keys a split, and on a table cut to the pages the batch needs. Median of 20
+replays each; the weights' or keys' bytes over that time. CUDA only.
 """
 
 from __future__ import annotations
@@ -236,6 +238,58 @@ def attention(record: dict) -> None:
         triton_decode.SPLIT_KEYS, triton_decode.BLOCK_KEYS = constants
 
 
+BATCH, PADDED_PAGES = 8, 16  # exllamav3 1.6.5 pads a step's block table to a multiple of 16 pages
+
+
+def batched_attention(record: dict) -> None:
+    """32 layers of a batch of 8 sequences' decode attention, each sequence on pages of its own, at 256 and 1,024
+    tokens: exllamav3's kernel against exlnb's under split sizes, on the padded table and on one cut to the need.
+    exlnb's kernel splits by the table's width; at batch 8 its splits past each sequence's end cost 0.7 ms a step
+    in the ExLlamaV3 engine's profile (benchmarks/results/speed-nvidia-h200-2026-11-28-attention/)."""
+    from exlnb.engines import triton_decode
+
+    results = record.setdefault("batched_attention", {"batch": BATCH, "results": {}})["results"]
+    split_keys = triton_decode.SPLIT_KEYS
+    try:
+        for tokens in (256, 1024):
+            pages = -(-(tokens + 1) // PAGE)  # each sequence's pages, its new key included
+            caches = [
+                tuple(torch.randn(BATCH * pages, PAGE, HEADS, HEAD_DIM, device="cuda").half() for _ in range(2))
+                for _ in range(LAYERS)
+            ]
+            own = torch.arange(BATCH * pages, device="cuda", dtype=torch.int32).view(BATCH, pages)
+            padded = torch.cat([own, own[:, :1].expand(BATCH, PADDED_PAGES - pages)], 1).contiguous()
+            q, fresh = (torch.randn(BATCH, 1, HEADS, HEAD_DIM, device="cuda").half() for _ in range(2))
+            lengths = torch.full((BATCH,), tokens, device="cuda", dtype=torch.int32)
+            key_bytes = LAYERS * BATCH * tokens * HEADS * HEAD_DIM * 2 * 2
+
+            def exlnb(table: torch.Tensor) -> Callable[[], None]:
+                def layers() -> None:
+                    for k, v in caches:
+                        triton_decode.paged_decode_attention(
+                            q, k, v, lengths, table, new_keys=fresh, new_values=fresh, scale=HEAD_DIM**-0.5,
+                            causal=True, window_size=(-1, -1), softcap=0.0,
+                        )  # fmt: skip
+
+                return layers
+
+            for split in (256, 1024, 4096):
+                triton_decode.SPLIT_KEYS = split
+                timed(results, f"exlnb_split{split}_padded{PADDED_PAGES}@ctx{tokens}", exlnb(padded), key_bytes)
+            triton_decode.SPLIT_KEYS = split_keys
+            timed(results, f"exlnb_split{split_keys}_cut{pages}@ctx{tokens}", exlnb(own.contiguous()), key_bytes)
+            if importlib.util.find_spec("exllamav3") is not None:
+                from exllamav3.modules.attention_fn.triton_paged import paged_attn_triton_decode
+
+                def library() -> None:
+                    for k, v in caches:
+                        paged_attn_triton_decode(q, fresh, fresh, k, v, padded, lengths, causal=True)
+
+                timed(results, f"exllamav3_padded{PADDED_PAGES}@ctx{tokens}", library, key_bytes)
+    finally:
+        triton_decode.SPLIT_KEYS = split_keys
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks gemv-sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -247,6 +301,8 @@ def main(argv: list[str] | None = None) -> dict:
     products(record)
     write_json(path, record, indent=1)
     attention(record)
+    write_json(path, record, indent=1)
+    batched_attention(record)
     write_json(path, record, indent=1)
     print(f"wrote {path}")
     return record
