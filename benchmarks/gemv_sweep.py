@@ -194,6 +194,20 @@ def products(record: dict) -> None:
         results[f"max_rel_err@rows{rows}"] = float((yd - reference).abs().max() / reference.abs().max())
 
 
+def exlnb_layers(caches: list, q, fresh, lengths, table) -> Callable[[], None]:
+    """Every layer's decode attention through triton_decode as the engines call it, the new keys appended."""
+    from exlnb.engines import triton_decode
+
+    def layers() -> None:
+        for k, v in caches:
+            triton_decode.paged_decode_attention(
+                q, k, v, lengths, table, new_keys=fresh, new_values=fresh, scale=HEAD_DIM**-0.5, causal=True,
+                window_size=(-1, -1), softcap=0.0,
+            )  # fmt: skip
+
+    return layers
+
+
 def attention(record: dict) -> None:
     from exlnb.engines import triton_decode
 
@@ -224,13 +238,7 @@ def attention(record: dict) -> None:
                 staged = {"num_stages": stages} if stages else {}
                 triton_decode._attention_split_kernel = Launched(num_warps=warps, **staged)
 
-                def layers() -> None:
-                    for k, v in caches:
-                        triton_decode.paged_decode_attention(
-                            q, k, v, lengths, table, new_keys=fresh, new_values=fresh, scale=HEAD_DIM**-0.5,
-                            causal=True, window_size=(-1, -1), softcap=0.0,
-                        )  # fmt: skip
-
+                layers = exlnb_layers(caches, q, fresh, lengths, table)
                 key_bytes = LAYERS * tokens * HEADS * HEAD_DIM * 2 * 2
                 timed(results, f"split{split}_block{block}_w{warps}_s{stages}@ctx{tokens}", layers, key_bytes)
     finally:
@@ -264,14 +272,7 @@ def batched_attention(record: dict) -> None:
             key_bytes = LAYERS * BATCH * tokens * HEADS * HEAD_DIM * 2 * 2
 
             def exlnb(table: torch.Tensor) -> Callable[[], None]:
-                def layers() -> None:
-                    for k, v in caches:
-                        triton_decode.paged_decode_attention(
-                            q, k, v, lengths, table, new_keys=fresh, new_values=fresh, scale=HEAD_DIM**-0.5,
-                            causal=True, window_size=(-1, -1), softcap=0.0,
-                        )  # fmt: skip
-
-                return layers
+                return exlnb_layers(caches, q, fresh, lengths, table)
 
             for split in (256, 1024, 4096):
                 triton_decode.SPLIT_KEYS = split
