@@ -24,12 +24,23 @@ WARMUP_RUNS = 3
 CHECK_TOLERANCE = 2e-2  # max |replay - eager| over max |eager| logit at which a load check still passes
 
 
+def relative_difference(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """The largest difference of `value` from `reference` over the largest of `reference`: what every load check
+    (a replay against eager, fused against separate products, a kernel against the library's) measures."""
+    return float((value - reference).abs().max() / reference.abs().max().clamp_min(1e-6))
+
+
+def beyond_tolerance(difference: float) -> bool:
+    """Whether a load check fails at this `relative_difference`: past CHECK_TOLERANCE, or not a number at all."""
+    return not math.isfinite(difference) or difference > CHECK_TOLERANCE
+
+
 def replay_differs(batch: int, eager: torch.Tensor, replayed: torch.Tensor) -> str | None:
     """Why a replayed step's logits cannot stand in for the eager step's, in a line; None where they agree."""
     if replayed.shape != eager.shape:
         return f"a batch-{batch} replay gave logits of shape {tuple(replayed.shape)}, eager {tuple(eager.shape)}"
-    error = float((replayed - eager).abs().max() / eager.abs().max().clamp_min(1e-6))
-    if not math.isfinite(error) or error > CHECK_TOLERANCE:
+    error = relative_difference(replayed, eager)
+    if beyond_tolerance(error):
         return f"a batch-{batch} replay's logits differ from eager by {error:.3g} of their largest"
     if not torch.equal(replayed.argmax(-1), eager.argmax(-1)):
         return f"a batch-{batch} replay picks a different greedy token than eager"

@@ -27,14 +27,13 @@ On by default; `EXLNB_FUSED_PRODUCTS=0` (read at each load) keeps the separate p
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from exlnb.engines.cuda_graphs import CHECK_TOLERANCE
+from exlnb.engines.cuda_graphs import beyond_tolerance, relative_difference
 
 CHECK_TEXT = "The fused products are checked against the separate ones on this text before a load keeps them."
 
@@ -134,7 +133,7 @@ class RowProduct:
         x = torch.randn(1, 1, self.weight.shape[1], dtype=self.weight.dtype, device=self.weight.device)
         single = self._forward(x, *self.probe_args).float()
         apart = self.separate(x, *self.probe_args).float()
-        return float((single - apart).abs().max() / apart.abs().max().clamp_min(1e-6))
+        return relative_difference(single, apart)
 
 
 def alike_fp16_on_cuda(weights: list[torch.Tensor]) -> bool:
@@ -230,14 +229,14 @@ def check_fused(fused: FusedProducts, score: Callable[[list[int]], torch.Tensor]
     else why not, in a line."""
     for row in fused.rows:
         error = row.differs()
-        if not math.isfinite(error) or error > CHECK_TOLERANCE:
+        if beyond_tolerance(error):
             return f"exlnb's GEMV differs from the separate product by {error:.3g} of its largest output"
     if not fused.groups:
         return None
     together = score(token_ids)
     with fused.paused():
         apart = score(token_ids)
-    error = float((together - apart).abs().max() / apart.abs().max().clamp_min(1e-6))
-    if not math.isfinite(error) or error > CHECK_TOLERANCE:
+    error = relative_difference(together, apart)
+    if beyond_tolerance(error):
         return f"the fused products' logits differ from the separate ones by {error:.3g} of their largest"
     return None

@@ -5,7 +5,8 @@ kernel each) and reads their weights at 75 % of copy bandwidth on an H200; this 
 BLOCK_N outputs reading whole rows of the output-major weight, at 89 % (32 layers of o and down replayed as one
 graph: 1.246 ms against 1.051 ms, benchmarks/results/gemv-sweep-nvidia-h200-2026-11-28). The block sizes are the
 fastest of the 26 configurations timed there. At eight rows cuBLAS is the faster, so only single rows come here.
-The head takes it too: cuBLAS read a 7B head's 262 MB at 63 % in the same card's profile (not yet timed here).
+The head takes it too: cuBLAS read a 7B head's 262 MB at 63 % in the same card's profile; with it, the step's 65
+calls read 4.22 GB at 85 % (benchmarks/results/speed-nvidia-h200-2026-11-28-attention).
 
 This module imports triton at its top: callers import it only where CUDA (and with it triton) is present.
 """

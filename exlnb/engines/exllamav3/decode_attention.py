@@ -19,13 +19,12 @@ exllamav3's kernel (7B-shaped, H200, 2026-11-28), while batch 1 went from 4.75 t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 
 from exlnb.engines.base import one_line
-from exlnb.engines.cuda_graphs import CHECK_TOLERANCE
+from exlnb.engines.cuda_graphs import beyond_tolerance, relative_difference
 from exlnb.engines.exllamav2.paged_attention import decodes_on_triton  # one switch for both engines
 
 MEMO_KEY = "fn"  # where exllamav3 1.6.5's attn_dispatch keeps the function that took an fp16 cache's last call
@@ -95,7 +94,7 @@ def takes(args) -> bool:
         or args.q_cache is not None
         or args.sinks is not None
         or args.non_causal_spans
-        or getattr(args, "sink_key0", False)
+        or args.sink_key0
         or args.softcap
         or args.get_window_size() != (-1, -1)
         or not args.q.is_cuda
@@ -175,8 +174,8 @@ def check_decode_attention(attention, page_size: int) -> str | None:
             return "exlnb's decode attention declined the check's call"
         outcomes.append((out.float(), caches))
     (theirs, their_caches), (ours, our_caches) = outcomes
-    error = float((ours - theirs).abs().max() / theirs.abs().max().clamp_min(1e-6))
-    if not math.isfinite(error) or error > CHECK_TOLERANCE:
+    error = relative_difference(ours, theirs)
+    if beyond_tolerance(error):
         return f"exlnb's decode attention differs from exllamav3's by {error:.3g} of its largest output"
     if not all(torch.equal(a, b) for a, b in zip(our_caches, their_caches, strict=True)):
         return "exlnb's decode attention wrote the new keys elsewhere than exllamav3's"
