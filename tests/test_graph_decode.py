@@ -15,7 +15,7 @@ import torch
 
 from benchmarks.paged_acceptance import LONG_PROMPT, QUESTIONS, answers_together
 from exlnb.engines.base import EngineStatus
-from exlnb.engines.cuda_graphs import StepGraphs, bucket_for, buckets, by_card
+from exlnb.engines.cuda_graphs import StepGraphs, bucket_for, buckets, by_card, cut_width
 from exlnb.engines.job_options import JobOptions
 from exlnb.engines.options import GRAPH_MODES, EngineOptions
 from exlnb.engines.sampling import SamplerSettings
@@ -35,6 +35,19 @@ def test_buckets_pad_every_size_to_at_most_twice_itself():
             chosen = bucket_for(size, sizes)
             assert size <= chosen <= min(2 * size, limit)
         assert bucket_for(limit + 1, sizes) is None
+
+
+def test_a_padded_table_is_cut_to_the_bucket_of_the_pages_the_longest_row_needs():
+    """exllamav3 pads a step's table to 16 pages: its graph reads the pages the longest row needs with this step's
+    token (a row of `longest` cached tokens writes at position `longest`), bucketed, never past the table."""
+    sizes = buckets(32)
+    assert cut_width(16, 0, 256, sizes) == 1
+    assert cut_width(16, 255, 256, sizes) == 1  # the token goes to position 255, the first page's last
+    assert cut_width(16, 256, 256, sizes) == 2  # position 256 is on the second page
+    assert cut_width(16, 3 * 256, 256, sizes) == 4
+    assert cut_width(32, 16 * 256, 256, sizes) == 32  # 17 pages: the bucket past 16
+    assert cut_width(48, 32 * 256, 256, buckets(64)) == 48  # 33 pages: bucket 64 is wider than the table
+    assert cut_width(16, 40 * 256, 256, sizes) == 16  # past every bucket: the table as it is
 
 
 def test_a_layer_split_is_grouped_into_each_card_s_run_of_modules_in_order():

@@ -41,6 +41,11 @@ def test_no_step_is_guessed_that_would_write_past_a_row_s_pages_or_the_table():
     # a table narrower than the graph's bucket (exllamav2 pads it on the card with each row's first page)
     narrow = Step.of((1, 4), torch.zeros((1, 2), dtype=torch.int32), torch.tensor([511], dtype=torch.int32))
     assert next_step(narrow, [1], [4 * PAGE], PAGE) is None  # 512 would be written past the table's two pages
+    # a graph that reads fewer pages than the library's table (exllamav3's, cut to the pages the step needs)
+    cut = Step.of((1, 2), torch.zeros((1, 16), dtype=torch.int32), torch.tensor([510], dtype=torch.int32))
+    assert next_step(cut, [1], [4 * PAGE], PAGE).lengths.tolist() == [511]  # writes at 511, the second page's last
+    at_edge = Step.of((1, 2), torch.zeros((1, 16), dtype=torch.int32), torch.tensor([511], dtype=torch.int32))
+    assert next_step(at_edge, [1], [4 * PAGE], PAGE) is None  # 512 lies past the two pages the graph reads
 
 
 def test_exllamav2_rows_hold_the_pages_their_tokens_so_far_need():

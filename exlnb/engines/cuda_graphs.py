@@ -2,7 +2,7 @@
 
 Each engine's decoder (`exllamav2/graph_decode.py`, `exllamav3/graph_decode.py`) knows its library: which steps
 qualify, how the inputs reach static buffers, which modules run inside a graph. This module holds the part that
-is the same for both: the width buckets a step is padded to, a layer split's runs of modules by card, the one
+is the same for both: the width buckets a step is padded or cut to, a layer split's runs of modules by card, the one
 capture stream per device, `StepGraphs` (the captured graphs of one model on one card, keyed by shape, each
 captured after warm-up runs on that stream and all drawing on one memory pool), and the load check's comparison of
 a replayed step with the eager one.
@@ -68,6 +68,15 @@ def buckets(limit: int) -> tuple[int, ...]:
 
 def bucket_for(size: int, sizes: tuple[int, ...]) -> int | None:
     return next((b for b in sizes if b >= size), None)
+
+
+def cut_width(table_width: int, longest: int, page_size: int, sizes: tuple[int, ...]) -> int:
+    """The block-table width a decode step's graph reads where the library pads its table past the pages the step
+    needs: the pages its longest row (`longest` tokens cached) needs with this step's token, bucketed to `sizes`,
+    never wider than the library's table. A kernel that splits its keys by the table's width launches no work past
+    the need."""
+    bucket = bucket_for(longest // page_size + 1, sizes)
+    return table_width if bucket is None else min(bucket, table_width)
 
 
 _capture_streams: dict[torch.device, torch.cuda.Stream] = {}

@@ -58,8 +58,10 @@ class Step:
 def next_step(last: Step, tokens: Sequence[int], capacities: Sequence[int] | None, page_size: int) -> Step | None:
     """The step that follows `last` if every row goes on with its token in `tokens`; None where it cannot be guessed
     safely: the tokens or the rows' `capacities` (how many tokens each row's allocated pages hold, in batch order)
-    are not one per row, or a row's next position lies past its pages or past the block table's width."""
-    batch, width = last.key[0], last.block_table.shape[1]  # the library's own table: no column padded on the card
+    are not one per row, or a row's next position lies past its pages or past the block table its graph reads."""
+    # the narrower of the library's own table (exllamav2's graphs pad it on the card with columns no row may write
+    # through) and the graph's (exllamav3's graphs read only the pages the step needs)
+    batch, width = last.key[0], min(last.key[1], last.block_table.shape[1])
     if len(tokens) != batch or capacities is None or len(capacities) != batch:
         return None
     lengths = last.lengths + 1

@@ -13,9 +13,13 @@ scoring) runs the model's own method unchanged. The modules that take their inpu
 which exllamav3 keeps on the CPU) run eagerly first; their output, the block table and the cache lengths are
 copied into static buffers on each card; then each card's consecutive modules replay as one graph, the hidden
 state copied from card to card in between, as exllamav3's own layer split copies it. A graph is captured on
-first use per batch size and block-table width (the generator pads the width to a multiple of 16 pages, so
-there are few); the batch is not padded, since a GEMM of 8 rows rounds differently from one of 5 and padded
-batches flipped greedy tokens against eager decode on exllamav2 (graph_decode.py there).
+first use per batch size and block-table width. The generator pads its table to a multiple of 16 pages; the graph
+reads only the pages the longest row needs, bucketed 1, 2, 4, ... pages as the ExLlamaV2 decoder buckets them
+(`cuda_graphs.cut_width`): exlnb's decode attention splits the keys by the table's width, and on the padded table
+a step at 256 tokens launched 16 splits a head and a combine pass, 0.29 ms of attention where the ExLlamaV2
+engine's one-page table took 0.18 (7B-shaped, H200 profiles, benchmarks/results/speed-nvidia-h200-2026-11-28-cut).
+The batch is not padded, since a GEMM of 8 rows rounds differently from one of 5 and padded batches flipped greedy
+tokens against eager decode on exllamav2 (graph_decode.py there).
 
 The decoder also stands in for the model's `prefetch_tokens`, where the generator hands over the tokens it has just
 sampled: there it queues the next step ahead, so that the GPU computes it while the host does the step's
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, by_card, replay_differs
+from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, buckets, by_card, cut_width, replay_differs
 from exlnb.engines.device_sampling import DeviceDraws, Row
 from exlnb.engines.exllamav3.capture_fixes import pinned_pointer_tables, turn_library_graphs_off
 from exlnb.engines.options import PAGE_TOKENS
@@ -79,6 +83,7 @@ class GraphDecoder:
         self._eager = model.forward  # the model's own bound method
         self.max_batch_size = max_batch_size
         self.max_width = -(-max_pages // TABLE_STEP) * TABLE_STEP
+        self.page_buckets = buckets(self.max_width)
         host = _host_prologue(model.fwd_modules)
         self._host_modules = model.fwd_modules[:host]
         self._cards = [
@@ -201,7 +206,9 @@ class GraphDecoder:
             event.synchronize()
 
     def _key(self, input_ids: torch.Tensor, params: dict | None) -> tuple[int, int] | None:
-        """The (batch size, block-table width) of a step that qualifies for a graph; None for one that does not."""
+        """The (batch size, block-table width its graph reads) of a step that qualifies for a graph; None for one
+        that does not. The generator's cache lengths are on the host (its staging arena), so the cut costs no
+        wait."""
         if not params or params.get("attn_mode") != "flash_attn" or params.get("cache") is not self.cache:
             return None
         if set(params) - _DECODE_PARAMETERS or input_ids.dim() != 2 or input_ids.shape[1] != 1:
@@ -211,15 +218,19 @@ class GraphDecoder:
         if params.get("positions") is not None:  # per-job RoPE positions (mrope models)
             return None
         batch, width = input_ids.shape[0], params["block_table"].shape[1]
-        return None if batch > self.max_batch_size or width > self.max_width else (batch, width)
+        if batch > self.max_batch_size or width > self.max_width:
+            return None
+        longest = int(params["cache_seqlens"].max())
+        return batch, cut_width(width, longest, PAGE_TOKENS, self.page_buckets)
 
     def _replay(self, key: tuple[int, int], input_ids: torch.Tensor, params: dict) -> torch.Tensor:
         from exllamav3.util.tensor import get_for_device
 
         batch, width = key
         x = self._embed(input_ids, params)
-        for card in self._cards:  # the tables the generator already uploaded to each card (its dev_cache)
-            card.block_table(batch, width).copy_(get_for_device(params, "block_table", card.device), non_blocking=True)
+        for card in self._cards:  # the tables the generator already uploaded to each card (its dev_cache), cut
+            table = get_for_device(params, "block_table", card.device)[:, :width]
+            card.block_table(batch, width).copy_(table, non_blocking=True)
             card.seqlens[:batch].copy_(get_for_device(params, "cache_seqlens", card.device), non_blocking=True)
         drawn = self.draws.stage(self.step_rows(), batch) if self.draws is not None else None
         x = self._through_cards(key, x, drawn)
