@@ -9,10 +9,11 @@ and 8 rows: through cuBLAS (torch.mm input-major, with float32 outputs as exllam
 exllamav2 holds them, and a zero-copy batched product over 2, 4 or 8 slices of the outputs, of input-major and of
 output-major weights), through exlnb's own single-row call (engines/gemv.py), and through its Triton kernel over
 output-major weights in 26 configurations. Then 32 layers of triton_decode's attention (batch 1, 32 heads of 128,
-a 4,608-token cache) at 256 and 4,096 tokens, under ten launch options. Last, a batch of 8 as the ExLlamaV3
-engine attends it (its block table padded to 16 pages, as exllamav3 pads it): exllamav3's own decode kernel, and
-exlnb's with 256, 1,024 and 4,096 keys a split, and on a table cut to the pages the batch needs. Median of 20
-replays each; the weights' or keys' bytes over that time. CUDA only.
+a 4,608-token cache) at 256 and 4,096 tokens, under twelve launch options, over the table both engines' graphs
+read (cut to the bucket of the pages the sequence needs: one page at 256 tokens, 16 at 4,096). Last, a batch of 8
+as the ExLlamaV3 engine attends it (its block table padded to 16 pages, as exllamav3 pads it): exllamav3's own
+decode kernel, and exlnb's with 256, 1,024 and 4,096 keys a split, and on a table cut to the pages the batch
+needs. Median of 20 replays each; the weights' or keys' bytes over that time. CUDA only.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from benchmarks.gemv import copy_bytes_per_s, graphed
 from benchmarks.harness import device_slug, environment, new_result_path, write_json
+from exlnb.engines.cuda_graphs import buckets, cut_width
 
 TRITON = importlib.util.find_spec("triton") is not None
 if TRITON:
@@ -51,6 +53,8 @@ ATTENTION_OPTIONS = [  # (keys a split, keys a tile, warps, stages or None for t
     (128, 64, 4, None),
     (512, 64, 4, None),
     (256, 32, 4, None),
+    (256, 32, 8, None),
+    (512, 32, 4, None),
     (256, 128, 4, None),
     (256, 128, 8, 3),
 ]
@@ -219,7 +223,7 @@ def attention(record: dict) -> None:
 
     caches = [(cache(), cache()) for _ in range(LAYERS)]
     q, fresh = (torch.randn(1, 1, HEADS, HEAD_DIM, device="cuda").half() for _ in range(2))
-    table = torch.arange(pages, device="cuda", dtype=torch.int32)[None]
+    whole = torch.arange(pages, device="cuda", dtype=torch.int32)[None]
     results = record.setdefault("attention", {"results": {}})["results"]
 
     class Launched:  # the kernel launched with these options, wherever triton_decode launches it
@@ -233,6 +237,7 @@ def attention(record: dict) -> None:
     try:
         for tokens in (256, 4096):
             lengths = torch.tensor([tokens - 1], device="cuda", dtype=torch.int32)
+            table = whole[:, : cut_width(pages, tokens - 1, PAGE, buckets(pages))].contiguous()
             for split, block, warps, stages in ATTENTION_OPTIONS:
                 triton_decode.SPLIT_KEYS, triton_decode.BLOCK_KEYS = split, block
                 staged = {"num_stages": stages} if stages else {}

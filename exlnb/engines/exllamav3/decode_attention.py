@@ -14,7 +14,10 @@ process keeps the library's kernels.
 Only single sequences take it. exlnb's kernel splits the keys by the block table's width, which exllamav3 pads to
 16 pages, so a batch of 8 launched 16 splits per sequence and head, nearly all past the sequences' ends, where
 exllamav3 sizes its splits to the batch (one at batch 8): the batch-8 step took 6.04 ms against 5.32 on
-exllamav3's kernel (7B-shaped, H200, 2026-11-28), while batch 1 went from 4.75 to 4.63 ms a token.
+exllamav3's kernel (7B-shaped, H200, 2026-11-28), while batch 1 went from 4.75 to 4.63 ms a token. No split size
+won the batch back: over 32 layers of 8 sequences at 256 tokens exllamav3's kernel took 0.616 ms, exlnb's 0.694
+at best, and 0.870 on a table cut to the need (benchmarks/results/speed-nvidia-h200-2026-11-28-cut). The graph
+decoder cuts a single sequence's table to the pages it needs, so at short contexts one split does it all.
 """
 
 from __future__ import annotations
