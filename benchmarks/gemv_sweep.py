@@ -9,7 +9,7 @@ and 8 rows: through cuBLAS (torch.mm input-major, with float32 outputs as exllam
 exllamav2 holds them, and a zero-copy batched product over 2, 4 or 8 slices of the outputs, of input-major and of
 output-major weights), through exlnb's own single-row call (engines/gemv.py), and through its Triton kernel over
 output-major weights in 26 configurations. Then 32 layers of triton_decode's attention (batch 1, 32 heads of 128,
-a 4,608-token cache) at 256 and 4,096 tokens, under twelve launch options, over the table both engines' graphs
+a 4,608-token cache) at 256 and 4,096 tokens, under each of ATTENTION_OPTIONS, over the table both engines' graphs
 read (cut to the bucket of the pages the sequence needs: one page at 256 tokens, 16 at 4,096). Last, a batch of 8
 as the ExLlamaV3 engine attends it (its block table padded to 16 pages, as exllamav3 pads it): exllamav3's own
 decode kernel, and exlnb's with 256, 1,024 and 4,096 keys a split, and on a table cut to the pages the batch
