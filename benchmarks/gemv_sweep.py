@@ -8,12 +8,13 @@ This replays 32 layers of distinct o and down weights (4096 -> 4096 and 11008 ->
 and 8 rows: through cuBLAS (torch.mm input-major, with float32 outputs as exllamav3 asks, F.linear output-major as
 exllamav2 holds them, and a zero-copy batched product over 2, 4 or 8 slices of the outputs, of input-major and of
 output-major weights), through exlnb's own single-row call (engines/gemv.py), and through its Triton kernel over
-output-major weights in 26 configurations. Then 32 layers of triton_decode's attention (batch 1, 32 heads of 128,
-a 4,608-token cache) at 256 and 4,096 tokens, under each of ATTENTION_OPTIONS, over the table both engines' graphs
-read (cut to the bucket of the pages the sequence needs: one page at 256 tokens, 16 at 4,096). Last, a batch of 8
-as the ExLlamaV3 engine attends it (its block table padded to 16 pages, as exllamav3 pads it): exllamav3's own
-decode kernel, and exlnb's with 256, 1,024 and 4,096 keys a split, and on a table cut to the pages the batch
-needs. Median of 20 replays each; the weights' or keys' bytes over that time. CUDA only.
+output-major weights in 26 configurations. Then 32 layers of triton_decode's attention (batch 1, 32 query heads of
+128, 32 or 8 key/value heads, a 4,608-token cache) at 256, 1,024 and 4,096 tokens, under each of
+ATTENTION_OPTIONS, over the table both engines' graphs read (cut to the bucket of the pages the sequence needs: one
+page at 256 tokens, 16 at 4,096). Last, a batch of 8 as the ExLlamaV3 engine attends it (its block table padded to
+16 pages, as exllamav3 pads it): exllamav3's own decode kernel, and exlnb's with 256, 1,024 and 4,096 keys a split,
+and on a table cut to the pages the batch needs. Median of 20 replays each; the weights' or keys' bytes over that
+time. CUDA only.
 """
 
 from __future__ import annotations
@@ -212,17 +213,18 @@ def exlnb_layers(caches: list, q, fresh, lengths, table) -> Callable[[], None]:
     return layers
 
 
+ATTENTION_SHAPES = {"": HEADS, "kv8_": 8}  # name prefix: key/value heads (32 query heads): Llama-2-7B's, and grouped
+ATTENTION_TOKENS = (256, 1024, 4096)
+
+
 def attention(record: dict) -> None:
+    """32 layers of one sequence's decode attention under each launch option, for each key/value head count and
+    context, over the table the engines' graphs read: a split size or tile is kept only where it wins on every
+    shape, since it must not follow the table's width (a sequence's bits would change with its batch mates)."""
     from exlnb.engines import triton_decode
 
     kernel, constants = triton_decode._attention_split_kernel, (triton_decode.SPLIT_KEYS, triton_decode.BLOCK_KEYS)
     pages = CACHE_TOKENS // PAGE
-
-    def cache() -> torch.Tensor:
-        return torch.randn(pages, PAGE, HEADS, HEAD_DIM, device="cuda").half()
-
-    caches = [(cache(), cache()) for _ in range(LAYERS)]
-    q, fresh = (torch.randn(1, 1, HEADS, HEAD_DIM, device="cuda").half() for _ in range(2))
     whole = torch.arange(pages, device="cuda", dtype=torch.int32)[None]
     results = record.setdefault("attention", {"results": {}})["results"]
 
@@ -235,17 +237,25 @@ def attention(record: dict) -> None:
             return lambda *args, **kwargs: launch(*args, **kwargs, **self.options)
 
     try:
-        for tokens in (256, 4096):
-            lengths = torch.tensor([tokens - 1], device="cuda", dtype=torch.int32)
-            table = whole[:, : cut_width(pages, tokens - 1, PAGE, buckets(pages))].contiguous()
-            for split, block, warps, stages in ATTENTION_OPTIONS:
-                triton_decode.SPLIT_KEYS, triton_decode.BLOCK_KEYS = split, block
-                staged = {"num_stages": stages} if stages else {}
-                triton_decode._attention_split_kernel = Launched(num_warps=warps, **staged)
-
-                layers = exlnb_layers(caches, q, fresh, lengths, table)
-                key_bytes = LAYERS * tokens * HEADS * HEAD_DIM * 2 * 2
-                timed(results, f"split{split}_block{block}_w{warps}_s{stages}@ctx{tokens}", layers, key_bytes)
+        for shape, kv_heads in ATTENTION_SHAPES.items():
+            caches = [
+                tuple(torch.randn(pages, PAGE, kv_heads, HEAD_DIM, device="cuda").half() for _ in range(2))
+                for _ in range(LAYERS)
+            ]
+            q = torch.randn(1, 1, HEADS, HEAD_DIM, device="cuda").half()
+            fresh = torch.randn(1, 1, kv_heads, HEAD_DIM, device="cuda").half()
+            for tokens in ATTENTION_TOKENS:
+                lengths = torch.tensor([tokens - 1], device="cuda", dtype=torch.int32)
+                table = whole[:, : cut_width(pages, tokens - 1, PAGE, buckets(pages))].contiguous()
+                key_bytes = LAYERS * tokens * kv_heads * HEAD_DIM * 2 * 2
+                for split, block, warps, stages in ATTENTION_OPTIONS:
+                    triton_decode.SPLIT_KEYS, triton_decode.BLOCK_KEYS = split, block
+                    staged = {"num_stages": stages} if stages else {}
+                    triton_decode._attention_split_kernel = Launched(num_warps=warps, **staged)
+                    layers = exlnb_layers(caches, q, fresh, lengths, table)
+                    name = f"{shape}split{split}_block{block}_w{warps}_s{stages}@ctx{tokens}"
+                    timed(results, name, layers, key_bytes)
+            del caches
     finally:
         triton_decode._attention_split_kernel = kernel
         triton_decode.SPLIT_KEYS, triton_decode.BLOCK_KEYS = constants
