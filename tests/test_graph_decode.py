@@ -221,6 +221,37 @@ def test_queuing_ahead_is_off_where_switched_off(sessions, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_exllamav2_embeds_a_queued_step_s_tokens_on_the_gpu_and_the_tokens_are_the_host_path_s(sessions, monkeypatch):
+    """The ExLlamaV2 decoder queues each step before the last one's argmax reaches the host, embedding it on the
+    card; with the feed switched off it reads the argmax back and embeds on the host. Rows that end at different
+    steps (each end drops a queued step) give the same tokens either way, and the same as eager decode."""
+    eager, graphed = sessions
+    if graphed.status().engine != "exllamav2":
+        pytest.skip("the ExLlamaV3 engine queues at exllamav3's prefetch_tokens, with the tokens on the host")
+    greedy = SamplerSettings.greedy()
+
+    def run(session: Session) -> list[tuple[int, ...]]:
+        specs = [
+            session.spec_for(chatml(q), JobOptions(max_new_tokens=n, sampler=greedy, stop_at_eos=False))
+            for q, n in zip(QUESTIONS, (9, 33, 21))
+        ]
+        return [stream.result().token_ids for stream in session.submit_together(specs)]
+
+    monkeypatch.setenv("EXLNB_TOKEN_FEED", "0")
+    host = load("auto", "exllamav2")
+    try:
+        assert "embedded on the GPU" not in host.status().decode
+        used_before = graphed.run_on_engine(lambda e: e.graphs.used_ahead)
+        fed, read_back, expected = run(graphed), run(host), run(eager)
+    finally:
+        host.unload()
+
+    assert "their tokens embedded on the GPU" in graphed.status().decode
+    assert fed == read_back == expected
+    assert graphed.run_on_engine(lambda e: e.graphs.used_ahead) - used_before >= 9 - 3  # the fed steps were used
+
+
+@pytest.mark.gpu
 def test_sampling_stays_with_the_library_unless_the_gpu_is_asked_for(sessions, drawing):
     assert "sampling on the GPU" not in sessions[1].status().decode
     assert sessions[1].run_on_engine(lambda e: e.draws) is None

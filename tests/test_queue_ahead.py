@@ -23,7 +23,7 @@ def step(lengths: list[int], width: int = 16) -> Step:
 def test_the_next_step_is_the_same_rows_one_token_longer_over_the_same_table():
     last = step([40, 300])
 
-    following = next_step(last, [11, 12], [512, 1024], PAGE)
+    following = next_step(last, 2, [512, 1024], PAGE)
 
     assert following.key == last.key
     assert torch.equal(following.block_table, last.block_table)
@@ -32,20 +32,20 @@ def test_the_next_step_is_the_same_rows_one_token_longer_over_the_same_table():
 
 
 def test_no_step_is_guessed_that_would_write_past_a_row_s_pages_or_the_table():
-    assert next_step(step([510, 20]), [1, 2], [512, 512], PAGE) is not None  # writes at 511, the pages' last
-    assert next_step(step([511, 20]), [1, 2], [512, 512], PAGE) is None  # would write at 512, past its pages
-    assert next_step(step([4095], width=16), [1], [8192], PAGE) is None  # past the table's 16 pages
-    assert next_step(step([40, 41]), [1], [512, 512], PAGE) is None  # a token for only one of two rows
-    assert next_step(step([40, 41]), [1, 2], [512], PAGE) is None  # the rows are not the step's
-    assert next_step(step([40]), [1], None, PAGE) is None  # the engine cannot say
+    assert next_step(step([510, 20]), 2, [512, 512], PAGE) is not None  # writes at 511, the pages' last
+    assert next_step(step([511, 20]), 2, [512, 512], PAGE) is None  # would write at 512, past its pages
+    assert next_step(step([4095], width=16), 1, [8192], PAGE) is None  # past the table's 16 pages
+    assert next_step(step([40, 41]), 1, [512, 512], PAGE) is None  # one row where the step had two
+    assert next_step(step([40, 41]), 2, [512], PAGE) is None  # the rows are not the step's
+    assert next_step(step([40]), 1, None, PAGE) is None  # the engine cannot say
     # a table narrower than the graph's bucket (exllamav2 pads it on the card with each row's first page)
     narrow = Step.of((1, 4), torch.zeros((1, 2), dtype=torch.int32), torch.tensor([511], dtype=torch.int32))
-    assert next_step(narrow, [1], [4 * PAGE], PAGE) is None  # 512 would be written past the table's two pages
+    assert next_step(narrow, 1, [4 * PAGE], PAGE) is None  # 512 would be written past the table's two pages
     # a graph that reads fewer pages than the library's table (exllamav3's, cut to the pages the step needs)
     cut = Step.of((1, 2), torch.zeros((1, 16), dtype=torch.int32), torch.tensor([510], dtype=torch.int32))
-    assert next_step(cut, [1], [4 * PAGE], PAGE).lengths.tolist() == [511]  # writes at 511, the second page's last
+    assert next_step(cut, 1, [4 * PAGE], PAGE).lengths.tolist() == [511]  # writes at 511, the second page's last
     at_edge = Step.of((1, 2), torch.zeros((1, 16), dtype=torch.int32), torch.tensor([511], dtype=torch.int32))
-    assert next_step(at_edge, [1], [4 * PAGE], PAGE) is None  # 512 lies past the two pages the graph reads
+    assert next_step(at_edge, 1, [4 * PAGE], PAGE) is None  # 512 lies past the two pages the graph reads
 
 
 def test_exllamav2_rows_hold_the_pages_their_tokens_so_far_need():
@@ -54,9 +54,9 @@ def test_exllamav2_rows_hold_the_pages_their_tokens_so_far_need():
     lengths = torch.tensor([0, 254, 255, 256, 300], dtype=torch.int32)
     assert pages_hold(lengths, PAGE) == [256, 256, 256, 512, 512]
     last = Step.of((5, 2), torch.zeros((5, 2), dtype=torch.int32), lengths)
-    assert next_step(last, [1] * 5, pages_hold(lengths, PAGE), PAGE) is None  # the row at 255 needs a new page
+    assert next_step(last, 5, pages_hold(lengths, PAGE), PAGE) is None  # the row at 255 needs a new page
     fits = Step.of((2, 2), torch.zeros((2, 2), dtype=torch.int32), torch.tensor([254, 300], dtype=torch.int32))
-    assert next_step(fits, [1, 2], pages_hold(fits.lengths, PAGE), PAGE).lengths.tolist() == [255, 301]
+    assert next_step(fits, 2, pages_hold(fits.lengths, PAGE), PAGE).lengths.tolist() == [255, 301]
 
 
 def test_a_row_is_guessed_by_its_argmax_only_where_nothing_changes_its_logits_first():
@@ -84,7 +84,7 @@ def test_a_row_is_guessed_by_its_argmax_only_where_nothing_changes_its_logits_fi
 
 def test_the_step_asked_for_is_held_against_the_queued_one_field_by_field():
     last = step([40, 41])
-    guess = next_step(last, [7, 8], [512, 512], PAGE)
+    guess = next_step(last, 2, [512, 512], PAGE)
     ahead = Ahead(guess, torch.tensor([[7], [8]]), torch.zeros(2, 1, 5))
     table, lengths = guess.block_table.clone(), torch.tensor([41, 42], dtype=torch.int32)
 

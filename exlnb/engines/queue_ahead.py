@@ -55,14 +55,15 @@ class Step:
         return cls(key, _on_host(block_table).clone(), _on_host(lengths).clone())
 
 
-def next_step(last: Step, tokens: Sequence[int], capacities: Sequence[int] | None, page_size: int) -> Step | None:
-    """The step that follows `last` if every row goes on with its token in `tokens`; None where it cannot be guessed
-    safely: the tokens or the rows' `capacities` (how many tokens each row's allocated pages hold, in batch order)
-    are not one per row, or a row's next position lies past its pages or past the block table its graph reads."""
+def next_step(last: Step, rows: int, capacities: Sequence[int] | None, page_size: int) -> Step | None:
+    """The step that follows `last` if each of its `rows` goes on with one more token; None where it cannot be
+    guessed safely: `rows` (the rows the engine decodes now) or their `capacities` (how many tokens each row's
+    allocated pages hold, in batch order) are not the step's, or a row's next position lies past its pages or past
+    the block table its graph reads."""
     # the narrower of the library's own table (exllamav2's graphs pad it on the card with columns no row may write
     # through) and the graph's (exllamav3's graphs read only the pages the step needs)
     batch, width = last.key[0], min(last.key[1], last.block_table.shape[1])
-    if len(tokens) != batch or capacities is None or len(capacities) != batch:
+    if rows != batch or capacities is None or len(capacities) != batch:
         return None
     lengths = last.lengths + 1
     room = torch.tensor(capacities, dtype=lengths.dtype).clamp(max=width * page_size)
@@ -104,17 +105,23 @@ def said(on: bool, used: int, queued: int) -> str:
 @dataclass
 class Ahead:
     """A step queued ahead: its shape, its input tokens (batch, 1) on the host, its graph's output and, where it runs
-    on a stream of its own, the event that ends it there."""
+    on a stream of its own, the event that ends it there. Tokens still on their way to the host come with the event
+    that ends their copy (`read`) and the card's tensor the copy and the queued step read (`source`), kept alive
+    until the step is used or dropped."""
 
     step: Step
     input_ids: torch.Tensor
     output: torch.Tensor
     done: torch.cuda.Event | None = None
+    read: torch.cuda.Event | None = None
+    source: torch.Tensor | None = None
 
     def matches(
         self, key: tuple[int, int], input_ids: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor
     ) -> bool:
         """Whether the step the generator asks for is this one: same shape, tokens, block table and lengths."""
+        if self.read is not None:
+            self.read.synchronize()  # the copy of the tokens, which ended long before the queued step does
         return (
             key == self.step.key
             and torch.equal(_on_host(input_ids).view(-1).long(), self.input_ids.view(-1))

@@ -22,7 +22,9 @@ random weights), where a graph per exact batch size gives the same tokens as eag
 
 On one card, where every row's token is its logits' argmax, the step after each replay is queued ahead on a stream
 of its own while exllamav2's generator does each job's host work (queue_ahead.py), and held against the step it
-then asks for.
+then asks for. Where the embedding table's copy fits on the card (token_feed.py), the argmax stays there and is
+embedded there, so the next step is queued without waiting for this one to end; else the argmax is read back and
+embedded on the host first.
 
 Measured on an H100 (benchmarks/README.md): the bundled model decodes 4.2x to 7.8x as fast at batch 1; the
 7B-shaped model's replayed step takes 7.3 ms of GPU time, 1.66x the floor, so there the kernels now set the speed.
@@ -39,6 +41,7 @@ from exlnb.engines.base import one_line
 from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, bucket_for, buckets, by_card, replay_differs
 from exlnb.engines.device_sampling import DeviceDraws, Row
 from exlnb.engines.exllamav2 import paged_attention
+from exlnb.engines.exllamav2.token_feed import TokenFeed, feed_for, token_feed_on
 from exlnb.engines.queue_ahead import Ahead, Step, next_step, pages_hold, queue_ahead_on, said
 from exlnb.engines.step_clock import StepClock, timed_replay
 
@@ -80,6 +83,10 @@ class GraphDecoder:
         self.queued_ahead = 0
         self.used_ahead = 0
         self.ahead_failed = ""  # why queuing ahead stopped, where a queued replay failed
+        self.feed: TokenFeed | None = None  # a queued step's tokens embedded on the card (token_feed.py)
+        self.feed_note = ""  # why not, where it was tried
+        if self.queue_ahead and token_feed_on():
+            self.feed, self.feed_note = feed_for(self._host_modules, self.device)
 
     @property
     def replays(self) -> int:
@@ -155,18 +162,24 @@ class GraphDecoder:
             self._asked_done.synchronize()
 
     def _queue_after(self, step: Step, logits: torch.Tensor, attn_params, kwargs: dict) -> torch.Tensor:
-        """Queue the step after `step` where every row's token is its argmax (queue_ahead.py): the argmax read back
-        (the generator's copy of the logits would wait for this step next anyway), the logits kept in a buffer of
-        their own for the generator, and the next step replayed on the side stream. Returns the logits to hand on."""
+        """Queue the step after `step` where every row's token is its argmax (queue_ahead.py): the logits kept in a
+        buffer of their own for the generator, and the next step replayed on the side stream, its tokens embedded on
+        the card (copied back to the host for the check the next asked step is held to) or, without a feed, read
+        back and embedded on the host first. Returns the logits to hand on."""
         rows = self.argmax_rows()
         if len(rows) != step.key[0] or not all(rows):
             return logits
-        tokens = logits[:, -1].argmax(-1).cpu()
-        following = next_step(step, tokens.tolist(), pages_hold(step.lengths, self.page_size), self.page_size)
+        following = next_step(step, len(rows), pages_hold(step.lengths, self.page_size), self.page_size)
         if following is None:
             return logits
+        argmax = logits[:, -1].argmax(-1, keepdim=True)
+        if self.feed is None:
+            input_ids, read = argmax.cpu(), None  # waits for this step
+        else:
+            input_ids, read = torch.empty(argmax.shape, dtype=argmax.dtype, pin_memory=True), torch.cuda.Event()
+            input_ids.copy_(argmax, non_blocking=True)
+            read.record()
         kept = logits.clone()  # the queued replay writes the graph's output again
-        input_ids = tokens.view(-1, 1)
         main = torch.cuda.current_stream(self.device)
         self._asked_done.record(main)
         self._side.wait_stream(main)
@@ -174,7 +187,8 @@ class GraphDecoder:
         try:
             with torch.cuda.stream(self._side):
                 params = _next_params(attn_params, following)
-                output = self._replay(following.key, input_ids, params, kwargs, ahead=True)
+                hidden = self.feed(argmax) if self.feed is not None else None
+                output = self._replay(following.key, input_ids, params, kwargs, ahead=True, hidden=hidden)
                 done = torch.cuda.Event()
                 done.record(self._side)
         except Exception as error:  # decode goes on as asked, without queuing; the status says why
@@ -183,7 +197,7 @@ class GraphDecoder:
             return kept
         finally:
             self.cache.current_seq_len = seq_len
-        self._ahead = Ahead(following, input_ids, output, done)
+        self._ahead = Ahead(following, input_ids, output, done, read, argmax)
         self.queued_ahead += 1
         return kept
 
@@ -202,12 +216,20 @@ class GraphDecoder:
         return None if batch > self.max_batch_size or pages is None else (batch, pages)
 
     def _replay(
-        self, key: tuple[int, int], input_ids: torch.Tensor, attn_params, kwargs: dict, *, ahead: bool = False
+        self,
+        key: tuple[int, int],
+        input_ids: torch.Tensor,
+        attn_params,
+        kwargs: dict,
+        *,
+        ahead: bool = False,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """A replay of the step of `input_ids`, or of `hidden` where its tokens were embedded already."""
         from exllamav2.device import set_device_streams
 
-        x = input_ids
-        for module in self._host_modules:  # the embedding, on the CPU in exllamav2 by default
+        x = input_ids if hidden is None else hidden
+        for module in self._host_modules if hidden is None else []:  # the embedding, on the CPU by default
             x = module.forward(
                 x,
                 cache=self.cache,
@@ -362,6 +384,10 @@ class GraphDecoder:
         graph_bytes = sum(card.graphs.graph_bytes for card in self._cards)
         drawn = ", sampling on the GPU" if self.draws is not None else ""
         ahead = said(self.queue_ahead, self.used_ahead, self.queued_ahead)
+        if self.queue_ahead and self.feed is not None:
+            ahead += ", their tokens embedded on the GPU"
+        elif self.queue_ahead and self.feed_note:
+            ahead += f", their tokens embedded on the host ({self.feed_note})"
         if self.ahead_failed:
             ahead = f", no step queued ahead since {self.ahead_failed}"
         return f"CUDA graphs{cards}, {captured} captured, {graph_bytes / 2**20:.0f} MiB{drawn}{ahead}"

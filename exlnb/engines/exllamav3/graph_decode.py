@@ -182,7 +182,7 @@ class GraphDecoder:
         last, self._last = self._last, None
         if last is None or not self.queue_ahead or self.gave_up:
             return
-        step = next_step(last, tokens, self.capacities(), PAGE_TOKENS)
+        step = next_step(last, len(tokens), self.capacities(), PAGE_TOKENS)
         if step is not None:
             with torch.inference_mode():
                 input_ids = torch.tensor(tokens, dtype=torch.long).view(-1, 1)
