@@ -9,7 +9,6 @@ loads by default.
 
 from __future__ import annotations
 
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 from exlnb.engines.exllamav2 import paged_attention
 from exlnb.engines.exllamav3.decode_attention import MEMO_KEY, OursFirst, takes
 from exlnb.session import Session
+from tests.helpers import skip_without_library
 
 # -- the memo and the calls it takes, over stand-ins -------------------------------------------------------------
 
@@ -89,8 +89,7 @@ def test_calls_the_kernel_is_not_held_to_exllamav3_s_for_keep_the_library_s_path
 
 
 def load() -> Session:
-    if not torch.cuda.is_available() or importlib.util.find_spec("exllamav3") is None:
-        pytest.skip("the ExLlamaV3 engine needs CUDA and exllamav3")
+    skip_without_library("exllamav3")
     session = Session()
     session.load("smollm2-135m-instruct", engine="exllamav3", progress=False)
     return session

@@ -4,8 +4,8 @@ exllamav3 is imported here only: importing it JIT-builds its CUDA extension (abo
 gpu.md). Verified against exllamav3 1.6.5, whose API this module uses as it is: `Config.from_directory`,
 `Model.from_config`, a `Cache` built before `model.load()` (its generator asserts that order), and
 `Generator.enqueue / iterate / cancel` over `Job`s. Attention runs on exllamav3's own paged kernels, so
-continuous batching and prefix sharing need no flash-attn; decode-sized calls take exlnb's Triton kernel where
-triton is installed (decode_attention.py).
+continuous batching and prefix sharing need no flash-attn; a single sequence's decode calls take exlnb's Triton
+kernel where triton is installed (decode_attention.py).
 """
 
 from __future__ import annotations
