@@ -180,6 +180,24 @@ def test_a_sequence_s_output_is_the_same_alone_in_a_batch_and_in_a_wider_table(d
         assert torch.equal(flash_attn_with_kvcache(**alone), in_batch[rows]), f"sequence {sequence}"
 
 
+def test_pages_that_cut_a_key_tile_stay_on_the_pytorch_path(device):
+    """The kernel reads a key tile's page once, so a page must hold whole tiles; a cache of 16-token pages (as
+    test_paged_attention's) is the PyTorch path's, and still answers."""
+    from exlnb.engines import triton_decode
+
+    call = Call((40, 3), group=2)
+    args = inputs(call, device)
+    small = {name: value for name, value in args.items()}
+    for cache in ("k_cache", "v_cache"):
+        small[cache] = args[cache].view(-1, 16, call.kv_heads, call.dim)  # the same slots, cut into 16-token pages
+    small["block_table"] = (args["block_table"].long()[:, :, None] * (PAGE // 16) + torch.arange(PAGE // 16)).flatten(1)
+    small["block_table"] = small["block_table"].to(torch.int32).contiguous()
+
+    assert triton_decode.handles(args["q"], args["k_cache"], args["v_cache"])
+    assert not triton_decode.handles(small["q"], small["k_cache"], small["v_cache"])
+    torch.testing.assert_close(flash_attn_with_kvcache(**copy(small)), flash_attn_with_kvcache(**copy(args)), **FP16)
+
+
 @pytest.mark.gpu
 def test_a_decode_step_captured_in_a_cuda_graph_replays_new_inputs(device):
     if device != "cuda":

@@ -7,10 +7,11 @@ and 19.1 at 4096, where reading the keys and values once costs about 0.7 ms a to
 - `_attention_split_kernel`: one program per (sequence, key/value head, block of query rows, split of SPLIT_KEYS
   keys). Its rows are the (query position, query head) pairs that read that key/value head, so grouped heads
   share each key tile. It walks its keys a tile at a time with an online softmax in float32, and leaves each row's
-  unnormalised sum of values, running maximum and denominator. The call's new keys and values are read from the
-  call itself, and the first program of each (sequence, key/value head) writes them into their pages: no program
-  reads a slot another is writing, and a step needs no kernels of its own for the writes (two a layer,
-  64 of a 7B step's 594 on the ExLlamaV2 engine, H200 profile of 2026-11-28).
+  unnormalised sum of values, running maximum and denominator. A tile never leaves its page, so its page number
+  is one load (it was one a key: 5 % of the kernel's time at 4,096 tokens on an H200, the same bits). The call's
+  new keys and values are read from the call itself, and the first program of each (sequence, key/value head)
+  writes them into their pages: no program reads a slot another is writing, and a step needs no kernels of its
+  own for the writes (two a layer, 64 of a 7B step's 594 on the ExLlamaV2 engine, H200 profile of 2026-11-28).
 - `_attention_combine_kernel`: one program per (sequence, query position, head) brings the splits to one maximum,
   sums them and writes the output in the query's dtype. With a single split the first kernel writes it directly.
 
@@ -36,18 +37,20 @@ import triton.language as tl
 MAX_QUERIES = 16  # query positions per sequence a call may have: decode has 1
 MAX_HEAD_DIM = 256  # a row block's float32 accumulator (rows x head dim) lives in registers
 SPLIT_KEYS = 256  # keys per split: 16 splits at 4096 tokens keep an H100's 132 SMs busy at batch 1
-BLOCK_KEYS = 64  # keys per tile within a split
+BLOCK_KEYS = 64  # keys per tile within a split, and a divisor of both SPLIT_KEYS and the page size
 MIN_ROWS, MAX_ROWS = 16, 64  # query rows per program: tl.dot needs 16; more share a key tile but hold more registers
 COMBINE_SPLITS = 16  # splits the combine kernel reads at once
 
 
 def handles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether these kernels take a call of flash_attn_with_kvcache's shapes: decode-sized queries, fp16
-    throughout (exllamav2's only activation dtype), contiguous caches. The device is the caller's to check."""
+    throughout (exllamav2's only activation dtype), pages of whole key tiles (both libraries' pages hold 256
+    tokens), contiguous caches. The device is the caller's to check."""
     return (
         q.shape[1] <= MAX_QUERIES
         and q.shape[-1] <= MAX_HEAD_DIM
         and q.dtype == k_cache.dtype == v_cache.dtype == torch.float16
+        and k_cache.shape[1] % BLOCK_KEYS == 0  # a key tile lies within one page
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
     )
@@ -206,8 +209,8 @@ def _attention_split_kernel(
             tl.store(v_cache + target, tl.load(new_values + source, mask=written), mask=written)
     start = split * SPLIT_KEYS
     end = tl.minimum(start + SPLIT_KEYS, length)
-    if HAS_LEFT:  # keys left of every row's window: skipped, not just masked
-        start = tl.maximum(start, length - Q_LEN - window_left)
+    if HAS_LEFT:  # whole tiles left of every row's window: skipped, not just masked (a tile starts on its edge)
+        start = tl.maximum(start, (length - Q_LEN - window_left) // BLOCK_KEYS * BLOCK_KEYS)
 
     maximum = tl.full((ROWS,), -float("inf"), tl.float32)
     denominator = tl.zeros((ROWS,), tl.float32)
@@ -215,9 +218,8 @@ def _attention_split_kernel(
     for first in range(start, end, BLOCK_KEYS):
         key = first + tl.arange(0, BLOCK_KEYS)
         in_split = key < end
-        page = tl.load(
-            block_table + sequence * table_row_stride + key // PAGE_SIZE * table_column_stride, mask=in_split, other=0
-        )
+        # a tile starts at a multiple of BLOCK_KEYS, which divides the page: its page is one load, not one a key
+        page = tl.load(block_table + sequence * table_row_stride + first // PAGE_SIZE * table_column_stride)
         slot = (
             page.to(tl.int64) * PAGE_SIZE + key % PAGE_SIZE
         ) * KV_HEADS + kv_head  # a row of (slots * kv_heads, dim)
