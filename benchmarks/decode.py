@@ -255,9 +255,24 @@ def aggregate_throughput(session: Session, concurrency: int, new_tokens: int, se
 
 def session_aggregate(session: Session, prompts: list[list[int]], new_tokens: int) -> float:
     """Total new tokens per second of one job per prompt, submitted together, from submit to the last one's end."""
+    return session_together(session, prompts, new_tokens)["tokens_per_s"]
+
+
+def session_together(session: Session, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+    """One job per prompt, submitted together: the total new tokens per second from submit to the last one's end
+    (`tokens_per_s`), the slowest job's first token (`first_token_ms`: admission and prefill, the ramp) and the new
+    tokens after each job's first over the time after the slowest one's (`decode_tokens_per_s`: the decode that
+    follows the ramp; a job that started early counts a few of its tokens in it)."""
     start = clock()
     streams = session.submit_together(
         [session.spec_for(p, JobOptions(max_new_tokens=new_tokens, sampler=GREEDY, stop_at_eos=False)) for p in prompts]
     )
-    produced = sum(s.result().new_tokens for s in streams)
-    return produced / (clock() - start)
+    results = [s.result() for s in streams]
+    seconds = clock() - start
+    first = max(r.time_to_first_token_s or 0.0 for r in results)
+    after = sum(max(r.new_tokens - 1, 0) for r in results)
+    return {
+        "tokens_per_s": sum(r.new_tokens for r in results) / seconds,
+        "first_token_ms": 1000 * first,
+        "decode_tokens_per_s": after / (seconds - first),
+    }

@@ -8,7 +8,8 @@ EXL2, quantized with `exlnb.quantize`. Each is driven by exlnb's engines through
 (`kit-*`), by the libraries' own generators as their examples drive them (`raw-*`: exllamav2's
 `ExLlamaV2DynamicGenerator`, exllamav3's `Generator`), and by transformers `generate` with a static cache (which
 `generate` compiles with torch.compile). Per setup: batch-1 decode ms/token at 256 and 4,096 tokens of context,
-the aggregate new tokens/s of 8 jobs, time to first token of a 2,048-token prompt. The floor of a model is its
+the aggregate new tokens/s of 8 jobs (and, for exlnb and transformers, their ramp: the slowest job's first
+token, and the decode rate after it), time to first token of a 2,048-token prompt. The floor of a model is its
 own weight bytes read per token over the device's copy bandwidth, measured in the same run. Setups compared by a
 goal are loaded together and timed in turns (a part `a+b+c@model`), so that a ratio against a peer comes from
 one process start, each side with its spread.

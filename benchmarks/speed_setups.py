@@ -66,7 +66,9 @@ class Timed:
     """One loaded setup: a batch-1 generation as its consumer sees it, and the aggregate of several together."""
 
     generate: Callable[[list[int], int], decode.Run]  # a prompt and its new tokens -> the run
-    together: Callable[[list[list[int]], int], float]  # prompts submitted together -> aggregate new tokens/s
+    # prompts submitted together -> {"tokens_per_s": aggregate new tokens/s, and where the setup can tell,
+    # "first_token_ms" and "decode_tokens_per_s": the ramp and the decode after it}
+    together: Callable[[list[list[int]], int], dict[str, float]]
     status: str = ""
 
 
@@ -119,7 +121,7 @@ def setup(runner: str, folder: Path) -> Iterator[Timed]:
         try:
             yield Timed(
                 lambda p, n: decode.session_decode(session, p, n),
-                lambda ps, n: decode.session_aggregate(session, ps, n),
+                lambda ps, n: decode.session_together(session, ps, n),
                 # with its notes: an engine that fell back to eager decode says why (every EXL3 capture once failed,
                 # and the record showed only "decode: eager")
                 " | ".join([status.line(), *status.notes]),
@@ -133,7 +135,7 @@ def setup(runner: str, folder: Path) -> Iterator[Timed]:
         try:
             yield Timed(
                 lambda p, n: decode.library_by_hand(generator, decode.library_job(library, p, n), len(p)),
-                lambda ps, n: decode.library_aggregate(generator, library, ps, n),
+                lambda ps, n: {"tokens_per_s": decode.library_aggregate(generator, library, ps, n)},
             )
         finally:
             if library == "exllamav3":
@@ -205,9 +207,9 @@ def _serve(runner: str, folder: Path, conn) -> None:
 
 
 @torch.inference_mode()
-def hf_static_generate(model, prompts: list[list[int]], new_tokens: int) -> tuple[decode.Run, float]:
+def hf_static_generate(model, prompts: list[list[int]], new_tokens: int) -> tuple[decode.Run, dict[str, float]]:
     """transformers `generate` with a static cache (compiled by `generate`), greedy: the first sequence's run as
-    its consumer sees it, and the aggregate new tokens/s of all, from the call to its return."""
+    its consumer sees it, and `Timed.together`'s numbers for all of them, from the call to its return."""
     from benchmarks.graphs import _TokenTimes
 
     times = _TokenTimes()
@@ -224,7 +226,12 @@ def hf_static_generate(model, prompts: list[list[int]], new_tokens: int) -> tupl
     seconds = clock() - start
     steps = times.times[1:]  # times[0]: the prompt, handed over before the first step
     rate = (len(steps) - 1) / (steps[-1] - steps[0]) if len(steps) > 1 else float("nan")
-    return decode.Run(len(prompts[0]), steps[0] - start, rate), len(prompts) * new_tokens / seconds
+    together = {
+        "tokens_per_s": len(prompts) * new_tokens / seconds,
+        "first_token_ms": 1000 * (steps[0] - start),
+        "decode_tokens_per_s": len(prompts) * (new_tokens - 1) / (seconds - (steps[0] - start)),
+    }
+    return decode.Run(len(prompts[0]), steps[0] - start, rate), together
 
 
 def measure(timed: dict[str, Timed], p: dict, contexts: dict[str, list[int]]) -> dict[str, dict]:
@@ -238,9 +245,10 @@ def measure(timed: dict[str, Timed], p: dict, contexts: dict[str, list[int]]) ->
     def ms_per_token(context: int) -> Callable[[Timed, int], float]:
         return lambda t, seed: 1000 / t.generate(decode.random_prompt(context - n, seed), n).decode_tokens_per_s
 
-    def batched(t: Timed, seed: int) -> float:
+    def batched(t: Timed, seed: int) -> dict[str, float]:
         shortest = min(c for cs in contexts.values() for c in cs)
-        return t.together([decode.random_prompt(shortest - n, 1000 * seed + i) for i in range(BATCH)], n)
+        together = t.together([decode.random_prompt(shortest - n, 1000 * seed + i) for i in range(BATCH)], n)
+        return {f"batch{BATCH}_{name}": value for name, value in together.items()}  # tokens_per_s: BATCHED
 
     def ttft_ms(t: Timed, seed: int) -> float:
         return 1000 * t.generate(decode.random_prompt(p["ttft_prompt"], seed), 1).ttft_s
@@ -256,7 +264,9 @@ def measure(timed: dict[str, Timed], p: dict, contexts: dict[str, list[int]]) ->
         for round_ in range(rounds):
             seed = next(seeds)
             for runner in runners if round_ % 2 == 0 else runners[::-1]:
-                samples[runner].setdefault(name, []).append(sample(timed[runner], seed))
+                value = sample(timed[runner], seed)  # a number, or several named ones from the same run
+                for metric, number in value.items() if isinstance(value, dict) else [(name, value)]:
+                    samples[runner].setdefault(metric, []).append(number)
     return {runner: _summary(runs, p["warmup"], timed[runner].status) for runner, runs in samples.items()}
 
 
@@ -276,7 +286,10 @@ KERNEL_KINDS = (  # the first kind whose words a kernel's name holds; checked in
     ("attention", ("attn", "attention", "flash", "fmha", "sdpa", "softmax")),
     ("norms and RoPE", ("norm", "rope", "rotary")),
     ("sampling", ("argmax", "sampl", "topk", "sort", "multinomial", "cumsum")),
-    ("GEMV/GEMM", ("gemm", "gemv", "matmul", "cutlass", "cublas", "xmma", "nvjet", "trellis", "q4", "splitk")),
+    (
+        "GEMV/GEMM",
+        ("gemm", "gemv", "matmul", "cutlass", "cublas", "xmma", "nvjet", "trellis", "q4", "splitk", "row_times_matrix"),
+    ),
 )
 
 

@@ -47,8 +47,11 @@ def test_quick_cpu_run_measures_the_bundled_model_resumes_and_accounts_for_every
     assert record["complete"] is True and record["remaining"] == []
     assert record["calls"][1]["parts"] == ["floor@bundled", "kit-cpu@bundled"]
     kit = record["parts"]["kit-cpu@bundled"]["metrics"]
-    for name in ("ms_per_token_64", "batch8_tokens_per_s", "ttft_64_ms", "tokens_per_s_64"):
+    names = ("ms_per_token_64", "batch8_tokens_per_s", "batch8_first_token_ms", "batch8_decode_tokens_per_s")
+    for name in (*names, "ttft_64_ms", "tokens_per_s_64"):
         assert math.isfinite(kit[name]) and kit[name] > 0, name
+    # the 8 jobs' ramp is part of their whole time: 8 new tokens each at the aggregate rate
+    assert kit["batch8_first_token_ms"] < 1000 * 8 * record["plan"]["new_tokens"] / kit["batch8_tokens_per_s"]
     assert len(record["parts"]["kit-cpu@bundled"]["samples"]["ms_per_token_64"]["samples"]) == record["plan"]["repeats"]
     floor = record["parts"]["floor@bundled"]["metrics"]
     assert floor["ms_per_token"] == pytest.approx(
@@ -132,19 +135,31 @@ def test_kernels_are_grouped_by_kind_by_their_names():
     assert {name: speed_setups.kernel_kind(name) for name in kinds} == kinds
 
 
-def test_exlnb_s_own_triton_kernels_are_counted_as_attention():
-    """The profile knows a kernel only by its function's name: the Triton decode kernels were once counted as
-    "other" (speed-nvidia-h100-80gb-hbm3-2026-11-26-one-start). Read from the source, so triton need not be here."""
-    source = (Path(exlnb.__file__).parent / "engines" / "triton_decode.py").read_text()
-    kernels = [
+def jit_functions(module: str) -> list[str]:
+    """The names of the Triton functions an exlnb engines module compiles: what a profile knows its kernels by.
+    Read from the source, so triton need not be here."""
+    source = (Path(exlnb.__file__).parent / "engines" / f"{module}.py").read_text()
+    return [
         node.name
         for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.FunctionDef)
-        and node.name.endswith("_kernel")
-        and any("jit" in ast.unparse(d) for d in node.decorator_list)
+        if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list)
     ]
+
+
+def test_exlnb_s_own_triton_kernels_are_counted_as_attention():
+    """The profile knows a kernel only by its function's name: the Triton decode kernels were once counted as
+    "other" (speed-nvidia-h100-80gb-hbm3-2026-11-26-one-start)."""
+    kernels = [name for name in jit_functions("triton_decode") if name.endswith("_kernel")]
     assert len(kernels) == 2
     assert {name: speed_setups.kernel_kind(name) for name in kernels} == dict.fromkeys(kernels, "attention")
+
+
+def test_exlnb_s_own_gemv_is_counted_as_a_product():
+    """The GEMV's 1.15 ms a step were counted as "other" in the H200 profiles of 2026-11-28 (speed-nvidia-h200-
+    2026-11-28-feed), beside the products that cuBLAS ran."""
+    kernels = jit_functions("gemv")
+    assert kernels
+    assert {name: speed_setups.kernel_kind(name) for name in kernels} == dict.fromkeys(kernels, "GEMV/GEMM")
 
 
 def test_the_floor_reads_each_weight_once_and_no_embedding_beside_an_output_head(tmp_path):

@@ -65,18 +65,18 @@ def next_step(last: Step, rows: int, capacities: Sequence[int] | None, page_size
     batch, width = last.key[0], min(last.key[1], last.block_table.shape[1])
     if rows != batch or capacities is None or len(capacities) != batch:
         return None
-    lengths = last.lengths + 1
-    room = torch.tensor(capacities, dtype=lengths.dtype).clamp(max=width * page_size)
-    if bool((lengths >= room).any()):
+    # on the host in plain ints: this runs between two steps while the GPU waits (a tensor op costs microseconds)
+    most = width * page_size
+    if any(length + 1 >= min(capacity, most) for length, capacity in zip(last.lengths.tolist(), capacities)):
         return None
-    return Step(last.key, last.block_table, lengths)
+    return Step(last.key, last.block_table, last.lengths + 1)
 
 
 def pages_hold(lengths: torch.Tensor, page_size: int) -> list[int]:
     """How many tokens each row's block-table pages hold where the library gave each row the pages its tokens so far
     need, this step's input token included (exllamav2 0.3.2's `get_block_index`): a row whose cache holds `length`
     tokens has length + 1 of them."""
-    return [(int(length) // page_size + 1) * page_size for length in lengths]
+    return [(length // page_size + 1) * page_size for length in lengths.tolist()]
 
 
 def takes_the_argmax(spec) -> bool:
