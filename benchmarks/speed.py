@@ -80,10 +80,10 @@ PARTS = (  # the goals' parts first (7B-shaped fp16, then EXL3), so that a short
         "kit-exllamav2+kit-exllamav3+transformers@7b-fp16",
         # each engine with its fp16 projections fused and without (engines/fused_products.py)
         "kit-exllamav2-fused+kit-exllamav2-unfused+kit-exllamav3-fused+kit-exllamav3-unfused@7b-fp16",
-        # the ExLlamaV2 engine with each step queued ahead and without (queue_ahead.py), and with a queued step's
-        # tokens embedded on the card and on the host (exllamav2/token_feed.py)
+        # the ExLlamaV2 engine with each step queued ahead and without (queue_ahead.py), and each engine with its
+        # steps' tokens embedded on the card and on the host (token_feed.py)
         "kit-exllamav2-ahead-on+kit-exllamav2-ahead-off@7b-fp16",
-        "kit-exllamav2-feed-on+kit-exllamav2-feed-off@7b-fp16",
+        "kit-exllamav2-feed-on+kit-exllamav2-feed-off+kit-exllamav3-feed-on+kit-exllamav3-feed-off@7b-fp16",
         "raw-exllamav2+raw-exllamav3@7b-fp16",
     ]
     # the engine with each step queued ahead and without, beside exllamav3's own loop

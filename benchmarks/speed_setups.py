@@ -86,8 +86,11 @@ KIT_VARIANTS = {
     "kit-exllamav3-ahead-off": ("exllamav3", {"EXLNB_QUEUE_AHEAD": "0"}),
     "kit-exllamav2-ahead-on": ("exllamav2", {"EXLNB_QUEUE_AHEAD": "1"}),
     "kit-exllamav2-ahead-off": ("exllamav2", {"EXLNB_QUEUE_AHEAD": "0"}),
-    "kit-exllamav2-feed-on": ("exllamav2", {"EXLNB_TOKEN_FEED": "1"}),
-    "kit-exllamav2-feed-off": ("exllamav2", {"EXLNB_TOKEN_FEED": "0"}),
+    **{
+        f"kit-{engine}-feed-{side}": (engine, {"EXLNB_TOKEN_FEED": value})
+        for engine in ("exllamav2", "exllamav3")
+        for side, value in (("on", "1"), ("off", "0"))
+    },
     **{
         f"kit-{engine}-{side}": (engine, {"EXLNB_FUSED_PRODUCTS": value})
         for engine in ("exllamav2", "exllamav3")

@@ -1,7 +1,7 @@
-"""The ExLlamaV2 decoder's token feed (exlnb/engines/exllamav2/token_feed.py): a queued step's tokens embedded on
-the card, used only where that embeds ids exactly as the library's own module does. exllamav2's module needs CUDA
-to import, so here the check runs against modules that embed as it does (accepted) or do more (refused); on the
-GPU the decoder checks the real module at load (tests/test_graph_decode.py)."""
+"""The graph decoders' token feed (exlnb/engines/token_feed.py and each engine's token_feed.py): a step's tokens
+embedded on the card, used only where that embeds ids exactly as the library's own module does. Both libraries'
+modules need CUDA to import, so here the check runs against modules that embed as theirs do (accepted) or do more
+(refused); on the GPU the decoders check the real modules at load (tests/test_graph_decode.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from exlnb.engines.exllamav2.token_feed import checked_feed, token_feed_on
+from exlnb.engines.exllamav2.token_feed import checked_feed
+from exlnb.engines.token_feed import TokenFeed, checked, token_feed_on
 
 VOCAB, HIDDEN = 300, 24
 
@@ -58,6 +59,43 @@ def test_a_module_that_embeds_otherwise_gets_no_feed_and_says_why():
     module = Scaled(fp32_residual=False, normalize=False)
 
     assert checked_feed(module, torch.device("cpu")) == (None, "the embedding on the card differs from exllamav2's")
+
+
+def exllamav3_embedding(ids: torch.Tensor, table: torch.Tensor, multiplier: float, normalize: bool) -> torch.Tensor:
+    """exllamav3 1.6.5's `Embedding.forward` for plain token ids with a resident table: the rows, times the
+    multiplier in the table's dtype, in float32, then scaled by the square root of their width where it normalizes."""
+    x = torch.nn.functional.embedding(ids, table)
+    if multiplier != 1.0:
+        x *= multiplier
+    x = x.float()
+    if normalize:
+        x *= x.shape[-1] ** 0.5
+    return x
+
+
+@pytest.mark.parametrize(("multiplier", "normalize"), [(1.0, False), (12.0, False), (1.0, True), (0.3, True)])
+def test_a_feed_for_exllamav3_s_embedding_embeds_as_it_does_to_the_bit(multiplier, normalize):
+    table = (torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(1)) * 3).half()
+    feed = TokenFeed(table, torch.float32, multiplier=multiplier, scale=HIDDEN**0.5 if normalize else None)
+
+    checked_one, why = checked(feed, lambda ids: exllamav3_embedding(ids, table, multiplier, normalize), "exllamav3")
+
+    assert checked_one is feed and why == ""
+    ids = torch.tensor([[0], [5], [VOCAB - 1]])
+    assert torch.equal(feed(ids), exllamav3_embedding(ids, table, multiplier, normalize))
+
+
+def test_a_feed_that_multiplies_after_the_cast_is_refused():
+    """exllamav3 multiplies in the table's dtype, then casts: the other order rounds differently, which the check
+    at load must catch rather than let a step's hidden state drift from eager decode."""
+    table = (torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(2)) * 3).half()
+
+    def cast_first(ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, table).float() * 0.3
+
+    feed = TokenFeed(table, torch.float32, multiplier=0.3)
+
+    assert checked(feed, cast_first, "exllamav3") == (None, "the embedding on the card differs from exllamav3's")
 
 
 def test_the_feed_is_on_unless_switched_off(monkeypatch):

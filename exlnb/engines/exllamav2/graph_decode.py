@@ -41,9 +41,10 @@ from exlnb.engines.base import one_line
 from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, bucket_for, buckets, by_card, replay_differs
 from exlnb.engines.device_sampling import DeviceDraws, Row
 from exlnb.engines.exllamav2 import paged_attention
-from exlnb.engines.exllamav2.token_feed import TokenFeed, feed_for, token_feed_on
+from exlnb.engines.exllamav2.token_feed import feed_for
 from exlnb.engines.queue_ahead import Ahead, Step, next_step, pages_hold, queue_ahead_on, said
 from exlnb.engines.step_clock import StepClock, timed_replay
+from exlnb.engines.token_feed import TokenFeed, token_feed_on
 
 CHECK_PROMPT_TOKENS = 24
 

@@ -9,8 +9,9 @@ it with one launch per card, for fp16, EXL3 and mixed models alike.
 How the generator's decode steps become replays: `install()` puts `GraphDecoder.forward` in front of the model's
 own. A step qualifies when it is the generator's paged decode (one token per sequence, a block table, no draft,
 no recurrent state, no per-job RoPE positions, no embeddings of images); anything else (prefill, warm-up passes,
-scoring) runs the model's own method unchanged. The modules that take their input on the host (the embedding,
-which exllamav3 keeps on the CPU) run eagerly first; their output, the block table and the cache lengths are
+scoring) runs the model's own method unchanged. The step's tokens are embedded on the first card from a checked
+copy of the table (token_feed.py), else the modules that take their input on the host (the embedding, which
+exllamav3 keeps on the CPU) run eagerly first; the hidden state, the block table and the cache lengths are
 copied into static buffers on each card; then each card's consecutive modules replay as one graph, the hidden
 state copied from card to card in between, as exllamav3's own layer split copies it. A graph is captured on
 first use per batch size and block-table width. The generator pads its table to a multiple of 16 pages; the graph
@@ -33,12 +34,15 @@ from dataclasses import dataclass
 
 import torch
 
+from exlnb.engines.base import one_line
 from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, buckets, by_card, cut_width, replay_differs
 from exlnb.engines.device_sampling import DeviceDraws, Row
 from exlnb.engines.exllamav3.capture_fixes import pinned_pointer_tables, turn_library_graphs_off
+from exlnb.engines.exllamav3.token_feed import feed_for
 from exlnb.engines.options import PAGE_TOKENS
 from exlnb.engines.queue_ahead import Ahead, Step, next_step, queue_ahead_on, said
 from exlnb.engines.step_clock import StepClock, timed_replay
+from exlnb.engines.token_feed import TokenFeed, token_feed_on
 
 CHECK_PROMPT_TOKENS = 24
 TABLE_STEP = 16  # exllamav3 1.6.5 pads a step's block table to a multiple of 16 pages (Generator.iterate_gen)
@@ -112,6 +116,14 @@ class GraphDecoder:
         self.queued_ahead = 0
         self.used_ahead = 0
         self.clock: StepClock | None = None  # where a benchmark times each step's parts (step_clock.py)
+        self.feed: TokenFeed | None = None  # each step's tokens embedded on the first card (token_feed.py)
+        self.feed_note = ""  # why not, where it was tried
+        if token_feed_on():
+            try:
+                with torch.inference_mode():
+                    self.feed, self.feed_note = feed_for(self._host_modules, self._embed_ids, self._cards[0].device)
+            except Exception as error:  # the host path is always there: decode goes on with it, the status says why
+                self.feed, self.feed_note = None, one_line(error)
 
     @property
     def replays(self) -> int:
@@ -255,12 +267,20 @@ class GraphDecoder:
 
     def _embed(self, input_ids: torch.Tensor, params: dict) -> torch.Tensor:
         """The step's input through the modules that run before the graphs (the embedding, on the CPU in exllamav3
-        by default)."""
+        by default), or its tokens embedded on the first card where the feed is on."""
+        if self.feed is not None:
+            on_host = input_ids if input_ids.is_cuda else input_ids.pin_memory()  # pinned: the upload does not wait
+            return self.feed(on_host.to(self.feed.table.device, non_blocking=True))
         x = self.model.prepare_inputs(input_ids, params)
         for module, instance, _ in self._host_modules:
             params["layer_instance"] = instance
             x = module.forward(module.prepare_for_device(x, params), params)
         return x
+
+    def _embed_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids (n, 1) through the host modules as a decode step runs them: what a feed is held to."""
+        rows = input_ids.shape[0]
+        return self._embed(input_ids, _decode_params(self.cache, [[0]] * rows, [0] * rows))
 
     def _through_cards(self, key: tuple[int, int], x: torch.Tensor, drawn: str | None, *, ahead: bool = False):
         """Each card's graph in turn over the staged tables, the hidden state copied from card to card: the logits,
@@ -352,7 +372,9 @@ class GraphDecoder:
         drawn = ", sampling on the GPU" if self.draws is not None else ""
         ahead = said(self.queue_ahead, self.used_ahead, self.queued_ahead)
         plain = ", exllamav3's own graphs off" if self.library_graphs_off else ""
-        return f"CUDA graphs{cards}, {captured} captured, {graph_bytes / 2**20:.0f} MiB{drawn}{ahead}{plain}"
+        fed = ", tokens embedded on the GPU" if self.feed else f", tokens embedded on the host ({self.feed_note})"
+        fed = fed if self.feed or self.feed_note else ""
+        return f"CUDA graphs{cards}, {captured} captured, {graph_bytes / 2**20:.0f} MiB{drawn}{ahead}{fed}{plain}"
 
 
 def _run_modules(modules: list, x: torch.Tensor, params: dict) -> torch.Tensor:
