@@ -190,7 +190,8 @@ def test_pages_that_cut_a_key_tile_stay_on_the_pytorch_path(device):
     small = {name: value for name, value in args.items()}
     for cache in ("k_cache", "v_cache"):
         small[cache] = args[cache].view(-1, 16, call.kv_heads, call.dim)  # the same slots, cut into 16-token pages
-    small["block_table"] = (args["block_table"].long()[:, :, None] * (PAGE // 16) + torch.arange(PAGE // 16)).flatten(1)
+    table = args["block_table"]  # page p of the call is pages 16p to 16p + 15 of the cut cache
+    small["block_table"] = (table[:, :, None] * (PAGE // 16) + torch.arange(PAGE // 16, device=table.device)).flatten(1)
     small["block_table"] = small["block_table"].to(torch.int32).contiguous()
 
     assert triton_decode.handles(args["q"], args["k_cache"], args["v_cache"])
