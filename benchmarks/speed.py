@@ -84,6 +84,8 @@ PARTS = (  # the goals' parts first (7B-shaped fp16, then EXL3), so that a short
         # steps' tokens embedded on the card and on the host (token_feed.py)
         "kit-exllamav2-ahead-on+kit-exllamav2-ahead-off@7b-fp16",
         "kit-exllamav2-feed-on+kit-exllamav2-feed-off+kit-exllamav3-feed-on+kit-exllamav3-feed-off@7b-fp16",
+        # the ExLlamaV3 engine queuing each step before exllamav3's generator waits, and after (queue_ahead.py)
+        "kit-exllamav3-before-wait+kit-exllamav3-after-wait@7b-fp16",
         "raw-exllamav2+raw-exllamav3@7b-fp16",
     ]
     # the engine with each step queued ahead and without, beside exllamav3's own loop

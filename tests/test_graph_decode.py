@@ -208,6 +208,38 @@ def test_rows_that_end_at_different_steps_drop_the_queued_step_and_decode_as_eag
 
 
 @pytest.mark.gpu
+def test_exllamav3_queues_before_the_generator_waits_where_switched_on_and_decodes_as_eager(sessions, monkeypatch):
+    """`EXLNB_QUEUE_BEFORE_WAIT=1`: the ExLlamaV3 decoder queues each step's successor at its forward, from its
+    argmax on the card, on a stream of its own, while exllamav3's generator waits only for its own stream. One job
+    alone uses every queued step but the last; rows that end at different steps drop theirs; either way the tokens
+    are eager decode's, and no page is left behind."""
+    eager, graphed = sessions
+    if graphed.status().engine != "exllamav3":
+        pytest.skip("the ExLlamaV2 decoder always queues at the forward: exllamav2's generator waits for no step")
+    greedy = SamplerSettings.greedy()
+
+    def run(session: Session, lengths: tuple[int, ...]) -> list[tuple[int, ...]]:
+        specs = [
+            session.spec_for(chatml(q), JobOptions(max_new_tokens=n, sampler=greedy, stop_at_eos=False))
+            for q, n in zip(QUESTIONS, lengths)
+        ]
+        return [stream.result().token_ids for stream in session.submit_together(specs)]
+
+    monkeypatch.setenv("EXLNB_QUEUE_BEFORE_WAIT", "1")
+    early = load("auto", "exllamav3")
+    try:
+        assert "before the generator's wait" in early.status().decode
+        alone, together = run(early, (40,)), run(early, (6, 40, 17, 29))
+        used, queued = early.run_on_engine(lambda e: (e.graphs.used_ahead, e.graphs.queued_ahead))
+        assert (alone, together) == (run(eager, (40,)), run(eager, (6, 40, 17, 29)))
+        assert used >= 40 - 3 and queued - used >= 3  # the lone job's steps used; a guess dropped at each end
+        assert early.cache_view().free_pages == early.cache_view().total_pages
+        assert "queuing before the wait stopped" not in early.status().decode
+    finally:
+        early.unload()
+
+
+@pytest.mark.gpu
 def test_queuing_ahead_is_off_where_switched_off(sessions, monkeypatch):
     _, graphed = sessions
     monkeypatch.setenv("EXLNB_QUEUE_AHEAD", "0")

@@ -41,6 +41,13 @@ def queue_ahead_on() -> bool:
     return os.environ.get("EXLNB_QUEUE_AHEAD", "1") != "0"
 
 
+def queue_before_wait_on() -> bool:
+    """Whether the ExLlamaV3 decoder queues the next step at the forward, before exllamav3's generator waits, from the
+    step's argmax on the card (off unless `EXLNB_QUEUE_BEFORE_WAIT=1`, read at each load, until it is timed on a
+    GPU); else it queues at `prefetch_tokens`, after the wait."""
+    return os.environ.get("EXLNB_QUEUE_BEFORE_WAIT", "0") == "1"
+
+
 @dataclass(frozen=True)
 class Step:
     """A decode step's shape on the host: its graph's key (batch size, block-table width), its block table and the

@@ -28,7 +28,8 @@ from exlnb.engines.device_sampling import DeviceDraws, JobDraw
 from exlnb.engines.exllamav3.compat import fix_exllamav3
 from exlnb.engines.exllamav3.decode_attention import take_decode_attention
 from exlnb.engines.exllamav3.fused_products import fuse_exllamav3
-from exlnb.engines.exllamav3.graph_decode import GraphDecoder, cannot_graph
+from exlnb.engines.exllamav3.graph_checks import cannot_graph
+from exlnb.engines.exllamav3.graph_decode import GraphDecoder
 from exlnb.engines.exllamav3.sampler import refused_settings, sampler_steps
 from exlnb.engines.library_engine import (
     LibraryEngine,
@@ -104,7 +105,7 @@ class ExLlamaV3Engine(LibraryEngine):
             max_batch_size=self.generator.max_batch_size,
             max_pages=self.generator.max_total_tokens // self.page_size,
         )
-        decoder.capacities = self._row_capacities
+        decoder.capacities, decoder.argmax_rows = self._row_capacities, self._argmax_rows
         return decoder
 
     def _row_capacities(self) -> list[int]:

@@ -24,7 +24,10 @@ tokens against eager decode on exllamav2 (graph_decode.py there).
 
 The decoder also stands in for the model's `prefetch_tokens`, where the generator hands over the tokens it has just
 sampled: there it queues the next step ahead, so that the GPU computes it while the host does the step's
-bookkeeping (queue_ahead.py says how a guess is made, checked and dropped).
+bookkeeping (queue_ahead.py says how a guess is made, checked and dropped). The generator waits for the whole
+device before that, so the GPU idles from the end of a step to that queue; with `EXLNB_QUEUE_BEFORE_WAIT=1` the
+next step is queued at the forward instead, from the step's argmax on the card, on a stream of its own, and the
+generator's wait is narrowed to its own stream (narrow_wait.py).
 """
 
 from __future__ import annotations
@@ -35,17 +38,16 @@ from dataclasses import dataclass
 import torch
 
 from exlnb.engines.base import one_line
-from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, buckets, by_card, cut_width, replay_differs
+from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, buckets, by_card, cut_width
 from exlnb.engines.device_sampling import DeviceDraws, Row
 from exlnb.engines.exllamav3.capture_fixes import pinned_pointer_tables, turn_library_graphs_off
+from exlnb.engines.exllamav3.graph_checks import TABLE_STEP, decode_params, host_prologue, self_check
+from exlnb.engines.exllamav3.narrow_wait import narrow_the_generator_s_wait
 from exlnb.engines.exllamav3.token_feed import feed_for
 from exlnb.engines.options import PAGE_TOKENS
-from exlnb.engines.queue_ahead import Ahead, Step, next_step, queue_ahead_on, said
+from exlnb.engines.queue_ahead import Ahead, Step, next_step, queue_ahead_on, queue_before_wait_on, said
 from exlnb.engines.step_clock import StepClock, timed_replay
 from exlnb.engines.token_feed import TokenFeed, token_feed_on
-
-CHECK_PROMPT_TOKENS = 24
-TABLE_STEP = 16  # exllamav3 1.6.5 pads a step's block table to a multiple of 16 pages (Generator.iterate_gen)
 
 # the parameters exllamav3's generator passes a plain decode step (Generator.iterate_gen); any other, such as a
 # draft model's verifier parameters, makes the step run eagerly
@@ -88,7 +90,7 @@ class GraphDecoder:
         self.max_batch_size = max_batch_size
         self.max_width = -(-max_pages // TABLE_STEP) * TABLE_STEP
         self.page_buckets = buckets(self.max_width)
-        host = _host_prologue(model.fwd_modules)
+        host = host_prologue(model.fwd_modules)
         self._host_modules = model.fwd_modules[:host]
         self._cards = [
             _Card(
@@ -124,6 +126,14 @@ class GraphDecoder:
                     self.feed, self.feed_note = feed_for(self._host_modules, self._embed_ids, self._cards[0].device)
             except Exception as error:  # the host path is always there: decode goes on with it, the status says why
                 self.feed, self.feed_note = None, one_line(error)
+        # queuing before the generator waits (on one card, with the feed): each step's successor queued at its
+        # forward on a stream of its own, its tokens the step's argmax on the card, where the engine says every
+        # row takes its argmax; the generator's wait narrowed to its own stream meanwhile (narrow_wait.py)
+        self.before_wait = queue_before_wait_on() and self.queue_ahead and len(self._cards) == 1 and bool(self.feed)
+        self.argmax_rows: Callable[[], list[bool]] = list
+        self._side = torch.cuda.Stream(self.device) if self.before_wait else None
+        self._undo_wait: Callable[[], None] = lambda: None
+        self.before_wait_failed = ""  # why queuing before the wait stopped, where a queued replay failed
 
     @property
     def replays(self) -> int:
@@ -143,6 +153,8 @@ class GraphDecoder:
         self._own_prefetch = self.model.prefetch_tokens
         self.model.forward = self.forward
         self.model.prefetch_tokens = self.prefetch_tokens
+        if self.before_wait:
+            self._undo_wait = narrow_the_generator_s_wait()
         self.installed = True
 
     def uninstall(self) -> None:
@@ -152,6 +164,7 @@ class GraphDecoder:
         if self.installed:
             del self.model.forward, self.model.prefetch_tokens
             self._undo_pointer_tables()
+            self._undo_wait()
             self.installed = False
         for card in self._cards:
             card.graphs.clear()
@@ -160,6 +173,8 @@ class GraphDecoder:
         """The model's `forward`: the step queued ahead where it is the one asked for, else a replay where the step
         qualifies, the model's own method otherwise."""
         ahead, self._ahead, self._last = self._ahead, None, None
+        if ahead is not None and ahead.done is not None:  # queued on the side: what follows reads its buffers
+            torch.cuda.current_stream(self.device).wait_event(ahead.done)
         key = None if self.gave_up else self._key(input_ids, params)
         if key is not None:
             if self.clock:
@@ -171,13 +186,13 @@ class GraphDecoder:
                 self._last = ahead.step
                 if self.clock:
                     self.clock.returned(ahead=True)
-                return ahead.output
+                return self._queue_before_wait(ahead.output)
             try:
                 with torch.inference_mode():
                     x = self._replay(key, input_ids, params)
                 if self.clock:
                     self.clock.returned(ahead=False)
-                return x
+                return self._queue_before_wait(x)
             except CaptureFailed as failure:
                 self.gave_up = str(failure)  # this step and every later one run eagerly; the status says why
         if self.draws is not None:
@@ -205,7 +220,9 @@ class GraphDecoder:
 
     def drop_ahead(self) -> None:
         """Forget a step queued ahead: the library is about to move pages, so it cannot be the step asked for next
-        (it runs on the generator's stream, before the moves)."""
+        (on the generator's stream it runs before the moves; on the side stream it is waited for)."""
+        if self._ahead is not None and self._ahead.done is not None:
+            self._ahead.done.synchronize()
         self._ahead = None
 
     def synchronize(self) -> None:
@@ -216,6 +233,41 @@ class GraphDecoder:
             return
         for event in self._asked_done.values():
             event.synchronize()
+
+    def _queue_before_wait(self, logits: torch.Tensor) -> torch.Tensor:
+        """Where the decoder queues before the generator's wait and the step just run (`_last`) has a successor
+        whose tokens are its argmax (queue_ahead.py): that successor replayed now on the side stream, its tokens
+        embedded on the card and copied to the host for the check the next forward makes. Returns the logits to
+        hand on: a copy where a step was queued, since its replay writes the graph's output again."""
+        last = self._last
+        if not self.before_wait or last is None or self.draws is not None:
+            return logits
+        rows = self.argmax_rows()
+        following = next_step(last, len(rows), self.capacities(), PAGE_TOKENS) if all(rows) else None
+        if following is None:
+            return logits
+        with torch.inference_mode():
+            argmax = logits[:, -1].argmax(-1, keepdim=True)
+            tokens, read = torch.empty(argmax.shape, dtype=argmax.dtype, pin_memory=True), torch.cuda.Event()
+            tokens.copy_(argmax, non_blocking=True)
+            read.record()
+            kept = logits.clone()
+            main = torch.cuda.current_stream(self.device)
+            self._asked_done[self.device].record(main)
+            self._side.wait_stream(main)
+            try:
+                with torch.cuda.stream(self._side):
+                    self._cards[0].seqlens[: following.key[0]].add_(1)
+                    output = self._through_cards(following.key, self.feed(argmax), None, ahead=True)
+                    done = torch.cuda.Event()
+                    done.record(self._side)
+            except Exception as error:  # decode goes on as asked, queuing after the wait; the status says why
+                main.wait_stream(self._side)
+                self.before_wait, self.before_wait_failed = False, one_line(error)
+                return kept
+        self._ahead, self._last = Ahead(following, tokens, output, done, read, argmax), None
+        self.queued_ahead += 1  # the step clock counts what follows the return as bookkeeping, as ExLlamaV2's does
+        return kept
 
     def _key(self, input_ids: torch.Tensor, params: dict | None) -> tuple[int, int] | None:
         """The (batch size, block-table width its graph reads) of a step that qualifies for a graph; None for one
@@ -257,7 +309,7 @@ class GraphDecoder:
         """Replay `step` now, over the cards' tables as the last step left them (the same block table; each row's
         length moved on by one on the card), and return its output."""
         batch, _ = step.key
-        params = _decode_params(self.cache, step.block_table, step.lengths)
+        params = decode_params(self.cache, step.block_table, step.lengths)
         x = self._embed(input_ids, params)
         for card in self._cards:
             with torch.cuda.device(card.device):
@@ -280,7 +332,7 @@ class GraphDecoder:
     def _embed_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids (n, 1) through the host modules as a decode step runs them: what a feed is held to."""
         rows = input_ids.shape[0]
-        return self._embed(input_ids, _decode_params(self.cache, [[0]] * rows, [0] * rows))
+        return self._embed(input_ids, decode_params(self.cache, [[0]] * rows, [0] * rows))
 
     def _through_cards(self, key: tuple[int, int], x: torch.Tensor, drawn: str | None, *, ahead: bool = False):
         """Each card's graph in turn over the staged tables, the hidden state copied from card to card: the logits,
@@ -339,29 +391,9 @@ class GraphDecoder:
             "dev_cache": dev_cache,
         }
 
-    # -- the check a load runs before graphs are used --------------------------------------------------------
-
     def self_check(self, token_ids: list[int]) -> str | None:
-        """Decode one step eagerly and by replay, at batch 1 and at batch 3, over the cache's first pages (the
-        generator holds nothing yet); None where they agree, else why not, in a line."""
-        pages = self.cache.max_num_tokens // 256
-        sequences = min(3, pages, self.max_batch_size)
-        prompt = (token_ids * CHECK_PROMPT_TOKENS)[:CHECK_PROMPT_TOKENS]
-        for row in range(sequences):  # a different prompt per page: row r drops its first r tokens
-            self._eager(torch.tensor([prompt[row:]]), _decode_params(self.cache, [[row]], [0]))
-        for batch in sorted({1, sequences}):
-            lengths = [CHECK_PROMPT_TOKENS - row for row in range(batch)]
-            next_ids = torch.tensor([[prompt[-1]]] * batch)
-
-            def step(run):
-                table = [[row] + [0] * (TABLE_STEP - 1) for row in range(batch)]
-                return run(next_ids, _decode_params(self.cache, table, lengths)).float().cpu()
-
-            eager = step(self._eager)
-            replayed = step(self.forward)
-            if reason := self.gave_up or replay_differs(batch, eager, replayed):
-                return reason
-        return None
+        """Decode one step eagerly and by replay (graph_checks.py); None where they agree, else why not."""
+        return self_check(self, token_ids)
 
     def describe(self) -> str:
         if self.gave_up:
@@ -371,6 +403,8 @@ class GraphDecoder:
         graph_bytes = sum(card.graphs.graph_bytes for card in self._cards)
         drawn = ", sampling on the GPU" if self.draws is not None else ""
         ahead = said(self.queue_ahead, self.used_ahead, self.queued_ahead)
+        ahead += " before the generator's wait" if self.before_wait else ""
+        ahead += f" (queuing before the wait stopped: {self.before_wait_failed})" if self.before_wait_failed else ""
         plain = ", exllamav3's own graphs off" if self.library_graphs_off else ""
         fed = ", tokens embedded on the GPU" if self.feed else f", tokens embedded on the host ({self.feed_note})"
         fed = fed if self.feed or self.feed_note else ""
@@ -394,50 +428,7 @@ def _run_modules(modules: list, x: torch.Tensor, params: dict) -> torch.Tensor:
     return x
 
 
-def _decode_params(cache, block_table, lengths) -> dict:
-    """A decode or prefill step's parameters as exllamav3's generator passes them; the tables as lists, or as int32
-    tensors, which are used as they are."""
-    return {
-        "attn_mode": "flash_attn",
-        "block_table": torch.as_tensor(block_table, dtype=torch.int32),
-        "cache": cache,
-        "cache_seqlens": torch.as_tensor(lengths, dtype=torch.int32),
-        "recurrent_states": None,
-        "indexed_embeddings": [],
-        "positions": None,
-        "recurrent_history": False,
-    }
-
-
-def _takes_host_input(module) -> bool:
-    """A module that runs before the graph: on the CPU, or reading its input there (a quantized embedding table)."""
-    return module.device is None or module.device.type == "cpu" or bool(module.caps.get("x_cpu"))
-
-
-def _host_prologue(modules: list) -> int:
-    """How many leading modules run on the host, before the first card's graph."""
-    return next((i for i, (module, _, _) in enumerate(modules) if not _takes_host_input(module)), len(modules))
-
-
 def _to_card(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     from exllamav3.util.device_copy import to_device  # bounces card-to-card copies where peer copies are unsafe
 
     return to_device(x, device)
-
-
-def cannot_graph(engine) -> str | None:
-    """Why an ExLlamaV3 engine's decode cannot run from graphs, in a line; None where it can try."""
-    model = engine.model
-    if model.loaded_tp:
-        return "tensor parallel: exllamav3 runs the other cards' shards in worker processes"
-    if model.get_recurrent_layers():
-        return "the model has recurrent layers, whose per-job state lives outside the paged cache"
-    if "mrope" in model.caps:
-        return "the model takes per-job RoPE positions"
-    if getattr(model.config, "moe_cpu_hosts", None):
-        return "experts run on the CPU"
-    modules = model.fwd_modules
-    start = _host_prologue(modules)
-    if start == len(modules) or any(_takes_host_input(module) for module, _, _ in modules[start:]):
-        return "a module after the first GPU layer runs on the CPU"
-    return None
