@@ -231,12 +231,13 @@ def hf_static_generate(model, prompts: list[list[int]], new_tokens: int) -> tupl
     seconds = clock() - start
     steps = times.times[1:]  # times[0]: the prompt, handed over before the first step
     rate = (len(steps) - 1) / (steps[-1] - steps[0]) if len(steps) > 1 else float("nan")
+    first = steps[0] - start
     together = {
         "tokens_per_s": len(prompts) * new_tokens / seconds,
-        "first_token_ms": 1000 * (steps[0] - start),
-        "decode_tokens_per_s": len(prompts) * (new_tokens - 1) / (seconds - (steps[0] - start)),
+        "first_token_ms": 1000 * first,
+        "decode_tokens_per_s": len(prompts) * (new_tokens - 1) / (seconds - first),
     }
-    return decode.Run(len(prompts[0]), steps[0] - start, rate), together
+    return decode.Run(len(prompts[0]), first, rate), together
 
 
 def measure(timed: dict[str, Timed], p: dict, contexts: dict[str, list[int]]) -> dict[str, dict]:

@@ -79,6 +79,17 @@ def next_step(last: Step, rows: int, capacities: Sequence[int] | None, page_size
     return Step(last.key, last.block_table, last.lengths + 1)
 
 
+def argmax_on_its_way(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
+    """Each row's argmax of its last position, kept on the card for the step queued on it, and its copy on its way to
+    pinned host memory with the event that ends the copy: what `Ahead.matches` holds the step asked for against,
+    without waiting for the step that made the logits."""
+    argmax = logits[:, -1].argmax(-1, keepdim=True)
+    tokens, read = torch.empty(argmax.shape, dtype=argmax.dtype, pin_memory=True), torch.cuda.Event()
+    tokens.copy_(argmax, non_blocking=True)
+    read.record()
+    return argmax, tokens, read
+
+
 def pages_hold(lengths: torch.Tensor, page_size: int) -> list[int]:
     """How many tokens each row's block-table pages hold where the library gave each row the pages its tokens so far
     need, this step's input token included (exllamav2 0.3.2's `get_block_index`): a row whose cache holds `length`

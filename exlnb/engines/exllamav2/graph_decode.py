@@ -42,7 +42,7 @@ from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, bucket_for, buc
 from exlnb.engines.device_sampling import DeviceDraws, Row
 from exlnb.engines.exllamav2 import paged_attention
 from exlnb.engines.exllamav2.token_feed import feed_for
-from exlnb.engines.queue_ahead import Ahead, Step, next_step, pages_hold, queue_ahead_on, said
+from exlnb.engines.queue_ahead import Ahead, Step, argmax_on_its_way, next_step, pages_hold, queue_ahead_on, said
 from exlnb.engines.step_clock import StepClock, timed_replay
 from exlnb.engines.token_feed import TokenFeed, token_feed_on
 
@@ -173,13 +173,11 @@ class GraphDecoder:
         following = next_step(step, len(rows), pages_hold(step.lengths, self.page_size), self.page_size)
         if following is None:
             return logits
-        argmax = logits[:, -1].argmax(-1, keepdim=True)
         if self.feed is None:
+            argmax = logits[:, -1].argmax(-1, keepdim=True)
             input_ids, read = argmax.cpu(), None  # waits for this step
         else:
-            input_ids, read = torch.empty(argmax.shape, dtype=argmax.dtype, pin_memory=True), torch.cuda.Event()
-            input_ids.copy_(argmax, non_blocking=True)
-            read.record()
+            argmax, input_ids, read = argmax_on_its_way(logits)
         kept = logits.clone()  # the queued replay writes the graph's output again
         main = torch.cuda.current_stream(self.device)
         self._asked_done.record(main)

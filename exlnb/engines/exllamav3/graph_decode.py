@@ -45,7 +45,15 @@ from exlnb.engines.exllamav3.graph_checks import TABLE_STEP, decode_params, host
 from exlnb.engines.exllamav3.narrow_wait import narrow_the_generator_s_wait
 from exlnb.engines.exllamav3.token_feed import feed_for
 from exlnb.engines.options import PAGE_TOKENS
-from exlnb.engines.queue_ahead import Ahead, Step, next_step, queue_ahead_on, queue_before_wait_on, said
+from exlnb.engines.queue_ahead import (
+    Ahead,
+    Step,
+    argmax_on_its_way,
+    next_step,
+    queue_ahead_on,
+    queue_before_wait_on,
+    said,
+)
 from exlnb.engines.step_clock import StepClock, timed_replay
 from exlnb.engines.token_feed import TokenFeed, token_feed_on
 
@@ -247,10 +255,7 @@ class GraphDecoder:
         if following is None:
             return logits
         with torch.inference_mode():
-            argmax = logits[:, -1].argmax(-1, keepdim=True)
-            tokens, read = torch.empty(argmax.shape, dtype=argmax.dtype, pin_memory=True), torch.cuda.Event()
-            tokens.copy_(argmax, non_blocking=True)
-            read.record()
+            argmax, tokens, read = argmax_on_its_way(logits)
             kept = logits.clone()
             main = torch.cuda.current_stream(self.device)
             self._asked_done[self.device].record(main)
@@ -406,8 +411,13 @@ class GraphDecoder:
         ahead += " before the generator's wait" if self.before_wait else ""
         ahead += f" (queuing before the wait stopped: {self.before_wait_failed})" if self.before_wait_failed else ""
         plain = ", exllamav3's own graphs off" if self.library_graphs_off else ""
-        fed = ", tokens embedded on the GPU" if self.feed else f", tokens embedded on the host ({self.feed_note})"
-        fed = fed if self.feed or self.feed_note else ""
+        fed = (
+            ", tokens embedded on the GPU"
+            if self.feed
+            else f", tokens embedded on the host ({self.feed_note})"
+            if self.feed_note
+            else ""
+        )
         return f"CUDA graphs{cards}, {captured} captured, {graph_bytes / 2**20:.0f} MiB{drawn}{ahead}{fed}{plain}"
 
 
