@@ -70,7 +70,7 @@ def _gpu_summary(prof, wall: float, steps: int) -> dict:
     events = [e for e in prof.key_averages() if e.device_time_total > 0 and e.count > 0]
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
     kernel_us = sum(e.device_time for e in kernels)
-    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:8]
+    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:24]  # the small ones count too
     return {
         "gpu_kernel_ms_per_step": kernel_us / 1000 / steps,
         "kernel_launches_per_step": len(kernels) / steps,

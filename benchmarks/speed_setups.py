@@ -88,6 +88,8 @@ KIT_VARIANTS = {
     "kit-exllamav2-ahead-off": ("exllamav2", {"EXLNB_QUEUE_AHEAD": "0"}),
     "kit-exllamav3-before-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "1"}),
     "kit-exllamav3-after-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "0"}),
+    "kit-exllamav2-prefill-together": ("exllamav2", {"EXLNB_PREFILL_TOGETHER": "1"}),
+    "kit-exllamav2-prefill-apart": ("exllamav2", {"EXLNB_PREFILL_TOGETHER": "0"}),
     **{
         f"kit-{engine}-feed-{side}": (engine, {"EXLNB_TOKEN_FEED": value})
         for engine in ("exllamav2", "exllamav3")

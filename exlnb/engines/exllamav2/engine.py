@@ -29,6 +29,7 @@ from exlnb.engines.exllamav2.fused_products import fuse_exllamav2
 from exlnb.engines.exllamav2.graph_decode import GraphDecoder, cannot_graph
 from exlnb.engines.exllamav2.logits import KeptRawLogits, stop_token_logits, token_info_outputs
 from exlnb.engines.exllamav2.paged_attention import VERIFIED_EXLLAMAV2
+from exlnb.engines.exllamav2.prefill_together import PrefillTogether
 from exlnb.engines.grammar import GrammarMatcher
 from exlnb.engines.library_engine import (
     LibraryEngine,
@@ -115,6 +116,7 @@ class ExLlamaV2Engine(LibraryEngine):
         self.graphs = self._start_graphs(self._graph_decoder, cannot_graph)
         self._start_draws()
         self._start_tracking()
+        self.prefill = None if options.tensor_parallel else PrefillTogether.start(self.generator, self._notes)
         # exllamav2 defragments only when idle after touching every page
         self._count_defrags(self.generator, "defrag_cache")
         self.max_seq_len = min(config.max_seq_len, cache_tokens)

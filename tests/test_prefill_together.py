@@ -1,0 +1,77 @@
+"""Prompts that arrive together, prefilled in one forward pass on the ExLlamaV2 engine (`EXLNB_PREFILL_TOGETHER=1`,
+exlnb/engines/exllamav2/prefill_together.py).
+
+How held passes are grouped runs everywhere; the rest needs CUDA (`pytest -m gpu`): the same greedy tokens as
+with a pass a prompt, for 8 prompts of one length (one forward pass for all), for chat prompts of different
+lengths that begin alike (exllamav2 copies the keys of a page that begins as a new prompt does, so a held pass
+runs first), and with a long prompt twice (its pages shared); every page free after."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from benchmarks.decode import random_prompt
+from benchmarks.paged_acceptance import LONG_PROMPT, QUESTIONS
+from exlnb.engines.exllamav2.prefill_together import NOTE, batches, pages
+from exlnb.engines.job_options import JobOptions
+from exlnb.engines.sampling import SamplerSettings
+from exlnb.session import Session
+from exlnb.templates import chatml
+
+
+def test_held_passes_of_one_length_run_as_one_batch_within_the_token_limit():
+    assert batches([5, 3, 5, 8, 3, 5], max_tokens=100) == [[0, 2, 5], [1, 4], [3]]
+    assert batches([4] * 5, max_tokens=8) == [[0, 1], [2, 3], [4]]  # at most 8 tokens a batch
+    assert batches([300, 300], max_tokens=256) == [[0], [1]]  # a pass past the limit alone, as it came
+    assert batches([], max_tokens=8) == []
+
+
+def test_a_pass_touches_the_pages_its_tokens_lie_in():
+    assert list(pages(0, 256, 256)) == [0]
+    assert list(pages(250, 10, 256)) == [0, 1]  # across a page's end
+    assert list(pages(256, 1, 256)) == [1]
+
+
+def load(together: bool, monkeypatch) -> Session:
+    monkeypatch.setenv("EXLNB_PREFILL_TOGETHER", "1" if together else "0")
+    session = Session()
+    session.load("smollm2-135m-instruct", engine="exllamav2", progress=False)
+    return session
+
+
+def greedy_together(session: Session, prompts: list, max_new_tokens: int = 24) -> list[tuple[int, ...]]:
+    options = JobOptions(max_new_tokens=max_new_tokens, sampler=SamplerSettings.greedy(), stop_at_eos=False)
+    streams = session.submit_together([session.spec_for(p, options) for p in prompts])
+    return [stream.result().token_ids for stream in streams]
+
+
+def passes(session: Session) -> tuple[int, int]:
+    return session.run_on_engine(lambda e: (e.prefill.passes_held, e.prefill.passes_run))
+
+
+@pytest.mark.gpu
+def test_prompts_prefilled_together_decode_as_with_a_pass_each(monkeypatch):
+    if not torch.cuda.is_available() or importlib.util.find_spec("exllamav2") is None:
+        pytest.skip("the ExLlamaV2 engine needs CUDA and exllamav2")
+    apart = load(False, monkeypatch)
+    try:
+        assert apart.run_on_engine(lambda e: e.prefill) is None
+        one_length = [random_prompt(40, seed) for seed in range(8)]  # no prefix in common: no keys copied
+        groups = (one_length, [chatml(q) for q in QUESTIONS[:6]], [LONG_PROMPT, chatml(QUESTIONS[0]), LONG_PROMPT])
+        expected = [greedy_together(apart, prompts) for prompts in groups]
+    finally:
+        apart.unload()
+    together = load(True, monkeypatch)
+    try:
+        assert NOTE in together.status().notes
+        for prompts, tokens in zip(groups, expected):
+            held, run = passes(together)
+            assert greedy_together(together, prompts) == tokens
+            assert together.cache_view().free_pages == together.cache_view().total_pages
+            if prompts is one_length:  # 8 passes of 39 tokens (the prompt but its last token): one forward
+                assert passes(together) == (held + 8, run + 1)
+    finally:
+        together.unload()
