@@ -88,8 +88,11 @@ KIT_VARIANTS = {
     "kit-exllamav2-ahead-off": ("exllamav2", {"EXLNB_QUEUE_AHEAD": "0"}),
     "kit-exllamav3-before-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "1"}),
     "kit-exllamav3-after-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "0"}),
-    "kit-exllamav2-prefill-together": ("exllamav2", {"EXLNB_PREFILL_TOGETHER": "1"}),
-    "kit-exllamav2-prefill-apart": ("exllamav2", {"EXLNB_PREFILL_TOGETHER": "0"}),
+    **{
+        f"kit-{engine}-prefill-{side}": (engine, {"EXLNB_PREFILL_TOGETHER": value})
+        for engine in ("exllamav2", "exllamav3")
+        for side, value in (("together", "1"), ("apart", "0"))
+    },
     **{
         f"kit-{engine}-feed-{side}": (engine, {"EXLNB_TOKEN_FEED": value})
         for engine in ("exllamav2", "exllamav3")

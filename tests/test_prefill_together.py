@@ -1,5 +1,5 @@
-"""Prompts that arrive together, prefilled in one forward pass on the ExLlamaV2 engine (`EXLNB_PREFILL_TOGETHER=1`,
-exlnb/engines/exllamav2/prefill_together.py).
+"""Prompts that arrive together, prefilled in one forward pass on both GPU engines (`EXLNB_PREFILL_TOGETHER=1`,
+exlnb/engines/prefill_together.py and each engine's prefill_together.py).
 
 How held passes are grouped runs everywhere; the rest needs CUDA (`pytest -m gpu`): the same greedy tokens as
 with a pass a prompt, for 8 prompts of one length (one forward pass for all), for chat prompts of different
@@ -15,8 +15,8 @@ import torch
 
 from benchmarks.decode import random_prompt
 from benchmarks.paged_acceptance import LONG_PROMPT, QUESTIONS
-from exlnb.engines.exllamav2.prefill_together import NOTE, batches, pages
 from exlnb.engines.job_options import JobOptions
+from exlnb.engines.prefill_together import NOTE, batches, pages
 from exlnb.engines.sampling import SamplerSettings
 from exlnb.session import Session
 from exlnb.templates import chatml
@@ -35,10 +35,10 @@ def test_a_pass_touches_the_pages_its_tokens_lie_in():
     assert list(pages(256, 1, 256)) == [1]
 
 
-def load(together: bool, monkeypatch) -> Session:
+def load(engine: str, together: bool, monkeypatch) -> Session:
     monkeypatch.setenv("EXLNB_PREFILL_TOGETHER", "1" if together else "0")
     session = Session()
-    session.load("smollm2-135m-instruct", engine="exllamav2", progress=False)
+    session.load("smollm2-135m-instruct", engine=engine, progress=False)
     return session
 
 
@@ -53,10 +53,11 @@ def passes(session: Session) -> tuple[int, int]:
 
 
 @pytest.mark.gpu
-def test_prompts_prefilled_together_decode_as_with_a_pass_each(monkeypatch):
-    if not torch.cuda.is_available() or importlib.util.find_spec("exllamav2") is None:
-        pytest.skip("the ExLlamaV2 engine needs CUDA and exllamav2")
-    apart = load(False, monkeypatch)
+@pytest.mark.parametrize("engine", ["exllamav2", "exllamav3"])
+def test_prompts_prefilled_together_decode_as_with_a_pass_each(engine, monkeypatch):
+    if not torch.cuda.is_available() or importlib.util.find_spec(engine) is None:
+        pytest.skip(f"the {engine} engine needs CUDA and {engine}")
+    apart = load(engine, False, monkeypatch)
     try:
         assert apart.run_on_engine(lambda e: e.prefill) is None
         one_length = [random_prompt(40, seed) for seed in range(8)]  # no prefix in common: no keys copied
@@ -64,7 +65,7 @@ def test_prompts_prefilled_together_decode_as_with_a_pass_each(monkeypatch):
         expected = [greedy_together(apart, prompts) for prompts in groups]
     finally:
         apart.unload()
-    together = load(True, monkeypatch)
+    together = load(engine, True, monkeypatch)
     try:
         assert NOTE in together.status().notes
         for prompts, tokens in zip(groups, expected):

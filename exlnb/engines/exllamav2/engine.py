@@ -116,7 +116,7 @@ class ExLlamaV2Engine(LibraryEngine):
         self.graphs = self._start_graphs(self._graph_decoder, cannot_graph)
         self._start_draws()
         self._start_tracking()
-        self.prefill = None if options.tensor_parallel else PrefillTogether.start(self.generator, self._notes)
+        self.prefill = PrefillTogether.start(self.generator, self._notes, batchable=not options.tensor_parallel)
         # exllamav2 defragments only when idle after touching every page
         self._count_defrags(self.generator, "defrag_cache")
         self.max_seq_len = min(config.max_seq_len, cache_tokens)

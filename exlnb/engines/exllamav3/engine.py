@@ -30,6 +30,7 @@ from exlnb.engines.exllamav3.decode_attention import take_decode_attention
 from exlnb.engines.exllamav3.fused_products import fuse_exllamav3
 from exlnb.engines.exllamav3.graph_checks import cannot_graph
 from exlnb.engines.exllamav3.graph_decode import GraphDecoder
+from exlnb.engines.exllamav3.prefill_together import PrefillTogether
 from exlnb.engines.exllamav3.sampler import refused_settings, sampler_steps
 from exlnb.engines.library_engine import (
     LibraryEngine,
@@ -147,6 +148,8 @@ class ExLlamaV3Engine(LibraryEngine):
     def _own_generator(self, tokenizer) -> None:
         """Make the engine's one generator, which owns the cache from then on (a fresh page table: nothing cached)."""
         self.generator = self._new_generator(tokenizer)
+        batchable = self.generator.recurrent_cache is None and not self.model.loaded_tp
+        self.prefill = PrefillTogether.start(self.generator, self._notes, batchable=batchable)
         # exllamav3 defragments its page table when the queue drains (`on_queue_drained`), at most once per
         # 8 x pages of allocations
         self._count_defrags(self.generator.pagetable, "defrag")

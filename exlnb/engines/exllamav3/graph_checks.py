@@ -53,6 +53,12 @@ def self_check(decoder, token_ids: list[int]) -> str | None:
     return None
 
 
+# the parameters exllamav3's generator passes every pass of the model (Job.prefill, Generator.iterate_gen)
+PASS_PARAMETERS = frozenset(
+    {"attn_mode", "block_table", "cache", "cache_seqlens", "recurrent_states", "indexed_embeddings"}
+)
+
+
 def decode_params(cache, block_table, lengths) -> dict:
     """A decode or prefill step's parameters as exllamav3's generator passes them; the tables as lists, or as int32
     tensors, which are used as they are."""

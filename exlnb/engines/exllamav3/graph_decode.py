@@ -41,7 +41,7 @@ from exlnb.engines.base import one_line
 from exlnb.engines.cuda_graphs import CaptureFailed, StepGraphs, buckets, by_card, cut_width
 from exlnb.engines.device_sampling import DeviceDraws, Row
 from exlnb.engines.exllamav3.capture_fixes import pinned_pointer_tables, turn_library_graphs_off
-from exlnb.engines.exllamav3.graph_checks import TABLE_STEP, decode_params, host_prologue, self_check
+from exlnb.engines.exllamav3.graph_checks import PASS_PARAMETERS, TABLE_STEP, decode_params, host_prologue, self_check
 from exlnb.engines.exllamav3.narrow_wait import narrow_the_generator_s_wait
 from exlnb.engines.exllamav3.token_feed import feed_for
 from exlnb.engines.options import PAGE_TOKENS
@@ -59,18 +59,7 @@ from exlnb.engines.token_feed import TokenFeed, token_feed_on
 
 # the parameters exllamav3's generator passes a plain decode step (Generator.iterate_gen); any other, such as a
 # draft model's verifier parameters, makes the step run eagerly
-_DECODE_PARAMETERS = {
-    "attn_mode",
-    "block_table",
-    "cache",
-    "cache_seqlens",
-    "recurrent_states",
-    "indexed_embeddings",
-    "positions",
-    "recurrent_history",
-    "pinned_staging",
-    "dev_cache",
-}
+_DECODE_PARAMETERS = PASS_PARAMETERS | {"positions", "recurrent_history", "pinned_staging", "dev_cache"}
 
 
 @dataclass

@@ -1,0 +1,175 @@
+"""Prompts that arrive together, prefilled in one forward pass instead of one pass each: what both GPU engines share.
+
+exllamav2's and exllamav3's generators ingest each new job's prompt with a forward pass of its own, one job after
+the other, in the same `iterate()`: 8 jobs submitted together make 8 eager passes before the first decode step. On
+an H200 the slowest of 8 jobs with 128-token prompts waited 186 ms (ExLlamaV2 engine) and 199 ms (ExLlamaV3 engine)
+for its first token, about 23 ms a pass, where transformers, prefilling the batch at once, waited 55; an eager pass
+of the 7B shape is bound by the host issuing its kernels (docs/gpu.md), whatever its length. That ramp is most of
+what batch 8 loses (benchmarks/results/speed-nvidia-h200-2026-11-29).
+
+Each engine's `PrefillTogether` stands in front of its model's prompt pass and its cache's page copy while the
+generator iterates. A prompt pass of one row with nothing of its own that a batch cannot carry is held back; the
+held passes run before any other pass, before the library copies keys and values out of or into a held pass's
+page (a new prompt that begins as a cached page does takes that page's first keys and values), before a prompt
+pass that reads or writes a held pass's pages (a prompt that shares whole pages with one being ingested), and at
+the end of the iteration. The generator's bookkeeping reads nothing a prompt pass returns, so the cache ends as it
+would have, up to rounding: rows that share one product instead of each having its own.
+
+Held passes of one length run as one batch (a batch is rectangular). A pass of a length no other held pass has runs
+exactly as it came: cutting passes into common stretches takes as many passes as there are lengths, so it would gain
+nothing where each pass costs the host the same.
+
+Off unless `EXLNB_PREFILL_TOGETHER=1` until a GPU has timed it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+NOTE = "prompts that arrive together prefilled in one forward pass (EXLNB_PREFILL_TOGETHER=1)"
+
+
+def prefill_together_on() -> bool:
+    """Whether a GPU engine prefills prompts that arrive together in one pass (off unless `EXLNB_PREFILL_TOGETHER=1`,
+    read at each load, until it is timed on a GPU)."""
+    return os.environ.get("EXLNB_PREFILL_TOGETHER", "0") == "1"
+
+
+def pages(start: int, tokens: int, page_size: int) -> range:
+    """The pages (of a sequence's own, or of the whole cache) that `tokens` tokens from position `start` lie in."""
+    return range(start // page_size, -(-(start + tokens) // page_size))
+
+
+def batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """The passes of each length, in the order each length first came, cut so that no batch holds more than
+    `max_tokens` tokens (a pass longer than that alone)."""
+    groups: dict[int, list[int]] = {}
+    for i, length in enumerate(lengths):
+        groups.setdefault(length, []).append(i)
+    out = []
+    for length, group in groups.items():
+        rows = max(1, max_tokens // length)
+        out += [group[at : at + rows] for at in range(0, len(group), rows)]
+    return out
+
+
+@contextmanager
+def standing_in(owner, name: str, replacement) -> Iterator[None]:
+    """`owner.name` is `replacement` (an instance attribute) for the block's length, then what it was."""
+    had = owner.__dict__.get(name)
+    setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        if had is None:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, had)
+
+
+@dataclass(frozen=True)
+class HeldPass:
+    """One prompt pass held back: its tokens, its row of the block table (on the host), where it starts, and the
+    call as it came (replayed as it was where the pass runs alone)."""
+
+    ids: torch.Tensor  # (1, tokens)
+    table: torch.Tensor  # (1, pages) int32
+    start: int
+    call: dict
+
+    def pages(self, page_size: int) -> set[int]:
+        """The pages the pass writes and reads: its own tokens', and every page before them that it attends to
+        (pages it may share with another prompt that begins the same)."""
+        return set(self.table[0, pages(0, self.start + self.ids.shape[1], page_size)].tolist())
+
+
+def stacked(batch: list[HeldPass]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch's tokens (rows, tokens), block table (rows, widest) and start positions (rows,) int32."""
+    table = torch.zeros((len(batch), max(h.table.shape[1] for h in batch)), dtype=torch.int32)
+    for row, held in enumerate(batch):
+        table[row, : held.table.shape[1]] = held.table[0]  # past a row's own pages: never read
+    starts = torch.tensor([held.start for held in batch], dtype=torch.int32)
+    return torch.cat([held.ids for held in batch]), table, starts
+
+
+class HeldPasses:
+    """The held passes of one generator and when they run, installed as its `iterate` (an instance attribute, found
+    before the class's method); an engine's `PrefillTogether` says where its library's prompt pass and page copy
+    are, how a pass is recognised and how a batch runs."""
+
+    def __init__(self, generator, page_size: int) -> None:
+        self.generator, self.model = generator, generator.model
+        self.page_size = page_size
+        self.max_tokens = generator.max_chunk_size  # a pass of more tokens would overrun the model's buffers
+        self.held: list[HeldPass] = []
+        self.held_pages: set[int] = set()
+        self.passes_held = self.passes_run = 0  # prompt passes held back, and the forward passes that ran them
+        self._iterate = generator.iterate
+        generator.iterate = self.iterate
+
+    @classmethod
+    def start(cls, generator, notes: list[str], *, batchable: bool) -> HeldPasses | None:
+        """For an engine's generator, each time it makes one; None where prompts are prefilled one by one (the
+        switch off, an unpaged cache, or a generator whose passes carry more than a batch can: a draft model, tensor
+        parallelism, recurrent state)."""
+        paged = getattr(generator, "paged", True)  # exllamav2's may be unpaged, exllamav3's always is
+        if not (prefill_together_on() and batchable and paged and generator.draft_model is None):
+            return None
+        notes += [] if NOTE in notes else [NOTE]
+        return cls(generator)
+
+    def iterate(self) -> list[dict]:
+        raise NotImplementedError
+
+    def hold(self, held: HeldPass) -> None:
+        claimed = held.pages(self.page_size)
+        self.touch(claimed)
+        self.held.append(held)
+        self.held_pages |= claimed
+        self.passes_held += 1
+
+    def touch(self, claimed: set[int]) -> None:
+        """Something is about to read or write these pages of the cache: the held passes that own one run first."""
+        if claimed & self.held_pages:
+            self.run_held()
+
+    def copying(self, spans: tuple[tuple[int, int], ...]) -> None:
+        """A copy between these spans of the whole cache, each (first position, positions), is about to run."""
+        self.touch({p for at, n in spans for p in pages(at, n, self.page_size)})
+
+    def run_held(self) -> None:
+        """Run the held passes: those of one length as one batch, a pass alone as it came."""
+        held, self.held, self.held_pages = self.held, [], set()
+        for indices in batches([h.ids.shape[1] for h in held], self.max_tokens):
+            batch = [held[i] for i in indices]
+            with torch.inference_mode():
+                if len(batch) == 1:
+                    self.run_one(batch[0])
+                else:
+                    self.run_batch(batch, *stacked(batch))
+            self.passes_run += 1
+
+    def iterating(self) -> list[dict]:
+        """One `iterate()` of the generator with passes held: those still held run at its end, and before an
+        error leaves it, since the generator counts them as done."""
+        try:
+            try:
+                results = self._iterate()
+            except BaseException:
+                self.run_held()
+                raise
+            self.run_held()
+            return results
+        finally:
+            self.held, self.held_pages = [], set()  # a pass that failed is not run again
+
+    def run_one(self, held: HeldPass) -> None:
+        raise NotImplementedError
+
+    def run_batch(self, batch: list[HeldPass], ids: torch.Tensor, table: torch.Tensor, starts: torch.Tensor) -> None:
+        raise NotImplementedError
