@@ -27,6 +27,9 @@
 # suites run: the words side by side, each word's bit widths one after the other (EXL2's later ones reuse the
 # first one's measurement). The quantization investigation then finds them in the cache (the tests make
 # 4.0 bpw); logs in prequantize-FORMAT-BITS.log.
+# EXLNB_GPU_SPEED="ARGS; ARGS" runs `python -m benchmarks speed ARGS` once for each, alone after the suites (into
+# speed/); EXLNB_GPU_SPEED_BESIDE="ARGS" runs one more beside the suites once exllamav3 is built (a quantization,
+# `--layers 12 --only quantize@7b-exl3`, whose model a later EXLNB_GPU_SPEED run times).
 # These variables are read by `all`, so set them on the `model` call that starts it.
 #
 # The bundled GGUF travels xz-compressed in parts (`xz -6`, then `split`). Everything runs from a snapshot of
@@ -111,6 +114,19 @@ chain_quantized() {  # EXLNB_GPU_PREQUANTIZE's conversions side by side
     wait
 }
 
+speed() {  # speed ARGS...: one `python -m benchmarks speed` run, appended to speed.log
+    log "start speed $*"
+    (cd "$REPO" && eval "timeout 900 python3 -m benchmarks speed --out \"$OUTDIR/speed\" --budget-s 840 $*" \
+        >> "$OUTDIR/speed.log" 2>&1)
+    log "end speed (exit $?)"
+}
+
+chain_speed_beside() {  # EXLNB_GPU_SPEED_BESIDE's run, beside the suites
+    [ -n "${EXLNB_GPU_SPEED_BESIDE:-}" ] || return 0
+    wait_for "$WORK/build-exllamav3.rc"
+    speed "$EXLNB_GPU_SPEED_BESIDE"
+}
+
 chain_exllamav3() {
     wait_for "$WORK/build-exllamav3.rc"
     log "exllamav3 build ended (exit $(cat "$WORK/build-exllamav3.rc"))"
@@ -160,7 +176,9 @@ all)
     (cd "$REPO" && python3 -c "from exlnb.models import resolve_model; print(resolve_model('smollm2-135m-instruct', progress=False))") \
         > "$OUTDIR/convert.log" 2>&1
     log "converted (exit $?)"
-    chain_exllamav2 & chain_exllamav3 & chain_quantized & wait
+    chain_exllamav2 & chain_exllamav3 & chain_quantized & chain_speed_beside & wait
+    IFS=';' read -ra runs <<< "${EXLNB_GPU_SPEED:-}"
+    for args in "${runs[@]}"; do [ -n "${args// /}" ] && speed "$args"; done
     [ "${EXLNB_GPU_GRAPHS:-0}" = 1 ] && graphs_benchmark
     benchmarks=${EXLNB_GPU_BENCHMARKS:-1}
     if [ "$benchmarks" = 1 ]; then
