@@ -89,6 +89,11 @@ KIT_VARIANTS = {
     "kit-exllamav3-before-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "1"}),
     "kit-exllamav3-after-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "0"}),
     **{
+        f"kit-{engine}-long-tiles-{side}": (engine, {"EXLNB_DECODE_LONG_TILES": value})
+        for engine in ("exllamav2", "exllamav3")
+        for side, value in (("on", "1"), ("off", "0"))
+    },
+    **{
         f"kit-{engine}-prefill-{side}": (engine, {"EXLNB_PREFILL_TOGETHER": value})
         for engine in ("exllamav2", "exllamav3")
         for side, value in (("together", "1"), ("apart", "0"))

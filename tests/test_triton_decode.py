@@ -180,6 +180,42 @@ def test_a_sequence_s_output_is_the_same_alone_in_a_batch_and_in_a_wider_table(d
         assert torch.equal(flash_attn_with_kvcache(**alone), in_batch[rows]), f"sequence {sequence}"
 
 
+@pytest.fixture
+def long_tiles(monkeypatch):
+    """The kernel with `EXLNB_DECODE_LONG_TILES=1`: a sequence past LONG_KEYS walks tiles of LONG_BLOCK_KEYS."""
+    from exlnb.engines import triton_decode
+
+    monkeypatch.setattr(triton_decode, "LONG_TILES", True)
+    return triton_decode
+
+
+@pytest.mark.parametrize("name", ["long and short together", "a long sliding window", "keys already in the cache"])
+def test_long_tiles_match_the_pytorch_path(name, device, long_tiles):
+    calls = {
+        "long and short together": Call((1300, 40, 4000, 1024), group=4),
+        "a long sliding window": Call((2100, 1025), group=4, window=(700, 0)),
+        "keys already in the cache": Call((1100, 3), group=2, appends=False),
+    }
+    check_against_pytorch_path(calls[name], device)
+
+
+def test_long_tiles_leave_a_short_sequence_s_bits_and_keep_a_long_one_s_whatever_its_batch(device, monkeypatch):
+    """A sequence of at most LONG_KEYS keys gets the same bits with the long tiles on as off; a longer one gets the
+    same bits alone, beside a short one and in a wider table (field report 2)."""
+    from exlnb.engines import triton_decode
+
+    args = inputs(Call((1300, triton_decode.LONG_KEYS - 1, 40), group=4, extra_columns=2), device)
+    monkeypatch.setattr(triton_decode, "LONG_TILES", False)
+    off = flash_attn_with_kvcache(**copy(args))
+    monkeypatch.setattr(triton_decode, "LONG_TILES", True)
+    on = flash_attn_with_kvcache(**copy(args))
+    assert torch.equal(on[1:], off[1:])  # LONG_KEYS keys with the new one, and 41: the short tiles, as before
+    assert not torch.equal(on[:1], off[:1])  # 1,301 keys: the long tiles, rounding apart from the short ones
+    alone = {name: value[:1] if name in ("q", "k", "v", "cache_seqlens") else value for name, value in args.items()}
+    alone["block_table"] = args["block_table"][:1, :6]  # 1,301 keys on six pages, no padding
+    assert torch.equal(flash_attn_with_kvcache(**alone), on[:1])
+
+
 def test_pages_that_cut_a_key_tile_stay_on_the_pytorch_path(device):
     """The kernel reads a key tile's page once, so a page must hold whole tiles; a cache of 16-token pages (as
     test_paged_attention's) is the PyTorch path's, and still answers."""
