@@ -15,6 +15,9 @@ pass that reads or writes a held pass's pages (a prompt that shares whole pages 
 the end of the iteration. The generator's bookkeeping reads nothing a prompt pass returns, so the cache ends as it
 would have, up to rounding: rows that share one product instead of each having its own.
 
+A held pass that fails raises out of the `iterate()` that runs it, not out of its own job's prefill: exllamav3,
+which fails only the job whose prefill raised, then fails the whole step's jobs instead.
+
 Held passes of one length run as one batch (a batch is rectangular). A pass of a length no other held pass has runs
 exactly as it came: cutting passes into common stretches takes as many passes as there are lengths, so it would gain
 nothing where each pass costs the host the same.
