@@ -79,9 +79,9 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-# exlnb's engines loaded with a switch set, timed in turns beside each other: runner -> (engine, the environment its
-# load reads). A switch's A/B names both sides ("-fused", "-unfused"): a setup's record belongs to one part, and the
-# goals' own setups ("kit-exllamav3") keep the numbers of the turns they took with their peers.
+# exlnb's engines loaded with a switch set, timed in turns beside each other: runner -> (engine, the environment it
+# loads and runs in). A switch's A/B names both sides ("-fused", "-unfused"): a setup's record belongs to one part,
+# and the goals' own setups ("kit-exllamav3") keep the numbers of the turns they took with their peers.
 KIT_VARIANTS = {
     "kit-exllamav3-ahead-off": ("exllamav3", {"EXLNB_QUEUE_AHEAD": "0"}),
     "kit-exllamav2-ahead-on": ("exllamav2", {"EXLNB_QUEUE_AHEAD": "1"}),
@@ -131,18 +131,19 @@ def setup(runner: str, folder: Path) -> Iterator[Timed]:
     if runner.startswith("kit-"):
         session = Session()
         engine, variables = KIT_VARIANTS.get(runner, (runner.removeprefix("kit-"), {}))
+        # held while it runs too, in its own process (setup_apart): EXLNB_DECODE_LONG_TILES is read at each launch
         with _environment(variables):
             status = session.load(str(folder), engine=engine, cache_tokens=CACHE_TOKENS, progress=False)
-        try:
-            yield Timed(
-                lambda p, n: decode.session_decode(session, p, n),
-                lambda ps, n: decode.session_together(session, ps, n),
-                # with its notes: an engine that fell back to eager decode says why (every EXL3 capture once failed,
-                # and the record showed only "decode: eager")
-                " | ".join([status.line(), *status.notes]),
-            )
-        finally:
-            session.unload()
+            try:
+                yield Timed(
+                    lambda p, n: decode.session_decode(session, p, n),
+                    lambda ps, n: decode.session_together(session, ps, n),
+                    # with its notes: an engine that fell back to eager decode says why (every EXL3 capture once
+                    # failed, and the record showed only "decode: eager")
+                    " | ".join([status.line(), *status.notes]),
+                )
+            finally:
+                session.unload()
     elif runner.startswith("raw-"):
         library = runner.removeprefix("raw-")
         load = decode.load_exllamav2_peer if library == "exllamav2" else decode.load_exllamav3_peer

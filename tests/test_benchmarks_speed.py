@@ -250,11 +250,25 @@ def test_a_setup_timed_in_a_worker_of_its_own_says_why_it_could_not_load(tmp_pat
             for engine in ("exllamav2", "exllamav3")
             for side in ("fused", "unfused")
         ),
+        *(
+            (
+                f"kit-{engine}-prefill-{side}",
+                "EXLNB_PREFILL_TOGETHER",
+                "exlnb.engines.prefill_together:prefill_together_on",
+            )
+            for engine in ("exllamav2", "exllamav3")
+            for side in ("together", "apart")
+        ),
+        ("kit-exllamav3-before-wait", "EXLNB_QUEUE_BEFORE_WAIT", "exlnb.engines.queue_ahead:queue_before_wait_on"),
+        ("kit-exllamav3-after-wait", "EXLNB_QUEUE_BEFORE_WAIT", "exlnb.engines.queue_ahead:queue_before_wait_on"),
     ],
 )
-def test_a_kit_variant_loads_its_engine_with_its_switch_set_only_while_it_loads(monkeypatch, runner, variable, switch):
-    """The speed suite times an engine with a switch set beside the engine as it ships, in turns (the switch is
-    read at load): the variant's environment holds during its load and is gone after, as it was before."""
+def test_a_kit_variant_runs_its_engine_with_its_switch_set_then_leaves_the_environment_as_it_was(
+    monkeypatch, runner, variable, switch
+):
+    """The speed suite times an engine with a switch set beside the engine as it ships, in turns: the variant's
+    environment holds while its setup lives, loaded and timed in a process of its own (a switch may be read at load
+    or at each launch), and is gone after, as it was before."""
     module, name = switch.split(":")
     is_on = getattr(importlib.import_module(module), name)
     engine, variables = speed_setups.KIT_VARIANTS[runner]

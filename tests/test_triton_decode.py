@@ -182,11 +182,36 @@ def test_a_sequence_s_output_is_the_same_alone_in_a_batch_and_in_a_wider_table(d
 
 @pytest.fixture
 def long_tiles(monkeypatch):
-    """The kernel with `EXLNB_DECODE_LONG_TILES=1`: a sequence past LONG_KEYS walks tiles of LONG_BLOCK_KEYS."""
-    from exlnb.engines import triton_decode
+    """`EXLNB_DECODE_LONG_TILES=1`: a sequence past LONG_CONTEXT_KEYS walks tiles of LONG_BLOCK_KEYS."""
+    monkeypatch.setenv("EXLNB_DECODE_LONG_TILES", "1")
 
-    monkeypatch.setattr(triton_decode, "LONG_TILES", True)
-    return triton_decode
+
+def in_float64(args: dict) -> torch.Tensor:
+    """Each sequence's one query over its cached keys and the call's new one, causal with no window, in float64."""
+    heads, kv_heads = args["q"].shape[2], args["k_cache"].shape[2]
+    rows = []
+    for b, cached in enumerate(args["cache_seqlens"].tolist()):
+        pages = args["block_table"][b]
+        keys, values = (
+            torch.cat([args[cache][pages].flatten(0, 1)[:cached], args[new][b]]).double()
+            for cache, new in (("k_cache", "k"), ("v_cache", "v"))
+        )
+        keys, values = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (keys, values))
+        scores = torch.einsum("qhd,khd->hqk", args["q"][b].double(), keys) * args["softmax_scale"]
+        rows.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
+    return torch.stack(rows)
+
+
+def cut_pages(args: dict, tokens: int) -> dict:
+    """The same call on the same slots, its caches cut into pages of `tokens`: page p of the call is pages
+    p * PAGE / tokens onwards of the cut cache."""
+    cut = dict(args)
+    for cache in ("k_cache", "v_cache"):
+        cut[cache] = args[cache].view(-1, tokens, *args[cache].shape[2:])
+    table = args["block_table"]
+    pieces = torch.arange(PAGE // tokens, device=table.device)
+    cut["block_table"] = (table[:, :, None] * (PAGE // tokens) + pieces).flatten(1).to(torch.int32).contiguous()
+    return cut
 
 
 @pytest.mark.parametrize("name", ["long and short together", "a long sliding window", "keys already in the cache"])
@@ -199,21 +224,43 @@ def test_long_tiles_match_the_pytorch_path(name, device, long_tiles):
     check_against_pytorch_path(calls[name], device)
 
 
+def test_long_tiles_agree_with_attention_in_float64(device, long_tiles):
+    args = inputs(Call((1300, 40), group=4), device)
+    expected = in_float64(copy(args))
+
+    out = flash_attn_with_kvcache(**args)
+
+    torch.testing.assert_close(out.double(), expected, **FP16)
+
+
 def test_long_tiles_leave_a_short_sequence_s_bits_and_keep_a_long_one_s_whatever_its_batch(device, monkeypatch):
-    """A sequence of at most LONG_KEYS keys gets the same bits with the long tiles on as off; a longer one gets the
-    same bits alone, beside a short one and in a wider table (field report 2)."""
+    """A sequence of at most LONG_CONTEXT_KEYS keys gets the same bits with the long tiles on as off; a longer one
+    gets the same bits alone, beside a short one and in a wider table (field report 2)."""
     from exlnb.engines import triton_decode
 
-    args = inputs(Call((1300, triton_decode.LONG_KEYS - 1, 40), group=4, extra_columns=2), device)
-    monkeypatch.setattr(triton_decode, "LONG_TILES", False)
+    args = inputs(Call((1300, triton_decode.LONG_CONTEXT_KEYS - 1, 40), group=4, extra_columns=2), device)
+    monkeypatch.setenv("EXLNB_DECODE_LONG_TILES", "0")
     off = flash_attn_with_kvcache(**copy(args))
-    monkeypatch.setattr(triton_decode, "LONG_TILES", True)
+    monkeypatch.setenv("EXLNB_DECODE_LONG_TILES", "1")  # read at the launch: no reload
     on = flash_attn_with_kvcache(**copy(args))
-    assert torch.equal(on[1:], off[1:])  # LONG_KEYS keys with the new one, and 41: the short tiles, as before
+    assert torch.equal(on[1:], off[1:])  # LONG_CONTEXT_KEYS keys with the new one, and 41: the short tiles
     assert not torch.equal(on[:1], off[:1])  # 1,301 keys: the long tiles, rounding apart from the short ones
     alone = {name: value[:1] if name in ("q", "k", "v", "cache_seqlens") else value for name, value in args.items()}
-    alone["block_table"] = args["block_table"][:1, :6]  # 1,301 keys on six pages, no padding
-    assert torch.equal(flash_attn_with_kvcache(**alone), on[:1])
+    for columns in (6, 8):  # 1,301 keys on six pages: no padding, and the batch's width
+        alone["block_table"] = args["block_table"][:1, :columns]
+        assert torch.equal(flash_attn_with_kvcache(**copy(alone)), on[:1]), f"{columns} columns"
+
+
+def test_long_tiles_read_pages_of_64_tokens_as_they_read_pages_of_256(device, long_tiles):
+    """A long tile lies within a page of any size `handles` takes, and its keys and their order do not depend on
+    the pages they are on."""
+    from exlnb.engines import triton_decode
+
+    args = inputs(Call((1300, 40), group=4), device)
+    small = cut_pages(args, 64)
+
+    assert triton_decode.handles(small["q"], small["k_cache"], small["v_cache"])
+    assert torch.equal(flash_attn_with_kvcache(**copy(small)), flash_attn_with_kvcache(**copy(args)))
 
 
 def test_pages_that_cut_a_key_tile_stay_on_the_pytorch_path(device):
@@ -221,14 +268,8 @@ def test_pages_that_cut_a_key_tile_stay_on_the_pytorch_path(device):
     test_paged_attention's) is the PyTorch path's, and still answers."""
     from exlnb.engines import triton_decode
 
-    call = Call((40, 3), group=2)
-    args = inputs(call, device)
-    small = {name: value for name, value in args.items()}
-    for cache in ("k_cache", "v_cache"):
-        small[cache] = args[cache].view(-1, 16, call.kv_heads, call.dim)  # the same slots, cut into 16-token pages
-    table = args["block_table"]  # page p of the call is pages 16p to 16p + 15 of the cut cache
-    small["block_table"] = (table[:, :, None] * (PAGE // 16) + torch.arange(PAGE // 16, device=table.device)).flatten(1)
-    small["block_table"] = small["block_table"].to(torch.int32).contiguous()
+    args = inputs(Call((40, 3), group=2), device)
+    small = cut_pages(args, 16)
 
     assert triton_decode.handles(args["q"], args["k_cache"], args["v_cache"])
     assert not triton_decode.handles(small["q"], small["k_cache"], small["v_cache"])

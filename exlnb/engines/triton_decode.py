@@ -12,7 +12,7 @@ and 19.1 at 4096, where reading the keys and values once costs about 0.7 ms a to
   new keys and values are read from the call itself, and the first program of each (sequence, key/value head)
   writes them into their pages: no program reads a slot another is writing, and a step needs no kernels of its
   own for the writes (two a layer, 64 of a 7B step's 594 on the ExLlamaV2 engine, H200 profile of 2026-11-28).
-  The walk itself is `_walk`: with `EXLNB_DECODE_LONG_TILES=1` a sequence longer than LONG_KEYS walks tiles of
+  The walk itself is `_walk`: where `long_tiles_on()`, a sequence longer than LONG_CONTEXT_KEYS walks tiles of
   LONG_BLOCK_KEYS instead, chosen by its own length, so a shorter one keeps its bits and a longer one's do not
   depend on its batch mates either.
 - `_attention_combine_kernel`: one program per (sequence, query position, head) brings the splits to one maximum,
@@ -42,13 +42,20 @@ MAX_QUERIES = 16  # query positions per sequence a call may have: decode has 1
 MAX_HEAD_DIM = 256  # a row block's float32 accumulator (rows x head dim) lives in registers
 SPLIT_KEYS = 256  # keys per split: 16 splits at 4096 tokens keep an H100's 132 SMs busy at batch 1
 BLOCK_KEYS = 64  # keys per tile within a split, and a divisor of both SPLIT_KEYS and the page size
-# where EXLNB_DECODE_LONG_TILES=1 (read at import; off until timed on a GPU): a sequence longer than LONG_KEYS walks
-# its splits in tiles of LONG_BLOCK_KEYS, which were 11 % faster at 4,096 tokens and 36 % slower at 256 on an H200
-# (benchmarks/results/speed-nvidia-h200-2026-11-28-feed); a shorter one keeps BLOCK_KEYS and its bits
-LONG_TILES = os.environ.get("EXLNB_DECODE_LONG_TILES", "0") == "1"
-LONG_BLOCK_KEYS, LONG_KEYS = 32, 1024
+# where long_tiles_on(), a sequence longer than LONG_CONTEXT_KEYS walks its splits in tiles of LONG_BLOCK_KEYS, which
+# were 11 % faster at 4,096 tokens and 36 % slower at 256 on an H200
+# (benchmarks/results/speed-nvidia-h200-2026-11-28-feed)
+LONG_CONTEXT_KEYS = 1024
+LONG_BLOCK_KEYS = 32  # divides BLOCK_KEYS, so a long tile lies within one page too
 MIN_ROWS, MAX_ROWS = 16, 64  # query rows per program: tl.dot needs 16; more share a key tile but hold more registers
 COMBINE_SPLITS = 16  # splits the combine kernel reads at once
+
+
+def long_tiles_on() -> bool:
+    """Whether a sequence past LONG_CONTEXT_KEYS keys walks tiles of LONG_BLOCK_KEYS (off unless
+    `EXLNB_DECODE_LONG_TILES=1`, until a GPU has timed it; read at each launch, so a captured graph keeps the tiles
+    it was captured with). Off, the kernel compiles as it did before the switch."""
+    return os.environ.get("EXLNB_DECODE_LONG_TILES", "0") == "1"
 
 
 def handles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -132,9 +139,9 @@ def paged_decode_attention(
             ROWS=rows,
             BLOCK_KEYS=BLOCK_KEYS,
             SPLIT_KEYS=SPLIT_KEYS,
-            LONG_TILES=LONG_TILES,
+            LONG_TILES=long_tiles_on(),
             LONG_BLOCK_KEYS=LONG_BLOCK_KEYS,
-            LONG_KEYS=LONG_KEYS,
+            LONG_CONTEXT_KEYS=LONG_CONTEXT_KEYS,
         )
         if splits > 1:
             _attention_combine_kernel[(batch * q_len * heads,)](
@@ -278,7 +285,7 @@ def _attention_split_kernel(
     SPLIT_KEYS: tl.constexpr,
     LONG_TILES: tl.constexpr,
     LONG_BLOCK_KEYS: tl.constexpr,
-    LONG_KEYS: tl.constexpr,
+    LONG_CONTEXT_KEYS: tl.constexpr,
 ):
     GROUP: tl.constexpr = HEADS // KV_HEADS
     ROW_BLOCKS: tl.constexpr = (Q_LEN * GROUP + ROWS - 1) // ROWS
@@ -319,9 +326,10 @@ def _attention_split_kernel(
     maximum = tl.full((ROWS,), -float("inf"), tl.float32)
     denominator = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, DIM_PAD), tl.float32)
-    long_tiles = (length > LONG_KEYS) & LONG_TILES  # the sequence's own length chooses, never its batch mates
     for choice in tl.static_range(2 if LONG_TILES else 1):  # 0: tiles of BLOCK_KEYS, 1: of LONG_BLOCK_KEYS
-        if long_tiles == (choice == 1):
+        # the sequence's own length chooses, never its batch mates; off, the condition is a constant (an assigned
+        # one would be a tensor) and the one walk compiles as before the switch
+        if not LONG_TILES or (length > LONG_CONTEXT_KEYS) == (choice == 1):
             maximum, denominator, acc = _walk(
                 queries,
                 k_cache,
