@@ -79,6 +79,15 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def _switched(variable: str, on: str, off: str) -> dict[str, tuple[str, dict[str, str]]]:
+    """Both GPU engines with `variable` set to 1 (the runner named `kit-ENGINE-ON`) and to 0 (`kit-ENGINE-OFF`)."""
+    return {
+        f"kit-{engine}-{side}": (engine, {variable: value})
+        for engine in ("exllamav2", "exllamav3")
+        for side, value in ((on, "1"), (off, "0"))
+    }
+
+
 # exlnb's engines loaded with a switch set, timed in turns beside each other: runner -> (engine, the environment it
 # loads and runs in). A switch's A/B names both sides ("-fused", "-unfused"): a setup's record belongs to one part,
 # and the goals' own setups ("kit-exllamav3") keep the numbers of the turns they took with their peers.
@@ -88,26 +97,10 @@ KIT_VARIANTS = {
     "kit-exllamav2-ahead-off": ("exllamav2", {"EXLNB_QUEUE_AHEAD": "0"}),
     "kit-exllamav3-before-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "1"}),
     "kit-exllamav3-after-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "0"}),
-    **{
-        f"kit-{engine}-long-tiles-{side}": (engine, {"EXLNB_DECODE_LONG_TILES": value})
-        for engine in ("exllamav2", "exllamav3")
-        for side, value in (("on", "1"), ("off", "0"))
-    },
-    **{
-        f"kit-{engine}-prefill-{side}": (engine, {"EXLNB_PREFILL_TOGETHER": value})
-        for engine in ("exllamav2", "exllamav3")
-        for side, value in (("together", "1"), ("apart", "0"))
-    },
-    **{
-        f"kit-{engine}-feed-{side}": (engine, {"EXLNB_TOKEN_FEED": value})
-        for engine in ("exllamav2", "exllamav3")
-        for side, value in (("on", "1"), ("off", "0"))
-    },
-    **{
-        f"kit-{engine}-{side}": (engine, {"EXLNB_FUSED_PRODUCTS": value})
-        for engine in ("exllamav2", "exllamav3")
-        for side, value in (("fused", "1"), ("unfused", "0"))
-    },
+    **_switched("EXLNB_DECODE_LONG_TILES", "long-tiles-on", "long-tiles-off"),
+    **_switched("EXLNB_PREFILL_TOGETHER", "prefill-together", "prefill-apart"),
+    **_switched("EXLNB_TOKEN_FEED", "feed-on", "feed-off"),
+    **_switched("EXLNB_FUSED_PRODUCTS", "fused", "unfused"),
 }
 
 

@@ -28,7 +28,7 @@ Off unless `EXLNB_PREFILL_TOGETHER=1` until a GPU has timed it.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -102,8 +102,12 @@ def stacked(batch: list[HeldPass]) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 class HeldPasses:
     """The held passes of one generator and when they run, installed as its `iterate` (an instance attribute, found
-    before the class's method); an engine's `PrefillTogether` says where its library's prompt pass and page copy
-    are, how a pass is recognised and how a batch runs."""
+    before the class's method); an engine's `PrefillTogether` names its library's prompt pass and page copy (`PASS`,
+    `COPY`: a method of the model and one of the cache, each stood in front of by this one's of the same name) and
+    says how a pass is recognised and how a batch runs."""
+
+    PASS: str
+    COPY: str
 
     def __init__(self, generator, page_size: int) -> None:
         self.generator, self.model = generator, generator.model
@@ -113,6 +117,8 @@ class HeldPasses:
         self.held_pages: set[int] = set()
         self.passes_held = self.passes_run = 0  # prompt passes held back, and the forward passes that ran them
         self._iterate = generator.iterate
+        self._inner: Callable | None = None  # the model's prompt pass and the cache's page copy, while it iterates
+        self._copy: Callable | None = None
         generator.iterate = self.iterate
 
     @classmethod
@@ -127,6 +133,24 @@ class HeldPasses:
         return cls(generator)
 
     def iterate(self) -> list[dict]:
+        """One `iterate()` of the generator with passes held, the model's prompt pass (exlnb's graph decoder's, where
+        it stands in front of it) and the cache's page copy behind this one's: those still held run at its end, and
+        before an error leaves it, since the generator counts them as done."""
+        cache = self.generator.cache
+        self._inner, self._copy = getattr(self.model, self.PASS), getattr(cache, self.COPY)
+        with standing_in(self.model, self.PASS, getattr(self, self.PASS)), standing_in(cache, self.COPY, self.copy):
+            try:
+                try:
+                    results = self._iterate()
+                except BaseException:
+                    self.run_held()
+                    raise
+                self.run_held()
+                return results
+            finally:
+                self.held, self.held_pages = [], set()  # a pass that failed is not run again
+
+    def copy(self, target, *spans):
         raise NotImplementedError
 
     def hold(self, held: HeldPass) -> None:
@@ -156,20 +180,6 @@ class HeldPasses:
                 else:
                     self.run_batch(batch, *stacked(batch))
             self.passes_run += 1
-
-    def iterating(self) -> list[dict]:
-        """One `iterate()` of the generator with passes held: those still held run at its end, and before an
-        error leaves it, since the generator counts them as done."""
-        try:
-            try:
-                results = self._iterate()
-            except BaseException:
-                self.run_held()
-                raise
-            self.run_held()
-            return results
-        finally:
-            self.held, self.held_pages = [], set()  # a pass that failed is not run again
 
     def run_one(self, held: HeldPass) -> None:
         raise NotImplementedError

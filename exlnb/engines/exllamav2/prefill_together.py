@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from exlnb.engines.prefill_together import HeldPass, HeldPasses, standing_in
+from exlnb.engines.prefill_together import HeldPass, HeldPasses
 
 PREFILL_ARGUMENTS = {"preprocess_only", "loras", "indexed_embeddings"}  # what exllamav2 prefills with, by name
 
@@ -17,17 +17,10 @@ PREFILL_ARGUMENTS = {"preprocess_only", "loras", "indexed_embeddings"}  # what e
 class PrefillTogether(HeldPasses):
     """On a paged generator: its `iterate` runs with prompt passes held and run together."""
 
+    PASS, COPY = "forward_chunk", "copy_states"
+
     def __init__(self, generator) -> None:
         super().__init__(generator, generator.page_size)
-        self._inner = self._copy = None  # the forward_chunk and copy_states this one's stand in front of
-
-    def iterate(self) -> list[dict]:
-        """The generator's `iterate()`, with the model's `forward_chunk` (exlnb's graph decoder's, where it is
-        installed) and the cache's `copy_states` behind this one's for its length."""
-        cache = self.generator.cache
-        self._inner, self._copy = self.model.forward_chunk, cache.copy_states
-        with standing_in(self.model, "forward_chunk", self.forward_chunk), standing_in(cache, "copy_states", self.copy):
-            return self.iterating()
 
     def copy(self, target, from_column: int, from_columns: int, to_column: int, to_columns: int, *rows):
         self.copying(((from_column, from_columns), (to_column, to_columns)))

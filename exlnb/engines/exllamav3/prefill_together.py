@@ -11,7 +11,7 @@ import torch
 
 from exlnb.engines.exllamav3.graph_checks import PASS_PARAMETERS
 from exlnb.engines.options import PAGE_TOKENS
-from exlnb.engines.prefill_together import HeldPass, HeldPasses, standing_in
+from exlnb.engines.prefill_together import HeldPass, HeldPasses
 
 PREFILL_PARAMETERS = PASS_PARAMETERS | {"inv_freq", "mm_span_prefix"}  # what exllamav3's Job.prefill passes
 
@@ -19,17 +19,10 @@ PREFILL_PARAMETERS = PASS_PARAMETERS | {"inv_freq", "mm_span_prefix"}  # what ex
 class PrefillTogether(HeldPasses):
     """On a generator: its `iterate` runs with prompt passes held and run together."""
 
+    PASS, COPY = "prefill", "copy_page"
+
     def __init__(self, generator) -> None:
         super().__init__(generator, PAGE_TOKENS)
-        self._inner = self._copy = None  # the prefill and copy_page this one's stand in front of
-
-    def iterate(self) -> list[dict]:
-        """The generator's `iterate()`, with the model's `prefill` and the cache's `copy_page` behind this one's for
-        its length."""
-        cache = self.generator.cache
-        self._inner, self._copy = self.model.prefill, cache.copy_page
-        with standing_in(self.model, "prefill", self.prefill), standing_in(cache, "copy_page", self.copy):
-            return self.iterating()
 
     def copy(self, target, from_page: int, to_page: int, num_tokens: int):
         self.touch({from_page, to_page})
