@@ -277,7 +277,9 @@ def test_keyboard_interrupt_while_waiting_cancels_the_samples(shell, idle, ctrl_
     exlnb.magics.generate_live = interrupted
     try:
         with pytest.raises(KeyboardInterrupt):
-            shell.run_cell_magic("exl_generate", "--n 2 --max-new-tokens 400 --display text", QUESTION)
+            # 400 tokens each: samples that ended within the watcher's 0.3 s would take its Ctrl-C after the cell
+            options = "--n 2 --max-new-tokens 400 --min-new-tokens 400 --display text"
+            shell.run_cell_magic("exl_generate", options, QUESTION)
     finally:
         exlnb.magics.generate_live = original
     assert started.is_set()
