@@ -14,9 +14,10 @@
 # and `exllamav3_ext.so`, xz-compressed in parts named `v2.so.xz.*` and `v3.so.xz.*`): both libraries import a
 # prebuilt extension before they build one, which saves the ~10 minutes of the two builds. The pytest
 # selections can be narrowed with EXLNB_GPU_V2_TESTS / EXLNB_GPU_V3_TESTS (pytest arguments), and
-# EXLNB_GPU_V2_TESTS=skip (or V3) leaves a suite out. EXLNB_GPU_BENCHMARKS=0 skips the benchmarks and the
-# serving sweep; EXLNB_GPU_SERVING=1 runs the sweep all the same, and EXLNB_GPU_KIT=1 runs the kit-overhead
-# rows alone (`python -m benchmarks --only kit`) after the tests. EXLNB_GPU_REPORT="exllamav2
+# EXLNB_GPU_V2_TESTS=skip (or V3) leaves a suite out; EXLNB_GPU_TEST_ENV="NAME=VALUE ..." sets variables for the
+# suites alone (a switch that is off by default, tried on before it becomes the default). EXLNB_GPU_BENCHMARKS=0
+# skips the benchmarks and the serving sweep; EXLNB_GPU_SERVING=1 runs the sweep all the same, and EXLNB_GPU_KIT=1
+# runs the kit-overhead rows alone (`python -m benchmarks --only kit`) after the tests. EXLNB_GPU_REPORT="exllamav2
 # exllamav3:quantization,context" adds exlnb's investigations (`python -m exlnb.report --engine E`, one
 # engine after the other, last of all; after the colon, the notebooks to run, else all)
 # with their executed notebooks, HTML, CSVs, figures and summary.md under report-E/; EXLNB_GPU_REPORT_ARGS
@@ -67,7 +68,7 @@ wait_for() {  # wait_for FILE: until FILE exists
 suite() {  # suite NAME PYTEST_ARGS...: one pytest run, its log and junit XML under OUTDIR
     local name=$1; shift
     log "start $name"
-    (cd "$REPO" && EXLNB_FAILURE_LOG="$OUTDIR/$name-failures.txt" python3 -m pytest -m gpu -p no:cacheprovider -v \
+    (cd "$REPO" && env ${EXLNB_GPU_TEST_ENV:-} EXLNB_FAILURE_LOG="$OUTDIR/$name-failures.txt" python3 -m pytest -m gpu -p no:cacheprovider -v \
         --timeout 420 --continue-on-collection-errors --junitxml "$OUTDIR/$name.xml" "$@" > "$OUTDIR/$name.log" 2>&1)
     log "end $name (exit $?): $(tail -n 1 "$OUTDIR/$name.log")"
 }
