@@ -9,12 +9,14 @@ runs first), and with a long prompt twice (its pages shared); every page free af
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from benchmarks.decode import random_prompt
 from benchmarks.paged_acceptance import LONG_PROMPT, QUESTIONS
+from exlnb.engines.exllamav3.prefill_together import PrefillTogether
 from exlnb.engines.job_options import JobOptions
 from exlnb.engines.prefill_together import NOTE, batches, pages
 from exlnb.engines.sampling import SamplerSettings
@@ -33,6 +35,52 @@ def test_a_pass_touches_the_pages_its_tokens_lie_in():
     assert list(pages(0, 256, 256)) == [0]
     assert list(pages(250, 10, 256)) == [0, 1]  # across a page's end
     assert list(pages(256, 1, 256)) == [1]
+
+
+class Model:
+    """A model as exllamav3's generator calls it: its prompt pass, its decode step, and a step queued ahead."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def prefill(self, input_ids, params):
+        self.calls.append(("prefill", input_ids.shape[0], int(params["cache_seqlens"][0])))
+
+    def forward(self, input_ids, params):
+        self.calls.append(("forward", input_ids.shape[0]))
+
+    def prefetch_tokens(self, tokens):
+        self.calls.append(("prefetch_tokens", len(tokens)))
+
+
+class Generator:
+    """One `iterate()` as exllamav3's: two new jobs' prompt passes, then the decode step that gives each its first
+    token (in the same iteration), then the next step queued ahead."""
+
+    max_chunk_size, draft_model = 2048, None
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.model, self.cache = Model(self.calls), SimpleNamespace(copy_page=None)
+
+    def iterate(self) -> list:
+        for page in (0, 1):
+            params = {"attn_mode": "flash_attn", "cache": self.cache, "block_table": torch.tensor([[page]]),
+                      "cache_seqlens": torch.tensor([0], dtype=torch.int32)}  # fmt: skip
+            self.model.prefill(torch.zeros((1, 39), dtype=torch.long), params)
+        self.model.forward(torch.zeros((2, 1), dtype=torch.long), {})
+        self.model.prefetch_tokens([1, 2])
+        return []
+
+
+def test_held_prompt_passes_run_before_the_decode_step_that_reads_their_keys(monkeypatch):
+    monkeypatch.setenv("EXLNB_PREFILL_TOGETHER", "1")
+    generator = Generator()
+    together = PrefillTogether.start(generator, [], batchable=True)
+    generator.iterate()
+    assert generator.calls == [("prefill", 2, 0), ("forward", 2), ("prefetch_tokens", 2)]  # both prompts, one pass
+    assert (together.passes_held, together.passes_run) == (2, 1)
+    assert "forward" not in vars(generator.model) and "prefill" not in vars(generator.model)  # as it was, after
 
 
 def load(engine: str, together: bool, monkeypatch) -> Session:

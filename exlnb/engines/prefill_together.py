@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +108,7 @@ class HeldPasses:
 
     PASS: str
     COPY: str
+    READERS: tuple[str, ...] = ()  # the model's other passes that read the cache (a decode step), where PASS is not
 
     def __init__(self, generator, page_size: int) -> None:
         self.generator, self.model = generator, generator.model
@@ -138,7 +139,11 @@ class HeldPasses:
         before an error leaves it, since the generator counts them as done."""
         cache = self.generator.cache
         self._inner, self._copy = getattr(self.model, self.PASS), getattr(cache, self.COPY)
-        with standing_in(self.model, self.PASS, getattr(self, self.PASS)), standing_in(cache, self.COPY, self.copy):
+        with ExitStack() as stack:
+            stack.enter_context(standing_in(self.model, self.PASS, getattr(self, self.PASS)))
+            stack.enter_context(standing_in(cache, self.COPY, self.copy))
+            for name in self.READERS:
+                stack.enter_context(standing_in(self.model, name, self._after_held(getattr(self.model, name))))
             try:
                 try:
                     results = self._iterate()
@@ -149,6 +154,16 @@ class HeldPasses:
                 return results
             finally:
                 self.held, self.held_pages = [], set()  # a pass that failed is not run again
+
+    def _after_held(self, reader: Callable) -> Callable:
+        """`reader` (a pass that reads the cache), once the held passes have run: a job's first decode step comes in
+        the same `iterate()` as its prompt pass and reads the keys that pass writes."""
+
+        def after_held(*args, **kwargs):
+            self.run_held()
+            return reader(*args, **kwargs)
+
+        return after_held
 
     def copy(self, target, *spans):
         raise NotImplementedError

@@ -20,6 +20,7 @@ class PrefillTogether(HeldPasses):
     """On a generator: its `iterate` runs with prompt passes held and run together."""
 
     PASS, COPY = "prefill", "copy_page"
+    READERS = ("forward", "prefetch_tokens")  # a decode step, and one queued ahead (exlnb's graph decoder's)
 
     def __init__(self, generator) -> None:
         super().__init__(generator, PAGE_TOKENS)
