@@ -22,7 +22,11 @@ Held passes of one length run as one batch (a batch is rectangular). A pass of a
 exactly as it came: cutting passes into common stretches takes as many passes as there are lengths, so it would gain
 nothing where each pass costs the host the same.
 
-Off unless `EXLNB_PREFILL_TOGETHER=1` until a GPU has timed it.
+On an H200 (benchmarks/results/speed-nvidia-h200-2026-11-29-b) it took the ExLlamaV2 engine's slowest first token
+of 8 from 174 to 45 ms and batch 8 from 1,253 to 1,482 tokens/s, level at batch 1, and its GPU suite passed with it
+on, so it is on there (`EXLNB_PREFILL_TOGETHER=0` turns it off). On the ExLlamaV3 engine it stays off until its GPU
+suite has passed with it on (`EXLNB_PREFILL_TOGETHER=1`): that run found its decode step reading a held pass's keys
+before the pass ran, which `READERS` now prevents.
 """
 
 from __future__ import annotations
@@ -34,13 +38,14 @@ from dataclasses import dataclass
 
 import torch
 
-NOTE = "prompts that arrive together prefilled in one forward pass (EXLNB_PREFILL_TOGETHER=1)"
+NOTE = "prompts that arrive together prefilled in one forward pass"
 
 
-def prefill_together_on() -> bool:
-    """Whether a GPU engine prefills prompts that arrive together in one pass (off unless `EXLNB_PREFILL_TOGETHER=1`,
-    read at each load, until it is timed on a GPU)."""
-    return os.environ.get("EXLNB_PREFILL_TOGETHER", "0") == "1"
+def prefill_together_on(default: bool = False) -> bool:
+    """Whether a GPU engine prefills prompts that arrive together in one pass: `EXLNB_PREFILL_TOGETHER` (1 or 0, read
+    at each load) where it is set, else the engine's own default."""
+    value = os.environ.get("EXLNB_PREFILL_TOGETHER")
+    return default if value is None else value != "0"
 
 
 def pages(start: int, tokens: int, page_size: int) -> range:
@@ -108,6 +113,7 @@ class HeldPasses:
 
     PASS: str
     COPY: str
+    ON_BY_DEFAULT: bool  # whether the engine prefills together where EXLNB_PREFILL_TOGETHER is not set
     READERS: tuple[str, ...] = ()  # the model's other passes that read the cache (a decode step), where PASS is not
 
     def __init__(self, generator, page_size: int) -> None:
@@ -128,7 +134,7 @@ class HeldPasses:
         switch off, an unpaged cache, or a generator whose passes carry more than a batch can: a draft model, tensor
         parallelism, recurrent state)."""
         paged = getattr(generator, "paged", True)  # exllamav2's may be unpaged, exllamav3's always is
-        if not (prefill_together_on() and batchable and paged and generator.draft_model is None):
+        if not (prefill_together_on(cls.ON_BY_DEFAULT) and batchable and paged and generator.draft_model is None):
             return None
         notes += [] if NOTE in notes else [NOTE]
         return cls(generator)

@@ -21,6 +21,7 @@ class PrefillTogether(HeldPasses):
 
     PASS, COPY = "prefill", "copy_page"
     READERS = ("forward", "prefetch_tokens")  # a decode step, and one queued ahead (exlnb's graph decoder's)
+    ON_BY_DEFAULT = False  # until the GPU suite has passed with it on since READERS
 
     def __init__(self, generator) -> None:
         super().__init__(generator, PAGE_TOKENS)
