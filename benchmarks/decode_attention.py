@@ -6,14 +6,12 @@ With CUDA graphs the host no longer sets the decode speed, and on the H100 the t
 the context (the bundled model 3.1 ms at 128 tokens, 17.6 ms at 4096). This times the attention alone, a
 whole token's worth of layers replayed from one CUDA graph (as decode runs), for the bundled model's and the
 7B-shaped model's heads, per context length and batch size, `paged_attention.flash_attn_with_kvcache` called
-as exllamav2 calls it, in each of its forms:
+as exllamav2 calls it, three ways:
 - `pytorch`: its PyTorch path (`TRITON_DECODE` off): a gather of the pages, then PyTorch's memory-efficient
   attention kernel, which spreads one query's work over heads only;
 - `matmul`: the same gather, then scores, softmax and weighted sum as batched matrix products;
 - `triton`: triton_decode's kernels, which read the pages in place, split over the keys (where triton is
-  installed; the engine's default there, `EXLNB_TRITON_DECODE=0` opts out);
-- `triton-long`: the same kernels with `EXLNB_DECODE_LONG_TILES=1`, a sequence past LONG_CONTEXT_KEYS keys walked
-  in tiles of LONG_BLOCK_KEYS.
+  installed; the engine's default there, `EXLNB_TRITON_DECODE=0` opts out).
 For each: ms per token, its difference from the PyTorch path's output, and whether a sequence's output is the
 same, to the bit, alone and in a batch of 8 (a greedy answer that changes with its batch mates is field report 2).
 """
@@ -22,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -44,7 +40,7 @@ SHAPES = {  # heads, key/value heads, head size, layers
 }
 CONTEXTS = (128, 256, 1024, 2048, 4096)
 BATCHES = (1, 8)
-FORMS = ("pytorch", "matmul", "triton", "triton-long")
+FORMS = ("pytorch", "matmul", "triton")
 
 
 def matmul_attention(q, keys, values, bias, scale, softcap):
@@ -108,14 +104,12 @@ def graph_ms(inputs: dict, layers: int, replays: int = 50) -> tuple[float, torch
 def measure(shape: str, context: int, batch: int, form: str) -> dict:
     heads, kv_heads, dim, layers = SHAPES[shape]
     original, switch = paged_attention._attend_block, paged_attention.TRITON_DECODE
-    paged_attention.TRITON_DECODE = form.startswith("triton")
+    paged_attention.TRITON_DECODE = form == "triton"
     if form == "matmul":
         paged_attention._attend_block = matmul_attention
-    long_tiles = {"EXLNB_DECODE_LONG_TILES": "1" if form == "triton-long" else "0"}  # read at each launch
     try:
-        with mock.patch.dict(os.environ, long_tiles):
-            ms, out = graph_ms(decode_inputs(heads, kv_heads, dim, context, batch), layers)
-            alone = graph_ms(decode_inputs(heads, kv_heads, dim, context, 1), layers)[1] if batch > 1 else out
+        ms, out = graph_ms(decode_inputs(heads, kv_heads, dim, context, batch), layers)
+        alone = graph_ms(decode_inputs(heads, kv_heads, dim, context, 1), layers)[1] if batch > 1 else out
     finally:
         paged_attention._attend_block, paged_attention.TRITON_DECODE = original, switch
     return {
@@ -135,8 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("python -m benchmarks decode-attention times CUDA kernels: this machine has no CUDA")
-    forms = [form for form in FORMS if paged_attention.triton_installed() or not form.startswith("triton")]
-    if forms != list(FORMS):
+    forms = FORMS if paged_attention.triton_installed() else FORMS[:-1]
+    if "triton" not in forms:
         print("triton is not installed: no `triton` rows", flush=True)
     rows = []
     with torch.inference_mode():

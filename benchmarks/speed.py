@@ -86,10 +86,6 @@ PARTS = (  # the goals' parts first (7B-shaped fp16, then EXL3), so that a short
         "kit-exllamav2-feed-on+kit-exllamav2-feed-off+kit-exllamav3-feed-on+kit-exllamav3-feed-off@7b-fp16",
         # the ExLlamaV3 engine queuing each step before exllamav3's generator waits, and after (queue_ahead.py)
         "kit-exllamav3-before-wait+kit-exllamav3-after-wait@7b-fp16",
-        # each engine's decode attention walking a long sequence in tiles of 32 keys, and of 64 (triton_decode.py):
-        # the context goal
-        "kit-exllamav2-long-tiles-on+kit-exllamav2-long-tiles-off+kit-exllamav3-long-tiles-on"
-        "+kit-exllamav3-long-tiles-off@7b-fp16",
         # each engine prefilling the prompts that arrive together in one pass, and one pass each
         # (prefill_together.py): the batch-8 ramp
         "kit-exllamav2-prefill-together+kit-exllamav2-prefill-apart+kit-exllamav3-prefill-together"

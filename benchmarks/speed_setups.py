@@ -97,7 +97,6 @@ KIT_VARIANTS = {
     "kit-exllamav2-ahead-off": ("exllamav2", {"EXLNB_QUEUE_AHEAD": "0"}),
     "kit-exllamav3-before-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "1"}),
     "kit-exllamav3-after-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "0"}),
-    **_switched("EXLNB_DECODE_LONG_TILES", "long-tiles-on", "long-tiles-off"),
     **_switched("EXLNB_PREFILL_TOGETHER", "prefill-together", "prefill-apart"),
     **_switched("EXLNB_TOKEN_FEED", "feed-on", "feed-off"),
     **_switched("EXLNB_FUSED_PRODUCTS", "fused", "unfused"),
@@ -124,7 +123,7 @@ def setup(runner: str, folder: Path) -> Iterator[Timed]:
     if runner.startswith("kit-"):
         session = Session()
         engine, variables = KIT_VARIANTS.get(runner, (runner.removeprefix("kit-"), {}))
-        # held while it runs too, in its own process (setup_apart): EXLNB_DECODE_LONG_TILES is read at each launch
+        # held while it runs too, in its own process (setup_apart): a switch read after the load sees it as well
         with _environment(variables):
             status = session.load(str(folder), engine=engine, cache_tokens=CACHE_TOKENS, progress=False)
             try:

@@ -171,19 +171,15 @@ def test_a_sequence_s_output_is_the_same_alone_in_a_batch_and_in_a_wider_table(d
     args = inputs(Call((257, *LENGTHS), group=4, extra_columns=3), device)
     in_batch = flash_attn_with_kvcache(**copy(args))
 
-    for sequence, pages in ((0, 2), (1, 1)):  # 257 + 1 keys on two pages (two splits), 1 + 1 on one (one split)
+    # 257 + 1 keys on two pages (two splits), 1 + 1 on one (one split), 4000 + 1 on sixteen (sixteen splits)
+    for sequence, pages in ((0, 2), (1, 1), (5, 16)):
         rows = slice(sequence, sequence + 1)
         alone = {
             name: value[rows] if name in ("q", "k", "v", "cache_seqlens") else value for name, value in args.items()
         }
-        alone["block_table"] = args["block_table"][rows, :pages]
-        assert torch.equal(flash_attn_with_kvcache(**alone), in_batch[rows]), f"sequence {sequence}"
-
-
-@pytest.fixture
-def long_tiles(monkeypatch):
-    """`EXLNB_DECODE_LONG_TILES=1`: a sequence past LONG_CONTEXT_KEYS walks tiles of LONG_BLOCK_KEYS."""
-    monkeypatch.setenv("EXLNB_DECODE_LONG_TILES", "1")
+        for columns in (pages, args["block_table"].shape[1]):  # no padding, and the batch's width
+            alone["block_table"] = args["block_table"][rows, :columns]
+            assert torch.equal(flash_attn_with_kvcache(**copy(alone)), in_batch[rows]), f"{sequence}, {columns}"
 
 
 def in_float64(args: dict) -> torch.Tensor:
@@ -214,17 +210,7 @@ def cut_pages(args: dict, tokens: int) -> dict:
     return cut
 
 
-@pytest.mark.parametrize("name", ["long and short together", "a long sliding window", "keys already in the cache"])
-def test_long_tiles_match_the_pytorch_path(name, device, long_tiles):
-    calls = {
-        "long and short together": Call((1300, 40, 4000, 1024), group=4),
-        "a long sliding window": Call((2100, 1025), group=4, window=(700, 0)),
-        "keys already in the cache": Call((1100, 3), group=2, appends=False),
-    }
-    check_against_pytorch_path(calls[name], device)
-
-
-def test_long_tiles_agree_with_attention_in_float64(device, long_tiles):
+def test_decode_agrees_with_attention_in_float64(device):
     args = inputs(Call((1300, 40), group=4), device)
     expected = in_float64(copy(args))
 
@@ -233,26 +219,8 @@ def test_long_tiles_agree_with_attention_in_float64(device, long_tiles):
     torch.testing.assert_close(out.double(), expected, **FP16)
 
 
-def test_long_tiles_leave_a_short_sequence_s_bits_and_keep_a_long_one_s_whatever_its_batch(device, monkeypatch):
-    """A sequence of at most LONG_CONTEXT_KEYS keys gets the same bits with the long tiles on as off; a longer one
-    gets the same bits alone, beside a short one and in a wider table (field report 2)."""
-    from exlnb.engines import triton_decode
-
-    args = inputs(Call((1300, triton_decode.LONG_CONTEXT_KEYS - 1, 40), group=4, extra_columns=2), device)
-    monkeypatch.setenv("EXLNB_DECODE_LONG_TILES", "0")
-    off = flash_attn_with_kvcache(**copy(args))
-    monkeypatch.setenv("EXLNB_DECODE_LONG_TILES", "1")  # read at the launch: no reload
-    on = flash_attn_with_kvcache(**copy(args))
-    assert torch.equal(on[1:], off[1:])  # LONG_CONTEXT_KEYS keys with the new one, and 41: the short tiles
-    assert not torch.equal(on[:1], off[:1])  # 1,301 keys: the long tiles, rounding apart from the short ones
-    alone = {name: value[:1] if name in ("q", "k", "v", "cache_seqlens") else value for name, value in args.items()}
-    for columns in (6, 8):  # 1,301 keys on six pages: no padding, and the batch's width
-        alone["block_table"] = args["block_table"][:1, :columns]
-        assert torch.equal(flash_attn_with_kvcache(**copy(alone)), on[:1]), f"{columns} columns"
-
-
-def test_long_tiles_read_pages_of_64_tokens_as_they_read_pages_of_256(device, long_tiles):
-    """A long tile lies within a page of any size `handles` takes, and its keys and their order do not depend on
+def test_pages_of_64_tokens_are_read_as_pages_of_256(device):
+    """A key tile lies within a page of any size `handles` takes, and its keys and their order do not depend on
     the pages they are on."""
     from exlnb.engines import triton_decode
 

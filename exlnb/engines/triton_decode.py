@@ -12,9 +12,6 @@ and 19.1 at 4096, where reading the keys and values once costs about 0.7 ms a to
   new keys and values are read from the call itself, and the first program of each (sequence, key/value head)
   writes them into their pages: no program reads a slot another is writing, and a step needs no kernels of its
   own for the writes (two a layer, 64 of a 7B step's 594 on the ExLlamaV2 engine, H200 profile of 2026-11-28).
-  The walk itself is `_walk`: where `long_tiles_on()`, a sequence longer than LONG_CONTEXT_KEYS walks tiles of
-  LONG_BLOCK_KEYS instead, chosen by its own length, so a shorter one keeps its bits and a longer one's do not
-  depend on its batch mates either.
 - `_attention_combine_kernel`: one program per (sequence, query position, head) brings the splits to one maximum,
   sums them and writes the output in the query's dtype. With a single split the first kernel writes it directly.
 
@@ -32,7 +29,6 @@ This module imports triton at its top: paged_attention imports it on first use, 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
@@ -42,20 +38,8 @@ MAX_QUERIES = 16  # query positions per sequence a call may have: decode has 1
 MAX_HEAD_DIM = 256  # a row block's float32 accumulator (rows x head dim) lives in registers
 SPLIT_KEYS = 256  # keys per split: 16 splits at 4096 tokens keep an H100's 132 SMs busy at batch 1
 BLOCK_KEYS = 64  # keys per tile within a split, and a divisor of both SPLIT_KEYS and the page size
-# where long_tiles_on(), a sequence longer than LONG_CONTEXT_KEYS walks its splits in tiles of LONG_BLOCK_KEYS, which
-# were 11 % faster at 4,096 tokens and 36 % slower at 256 on an H200
-# (benchmarks/results/speed-nvidia-h200-2026-11-28-feed)
-LONG_CONTEXT_KEYS = 1024
-LONG_BLOCK_KEYS = 32  # divides BLOCK_KEYS, so a long tile lies within one page too
 MIN_ROWS, MAX_ROWS = 16, 64  # query rows per program: tl.dot needs 16; more share a key tile but hold more registers
 COMBINE_SPLITS = 16  # splits the combine kernel reads at once
-
-
-def long_tiles_on() -> bool:
-    """Whether a sequence past LONG_CONTEXT_KEYS keys walks tiles of LONG_BLOCK_KEYS (off unless
-    `EXLNB_DECODE_LONG_TILES=1`, until a GPU has timed it; read at each launch, so a captured graph keeps the tiles
-    it was captured with). Off, the kernel compiles as it did before the switch."""
-    return os.environ.get("EXLNB_DECODE_LONG_TILES", "0") == "1"
 
 
 def handles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -139,9 +123,6 @@ def paged_decode_attention(
             ROWS=rows,
             BLOCK_KEYS=BLOCK_KEYS,
             SPLIT_KEYS=SPLIT_KEYS,
-            LONG_TILES=long_tiles_on(),
-            LONG_BLOCK_KEYS=LONG_BLOCK_KEYS,
-            LONG_CONTEXT_KEYS=LONG_CONTEXT_KEYS,
         )
         if splits > 1:
             _attention_combine_kernel[(batch * q_len * heads,)](
@@ -162,47 +143,83 @@ def _tanh(x):
 
 
 @triton.jit
-def _walk(
-    queries,
+def _attention_split_kernel(
+    q,
     k_cache,
     v_cache,
     new_keys,
     new_values,
-    table_row,
+    cache_seqlens,
+    block_table,
+    out,
+    partial_sums,
+    partial_stats,
+    table_row_stride,
     table_column_stride,
-    sequence,
-    kv_head,
-    dims,
-    real_dim,
-    real_row,
-    query_at,
-    cached,
-    start,
-    end,
     scale,
     window_left,
     window_right,
-    maximum,
-    denominator,
-    acc,
     Q_LEN: tl.constexpr,
+    Q_PAD: tl.constexpr,
     APPENDS: tl.constexpr,
+    HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
     SOFTCAP: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_KEYS: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr,
 ):
-    """One split's keys from `start` to `end`, a tile of BLOCK_KEYS at a time, into the online softmax's running
-    maximum, denominator and sum of values."""
+    GROUP: tl.constexpr = HEADS // KV_HEADS
+    ROW_BLOCKS: tl.constexpr = (Q_LEN * GROUP + ROWS - 1) // ROWS
+    program = tl.program_id(0)
+    split = tl.program_id(1)
+    sequence = program // (KV_HEADS * ROW_BLOCKS)
+    kv_head = program // ROW_BLOCKS % KV_HEADS
+    row = program % ROW_BLOCKS * ROWS + tl.arange(0, ROWS)
+    real_row = row < Q_LEN * GROUP
+    position = row % Q_LEN  # of the query within this call
+    out_row = (sequence * Q_LEN + position) * HEADS + kv_head * GROUP + row // Q_LEN  # a row of q and out
+    dims = tl.arange(0, DIM_PAD)
+    real_dim = dims < DIM
+    queries = tl.load(q + out_row[:, None] * DIM + dims[None, :], mask=real_row[:, None] & real_dim[None, :], other=0.0)
+
+    cached = tl.load(cache_seqlens + sequence)  # keys in the cache before this call
+    length = cached + Q_LEN if APPENDS else cached
+    query_at = length - Q_LEN + position  # bottom-right alignment: the last query is the last key
+    if APPENDS:  # the call's new keys and values go into their pages, by one program per (sequence, kv head)
+        if (program % ROW_BLOCKS == 0) & (split == 0):
+            index = tl.arange(0, Q_PAD)
+            real = index < Q_LEN
+            at = cached + index
+            # names of their own: compiled Triton carries a name assigned before the key loop into it
+            table_at = block_table + sequence * table_row_stride + at // PAGE_SIZE * table_column_stride
+            at_page = tl.load(table_at, mask=real)
+            at_slot = (at_page.to(tl.int64) * PAGE_SIZE + at % PAGE_SIZE) * KV_HEADS + kv_head
+            source = ((sequence * Q_LEN + index) * KV_HEADS + kv_head)[:, None] * DIM + dims[None, :]
+            target = at_slot[:, None] * DIM + dims[None, :]
+            written = real[:, None] & real_dim[None, :]
+            tl.store(k_cache + target, tl.load(new_keys + source, mask=written), mask=written)
+            tl.store(v_cache + target, tl.load(new_values + source, mask=written), mask=written)
+    start = split * SPLIT_KEYS
+    end = tl.minimum(start + SPLIT_KEYS, length)
+    if HAS_LEFT:  # whole tiles left of every row's window: skipped, not just masked (a tile starts on its edge)
+        start = tl.maximum(start, (length - Q_LEN - window_left) // BLOCK_KEYS * BLOCK_KEYS)
+
+    maximum = tl.full((ROWS,), -float("inf"), tl.float32)
+    denominator = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, DIM_PAD), tl.float32)
     for first in range(start, end, BLOCK_KEYS):
         key = first + tl.arange(0, BLOCK_KEYS)
         in_split = key < end
         # a tile starts at a multiple of BLOCK_KEYS, which divides the page: its page is one load, not one a key
-        page = tl.load(table_row + first // PAGE_SIZE * table_column_stride)
+        page = tl.load(block_table + sequence * table_row_stride + first // PAGE_SIZE * table_column_stride)
         slot = (
             page.to(tl.int64) * PAGE_SIZE + key % PAGE_SIZE
         ) * KV_HEADS + kv_head  # a row of (slots * kv_heads, dim)
@@ -246,124 +263,6 @@ def _walk(
             )
         acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values)
         maximum = new_maximum
-
-    return maximum, denominator, acc
-
-
-@triton.jit
-def _attention_split_kernel(
-    q,
-    k_cache,
-    v_cache,
-    new_keys,
-    new_values,
-    cache_seqlens,
-    block_table,
-    out,
-    partial_sums,
-    partial_stats,
-    table_row_stride,
-    table_column_stride,
-    scale,
-    window_left,
-    window_right,
-    Q_LEN: tl.constexpr,
-    Q_PAD: tl.constexpr,
-    APPENDS: tl.constexpr,
-    HEADS: tl.constexpr,
-    KV_HEADS: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    DIM: tl.constexpr,
-    DIM_PAD: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr,
-    ONE_SPLIT: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_KEYS: tl.constexpr,
-    SPLIT_KEYS: tl.constexpr,
-    LONG_TILES: tl.constexpr,
-    LONG_BLOCK_KEYS: tl.constexpr,
-    LONG_CONTEXT_KEYS: tl.constexpr,
-):
-    GROUP: tl.constexpr = HEADS // KV_HEADS
-    ROW_BLOCKS: tl.constexpr = (Q_LEN * GROUP + ROWS - 1) // ROWS
-    program = tl.program_id(0)
-    split = tl.program_id(1)
-    sequence = program // (KV_HEADS * ROW_BLOCKS)
-    kv_head = program // ROW_BLOCKS % KV_HEADS
-    row = program % ROW_BLOCKS * ROWS + tl.arange(0, ROWS)
-    real_row = row < Q_LEN * GROUP
-    position = row % Q_LEN  # of the query within this call
-    out_row = (sequence * Q_LEN + position) * HEADS + kv_head * GROUP + row // Q_LEN  # a row of q and out
-    dims = tl.arange(0, DIM_PAD)
-    real_dim = dims < DIM
-    queries = tl.load(q + out_row[:, None] * DIM + dims[None, :], mask=real_row[:, None] & real_dim[None, :], other=0.0)
-
-    cached = tl.load(cache_seqlens + sequence)  # keys in the cache before this call
-    length = cached + Q_LEN if APPENDS else cached
-    query_at = length - Q_LEN + position  # bottom-right alignment: the last query is the last key
-    if APPENDS:  # the call's new keys and values go into their pages, by one program per (sequence, kv head)
-        if (program % ROW_BLOCKS == 0) & (split == 0):
-            index = tl.arange(0, Q_PAD)
-            real = index < Q_LEN
-            at = cached + index
-            # names of their own: compiled Triton carries a name assigned before the key loop into it
-            table_at = block_table + sequence * table_row_stride + at // PAGE_SIZE * table_column_stride
-            at_page = tl.load(table_at, mask=real)
-            at_slot = (at_page.to(tl.int64) * PAGE_SIZE + at % PAGE_SIZE) * KV_HEADS + kv_head
-            source = ((sequence * Q_LEN + index) * KV_HEADS + kv_head)[:, None] * DIM + dims[None, :]
-            target = at_slot[:, None] * DIM + dims[None, :]
-            written = real[:, None] & real_dim[None, :]
-            tl.store(k_cache + target, tl.load(new_keys + source, mask=written), mask=written)
-            tl.store(v_cache + target, tl.load(new_values + source, mask=written), mask=written)
-    start = split * SPLIT_KEYS
-    end = tl.minimum(start + SPLIT_KEYS, length)
-    if HAS_LEFT:  # whole tiles left of every row's window: skipped, not just masked (a tile starts on its edge)
-        start = tl.maximum(start, (length - Q_LEN - window_left) // BLOCK_KEYS * BLOCK_KEYS)
-
-    maximum = tl.full((ROWS,), -float("inf"), tl.float32)
-    denominator = tl.zeros((ROWS,), tl.float32)
-    acc = tl.zeros((ROWS, DIM_PAD), tl.float32)
-    for choice in tl.static_range(2 if LONG_TILES else 1):  # 0: tiles of BLOCK_KEYS, 1: of LONG_BLOCK_KEYS
-        # the sequence's own length chooses, never its batch mates; off, the condition is a constant (an assigned
-        # one would be a tensor) and the one walk compiles as before the switch
-        if not LONG_TILES or (length > LONG_CONTEXT_KEYS) == (choice == 1):
-            maximum, denominator, acc = _walk(
-                queries,
-                k_cache,
-                v_cache,
-                new_keys,
-                new_values,
-                block_table + sequence * table_row_stride,
-                table_column_stride,
-                sequence,
-                kv_head,
-                dims,
-                real_dim,
-                real_row,
-                query_at,
-                cached,
-                start,
-                end,
-                scale,
-                window_left,
-                window_right,
-                maximum,
-                denominator,
-                acc,
-                Q_LEN,
-                APPENDS,
-                KV_HEADS,
-                PAGE_SIZE,
-                DIM,
-                SOFTCAP,
-                CAUSAL,
-                HAS_LEFT,
-                HAS_RIGHT,
-                LONG_BLOCK_KEYS if choice == 1 else BLOCK_KEYS,
-            )
 
     if ONE_SPLIT:
         result = acc / tl.where(denominator == 0.0, 1.0, denominator)[:, None]
