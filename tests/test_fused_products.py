@@ -326,3 +326,80 @@ def test_a_gemv_that_differs_from_the_separate_product_is_refused_in_one_line():
     assert check_fused(FusedProducts(rows=iter([_row_product(right)[1]])), lambda ids: torch.zeros(1), [1]) is None
     reason = check_fused(FusedProducts(rows=iter([_row_product(off_by_one)[1]])), lambda ids: torch.zeros(1), [1])
     assert reason is not None and "exlnb's GEMV differs" in reason and "\n" not in reason
+
+
+@pytest.mark.gpu
+def test_an_mlp_tail_in_its_down_product_gives_the_library_mlp_s_bits(wide_folder, monkeypatch):
+    """`EXLNB_MLP_TAIL=1` on Llama-2-7B's widths: a single row's MLP takes the one-kernel tail and gives exactly the
+    library's own MLP (SiLU, multiply, clamp, down on exlnb's GEMV, residual add); more rows take the library's."""
+    monkeypatch.setenv("EXLNB_MLP_TAIL", "1")
+    session = load(wide_folder, "exllamav2")
+    try:
+
+        def check(engine):
+            results = []
+            with torch.inference_mode():
+                for tail in engine.fused.tails:
+                    for rows in (1, 3):
+                        x = torch.randn((rows, 1, tail.hidden), dtype=torch.half, device=tail.down.device)
+                        results.append((tail.mlp.forward(x.clone()), type(tail.mlp).forward_torch(tail.mlp, x)))
+            return len(engine.fused.tails), results
+
+        count, results = session.run_on_engine(check)
+        assert count == 1 and "1 MLP tails in their down product" in session.status().decode
+        for tail, own in results:
+            assert torch.equal(tail, own)
+    finally:
+        session.unload()
+
+
+@pytest.mark.gpu
+def test_greedy_tokens_with_the_mlp_tail_are_those_without(monkeypatch):
+    """The bundled model on the ExLlamaV2 engine, CUDA graphs on: the same greedy tokens with the tails as without."""
+    from exlnb.engines.job_options import JobOptions
+    from exlnb.engines.sampling import SamplerSettings
+
+    if not torch.cuda.is_available() or importlib.util.find_spec("exllamav2") is None:
+        pytest.skip("the ExLlamaV2 engine needs CUDA and exllamav2")
+    options = JobOptions(max_new_tokens=32, sampler=SamplerSettings.greedy(), stop_at_eos=False)
+    tokens = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("EXLNB_MLP_TAIL", switch)
+        session = load("smollm2-135m-instruct", "exllamav2")
+        try:
+            tails = session.run_on_engine(lambda engine: len(engine.fused.tails))
+            assert (tails > 0) == (switch == "1")
+            streams = [session.submit(session.spec_for(chatml(q), options)) for q in QUESTIONS[:3]]
+            tokens[switch] = [stream.result().token_ids for stream in streams]
+        finally:
+            session.unload()
+    assert tokens["1"] == tokens["0"]
+
+
+class _Tail:
+    """A stand-in for an MLP's tail: installed or not, and how far it is from the library's MLP."""
+
+    def __init__(self, error: float) -> None:
+        self.error, self.installed = error, False
+
+    def install(self) -> None:
+        self.installed = True
+
+    def uninstall(self) -> None:
+        self.installed = False
+
+    def differs(self) -> float:
+        return self.error
+
+
+def test_mlp_tails_are_installed_said_paused_and_refused_in_one_line_where_they_differ():
+    tail = _Tail(0.0)
+    fused = FusedProducts(tails=iter([tail]))
+    assert tail.installed and fused.describe() == "1 MLP tails in their down product"
+    with fused.paused():
+        assert not tail.installed
+    assert tail.installed and check_fused(fused, lambda ids: torch.zeros(1), [1]) is None
+    reason = check_fused(FusedProducts(tails=iter([_Tail(0.5)])), lambda ids: torch.zeros(1), [1])
+    assert reason is not None and "MLP's tail" in reason and "\n" not in reason
+    fused.uninstall()
+    assert not tail.installed and fused.describe() == ""

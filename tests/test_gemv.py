@@ -61,3 +61,38 @@ def test_the_gemv_captured_in_a_cuda_graph_replays_new_inputs(device):
     torch.cuda.synchronize()
     expected = x.float() @ weight.float().t()
     assert float((out - expected).abs().max() / expected.abs().max()) < 1e-4
+
+
+def mlp_tail_as_torch_runs_it(gate, up, weight, residual):
+    """exllamav2's fp16 MLP after its gate and up products, kernel by kernel: SiLU, the multiply by up in place,
+    the clamp to fp16's range, down (on exlnb's GEMV, as the engine runs it at one row), the residual add."""
+    from exlnb.engines.gemv import row_times_matrix
+
+    y = torch.nn.functional.silu(gate)
+    y *= up
+    y.clamp_(min=-65504.0, max=65504.0)
+    return row_times_matrix(y, weight, torch.half) + residual
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_gated_row_with_its_residual_is_the_mlp_tail_torch_runs(device, shape):
+    """Bit for bit on CUDA; in the interpreter, whose exp is numpy's, to fp16's rounding."""
+    from exlnb.engines.gemv import gated_row_times_matrix_plus
+
+    outputs, inputs = shape
+    g = torch.Generator().manual_seed(outputs + inputs)
+    weight = (torch.randn(shape, generator=g) * 0.05).half().to(device)
+    gate, up = (torch.randn(2, 1, 1, inputs, generator=g) * 3).half().to(device)
+    extremes = torch.tensor([300.0, -300.0])[:inputs]  # products past fp16's range: the clamp holds them
+    gate[..., : len(extremes)], up[..., : len(extremes)] = 300.0, extremes.half().to(device)
+    weight[:, : len(extremes)] = 1e-4  # small, so the other inputs and the residual still count in the outputs
+    residual = torch.randn(1, 1, outputs, generator=g).half().to(device)
+    got = gated_row_times_matrix_plus(gate, up, weight, residual)
+    if device == "cpu":  # torch has no fp16 SiLU on the CPU: its steps in float32, each rounded as on the GPU
+        gate, up, weight, residual = gate.float(), up.float(), weight.float(), residual.float()
+    expected = mlp_tail_as_torch_runs_it(gate, up, weight, residual)
+    assert got.shape == residual.shape and got.dtype == torch.half
+    if device == "cuda":
+        assert torch.equal(got, expected)
+    else:
+        assert float((got.float() - expected.float()).abs().max() / expected.float().abs().max()) < 2e-3

@@ -176,10 +176,14 @@ class FusedProducts:
     separate (its weights could not be stacked without a copy), which is counted."""
 
     def __init__(
-        self, groups: Iterator[ProductGroup | None] | None = None, rows: Iterator[RowProduct] | None = None
+        self,
+        groups: Iterator[ProductGroup | None] | None = None,
+        rows: Iterator[RowProduct] | None = None,
+        tails: Iterator | None = None,
     ) -> None:
         self.groups: list[ProductGroup] = []
         self.rows: list[RowProduct] = []
+        self.tails: list = []  # MLPs with their activation and residual add in their down product (mlp_tail.py)
         self.left_separate = 0
         try:
             for group in groups or ():
@@ -191,18 +195,21 @@ class FusedProducts:
             for row in rows or ():
                 row.install()
                 self.rows.append(row)
+            for tail in tails or ():
+                tail.install()
+                self.tails.append(tail)
         except BaseException:  # a group that cannot be made leaves every projection with its own forward
             self.uninstall()
             raise
 
     def _installed(self) -> list:
-        return [*self.groups, *self.rows]
+        return [*self.groups, *self.rows, *self.tails]
 
     def uninstall(self) -> None:
         """The separate forwards back for good (the weights stay views of their stacks, read as before)."""
         for product in self._installed():
             product.uninstall()
-        self.groups, self.rows = [], []
+        self.groups, self.rows, self.tails = [], [], []
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -219,18 +226,24 @@ class FusedProducts:
         fused = f"{len(self.groups)} fp16 projection groups fused" if self.groups else ""
         apart = f"{self.left_separate} left separate (weights in a shared allocation)" if self.left_separate else ""
         rows = f"{len(self.rows)} single-row products on exlnb's GEMV" if self.rows else ""
-        return ", ".join(filter(None, [fused, apart, rows]))
+        tails = f"{len(self.tails)} MLP tails in their down product" if self.tails else ""
+        return ", ".join(filter(None, [fused, apart, rows, tails]))
 
 
 def check_fused(fused: FusedProducts, score: Callable[[list[int]], torch.Tensor], token_ids: list[int]) -> str | None:
     """Whether the fused products give the model's logits: a whole-sequence pass fused and one with the separate
     products, held to the tolerance a graph's replay is held to against eager decode; and whether each single-row
-    product gives its separate product's outputs on a random row, to the same tolerance. None where they agree,
+    product and MLP tail gives its separate product's (or the library MLP's) outputs on a random row, to the same
+    tolerance. None where they agree,
     else why not, in a line."""
     for row in fused.rows:
         error = row.differs()
         if beyond_tolerance(error):
             return f"exlnb's GEMV differs from the separate product by {error:.3g} of its largest output"
+    for tail in fused.tails:
+        error = tail.differs()
+        if beyond_tolerance(error):
+            return f"an MLP's tail in its down product differs from the library's MLP by {error:.3g} of its largest"
     if not fused.groups:
         return None
     together = score(token_ids)

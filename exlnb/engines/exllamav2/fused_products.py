@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from exlnb.engines.exllamav2.mlp_tail import mlp_tail_on, mlp_tails
 from exlnb.engines.fused_products import (
     FusedProducts,
     ProductGroup,
@@ -26,9 +27,11 @@ from exlnb.engines.fused_products import (
 
 
 def fuse_exllamav2(model) -> FusedProducts:
-    """The model's qualifying groups, stacked, and its single-row products, installed."""
+    """The model's qualifying groups, stacked, its single-row products and (with `EXLNB_MLP_TAIL=1`) its MLPs' tails,
+    installed."""
     groups = (_group(linears) for linears in _candidate_groups(model) if _fusable(linears))
-    return FusedProducts(groups, _row_products(model))
+    tails = mlp_tails(model, lambda down: _fusable([down])) if mlp_tail_on() else None
+    return FusedProducts(groups, _row_products(model), tails)
 
 
 def _accepts(args: tuple, kwargs: dict) -> bool:

@@ -1,0 +1,87 @@
+"""The ExLlamaV2 engine's gated MLPs with their tail in one kernel at one row (`EXLNB_MLP_TAIL=1`, off until timed).
+
+exllamav2 0.3.2 runs an unquantized MLP through `ExLlamaV2MLP.forward_torch`: after the gate and up products come
+`F.silu`, the multiply by up, a clamp to fp16's range, the down product and the residual add, five kernels of which
+four are small. On an H200 a 7B step's graph launches 455 kernels, and each launch costs its kernel's time plus
+about 0.88 us (benchmarks/results/speed-nvidia-h200-2026-11-29-b): those four are 128 launches and 0.19 ms of
+kernels a step. Here, for a single row, the MLP runs its norm and its gate and up products as exllamav2 does, then
+the rest in one kernel, exlnb's GEMV reading the activation as its input and adding the residual as it writes
+(`gemv.gated_row_times_matrix_plus`), rounded where torch rounds each step, so its outputs are the library's bits.
+Any other call (a prompt, a batch, LoRAs, intermediates) takes the library's own `forward_torch`.
+
+A tail is one more of the products `FusedProducts` installs, and a load checks each against the library's own MLP on
+a random row (`check_fused`), so `EXLNB_FUSED_PRODUCTS=0` turns it off too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import torch
+
+from exlnb.engines.cuda_graphs import relative_difference
+
+
+def mlp_tail_on() -> bool:
+    """Whether the ExLlamaV2 engine runs its MLPs' tails in one kernel at one row (off unless `EXLNB_MLP_TAIL=1`,
+    read at each load, until a GPU has timed it)."""
+    return os.environ.get("EXLNB_MLP_TAIL", "0") == "1"
+
+
+class MlpTail:
+    """One MLP's `forward_torch` with its tail in one kernel for single rows (an instance attribute, found before
+    the class's method), the library's own for every other call."""
+
+    def __init__(self, mlp) -> None:
+        self.mlp = mlp
+        self.down = mlp.down_proj.linear.weight.data  # (out, in), as it lies
+        self.hidden = self.down.shape[0]
+
+    def install(self) -> None:
+        self.mlp.forward_torch = self.forward_torch
+
+    def uninstall(self) -> None:
+        self.mlp.__dict__.pop("forward_torch", None)
+
+    def forward_torch(self, hidden_states, cache=None, attn_params=None, past_len=None, intermediates=False, **kwargs):
+        own = type(self.mlp).forward_torch
+        if intermediates or kwargs.get("loras") or hidden_states.numel() != self.hidden:
+            return own(self.mlp, hidden_states, cache, attn_params, past_len, intermediates, **kwargs)
+        from exlnb.engines.gemv import gated_row_times_matrix_plus  # imports triton: only where a GPU engine loads
+
+        post_norm = self.mlp.pre_layernorm.forward(hidden_states)
+        gate = self.mlp.gate_proj.forward(post_norm, loras=None)
+        up = self.mlp.up_proj.forward(post_norm, loras=None)
+        return gated_row_times_matrix_plus(gate, up, self.down, hidden_states)
+
+    def differs(self) -> float:
+        """The tail's largest difference from the library's own MLP on a random row, over the largest output (0: the
+        same bits, as it should be)."""
+        x = torch.randn(1, 1, self.hidden, dtype=torch.half, device=self.down.device)
+        own = type(self.mlp).forward_torch(self.mlp, x.clone())
+        return relative_difference(self.forward_torch(x).float(), own.float())
+
+
+def mlp_tails(model, down_is_plain) -> Iterator[MlpTail]:
+    """Each unquantized gated SiLU MLP whose `forward_torch` ends in nothing but its down product and the residual
+    add (no post-norm, merge, fp32 residual stream or clamp of the hidden state), its down product a plain fp16 one
+    (`down_is_plain`: the check the GEMV's own single-row products pass)."""
+    from exllamav2.mlp import ExLlamaV2MLP
+
+    for module in model.modules:
+        if type(module) is not ExLlamaV2MLP or getattr(module, "is_tp", False) or module.q_handle is not None:
+            continue
+        params = module.archparams
+        plain = (
+            module.gate_proj is not None
+            and params.mlp_act_func == "silu"
+            and not module.merge
+            and module.pre_layernorm is not None
+            and module.post_layernorm is None
+            and module.has_residual
+            and not params.residual_stream_fp32
+            and not params.clamp_hidden_states
+        )
+        if plain and down_is_plain(module.down_proj) and module.down_proj.linear.weight.dtype == torch.half:
+            yield MlpTail(module)
