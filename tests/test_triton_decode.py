@@ -244,10 +244,54 @@ def test_pages_that_cut_a_key_tile_stay_on_the_pytorch_path(device):
     torch.testing.assert_close(flash_attn_with_kvcache(**copy(small)), flash_attn_with_kvcache(**copy(args)), **FP16)
 
 
+FUSED_COMBINE_CALLS = {  # more than one split, so that there is something to combine
+    "ragged lengths up to sixteen splits": Call(ragged(6), group=4),
+    "grouped heads in two row blocks": Call((40, 700), group=8, q_len=16, dim=64),
+    "keys already in the cache, a padded table": Call((1, 257, 513), group=4, appends=False, extra_columns=5),
+    "softcap": Call((255, 4000), group=2, softcap=30.0),
+}
+
+
+@pytest.mark.parametrize("name", list(FUSED_COMBINE_CALLS))
+def test_the_last_split_to_finish_combines_them_to_the_bits_of_the_combine_kernel(name, device, monkeypatch):
+    """`EXLNB_DECODE_FUSED_COMBINE=1`: no second kernel, the same output bits and the same cache writes; each
+    counter is back at zero for the next launch."""
+    from exlnb.engines import triton_decode
+
+    args = inputs(FUSED_COMBINE_CALLS[name], device)
+    separate_args = copy(args)
+    separate = flash_attn_with_kvcache(**separate_args)
+    combine = CountedLaunches(triton_decode._attention_combine_kernel)
+    monkeypatch.setattr(triton_decode, "_attention_combine_kernel", combine)
+    monkeypatch.setenv("EXLNB_DECODE_FUSED_COMBINE", "1")
+
+    fused = flash_attn_with_kvcache(**args)
+
+    assert combine.launches == 0 and torch.equal(fused, separate)
+    for cache in ("k_cache", "v_cache"):
+        assert torch.equal(args[cache].nan_to_num(), separate_args[cache].nan_to_num())
+    assert not triton_decode._COUNTERS[fused.device].any()
+    monkeypatch.setenv("EXLNB_DECODE_FUSED_COMBINE", "0")
+    assert torch.equal(flash_attn_with_kvcache(**copy(separate_args)), separate) and combine.launches == 1
+
+
+class CountedLaunches:
+    """A Triton kernel that counts its launches."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
 @pytest.mark.gpu
-def test_a_decode_step_captured_in_a_cuda_graph_replays_new_inputs(device):
+@pytest.mark.parametrize("fused_combine", ["0", "1"])
+def test_a_decode_step_captured_in_a_cuda_graph_replays_new_inputs(device, fused_combine, monkeypatch):
     if device != "cuda":
         pytest.skip("CUDA graphs need CUDA")
+    monkeypatch.setenv("EXLNB_DECODE_FUSED_COMBINE", fused_combine)  # the counters reset themselves each replay
     call = Call(ragged(6), group=4)
     static = inputs(call, device)
     flash_attn_with_kvcache(**copy(static))  # compiles the kernels outside the capture
@@ -263,8 +307,11 @@ def test_a_decode_step_captured_in_a_cuda_graph_replays_new_inputs(device):
             static[name].copy_(value)
 
     graph.replay()
+    first = out.clone()
+    graph.replay()
 
     torch.testing.assert_close(out.float(), on_pytorch_path(later).float(), **FP16)
+    assert torch.equal(out, first)
 
 
 def test_paged_attention_imports_and_runs_where_triton_is_missing():
