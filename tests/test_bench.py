@@ -270,23 +270,27 @@ def run_bench_cell(shell, line: str, monkeypatch, act) -> tuple:
 
 
 class HeldEngine:
-    """The engine thread held at the end of the first step after which `ready(jobs_ended, events)` holds, until the
-    run's cancel is queued behind that step: it then runs before the next step, so the jobs in flight are cancelled
-    with tokens out however fast the engine is. (A test that looked every 10 ms missed them on a GPU, where the
-    bundled model's 16-token requests ended in less.) Every wait is bounded; leaving the block lets go."""
+    """The engine held after the first step after which `ready(jobs_ended, events)` holds, until the run's cancel
+    is queued: it then runs before the next step, so the jobs in flight are cancelled with tokens out however fast
+    the engine is. (A test that looked every 10 ms missed them on a GPU, where the bundled model's 16-token requests
+    ended in less.) Held, the engine thread makes empty steps, so it still runs what is queued between steps: the
+    run's worker thread, which submits its next requests as slots free, must not wait on it to reach the Stop (held
+    inside a step, it waited out the hold's 60 s). Every wait is bounded; leaving the block lets go."""
 
     def __init__(self, session, monkeypatch, ready) -> None:
         engine, thread = session.engine, session._engine_thread()
         real_step, real_submit, real_cancel = engine.step, thread.submit, session.cancel_where
         self.held, self.cancel_queued, self.go = threading.Event(), threading.Event(), threading.Event()
-        cancelling, ended = threading.Event(), [0]
+        cancelling, ended, held_until = threading.Event(), [0], [math.inf]
 
         def step():
+            if self.held.is_set() and not self.go.wait(0.005) and time.monotonic() < held_until[0]:
+                return []  # held: no token, and the commands queued meanwhile run before the next call
             events = real_step()
             ended[0] += sum(event.eos for event in events)
             if not self.held.is_set() and ready(ended[0], events):
+                held_until[0] = time.monotonic() + 60
                 self.held.set()
-                self.go.wait(60)
             return events
 
         def cancel_where(matches):
@@ -294,7 +298,7 @@ class HeldEngine:
             return real_cancel(matches)
 
         def submit(fn):
-            future = real_submit(fn)  # queued (the engine thread is held mid-step), not run
+            future = real_submit(fn)  # queued, run before the next step
             if cancelling.is_set():
                 self.cancel_queued.set()
             return future
