@@ -9,6 +9,8 @@ engines load by default."""
 from __future__ import annotations
 
 import importlib.util
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -403,3 +405,57 @@ def test_mlp_tails_are_installed_said_paused_and_refused_in_one_line_where_they_
     assert reason is not None and "MLP's tail" in reason and "\n" not in reason
     fused.uninstall()
     assert not tail.installed and fused.describe() == ""
+
+
+class _Mlp:
+    """A stand-in for exllamav2's unquantized MLP: its `forward` calls `forward_torch` as exllamav2 0.3.2's does."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        torch.manual_seed(0)
+        self.pre_layernorm = SimpleNamespace(forward=lambda x: x * 0.5)
+        self.gate_proj, self.up_proj = _Projection(torch.randn(hidden, inner)), _Projection(torch.randn(hidden, inner))
+        self.down_proj = SimpleNamespace(
+            linear=SimpleNamespace(weight=SimpleNamespace(data=torch.randn(hidden, inner)))
+        )
+        self.own_calls = 0
+
+    def forward(self, hidden_states, cache=None, attn_params=None, past_len=None, intermediates=False, loras=None):
+        return self.forward_torch(hidden_states, cache, attn_params, past_len, intermediates, loras=loras)
+
+    def forward_torch(self, hidden_states, cache=None, attn_params=None, past_len=None, intermediates=False, **kw):
+        self.own_calls += 1
+        post_norm = self.pre_layernorm.forward(hidden_states)
+        y = torch.nn.functional.silu(self.gate_proj.forward(post_norm)) * self.up_proj.forward(post_norm)
+        return y @ self.down_proj.linear.weight.data.t() + hidden_states
+
+
+def test_an_mlp_tail_takes_single_rows_and_leaves_every_other_call_to_the_library(monkeypatch):
+    """The kernel (here a stand-in for gemv's, which needs triton) for one row; the library's own MLP for more
+    rows, LoRAs, intermediates, and after the tails are uninstalled."""
+    from exlnb.engines.exllamav2.mlp_tail import MlpTail
+
+    rows_in_kernel = []
+
+    def gated_row_times_matrix_plus(gate, up, weight, residual):
+        rows_in_kernel.append(gate.shape)
+        return residual + (torch.nn.functional.silu(gate) * up) @ weight.t()
+
+    monkeypatch.setitem(
+        sys.modules, "exlnb.engines.gemv", SimpleNamespace(gated_row_times_matrix_plus=gated_row_times_matrix_plus)
+    )
+    mlp = _Mlp(hidden=8, inner=24)
+    fused = FusedProducts(tails=iter([MlpTail(mlp)]))
+    one = torch.randn(1, 1, 8)
+    expected = type(mlp).forward_torch(mlp, one)
+    mlp.own_calls = 0
+
+    assert torch.allclose(mlp.forward(one), expected, atol=1e-5)
+    assert rows_in_kernel == [(1, 1, 24)] and mlp.own_calls == 0
+    mlp.forward(torch.randn(3, 1, 8))
+    mlp.forward(one, loras=["a LoRA"])
+    mlp.forward(one, intermediates=True)
+    assert mlp.own_calls == 3 and len(rows_in_kernel) == 1
+    assert fused.describe() == "1 MLP tails in their down product"
+    fused.uninstall()
+    mlp.forward(one)
+    assert mlp.own_calls == 4 and len(rows_in_kernel) == 1

@@ -291,7 +291,11 @@ class CountedLaunches:
 def test_a_decode_step_captured_in_a_cuda_graph_replays_new_inputs(device, fused_combine, monkeypatch):
     if device != "cuda":
         pytest.skip("CUDA graphs need CUDA")
+    from exlnb.engines import triton_decode
+
     monkeypatch.setenv("EXLNB_DECODE_FUSED_COMBINE", fused_combine)  # the counters reset themselves each replay
+    combine = CountedLaunches(triton_decode._attention_combine_kernel)
+    monkeypatch.setattr(triton_decode, "_attention_combine_kernel", combine)
     call = Call(ragged(6), group=4)
     static = inputs(call, device)
     flash_attn_with_kvcache(**copy(static))  # compiles the kernels outside the capture
@@ -312,6 +316,7 @@ def test_a_decode_step_captured_in_a_cuda_graph_replays_new_inputs(device, fused
 
     torch.testing.assert_close(out.float(), on_pytorch_path(later).float(), **FP16)
     assert torch.equal(out, first)
+    assert (combine.launches == 0) == (fused_combine == "1")  # the graph holds the path the switch chose
 
 
 def test_paged_attention_imports_and_runs_where_triton_is_missing():

@@ -30,6 +30,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -171,6 +172,18 @@ def stack_without_copy(weights: list[torch.Tensor]) -> tuple[torch.Tensor, list[
     return None
 
 
+class Tail(Protocol):
+    """A step a library runs as several kernels, run as one where it can (exllamav2/mlp_tail.py's `MlpTail`)."""
+
+    def install(self) -> None: ...
+
+    def uninstall(self) -> None: ...
+
+    def differs(self) -> float:
+        """The largest difference from the library's own step on a random input, over its largest output."""
+        ...
+
+
 class FusedProducts:
     """The fused groups and single-row products of one loaded model; `groups` may yield None for a group left
     separate (its weights could not be stacked without a copy), which is counted."""
@@ -179,11 +192,11 @@ class FusedProducts:
         self,
         groups: Iterator[ProductGroup | None] | None = None,
         rows: Iterator[RowProduct] | None = None,
-        tails: Iterator | None = None,
+        tails: Iterator[Tail] | None = None,
     ) -> None:
         self.groups: list[ProductGroup] = []
         self.rows: list[RowProduct] = []
-        self.tails: list = []  # MLPs with their activation and residual add in their down product (mlp_tail.py)
+        self.tails: list[Tail] = []  # MLPs with their activation and residual add in their down product
         self.left_separate = 0
         try:
             for group in groups or ():
@@ -234,8 +247,7 @@ def check_fused(fused: FusedProducts, score: Callable[[list[int]], torch.Tensor]
     """Whether the fused products give the model's logits: a whole-sequence pass fused and one with the separate
     products, held to the tolerance a graph's replay is held to against eager decode; and whether each single-row
     product and MLP tail gives its separate product's (or the library MLP's) outputs on a random row, to the same
-    tolerance. None where they agree,
-    else why not, in a line."""
+    tolerance. None where they agree, else why not, in a line."""
     for row in fused.rows:
         error = row.differs()
         if beyond_tolerance(error):

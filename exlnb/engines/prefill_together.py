@@ -15,6 +15,10 @@ pass that reads or writes a held pass's pages (a prompt that shares whole pages 
 the end of the iteration. The generator's bookkeeping reads nothing a prompt pass returns, so the cache ends as it
 would have, up to rounding: rows that share one product instead of each having its own.
 
+What else reads the cache within an `iterate()` runs through those doors in both libraries as exlnb loads them;
+exllamav3's copy of pages to a disk tier (`write_behind`, with a `cpu_cache_size`, which exlnb does not pass) would
+not, and would need one of its own.
+
 A held pass that fails raises out of the `iterate()` that runs it, not out of its own job's prefill: exllamav3,
 which fails only the job whose prefill raised, then fails the whole step's jobs instead.
 
@@ -192,6 +196,8 @@ class HeldPasses:
 
     def run_held(self) -> None:
         """Run the held passes: those of one length as one batch, a pass alone as it came."""
+        if not self.held:
+            return
         held, self.held, self.held_pages = self.held, [], set()
         for indices in batches([h.ids.shape[1] for h in held], self.max_tokens):
             batch = [held[i] for i in indices]

@@ -46,6 +46,7 @@ BLOCK_KEYS = 64  # keys per tile within a split, and a divisor of both SPLIT_KEY
 MIN_ROWS, MAX_ROWS = 16, 64  # query rows per program: tl.dot needs 16; more share a key tile but hold more registers
 COMBINE_SPLITS = 16  # splits the combine kernel reads at once
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: the splits of each program row that have finished
+_RETIRED: list[torch.Tensor] = []  # counters outgrown: a graph captured with them still counts on them
 
 
 def fused_combine_on() -> bool:
@@ -62,7 +63,9 @@ def _counters(device: torch.device, programs: int) -> torch.Tensor | None:
     if counters is None or counters.numel() < programs:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        counters = _COUNTERS[device] = torch.zeros(max(programs, 4096), dtype=torch.int32, device=device)
+        if counters is not None:
+            _RETIRED.append(counters)
+        counters = _COUNTERS[device] = torch.zeros(max(programs, 1 << 16), dtype=torch.int32, device=device)
     return counters
 
 
@@ -315,10 +318,10 @@ def _attention_split_kernel(
             if finished == tl.num_programs(1) - 1:
                 first_row = program % ROW_BLOCKS * ROWS
                 for r in range(ROWS):  # the rows of out_row, one at a time
-                    at = first_row + r
-                    if at < Q_LEN * GROUP:
-                        at = (sequence * Q_LEN + at % Q_LEN) * HEADS + kv_head * GROUP + at // Q_LEN
-                        _combine_row(partial_sums, partial_stats, out, at, tl.num_programs(1), DIM, DIM_PAD, CHUNK)
+                    group_row = first_row + r
+                    if group_row < Q_LEN * GROUP:
+                        one_row = (sequence * Q_LEN + group_row % Q_LEN) * HEADS + kv_head * GROUP + group_row // Q_LEN
+                        _combine_row(partial_sums, partial_stats, out, one_row, tl.num_programs(1), DIM, DIM_PAD, CHUNK)
                 tl.atomic_xchg(counters + program, 0)  # as the next launch expects it
 
 

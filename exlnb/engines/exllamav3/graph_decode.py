@@ -146,9 +146,9 @@ class GraphDecoder:
     def install(self) -> None:
         self.library_graphs_off += turn_library_graphs_off(self.model)
         self._undo_pointer_tables = pinned_pointer_tables(self._pointer_tables)
-        # instance attributes: the generator calls self.model.forward and self.model.prefetch_tokens
-        self._own_prefetch = self.model.prefetch_tokens
-        self.model.forward = self.forward
+        # instance attributes: the generator calls self.model.forward, .prefill and .prefetch_tokens
+        self._own_prefetch, self._own_prefill = self.model.prefetch_tokens, self.model.prefill
+        self.model.forward, self.model.prefill = self.forward, self.prefill
         self.model.prefetch_tokens = self.prefetch_tokens
         if self.before_wait:
             self._undo_wait = narrow_the_generator_s_wait()
@@ -159,7 +159,7 @@ class GraphDecoder:
             torch.cuda.synchronize()  # a queued replay must end before its graph is freed
             self._ahead = None
         if self.installed:
-            del self.model.forward, self.model.prefetch_tokens
+            del self.model.forward, self.model.prefill, self.model.prefetch_tokens
             self._undo_pointer_tables()
             self._undo_wait()
             self.installed = False
@@ -170,8 +170,7 @@ class GraphDecoder:
         """The model's `forward`: the step queued ahead where it is the one asked for, else a replay where the step
         qualifies, the model's own method otherwise."""
         ahead, self._ahead, self._last = self._ahead, None, None
-        if ahead is not None and ahead.done is not None:  # queued on the side: what follows reads its buffers
-            torch.cuda.current_stream(self.device).wait_event(ahead.done)
+        self._after_side_step(ahead)  # what follows reads its buffers
         key = None if self.gave_up else self._key(input_ids, params)
         if key is not None:
             if self.clock:
@@ -195,6 +194,16 @@ class GraphDecoder:
         if self.draws is not None:
             self.draws.forget_step()  # the jobs draw alone from the eager logits
         return self._eager(input_ids, params)
+
+    def prefill(self, input_ids: torch.Tensor, params: dict | None = None):
+        """The model's `prefill`, after a step queued on the side stream: a new prompt may take a page that step
+        writes (one a job that has just ended let go), and its decode attention shares exlnb's split counters."""
+        self._after_side_step(self._ahead)
+        return self._own_prefill(input_ids, params)
+
+    def _after_side_step(self, ahead: Ahead | None) -> None:
+        if ahead is not None and ahead.done is not None:  # queued on the side stream (queuing before the wait)
+            torch.cuda.current_stream(self.device).wait_event(ahead.done)
 
     def prefetch_tokens(self, tokens: list[int]) -> None:
         """The model's `prefetch_tokens`, which the generator calls with the tokens it has just sampled, one per

@@ -20,7 +20,7 @@ class PrefillTogether(HeldPasses):
     """On a generator: its `iterate` runs with prompt passes held and run together."""
 
     PASS, COPY = "prefill", "copy_page"
-    READERS = ("forward", "prefetch_tokens")  # a decode step, and one queued ahead (exlnb's graph decoder's)
+    READERS = ("forward",)  # the decode step, which exllamav3 runs after the prompt passes in the same iterate()
     ON_BY_DEFAULT = False  # until the GPU suite has passed with it on since READERS
 
     def __init__(self, generator) -> None:
