@@ -30,7 +30,9 @@
 # 4.0 bpw); logs in prequantize-FORMAT-BITS.log.
 # EXLNB_GPU_SPEED="ARGS; ARGS" runs `python -m benchmarks speed ARGS` once for each, alone after the suites (into
 # speed/); EXLNB_GPU_SPEED_BESIDE="ARGS" runs one more beside the suites once exllamav3 is built (a quantization,
-# `--layers 12 --only quantize@7b-exl3`, whose model a later EXLNB_GPU_SPEED run times).
+# `--layers 12 --only quantize@7b-exl3`, whose model a later EXLNB_GPU_SPEED run times). EXLNB_GPU_SPEED_UNTIL=EPOCH
+# (the machine's `date +%s` by which the runs must end, e.g. the lease's end less a minute to collect) gives each run
+# the time left, less 60 s, as its budget, so a run in turns starts no part it cannot finish.
 # These variables are read by `all`, so set them on the `model` call that starts it.
 #
 # The bundled GGUF travels xz-compressed in parts (`xz -6`, then `split`). Everything runs from a snapshot of
@@ -116,8 +118,14 @@ chain_quantized() {  # EXLNB_GPU_PREQUANTIZE's conversions side by side
 }
 
 speed() {  # speed ARGS...: one `python -m benchmarks speed` run, appended to speed.log
-    log "start speed $*"
-    (cd "$REPO" && eval "timeout 900 python3 -m benchmarks speed --out \"$OUTDIR/speed\" --budget-s 840 $*" \
+    local budget=840 limit=900
+    if [ -n "${EXLNB_GPU_SPEED_UNTIL:-}" ]; then  # the machine's clock (date +%s) by which every run must have ended
+        limit=$((EXLNB_GPU_SPEED_UNTIL - $(date +%s)))
+        budget=$((limit - 60))
+        [ "$budget" -gt 60 ] || { log "no time left for speed $*"; return 0; }
+    fi
+    log "start speed $* (budget ${budget} s)"
+    (cd "$REPO" && eval "timeout $limit python3 -m benchmarks speed --out \"$OUTDIR/speed\" --budget-s $budget $*" \
         >> "$OUTDIR/speed.log" 2>&1)
     log "end speed (exit $?)"
 }
