@@ -30,6 +30,9 @@ BLOCK_N = 16  # outputs per program: 256 programs for 4,096 outputs, about two p
 BLOCK_K = 1024  # inputs per tile: a program reads 2 KiB of each of its weight rows at a time
 WARPS, STAGES = 8, 3
 FP16_MAX: tl.constexpr = tl.constexpr(65504.0)  # exllamav2 clamps the activation to fp16's range
+# libdevice's expf, as torch's SiLU uses, where the kernel is compiled; Triton's interpreter has no libdevice (it
+# reads TRITON_INTERPRET once, when the kernel is defined, and so does this)
+LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def row_times_matrix(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -66,7 +69,7 @@ def _launch(x, up, weight, residual, out_dtype: torch.dtype) -> torch.Tensor:
             BLOCK_K=BLOCK_K,
             GATED=gated,
             PLUS=plus,
-            PRECISE=os.environ.get("TRITON_INTERPRET") != "1",  # the interpreter has no libdevice
+            PRECISE=LIBDEVICE,
             num_warps=WARPS,
             num_stages=STAGES,
         )
@@ -97,7 +100,8 @@ def _row_times_matrix(
         real_column = column < INPUTS
         tile = tl.load(rows + column[None, :], mask=real_output[:, None] & real_column[None, :], other=0.0)
         values = tl.load(x + column, mask=real_column, other=0.0).to(tl.float32)
-        if GATED:  # each program computes the activation it reads: 11,008 SiLUs are cheaper than a launch
+        if GATED:  # each program computes the activation it reads, in place of three launches (the speed suite's
+            # kit-exllamav2-mlp-tail/-apart pair times whether that work hides behind the weight reads)
             # as torch: SiLU x / (1 + exp(-x)) in float32 with IEEE division, rounded; the multiply, rounded; the clamp
             if PRECISE:
                 silu = tl.math.div_rn(values, 1.0 + libdevice.exp(-values))
