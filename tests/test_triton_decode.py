@@ -246,9 +246,15 @@ def test_pages_that_cut_a_key_tile_stay_on_the_pytorch_path(device):
 
 FUSED_COMBINE_CALLS = {  # more than one split, so that there is something to combine
     "ragged lengths up to sixteen splits": Call(ragged(6), group=4),
-    "grouped heads in two row blocks": Call((40, 700), group=8, q_len=16, dim=64),
-    "keys already in the cache, a padded table": Call((1, 257, 513), group=4, appends=False, extra_columns=5),
-    "softcap": Call((255, 4000), group=2, softcap=30.0),
+    **{
+        name: OTHER_CALLS[name]
+        for name in (
+            "sixteen queries and eight heads a group: two row blocks",
+            "keys already in the cache",
+            "softcap",
+            "padded block table",
+        )
+    },
 }
 
 
