@@ -14,10 +14,6 @@ and 19.1 at 4096, where reading the keys and values once costs about 0.7 ms a to
   own for the writes (two a layer, 64 of a 7B step's 594 on the ExLlamaV2 engine, H200 profile of 2026-11-28).
 - `_attention_combine_kernel`: one program per (sequence, query position, head) brings the splits to one maximum,
   sums them and writes the output in the query's dtype. With a single split the first kernel writes it directly.
-  With `EXLNB_DECODE_FUSED_COMBINE=1` (read at each launch, off until timed) there is no second kernel: the last
-  split of each (sequence, key/value head, block of rows) to finish, counted on an atomic counter, combines them
-  with the same arithmetic (`_combine_row`), so the bits do not change. A 7B step at 4,096 tokens then launches 32
-  kernels fewer, each costing its own time and about 0.88 us of the step's (docs/performance.md).
 
 The split count follows from the block table's width alone, so the grid and the partial buffers are fixed by
 static shapes and the launch can be captured in a CUDA graph (nothing reads `cache_seqlens` on the host); a
@@ -33,7 +29,6 @@ This module imports triton at its top: paged_attention imports it on first use, 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
@@ -45,28 +40,6 @@ SPLIT_KEYS = 256  # keys per split: 16 splits at 4096 tokens keep an H100's 132 
 BLOCK_KEYS = 64  # keys per tile within a split, and a divisor of both SPLIT_KEYS and the page size
 MIN_ROWS, MAX_ROWS = 16, 64  # query rows per program: tl.dot needs 16; more share a key tile but hold more registers
 COMBINE_SPLITS = 16  # splits the combine kernel reads at once
-_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: the splits of each program row that have finished
-_RETIRED: list[torch.Tensor] = []  # counters outgrown: a graph captured with them still counts on them
-
-
-def fused_combine_on() -> bool:
-    """Whether the last split to finish combines the splits, instead of a kernel of its own (off unless
-    `EXLNB_DECODE_FUSED_COMBINE=1`, read at each launch, so a captured graph keeps what it saw)."""
-    return os.environ.get("EXLNB_DECODE_FUSED_COMBINE", "0") == "1"
-
-
-def _counters(device: torch.device, programs: int) -> torch.Tensor | None:
-    """Zeroed int32 counters, one a program row, kept for the device: each combine leaves its counter at zero
-    again, so a graph replays with them as it found them. None while a graph is being captured and none are big
-    enough yet (a buffer made inside a capture would belong to the graph's pool)."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < programs:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        if counters is not None:
-            _RETIRED.append(counters)
-        counters = _COUNTERS[device] = torch.zeros(max(programs, 1 << 16), dtype=torch.int32, device=device)
-    return counters
 
 
 def handles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -116,11 +89,9 @@ def paged_decode_attention(
     partial_sums = torch.empty((batch, q_len, heads, splits, dim_pad), dtype=torch.float32, device=q.device)
     partial_stats = torch.empty((batch, q_len, heads, splits, 2), dtype=torch.float32, device=q.device)
     left, right = window_size
-    programs = batch * kv_heads * triton.cdiv(group_rows, rows)
-    counters = _counters(q.device, programs) if splits > 1 and fused_combine_on() else None
     # Triton launches on the current device: a model split over GPUs calls with each layer's own
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        _attention_split_kernel[(programs, splits)](
+        _attention_split_kernel[(batch * kv_heads * triton.cdiv(group_rows, rows), splits)](
             q,
             k_cache,
             v_cache,
@@ -131,7 +102,6 @@ def paged_decode_attention(
             out,
             partial_sums,
             partial_stats,
-            out if counters is None else counters,  # never read without FUSED_COMBINE
             block_table.stride(0),
             block_table.stride(1),
             scale,
@@ -150,13 +120,11 @@ def paged_decode_attention(
             HAS_LEFT=left >= 0,
             HAS_RIGHT=not causal and right >= 0,
             ONE_SPLIT=splits == 1,
-            FUSED_COMBINE=counters is not None,
             ROWS=rows,
             BLOCK_KEYS=BLOCK_KEYS,
             SPLIT_KEYS=SPLIT_KEYS,
-            CHUNK=COMBINE_SPLITS,
         )
-        if splits > 1 and counters is None:
+        if splits > 1:
             _attention_combine_kernel[(batch * q_len * heads,)](
                 partial_sums,
                 partial_stats,
@@ -186,7 +154,6 @@ def _attention_split_kernel(
     out,
     partial_sums,
     partial_stats,
-    counters,
     table_row_stride,
     table_column_stride,
     scale,
@@ -205,11 +172,9 @@ def _attention_split_kernel(
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     ONE_SPLIT: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_KEYS: tl.constexpr,
     SPLIT_KEYS: tl.constexpr,
-    CHUNK: tl.constexpr,
 ):
     GROUP: tl.constexpr = HEADS // KV_HEADS
     ROW_BLOCKS: tl.constexpr = (Q_LEN * GROUP + ROWS - 1) // ROWS
@@ -311,33 +276,13 @@ def _attention_split_kernel(
         tl.store(partial_sums + part[:, None] * DIM_PAD + dims[None, :], acc, mask=real_row[:, None])
         tl.store(partial_stats + part * 2, maximum, mask=real_row)
         tl.store(partial_stats + part * 2 + 1, denominator, mask=real_row)
-        if FUSED_COMBINE:
-            # every thread's partials written before the count says so (release); the last to count sees them all
-            tl.debug_barrier()
-            finished = tl.atomic_add(counters + program, 1, sem="acq_rel")
-            if finished == tl.num_programs(1) - 1:
-                first_row = program % ROW_BLOCKS * ROWS
-                for r in range(ROWS):  # the rows of out_row, one at a time
-                    group_row = first_row + r
-                    if group_row < Q_LEN * GROUP:
-                        one_row = (sequence * Q_LEN + group_row % Q_LEN) * HEADS + kv_head * GROUP + group_row // Q_LEN
-                        _combine_row(partial_sums, partial_stats, out, one_row, tl.num_programs(1), DIM, DIM_PAD, CHUNK)
-                tl.atomic_xchg(counters + program, 0)  # as the next launch expects it
 
 
 @triton.jit
 def _attention_combine_kernel(
     partial_sums, partial_stats, out, splits, DIM: tl.constexpr, DIM_PAD: tl.constexpr, CHUNK: tl.constexpr
 ):
-    _combine_row(partial_sums, partial_stats, out, tl.program_id(0), splits, DIM, DIM_PAD, CHUNK)
-
-
-@triton.jit
-def _combine_row(
-    partial_sums, partial_stats, out, out_row, splits, DIM: tl.constexpr, DIM_PAD: tl.constexpr, CHUNK: tl.constexpr
-):
-    """One row of the output from its splits' partial sums and statistics: the splits brought to one maximum,
-    summed, divided, written in the output's dtype."""
+    out_row = tl.program_id(0)
     dims = tl.arange(0, DIM_PAD)
     chunk = tl.arange(0, CHUNK)
     first_part = out_row * splits
