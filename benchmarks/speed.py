@@ -90,12 +90,8 @@ PARTS = (  # the goals' parts first (7B-shaped fp16, then EXL3), so that a short
         # (prefill_together.py): the batch-8 ramp
         "kit-exllamav2-prefill-together+kit-exllamav2-prefill-apart+kit-exllamav3-prefill-together"
         "+kit-exllamav3-prefill-apart@7b-fp16",
-        # the ExLlamaV2 engine with its MLPs' tails in their down product, and as exllamav2 runs them (mlp_tail.py)
+        # the ExLlamaV2 engine with its MLPs' tails in two kernels, and as exllamav2 runs them (mlp_tail.py)
         "kit-exllamav2-mlp-tail+kit-exllamav2-mlp-apart@7b-fp16",
-        # each engine's decode attention combining its splits in the last split to finish, and in a kernel of its own
-        # (triton_decode.py): the context ratio
-        "kit-exllamav2-combine-fused+kit-exllamav2-combine-apart+kit-exllamav3-combine-fused"
-        "+kit-exllamav3-combine-apart@7b-fp16",
         "raw-exllamav2+raw-exllamav3@7b-fp16",
     ]
     # the engine with each step queued ahead and without, beside exllamav3's own loop

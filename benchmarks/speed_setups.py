@@ -100,7 +100,6 @@ KIT_VARIANTS = {
     "kit-exllamav3-before-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "1"}),
     "kit-exllamav3-after-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "0"}),
     **_switched("EXLNB_PREFILL_TOGETHER", "prefill-together", "prefill-apart"),
-    **_switched("EXLNB_DECODE_FUSED_COMBINE", "combine-fused", "combine-apart"),
     **_switched("EXLNB_TOKEN_FEED", "feed-on", "feed-off"),
     **_switched("EXLNB_FUSED_PRODUCTS", "fused", "unfused"),
 }

@@ -259,15 +259,6 @@ def test_a_setup_timed_in_a_worker_of_its_own_says_why_it_could_not_load(tmp_pat
             for engine in ("exllamav2", "exllamav3")
             for side in ("together", "apart")
         ),
-        *(
-            (
-                f"kit-{engine}-combine-{side}",
-                "EXLNB_DECODE_FUSED_COMBINE",
-                "exlnb.engines.triton_decode:fused_combine_on",
-            )
-            for engine in ("exllamav2", "exllamav3")
-            for side in ("fused", "apart")
-        ),
         ("kit-exllamav2-mlp-tail", "EXLNB_MLP_TAIL", "exlnb.engines.exllamav2.mlp_tail:mlp_tail_on"),
         ("kit-exllamav2-mlp-apart", "EXLNB_MLP_TAIL", "exlnb.engines.exllamav2.mlp_tail:mlp_tail_on"),
         ("kit-exllamav3-before-wait", "EXLNB_QUEUE_BEFORE_WAIT", "exlnb.engines.queue_ahead:queue_before_wait_on"),
@@ -281,8 +272,6 @@ def test_a_kit_variant_runs_its_engine_with_its_switch_set_then_leaves_the_envir
     environment holds while its setup lives, loaded and timed in a process of its own (a switch may be read at load
     or at each launch), and is gone after, as it was before."""
     module, name = switch.split(":")
-    if module == "exlnb.engines.triton_decode":  # the kernels' module imports triton at its top
-        pytest.importorskip("triton")
     is_on = getattr(importlib.import_module(module), name)
     engine, variables = speed_setups.KIT_VARIANTS[runner]
     assert runner.startswith(f"kit-{engine}-") and speed.RUNNER_LIBRARY[runner] == engine
