@@ -332,7 +332,7 @@ def test_a_gemv_that_differs_from_the_separate_product_is_refused_in_one_line():
 
 @pytest.mark.gpu
 def test_an_mlp_tail_in_its_down_product_gives_the_library_mlp_s_bits(wide_folder, monkeypatch):
-    """`EXLNB_MLP_TAIL=1` on Llama-2-7B's widths: a single row's MLP takes the one-kernel tail and gives exactly the
+    """`EXLNB_MLP_TAIL=1` on Llama-2-7B's widths: a single row's MLP takes the two-kernel tail and gives exactly the
     library's own MLP (SiLU, multiply, clamp, down on exlnb's GEMV, residual add); more rows take the library's."""
     monkeypatch.setenv("EXLNB_MLP_TAIL", "1")
     session = load(wide_folder, "exllamav2")
@@ -430,19 +430,21 @@ class _Mlp:
 
 
 def test_an_mlp_tail_takes_single_rows_and_leaves_every_other_call_to_the_library(monkeypatch):
-    """The kernel (here a stand-in for gemv's, which needs triton) for one row; the library's own MLP for more
+    """The kernels (here stand-ins for exlnb's, which need triton) for one row; the library's own MLP for more
     rows, LoRAs, intermediates, and after the tails are uninstalled."""
     from exlnb.engines.exllamav2.mlp_tail import MlpTail
 
     rows_in_kernel = []
 
-    def gated_row_times_matrix_plus(gate, up, weight, residual):
+    def silu_times(gate, up):
         rows_in_kernel.append(gate.shape)
-        return residual + (torch.nn.functional.silu(gate) * up) @ weight.t()
+        return torch.nn.functional.silu(gate) * up
 
-    monkeypatch.setitem(
-        sys.modules, "exlnb.engines.gemv", SimpleNamespace(gated_row_times_matrix_plus=gated_row_times_matrix_plus)
-    )
+    def row_times_matrix_plus(x, weight, residual):
+        return residual + x @ weight.t()
+
+    monkeypatch.setitem(sys.modules, "exlnb.engines.gated_activation", SimpleNamespace(silu_times=silu_times))
+    monkeypatch.setitem(sys.modules, "exlnb.engines.gemv", SimpleNamespace(row_times_matrix_plus=row_times_matrix_plus))
     mlp = _Mlp(hidden=8, inner=24)
     fused = FusedProducts(tails=iter([MlpTail(mlp)]))
     one = torch.randn(1, 1, 8)

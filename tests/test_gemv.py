@@ -63,36 +63,55 @@ def test_the_gemv_captured_in_a_cuda_graph_replays_new_inputs(device):
     assert float((out - expected).abs().max() / expected.abs().max()) < 1e-4
 
 
-def mlp_tail_as_torch_runs_it(gate, up, weight, residual):
-    """exllamav2's fp16 MLP after its gate and up products, kernel by kernel: SiLU, the multiply by up in place,
-    the clamp to fp16's range, down (on exlnb's GEMV, as the engine runs it at one row), the residual add."""
-    from exlnb.engines.gemv import row_times_matrix
-
-    y = torch.nn.functional.silu(gate)
-    y *= up
-    y.clamp_(min=-65504.0, max=65504.0)
-    return row_times_matrix(y, weight, torch.half) + residual
-
-
 @pytest.mark.parametrize("shape", SHAPES)
-def test_a_gated_row_with_its_residual_is_the_mlp_tail_torch_runs(device, shape):
-    """Bit for bit on CUDA; in the interpreter, whose exp is numpy's, to fp16's rounding."""
-    from exlnb.engines.gemv import gated_row_times_matrix_plus
+def test_a_row_with_its_residual_is_the_product_then_torch_s_add(device, shape):
+    """The MLP's and the attention's residual added as the product's outputs are written: the bits of the product
+    rounded to fp16 and then torch's add, on CUDA and in the interpreter alike."""
+    from exlnb.engines.gemv import row_times_matrix, row_times_matrix_plus
 
     outputs, inputs = shape
     g = torch.Generator().manual_seed(outputs + inputs)
     weight = (torch.randn(shape, generator=g) * 0.05).half().to(device)
-    gate, up = (torch.randn(2, 1, 1, inputs, generator=g) * 3).half().to(device)
-    extremes = torch.tensor([300.0, -300.0])[:inputs]  # products past fp16's range: the clamp holds them
-    gate[..., : len(extremes)], up[..., : len(extremes)] = 300.0, extremes.half().to(device)
-    weight[:, : len(extremes)] = 1e-4  # small, so the other inputs and the residual still count in the outputs
-    residual = torch.randn(1, 1, outputs, generator=g).half().to(device)
-    got = gated_row_times_matrix_plus(gate, up, weight, residual)
-    if device == "cpu":  # torch has no fp16 SiLU on the CPU: its steps in float32, each rounded as on the GPU
-        gate, up, weight, residual = gate.float(), up.float(), weight.float(), residual.float()
-    expected = mlp_tail_as_torch_runs_it(gate, up, weight, residual)
+    x = torch.randn(1, 1, inputs, generator=g).half().to(device)
+    residual = (torch.randn(1, 1, outputs, generator=g) * 4).half().to(device)
+
+    got = row_times_matrix_plus(x, weight, residual)
+
     assert got.shape == residual.shape and got.dtype == torch.half
+    assert torch.equal(got, row_times_matrix(x, weight, torch.half) + residual)
+
+
+def activation_as_torch_runs_it(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """exllamav2's fp16 MLP between its gate/up and down products, kernel by kernel: SiLU, the multiply by up in
+    place, the clamp to fp16's range (on the CPU, which has no fp16 SiLU, each step in float32 rounded to fp16)."""
+    if gate.is_cuda:
+        y = torch.nn.functional.silu(gate)
+        y *= up
+        return y.clamp_(min=-65504.0, max=65504.0)
+    y = torch.nn.functional.silu(gate.float()).half()
+    return (y.float() * up.float()).half().clamp_(min=-65504.0, max=65504.0)
+
+
+@pytest.mark.parametrize("inputs", [11008, 3000, 1])
+def test_the_gated_activation_is_torch_s_silu_multiply_and_clamp(device, inputs):
+    """Bit for bit on CUDA; in the interpreter, whose exp is numpy's, within one fp16 step. Products past fp16's
+    range are held at its largest value, and NaN stays NaN, as torch's clamp leaves them."""
+    from exlnb.engines.gated_activation import silu_times
+
+    g = torch.Generator().manual_seed(inputs)
+    gate, up = (torch.randn(2, 1, 1, inputs, generator=g) * 3).half()
+    extremes = {"past fp16's range": (300.0, 300.0), "below it": (300.0, -300.0), "NaN": (float("nan"), 1.0)}
+    for at, (gate_value, up_value) in enumerate(list(extremes.values())[:inputs]):
+        gate[..., at], up[..., at] = gate_value, up_value
+    gate, up = gate.to(device), up.to(device)
+
+    got = silu_times(gate, up)
+    expected = activation_as_torch_runs_it(gate, up)
+
+    assert got.shape == gate.shape and got.dtype == torch.half
     if device == "cuda":
-        assert torch.equal(got, expected)
+        assert torch.equal(got.nan_to_num(), expected.nan_to_num()) and torch.equal(got.isnan(), expected.isnan())
     else:
-        assert float((got.float() - expected.float()).abs().max() / expected.float().abs().max()) < 2e-3
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2e-3, atol=1e-7, equal_nan=True)
+    if inputs >= 3:
+        assert got[..., 0].item() == 65504.0 and got[..., 1].item() == -65504.0 and got[..., 2].isnan().item()

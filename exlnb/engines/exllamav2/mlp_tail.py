@@ -1,12 +1,14 @@
-"""The ExLlamaV2 engine's gated MLPs with their tail in one kernel at one row (`EXLNB_MLP_TAIL=1`, off until timed).
+"""The ExLlamaV2 engine's gated MLPs with their tail in two kernels at one row (`EXLNB_MLP_TAIL=1`, off until timed).
 
 exllamav2 0.3.2 runs an unquantized MLP through `ExLlamaV2MLP.forward_torch`: after the gate and up products come
 `F.silu`, the multiply by up, a clamp to fp16's range, the down product and the residual add, five kernels of which
 four are small. On an H200 a 7B step's graph launches 455 kernels, and each launch costs its kernel's time plus
 about 0.88 us (benchmarks/results/speed-nvidia-h200-2026-11-29-b): those four are 128 launches and 0.19 ms of
 kernels a step. Here, for a single row, the MLP runs its norm and its gate and up products as exllamav2 does, then
-the rest in one kernel, exlnb's GEMV reading the activation as its input and adding the residual as it writes
-(`gemv.gated_row_times_matrix_plus`), rounded where torch rounds each step, so its outputs are the library's bits.
+the activation in one kernel (`gated_activation.silu_times`) and the down product on exlnb's GEMV adding the
+residual as it writes (`gemv.row_times_matrix_plus`): 96 launches fewer a step, each kernel rounding where torch
+rounds, so the outputs are the library's bits. (The activation read inside the down product, one kernel in all,
+was slower: every program of the product repeated the row's SiLUs; benchmarks/results/speed-nvidia-h200-2026-11-29-c.)
 Any other call (a prompt, a batch, LoRAs, intermediates) takes the library's own `forward_torch`.
 
 A tail is one more of the products `FusedProducts` installs, and a load checks each against the library's own MLP on
@@ -24,13 +26,13 @@ from exlnb.engines.cuda_graphs import relative_difference
 
 
 def mlp_tail_on() -> bool:
-    """Whether the ExLlamaV2 engine runs its MLPs' tails in one kernel at one row (off unless `EXLNB_MLP_TAIL=1`,
+    """Whether the ExLlamaV2 engine runs its MLPs' tails in two kernels at one row (off unless `EXLNB_MLP_TAIL=1`,
     read at each load, until a GPU has timed it)."""
     return os.environ.get("EXLNB_MLP_TAIL", "0") == "1"
 
 
 class MlpTail:
-    """One MLP's `forward_torch` with its tail in one kernel for single rows (an instance attribute, found before
+    """One MLP's `forward_torch` with its tail in two kernels for single rows (an instance attribute, found before
     the class's method), the library's own for every other call."""
 
     def __init__(self, mlp) -> None:
@@ -48,12 +50,13 @@ class MlpTail:
         own = type(self.mlp).forward_torch
         if intermediates or kwargs.get("loras") or hidden_states.numel() != self.hidden:
             return own(self.mlp, hidden_states, cache, attn_params, past_len, intermediates, **kwargs)
-        from exlnb.engines.gemv import gated_row_times_matrix_plus  # imports triton: only where a GPU engine loads
+        from exlnb.engines.gated_activation import silu_times  # these import triton: only where a GPU engine loads
+        from exlnb.engines.gemv import row_times_matrix_plus
 
         post_norm = self.mlp.pre_layernorm.forward(hidden_states)
         gate = self.mlp.gate_proj.forward(post_norm, loras=None)
         up = self.mlp.up_proj.forward(post_norm, loras=None)
-        return gated_row_times_matrix_plus(gate, up, self.down, hidden_states)
+        return row_times_matrix_plus(silu_times(gate, up), self.down, hidden_states)
 
     def differs(self) -> float:
         """The tail's largest difference from the library's own MLP on a random row, over the largest output (0: the
