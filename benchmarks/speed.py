@@ -90,8 +90,9 @@ PARTS = (  # the goals' parts first (7B-shaped fp16, then EXL3), so that a short
         # (prefill_together.py): the batch-8 ramp
         "kit-exllamav2-prefill-together+kit-exllamav2-prefill-apart+kit-exllamav3-prefill-together"
         "+kit-exllamav3-prefill-apart@7b-fp16",
-        # the ExLlamaV2 engine with its MLPs' tails in two kernels, and as exllamav2 runs them (mlp_tail.py)
-        "kit-exllamav2-mlp-tail+kit-exllamav2-mlp-apart@7b-fp16",
+        # the ExLlamaV2 engine with its MLPs' tails in two kernels, its attentions' RoPE in one launch and residual in
+        # o (mlp_tail.py, attention_tail.py), each alone, both, and as exllamav2 runs them
+        "kit-exllamav2-mlp-tail+kit-exllamav2-attention-tail+kit-exllamav2-tails+kit-exllamav2-tails-apart@7b-fp16",
         "raw-exllamav2+raw-exllamav3@7b-fp16",
     ]
     # the engine with each step queued ahead and without, beside exllamav3's own loop

@@ -95,8 +95,11 @@ KIT_VARIANTS = {
     "kit-exllamav3-ahead-off": ("exllamav3", {"EXLNB_QUEUE_AHEAD": "0"}),
     "kit-exllamav2-ahead-on": ("exllamav2", {"EXLNB_QUEUE_AHEAD": "1"}),
     "kit-exllamav2-ahead-off": ("exllamav2", {"EXLNB_QUEUE_AHEAD": "0"}),
-    "kit-exllamav2-mlp-tail": ("exllamav2", {"EXLNB_MLP_TAIL": "1"}),
-    "kit-exllamav2-mlp-apart": ("exllamav2", {"EXLNB_MLP_TAIL": "0"}),
+    # the ExLlamaV2 engine's MLP and attention tails, each alone, both, and neither (mlp_tail.py, attention_tail.py)
+    "kit-exllamav2-mlp-tail": ("exllamav2", {"EXLNB_MLP_TAIL": "1", "EXLNB_ATTENTION_TAIL": "0"}),
+    "kit-exllamav2-attention-tail": ("exllamav2", {"EXLNB_MLP_TAIL": "0", "EXLNB_ATTENTION_TAIL": "1"}),
+    "kit-exllamav2-tails": ("exllamav2", {"EXLNB_MLP_TAIL": "1", "EXLNB_ATTENTION_TAIL": "1"}),
+    "kit-exllamav2-tails-apart": ("exllamav2", {"EXLNB_MLP_TAIL": "0", "EXLNB_ATTENTION_TAIL": "0"}),
     "kit-exllamav3-before-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "1"}),
     "kit-exllamav3-after-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "0"}),
     **_switched("EXLNB_PREFILL_TOGETHER", "prefill-together", "prefill-apart"),

@@ -17,7 +17,15 @@ import torch
 
 from benchmarks.paged_acceptance import QUESTIONS
 from exlnb.engines.cuda_graphs import CHECK_TOLERANCE
-from exlnb.engines.fused_products import FusedProducts, ProductGroup, RowProduct, check_fused, stack_without_copy
+from exlnb.engines.fused_products import (
+    MLP_TAILS,
+    FusedProducts,
+    ProductGroup,
+    RowProduct,
+    TailKind,
+    check_fused,
+    stack_without_copy,
+)
 from exlnb.random_model import LLAMA_7B, random_llama
 from exlnb.session import Session
 from exlnb.templates import chatml
@@ -378,11 +386,12 @@ def test_greedy_tokens_with_the_mlp_tail_are_those_without(monkeypatch):
     assert tokens["1"] == tokens["0"]
 
 
-class _Tail:
-    """A stand-in for an MLP's tail: installed or not, and how far it is from the library's MLP."""
+class StandInTail:
+    """A stand-in for a tail of a kind (an MLP's unless told): installed or not, and how far it is from the library's
+    step."""
 
-    def __init__(self, error: float) -> None:
-        self.error, self.installed = error, False
+    def __init__(self, error: float, kind: TailKind = MLP_TAILS) -> None:
+        self.error, self.kind, self.installed = error, kind, False
 
     def install(self) -> None:
         self.installed = True
@@ -395,13 +404,13 @@ class _Tail:
 
 
 def test_mlp_tails_are_installed_said_paused_and_refused_in_one_line_where_they_differ():
-    tail = _Tail(0.0)
+    tail = StandInTail(0.0)
     fused = FusedProducts(tails=iter([tail]))
     assert tail.installed and fused.describe() == "1 MLP tails in their down product"
     with fused.paused():
         assert not tail.installed
     assert tail.installed and check_fused(fused, lambda ids: torch.zeros(1), [1]) is None
-    reason = check_fused(FusedProducts(tails=iter([_Tail(0.5)])), lambda ids: torch.zeros(1), [1])
+    reason = check_fused(FusedProducts(tails=iter([StandInTail(0.5)])), lambda ids: torch.zeros(1), [1])
     assert reason is not None and "MLP's tail" in reason and "\n" not in reason
     fused.uninstall()
     assert not tail.installed and fused.describe() == ""

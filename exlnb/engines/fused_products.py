@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -172,8 +173,24 @@ def stack_without_copy(weights: list[torch.Tensor]) -> tuple[torch.Tensor, list[
     return None
 
 
+@dataclass(frozen=True)
+class TailKind:
+    """How the status counts one kind of tail, and how a load that refuses one says why."""
+
+    counted: str  # after the count: "2 MLP tails in their down product"
+    refused: str  # before the difference: "... by 0.5 of its largest"
+
+
+MLP_TAILS = TailKind(
+    "MLP tails in their down product", "an MLP's tail in its down product differs from the library's MLP"
+)
+
+
 class Tail(Protocol):
-    """A step a library runs as several kernels, run as one where it can (exllamav2/mlp_tail.py's `MlpTail`)."""
+    """A step a library runs as several kernels, run in fewer where it can (exllamav2/mlp_tail.py's `MlpTail`,
+    exllamav2/attention_tail.py's `AttentionTail`); its `kind` says what it is."""
+
+    kind: TailKind
 
     def install(self) -> None: ...
 
@@ -196,7 +213,7 @@ class FusedProducts:
     ) -> None:
         self.groups: list[ProductGroup] = []
         self.rows: list[RowProduct] = []
-        self.tails: list[Tail] = []  # MLPs with their activation and residual add in their down product
+        self.tails: list[Tail] = []  # steps run in fewer kernels, each of its `kind`
         self.left_separate = 0
         try:
             for group in groups or ():
@@ -239,14 +256,15 @@ class FusedProducts:
         fused = f"{len(self.groups)} fp16 projection groups fused" if self.groups else ""
         apart = f"{self.left_separate} left separate (weights in a shared allocation)" if self.left_separate else ""
         rows = f"{len(self.rows)} single-row products on exlnb's GEMV" if self.rows else ""
-        tails = f"{len(self.tails)} MLP tails in their down product" if self.tails else ""
-        return ", ".join(filter(None, [fused, apart, rows, tails]))
+        kinds = Counter(tail.kind.counted for tail in self.tails)  # in the order the tails came
+        tails = [f"{count} {counted}" for counted, count in kinds.items()]
+        return ", ".join(filter(None, [fused, apart, rows, *tails]))
 
 
 def check_fused(fused: FusedProducts, score: Callable[[list[int]], torch.Tensor], token_ids: list[int]) -> str | None:
     """Whether the fused products give the model's logits: a whole-sequence pass fused and one with the separate
     products, held to the tolerance a graph's replay is held to against eager decode; and whether each single-row
-    product and MLP tail gives its separate product's (or the library MLP's) outputs on a random row, to the same
+    product and tail gives its separate product's (or the library step's) outputs on a random row, to the same
     tolerance. None where they agree, else why not, in a line."""
     for row in fused.rows:
         error = row.differs()
@@ -255,7 +273,7 @@ def check_fused(fused: FusedProducts, score: Callable[[list[int]], torch.Tensor]
     for tail in fused.tails:
         error = tail.differs()
         if beyond_tolerance(error):
-            return f"an MLP's tail in its down product differs from the library's MLP by {error:.3g} of its largest"
+            return f"{tail.kind.refused} by {error:.3g} of its largest"
     if not fused.groups:
         return None
     together = score(token_ids)

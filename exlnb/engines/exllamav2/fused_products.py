@@ -12,10 +12,12 @@ lies.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import chain
 
 import torch
 from torch import nn
 
+from exlnb.engines.exllamav2.attention_tail import attention_tail_on, attention_tails
 from exlnb.engines.exllamav2.mlp_tail import mlp_tail_on, mlp_tails
 from exlnb.engines.fused_products import (
     FusedProducts,
@@ -27,10 +29,13 @@ from exlnb.engines.fused_products import (
 
 
 def fuse_exllamav2(model) -> FusedProducts:
-    """The model's qualifying groups, stacked, its single-row products and (with `EXLNB_MLP_TAIL=1`) its MLPs' tails,
-    installed."""
+    """The model's qualifying groups, stacked, its single-row products and (with `EXLNB_MLP_TAIL=1`) its MLPs' tails
+    and (with `EXLNB_ATTENTION_TAIL=1`) its attentions' tails, installed."""
     groups = (_group(linears) for linears in _candidate_groups(model) if _fusable(linears))
-    tails = mlp_tails(model, lambda down: _fusable([down])) if mlp_tail_on() else None
+    tails = chain(
+        mlp_tails(model, _single_row_product) if mlp_tail_on() else (),
+        attention_tails(model, _single_row_product) if attention_tail_on() else (),
+    )
     return FusedProducts(groups, _row_products(model), tails)
 
 
@@ -67,7 +72,7 @@ def _row_products(model) -> Iterator[RowProduct]:
             linear, wanted = module, _head_wanted
         else:
             continue
-        if _fusable([linear]):
+        if _single_row_product(linear):
             yield RowProduct(linear, linear.linear.weight.data, wanted)
 
 
@@ -95,6 +100,11 @@ def _candidate_groups(model) -> Iterator[list]:
             yield qkv if len({linear.out_features for linear in qkv}) == 1 else qkv[1:]
         elif type(module) is ExLlamaV2MLP and getattr(module, "gate_proj", None) is not None:
             yield [module.gate_proj, module.up_proj]
+
+
+def _single_row_product(linear) -> bool:
+    """Whether a projection's single rows can take exlnb's GEMV, as each attention's o and MLP's down do here."""
+    return _fusable([linear])
 
 
 def _fusable(linears: list) -> bool:

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from exlnb.engines.cuda_graphs import relative_difference
+from exlnb.engines.fused_products import MLP_TAILS
 
 
 def mlp_tail_on() -> bool:
@@ -34,6 +35,8 @@ def mlp_tail_on() -> bool:
 class MlpTail:
     """One MLP's `forward_torch` with its tail in two kernels for single rows (an instance attribute, found before
     the class's method), the library's own for every other call."""
+
+    kind = MLP_TAILS
 
     def __init__(self, mlp) -> None:
         self.mlp = mlp
