@@ -104,6 +104,12 @@ KIT_VARIANTS = {
     "kit-exllamav3-after-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "0"}),
     **_switched("EXLNB_PREFILL_TOGETHER", "prefill-together", "prefill-apart"),
     **_switched("EXLNB_TOKEN_FEED", "feed-on", "feed-off"),
+    # both engines' decode attention with 512 keys a split and with 256, its default (triton_decode.py)
+    **{
+        f"kit-{engine}-split{keys}": (engine, {"EXLNB_DECODE_SPLIT_KEYS": str(keys)})
+        for engine in ("exllamav2", "exllamav3")
+        for keys in (512, 256)
+    },
     **_switched("EXLNB_FUSED_PRODUCTS", "fused", "unfused"),
 }
 

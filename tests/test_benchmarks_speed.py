@@ -292,6 +292,21 @@ def test_a_kit_variant_runs_its_engine_with_its_switch_set_then_leaves_the_envir
         assert os.environ.get(variable) == before
 
 
+@pytest.mark.parametrize("keys", [512, 256])
+@pytest.mark.parametrize("engine", ["exllamav2", "exllamav3"])
+def test_a_split_size_variant_sets_its_keys_a_split_while_it_lives(monkeypatch, engine, keys):
+    pytest.importorskip("triton")  # the decode attention's module imports it at its top
+    from exlnb.engines import triton_decode
+
+    monkeypatch.delenv("EXLNB_DECODE_SPLIT_KEYS", raising=False)
+    runner = f"kit-{engine}-split{keys}"
+    library, variables = speed_setups.KIT_VARIANTS[runner]
+    assert library == engine and speed.RUNNER_LIBRARY[runner] == engine
+    with speed_setups._environment(variables):
+        assert triton_decode.split_keys() == keys
+    assert "EXLNB_DECODE_SPLIT_KEYS" not in os.environ and triton_decode.split_keys() == triton_decode.SPLIT_KEYS
+
+
 def test_each_setup_is_timed_by_one_part_per_model_so_its_record_is_its_turns():
     """A setup's record (`runner@model`) holds the numbers of the part that timed it, and a goal against a peer
     counts only where the two took turns: a second part timing the same setup would overwrite the first's."""

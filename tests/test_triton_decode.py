@@ -182,6 +182,37 @@ def test_a_sequence_s_output_is_the_same_alone_in_a_batch_and_in_a_wider_table(d
             assert torch.equal(flash_attn_with_kvcache(**copy(alone)), in_batch[rows]), f"{sequence}, {columns}"
 
 
+@pytest.mark.parametrize("keys_a_split", ["512", "1024"])
+def test_longer_splits_agree_with_the_pytorch_path_and_keep_a_sequence_s_bits_in_any_batch(
+    device, keys_a_split, monkeypatch
+):
+    """`EXLNB_DECODE_SPLIT_KEYS`: fewer, longer splits, read at each launch, still answer as the PyTorch path does,
+    and a sequence's output still depends on neither its batch mates nor the table's width."""
+    from exlnb.engines import triton_decode
+
+    monkeypatch.setenv("EXLNB_DECODE_SPLIT_KEYS", keys_a_split)
+    assert triton_decode.split_keys() == int(keys_a_split)
+    check_against_pytorch_path(Call(ragged(3), group=4), device)
+    args = inputs(Call((4000, 40), group=4, extra_columns=2), device)
+    in_batch = flash_attn_with_kvcache(**copy(args))
+    alone = {
+        name: value[:1] if name in ("q", "k", "v", "cache_seqlens", "block_table") else value
+        for name, value in args.items()
+    }
+    assert torch.equal(flash_attn_with_kvcache(**copy(alone)), in_batch[:1])
+
+
+@pytest.mark.parametrize("value", ["100", "0", "-256", "many"])
+def test_a_split_size_that_is_no_multiple_of_a_key_tile_is_refused_in_one_line(value, monkeypatch):
+    pytest.importorskip("triton")
+    from exlnb.engines import triton_decode
+
+    monkeypatch.setenv("EXLNB_DECODE_SPLIT_KEYS", value)
+    with pytest.raises(ValueError, match=r"^EXLNB_DECODE_SPLIT_KEYS=.*multiple of 64$") as error:
+        triton_decode.split_keys()
+    assert "\n" not in str(error.value)
+
+
 def in_float64(args: dict) -> torch.Tensor:
     """Each sequence's one query over its cached keys and the call's new one, causal with no window, in float64."""
     heads, kv_heads = args["q"].shape[2], args["k_cache"].shape[2]

@@ -29,6 +29,7 @@ This module imports triton at its top: paged_attention imports it on first use, 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import triton
@@ -40,6 +41,20 @@ SPLIT_KEYS = 256  # keys per split: 16 splits at 4096 tokens keep an H100's 132 
 BLOCK_KEYS = 64  # keys per tile within a split, and a divisor of both SPLIT_KEYS and the page size
 MIN_ROWS, MAX_ROWS = 16, 64  # query rows per program: tl.dot needs 16; more share a key tile but hold more registers
 COMBINE_SPLITS = 16  # splits the combine kernel reads at once
+
+
+def split_keys() -> int:
+    """Keys per split: `EXLNB_DECODE_SPLIT_KEYS` where it is set (a multiple of BLOCK_KEYS; read at each launch, so
+    a captured graph keeps what it saw), else SPLIT_KEYS. Fewer, longer splits read more keys a program and leave
+    fewer partial sums to combine; the speed suite times 512 against 256 in turns (kit-ENGINE-split512/-split256)."""
+    value = os.environ.get("EXLNB_DECODE_SPLIT_KEYS")
+    if value is None:
+        return SPLIT_KEYS
+    if not value.isdigit() or int(value) == 0 or int(value) % BLOCK_KEYS:
+        raise ValueError(
+            f"EXLNB_DECODE_SPLIT_KEYS={value!r}: keys per split must be a positive multiple of {BLOCK_KEYS}"
+        )
+    return int(value)
 
 
 def handles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -82,7 +97,8 @@ def paged_decode_attention(
     _, page_size, kv_heads, _ = k_cache.shape
     group_rows = q_len * (heads // kv_heads)  # query rows that read one key/value head
     rows = min(MAX_ROWS, max(MIN_ROWS, triton.next_power_of_2(group_rows)))
-    splits = triton.cdiv(block_table.shape[1] * page_size, SPLIT_KEYS)
+    keys_a_split = split_keys()
+    splits = triton.cdiv(block_table.shape[1] * page_size, keys_a_split)
     dim_pad = max(16, triton.next_power_of_2(dim))
     q = q.contiguous()
     out = torch.empty_like(q)
@@ -122,7 +138,7 @@ def paged_decode_attention(
             ONE_SPLIT=splits == 1,
             ROWS=rows,
             BLOCK_KEYS=BLOCK_KEYS,
-            SPLIT_KEYS=SPLIT_KEYS,
+            SPLIT_KEYS=keys_a_split,
         )
         if splits > 1:
             _attention_combine_kernel[(batch * q_len * heads,)](
