@@ -44,6 +44,7 @@ from benchmarks.speed_setups import (
     BATCHED,
     CACHE_TOKENS,
     KIT_VARIANTS,
+    PROFILED,
     copy_bandwidth,
     free_memory,
     measure,
@@ -66,8 +67,7 @@ RUNNER_LIBRARY = {
     "raw-exllamav2": "exllamav2",
     "kit-exllamav3": "exllamav3",
     "raw-exllamav3": "exllamav3",
-    "profile-exllamav2": "exllamav2",
-    "profile-exllamav3": "exllamav3",
+    **{runner: library for runner, (library, _) in PROFILED.items()},
     "transformers": "transformers",
     "kit-cpu": None,
     **{runner: library for runner, (library, _) in KIT_VARIANTS.items()},
@@ -108,7 +108,12 @@ PARTS = (  # the goals' parts first (7B-shaped fp16, then EXL3), so that a short
     ]
     + ["quantize@7b-exl2", "floor@7b-exl2", "kit-exllamav2+raw-exllamav2@7b-exl2"]
 )
-PROFILE_PARTS = ("profile-exllamav2@7b-fp16", "profile-exllamav3@7b-fp16", "profile-exllamav3@7b-exl3")
+PROFILE_PARTS = (
+    "profile-exllamav2@7b-fp16",
+    "profile-exllamav2-tails@7b-fp16",
+    "profile-exllamav3@7b-fp16",
+    "profile-exllamav3@7b-exl3",
+)
 
 
 @dataclass(frozen=True)

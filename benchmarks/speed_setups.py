@@ -336,21 +336,32 @@ def kernels_by_kind(prof, wall_s: float, steps: int) -> dict:
     }
 
 
+# each engine's step profiled as it ships, and the ExLlamaV2 engine's with both tails on (whose launches it counts):
+# runner -> (engine, the environment it loads and runs in)
+PROFILED = {
+    "profile-exllamav2": ("exllamav2", {}),
+    "profile-exllamav3": ("exllamav3", {}),
+    "profile-exllamav2-tails": KIT_VARIANTS["kit-exllamav2-tails"],
+}
+
+
 def profile(runner: str, folder: Path) -> dict:
     from benchmarks.profile_decode import profile_steps
 
-    session = Session()
-    session.load(str(folder), engine=runner.removeprefix("profile-"), cache_tokens=CACHE_TOKENS, progress=False)
-    try:
-        # the clock first: the profiler's hooks outlive it in the process (a clocked EXL3 step read 2.63 ms after a
-        # profile, 2026-11-28, where the same step timed alone took 2.23)
-        clocked = {"step_clock": clocked_steps(session), "step_clock_batch8": clocked_steps(session, batch=8)}
-        metrics = profile_steps(session, tokens=8, extra=kernels_by_kind)
-        metrics.update({name: value for name, value in clocked.items() if value is not None})
-        return {"metrics": metrics}
-    finally:
-        session.unload()
-        free_memory()
+    engine, variables = PROFILED[runner]
+    with _environment(variables):
+        session = Session()
+        session.load(str(folder), engine=engine, cache_tokens=CACHE_TOKENS, progress=False)
+        try:
+            # the clock first: the profiler's hooks outlive it in the process (a clocked EXL3 step read 2.63 ms after
+            # a profile, 2026-11-28, where the same step timed alone took 2.23)
+            clocked = {"step_clock": clocked_steps(session), "step_clock_batch8": clocked_steps(session, batch=8)}
+            metrics = profile_steps(session, tokens=8, extra=kernels_by_kind)
+            metrics.update({name: value for name, value in clocked.items() if value is not None})
+            return {"metrics": metrics}
+        finally:
+            session.unload()
+            free_memory()
 
 
 CLOCKED_TOKENS = 128  # decode steps the step clock times, after a 256-token prompt
