@@ -195,8 +195,12 @@ def test_rows_are_walked_and_text_is_forced_by_keyboard(page):
 
 def test_a_tree_of_256_samples_of_256_tokens_is_drawn_and_walked(page):
     run_cell(page, 4)
-    printed = wait_done(page, 4, timeout_s=600)
-    displayed, nodes, rows, size = map(int, re.search(r"displayed (\d+) (\d+) (\d+) (\d+)", printed).groups())
+    wait_done(page, 4, timeout_s=600)
+    # the cell's count can show before its last output is drawn (the reply and the print travel apart, and the
+    # browser is drawing the widget before it): wait for the line itself, which says what it found where it fails
+    line = re.compile(r"displayed (\d+) (\d+) (\d+) (\d+)")
+    expect(output(page, 4)).to_contain_text(line, timeout=120_000)
+    displayed, nodes, rows, size = map(int, line.search(output(page, 4).inner_text()).groups())
     big = output(page, 4).locator(".exlnb-tree")
     page.wait_for_function(
         "([el, n]) => el.querySelectorAll('summary[data-node]').length === n",
