@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -312,6 +313,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or not TRITON:
         parser.exit(2, "python -m benchmarks gemv-sweep needs a CUDA GPU and triton\n")
+    if "EXLNB_DECODE_SPLIT_KEYS" in os.environ:  # it would stand in for every split size the sweep sets
+        parser.exit(2, "python -m benchmarks gemv-sweep sets its own split sizes: unset EXLNB_DECODE_SPLIT_KEYS\n")
     record = {"environment": environment(), "copy_bandwidth_bytes_per_s": copy_bytes_per_s(cuda=True)}
     path = new_result_path(args.out, f"gemv-sweep-{device_slug(record['environment'])}")
     products(record)

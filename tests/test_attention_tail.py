@@ -24,7 +24,7 @@ from exlnb.engines.exllamav2.attention_tail import (
     has_a_plain_tail,
     side_by_side,
 )
-from exlnb.engines.fused_products import FusedProducts, ProductGroup, check_fused
+from exlnb.engines.fused_products import FusedProducts, ProductGroup, check_tails
 from exlnb.random_model import LLAMA_7B, random_llama
 from exlnb.templates import chatml
 from tests.test_fused_products import WIDE, StandInTail, load, wide_folder  # noqa: F401 (a fixture)
@@ -321,11 +321,9 @@ def test_each_kind_of_tail_is_counted_apart_and_refused_in_its_own_words():
     fused = FusedProducts(
         tails=iter([StandInTail(0.0), StandInTail(0.0, ATTENTION_TAILS), StandInTail(0.0, ATTENTION_TAILS)])
     )
-    assert fused.describe() == "1 MLP tails in their down product, 2 attention tails with the residual in o"
-    assert check_fused(fused, lambda ids: torch.zeros(1), [1]) is None
-    reason = check_fused(
-        FusedProducts(tails=iter([StandInTail(0.0), StandInTail(0.5, ATTENTION_TAILS)])), torch.zeros, [1]
-    )
+    assert fused.describe() == "1 MLP tails in two kernels, 2 attention tails with the residual in o"
+    assert check_tails(fused) is None
+    reason = check_tails(FusedProducts(tails=iter([StandInTail(0.0), StandInTail(0.5, ATTENTION_TAILS)])))
     assert reason is not None and "an attention's tail differs" in reason and "0.5" in reason and "\n" not in reason
 
 
@@ -408,6 +406,7 @@ def test_each_tail_gives_the_library_s_bits_and_ropes_q_and_k_in_one_call_where_
 ):
     folder = request.getfixturevalue(model)
     monkeypatch.setenv("EXLNB_ATTENTION_TAIL", "1")
+    monkeypatch.setenv("EXLNB_MLP_TAIL", "0")  # this test's tails alone, whatever the suite sets
     session = load(folder, "exllamav2")
     try:
         layers, heads, kv_heads = (
@@ -438,6 +437,7 @@ def test_greedy_tokens_with_the_attention_tail_are_those_without(model, monkeypa
     folder = request.getfixturevalue(model) if model.endswith("_folder") else model
     options = JobOptions(max_new_tokens=32, sampler=SamplerSettings.greedy(), stop_at_eos=False)
     tokens = {}
+    monkeypatch.setenv("EXLNB_MLP_TAIL", "0")  # this test's tails alone, whatever the suite sets
     for switch in ("0", "1"):
         monkeypatch.setenv("EXLNB_ATTENTION_TAIL", switch)
         session = load(folder, "exllamav2")
@@ -450,3 +450,23 @@ def test_greedy_tokens_with_the_attention_tail_are_those_without(model, monkeypa
         finally:
             session.unload()
     assert tokens["1"] == tokens["0"]
+
+
+@pytest.mark.gpu
+def test_a_tail_that_differs_is_dropped_at_load_and_the_products_kept(monkeypatch, request):
+    """A load that finds a tail unlike the library's step keeps its fused products and single-row GEMVs, runs the
+    library's own attention, and says why in a line."""
+    monkeypatch.setenv("EXLNB_ATTENTION_TAIL", "1")
+    monkeypatch.setenv("EXLNB_MLP_TAIL", "0")
+    monkeypatch.setattr(AttentionTail, "differs", lambda self: 0.5)
+    session = load(request.getfixturevalue("wide_folder"), "exllamav2")
+    try:
+        tails, rows, groups = session.run_on_engine(
+            lambda engine: (len(engine.fused.tails), len(engine.fused.rows), len(engine.fused.groups))
+        )
+        assert tails == 0 and rows > 0 and groups > 0
+        notes = [note for note in session.status().notes if note.startswith("step tails not used: ")]
+        assert len(notes) == 1 and "an attention's tail differs" in notes[0] and "\n" not in notes[0]
+        assert "attention tails" not in session.status().decode
+    finally:
+        session.unload()

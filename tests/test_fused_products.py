@@ -24,6 +24,7 @@ from exlnb.engines.fused_products import (
     RowProduct,
     TailKind,
     check_fused,
+    check_tails,
     stack_without_copy,
 )
 from exlnb.random_model import LLAMA_7B, random_llama
@@ -343,6 +344,7 @@ def test_an_mlp_tail_in_its_down_product_gives_the_library_mlp_s_bits(wide_folde
     """`EXLNB_MLP_TAIL=1` on Llama-2-7B's widths: a single row's MLP takes the two-kernel tail and gives exactly the
     library's own MLP (SiLU, multiply, clamp, down on exlnb's GEMV, residual add); more rows take the library's."""
     monkeypatch.setenv("EXLNB_MLP_TAIL", "1")
+    monkeypatch.setenv("EXLNB_ATTENTION_TAIL", "0")  # this test's tails alone, whatever the suite sets
     session = load(wide_folder, "exllamav2")
     try:
 
@@ -356,7 +358,7 @@ def test_an_mlp_tail_in_its_down_product_gives_the_library_mlp_s_bits(wide_folde
             return len(engine.fused.tails), results
 
         count, results = session.run_on_engine(check)
-        assert count == 1 and "1 MLP tails in their down product" in session.status().decode
+        assert count == 1 and "1 MLP tails in two kernels" in session.status().decode
         for tail, own in results:
             assert torch.equal(tail, own)
     finally:
@@ -373,6 +375,7 @@ def test_greedy_tokens_with_the_mlp_tail_are_those_without(monkeypatch):
         pytest.skip("the ExLlamaV2 engine needs CUDA and exllamav2")
     options = JobOptions(max_new_tokens=32, sampler=SamplerSettings.greedy(), stop_at_eos=False)
     tokens = {}
+    monkeypatch.setenv("EXLNB_ATTENTION_TAIL", "0")  # this test's tails alone, whatever the suite sets
     for switch in ("0", "1"):
         monkeypatch.setenv("EXLNB_MLP_TAIL", switch)
         session = load("smollm2-135m-instruct", "exllamav2")
@@ -406,12 +409,15 @@ class StandInTail:
 def test_mlp_tails_are_installed_said_paused_and_refused_in_one_line_where_they_differ():
     tail = StandInTail(0.0)
     fused = FusedProducts(tails=iter([tail]))
-    assert tail.installed and fused.describe() == "1 MLP tails in their down product"
+    assert tail.installed and fused.describe() == "1 MLP tails in two kernels"
     with fused.paused():
         assert not tail.installed
-    assert tail.installed and check_fused(fused, lambda ids: torch.zeros(1), [1]) is None
-    reason = check_fused(FusedProducts(tails=iter([StandInTail(0.5)])), lambda ids: torch.zeros(1), [1])
-    assert reason is not None and "MLP's tail" in reason and "\n" not in reason
+    assert tail.installed and check_tails(fused) is None
+    differing = FusedProducts(tails=iter([StandInTail(0.0), StandInTail(0.5)]))
+    reason = check_tails(differing)
+    assert reason is not None and "MLP's tail" in reason and "0.5" in reason and "\n" not in reason
+    differing.drop_tails()  # what a load does with them, keeping its products
+    assert differing.tails == [] and differing.describe() == ""
     fused.uninstall()
     assert not tail.installed and fused.describe() == ""
 
@@ -466,7 +472,7 @@ def test_an_mlp_tail_takes_single_rows_and_leaves_every_other_call_to_the_librar
     mlp.forward(one, loras=["a LoRA"])
     mlp.forward(one, intermediates=True)
     assert mlp.own_calls == 3 and len(rows_in_kernel) == 1
-    assert fused.describe() == "1 MLP tails in their down product"
+    assert fused.describe() == "1 MLP tails in two kernels"
     fused.uninstall()
     mlp.forward(one)
     assert mlp.own_calls == 4 and len(rows_in_kernel) == 1

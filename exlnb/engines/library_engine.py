@@ -31,7 +31,7 @@ from exlnb.engines.base import (
 )
 from exlnb.engines.checks import check_prompt_fits
 from exlnb.engines.device_sampling import DeviceDraws, JobDraw, Row, device_sampling_on
-from exlnb.engines.fused_products import CHECK_TEXT, FusedProducts, check_fused, fused_products_on
+from exlnb.engines.fused_products import CHECK_TEXT, FusedProducts, check_fused, check_tails, fused_products_on
 from exlnb.engines.queue_ahead import takes_the_argmax
 from exlnb.engines.token_info import TokenInfo, token_info
 from exlnb.engines.views import PageInfo
@@ -154,6 +154,9 @@ class LibraryEngine(Engine):
             fused.uninstall()
             self._notes.append(f"projections not fused: {reason}")
             return FusedProducts()
+        if (refused := check_tails(fused)) is not None:
+            fused.drop_tails()
+            self._notes.append(f"step tails not used: {refused}")
         return fused
 
     def _decode_line(self) -> str:

@@ -45,8 +45,10 @@ COMBINE_SPLITS = 16  # splits the combine kernel reads at once
 
 def split_keys() -> int:
     """Keys per split: `EXLNB_DECODE_SPLIT_KEYS` where it is set (a multiple of BLOCK_KEYS; read at each launch, so
-    a captured graph keeps what it saw), else SPLIT_KEYS. Fewer, longer splits read more keys a program and leave
-    fewer partial sums to combine; the speed suite times 512 against 256 in turns (kit-ENGINE-split512/-split256)."""
+    a captured graph keeps what it saw: set it before a model loads, since graphs captured before a change would
+    split otherwise than eager steps after it), else SPLIT_KEYS. Fewer, longer splits read more keys a program and
+    leave fewer partial sums to combine; the speed suite times 512 against 256 in turns (kit-ENGINE-split512 and
+    kit-ENGINE-split256)."""
     value = os.environ.get("EXLNB_DECODE_SPLIT_KEYS")
     if value is None:
         return SPLIT_KEYS

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from exlnb.engines.cuda_graphs import relative_difference
-from exlnb.engines.fused_products import TailKind
+from exlnb.engines.fused_products import TailKind, random_probe
 
 ATTENTION_TAILS = TailKind(
     "attention tails with the residual in o", "an attention's tail differs from the library's attention"
@@ -213,9 +213,9 @@ class AttentionTail:
 
         attention, device = self.attention, self.o_weight.device
         shape = (1, PAGED_PAGE_SIZE, attention.num_key_value_heads, attention.head_dim)
-        page = _ScratchPage(*(torch.randn(shape, dtype=torch.half, device=device) for _ in range(2)))
-        position = int(torch.randint(0, PAGED_PAGE_SIZE, ()))
-        x = torch.randn(1, 1, self.hidden, dtype=torch.half, device=device)
+        page = _ScratchPage(*(random_probe(*shape, dtype=torch.half, device=device, seed=seed) for seed in (1, 2)))
+        position = int(torch.randint(0, PAGED_PAGE_SIZE, (), generator=torch.Generator().manual_seed(0)))
+        x = random_probe(1, 1, self.hidden, dtype=torch.half, device=device)
         worst = 0.0
         for sequential in (True, False):
             own_page, tail_page = page.clone(), page.clone()

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from exlnb.engines.cuda_graphs import relative_difference
-from exlnb.engines.fused_products import MLP_TAILS
+from exlnb.engines.fused_products import MLP_TAILS, random_probe
 
 
 def mlp_tail_on() -> bool:
@@ -64,7 +64,7 @@ class MlpTail:
     def differs(self) -> float:
         """The tail's largest difference from the library's own MLP on a random row, over the largest output (0: the
         same bits, as it should be)."""
-        x = torch.randn(1, 1, self.hidden, dtype=torch.half, device=self.down.device)
+        x = random_probe(1, 1, self.hidden, dtype=torch.half, device=self.down.device)
         own = type(self.mlp).forward_torch(self.mlp, x.clone())
         return relative_difference(self.forward_torch(x).float(), own.float())
 

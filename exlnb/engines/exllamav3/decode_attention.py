@@ -29,6 +29,7 @@ import torch
 from exlnb.engines.base import one_line
 from exlnb.engines.cuda_graphs import beyond_tolerance, relative_difference
 from exlnb.engines.exllamav2.paged_attention import decodes_on_triton  # one switch for both engines
+from exlnb.engines.fused_products import random_probe
 
 MEMO_KEY = "fn"  # where exllamav3 1.6.5's attn_dispatch keeps the function that took an fp16 cache's last call
 
@@ -155,13 +156,10 @@ def check_decode_attention(attention, page_size: int) -> str | None:
 
     heads, kv_heads, dim = attention.num_q_heads, attention.num_kv_heads, attention.head_dim
     device = torch.device(attention.device)
-    generator = torch.Generator(device=device).manual_seed(0)
-
-    def random(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator, device=device).half()
-
-    q, k, v = random(1, 1, heads, dim), random(1, 1, kv_heads, dim), random(1, 1, kv_heads, dim)
-    k_cache, v_cache = random(3, page_size, kv_heads, dim), random(3, page_size, kv_heads, dim)
+    shapes = ((1, 1, heads, dim), (1, 1, kv_heads, dim), (1, 1, kv_heads, dim), *[(3, page_size, kv_heads, dim)] * 2)
+    q, k, v, k_cache, v_cache = (
+        random_probe(*shape, dtype=torch.half, device=device, seed=seed) for seed, shape in enumerate(shapes)
+    )
     table = torch.tensor([[2, 0]], dtype=torch.int32, device=device)
     lengths = torch.tensor([page_size + 37], dtype=torch.int32, device=device)
     outcomes = []

@@ -27,6 +27,7 @@ from exlnb.engines.fused_products import (
     RowProduct,
     alike_fp16_on_cuda,
     owns_its_allocation,
+    random_probe,
     stack_without_copy,
 )
 
@@ -91,7 +92,7 @@ def _row_product(linear) -> RowProduct | None:
     weight = inner.weight
     if not owns_its_allocation(weight):
         return None
-    probe = torch.randn(2, weight.shape[0], dtype=weight.dtype, device=weight.device)
+    probe = random_probe(2, weight.shape[0], dtype=weight.dtype, device=weight.device)
     before = linear.forward(probe, {})
     inner.weight = weight.t().contiguous().t()
     inner.forward = _transposed_product(inner)
