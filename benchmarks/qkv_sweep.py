@@ -1,0 +1,157 @@
+"""The attention's norm and its q, k and v product at one row, each way exlnb could run them; JSON out.
+
+    python -m benchmarks qkv-sweep [--out DIR]
+
+On an H200 the ExLlamaV2 engine's 7B step spent 0.174 ms on 65 RMS-norm launches and 0.883 ms on q, k and v, one
+cuBLAS batched product a layer over an input-major stack, reading 3.22 GB at 85 % of copy bandwidth where gate and
+up read at 94 % (benchmarks/results/speed-nvidia-h200-2026-11-29-c). 1.3x the floor needs about 0.12 ms more than
+the MLP and attention tails give, which is about what a norm folded into a q, k and v product at 89 % would save.
+This replays 32 layers of norm and q, k and v (4096 -> 3 x 4096) from one CUDA graph, each way:
+- `norm_then_bmm_kn`: the RMS norm (exllamav2's kernel where it is installed, else torch's ops), then `torch.bmm`
+  over the input-major stack (3, 4096, 4096), as the fused group runs it today;
+- `norm_then_gemv_nk`: the same norm, then exlnb's GEMV over the output-major (12288, 4096);
+- `normed_nk_bnB_bkK_wW_sS`: one Triton kernel whose every program computes the row's RMS itself, then reads rows
+  of the output-major weights;
+- `normed_kn_bnB_bkK_wW_sS`: the same over the input-major weights (4096, 12288), each program a block of
+  contiguous outputs.
+Median and best of 20 replays, the weights' bytes over the median, and each way's largest difference from the
+first, over its largest output. CUDA only (the kernels run in Triton's interpreter for the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from benchmarks.gemv import copy_bytes_per_s
+from benchmarks.gemv_sweep import timed
+from benchmarks.harness import device_slug, environment, new_result_path, write_json
+
+TRITON = importlib.util.find_spec("triton") is not None
+if TRITON:
+    import triton
+    import triton.language as tl
+
+LAYERS, HIDDEN, EPS = 32, 4096, 1e-5
+OUTPUT_MAJOR = [(16, 1024, 8, 3), (16, 512, 4, 3), (32, 512, 8, 3), (8, 1024, 4, 3), (16, 256, 4, 4)]
+INPUT_MAJOR = [(64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (256, 32, 8, 3), (32, 128, 4, 3), (64, 128, 8, 4)]
+
+
+if TRITON:
+
+    @triton.jit
+    def _inverse_rms(x, K: tl.constexpr, eps, BLOCK_K: tl.constexpr):
+        """1 / sqrt(mean(x * x) + eps) over the row, in float32 (every program reads the row whole)."""
+        squares = tl.zeros((BLOCK_K,), tl.float32)
+        for first in range(0, K, BLOCK_K):
+            k = first + tl.arange(0, BLOCK_K)
+            values = tl.load(x + k, mask=k < K, other=0.0).to(tl.float32)
+            squares += values * values
+        return 1.0 / tl.sqrt(tl.sum(squares, 0) / K + eps)
+
+    @triton.jit
+    def normed_row_times_matrix(
+        x, norm, w, out, eps, N, K: tl.constexpr, stride_n, stride_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+    ):
+        """out = rmsnorm(x) @ W for W's element (k, n) at w + n * stride_n + k * stride_k: output-major weights
+        (stride_k 1) or input-major (stride_n 1), which Triton, specialising a stride of 1, reads along their
+        contiguous side. The normed row is rounded to fp16, as the norm's kernel writes it."""
+        scale = _inverse_rms(x, K, eps, BLOCK_K)
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        real_n = n < N
+        sums = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        for first in range(0, K, BLOCK_K):
+            k = first + tl.arange(0, BLOCK_K)
+            real_k = k < K
+            normed = tl.load(x + k, mask=real_k, other=0.0).to(tl.float32) * scale
+            normed = (normed * tl.load(norm + k, mask=real_k, other=0.0).to(tl.float32)).to(tl.float16)
+            at = w + n[:, None] * stride_n + k[None, :] * stride_k  # int32: a 7B layer's 50 M weights fit
+            tile = tl.load(at, mask=real_n[:, None] & real_k[None, :])
+            sums += tile.to(tl.float32) * normed.to(tl.float32)[None, :]
+        tl.store(out + n, tl.sum(sums, 1).to(out.dtype.element_ty), mask=real_n)
+
+
+def normed_product(x, norm, weight, output_major: bool, config: tuple, eps: float = EPS) -> torch.Tensor:
+    """rmsnorm(x) times q, k and v at one row, in one launch: weight (N, K) output-major or (K, N) input-major;
+    config is (outputs a program, inputs a tile, warps, stages). Returns N fp16 outputs."""
+    block_n, block_k, warps, stages = config
+    outputs, inputs = weight.shape if output_major else weight.shape[::-1]
+    stride_n, stride_k = weight.stride() if output_major else weight.stride()[::-1]
+    out = torch.empty(outputs, dtype=torch.half, device=x.device)
+    normed_row_times_matrix[(triton.cdiv(outputs, block_n),)](
+        x, norm, weight, out, eps, outputs, inputs, stride_n, stride_k, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def rms_norm(x: torch.Tensor, norm: torch.Tensor, eps: float = EPS) -> torch.Tensor:
+    """exllamav2's RMS norm kernel where it is installed (as the engine runs it), else the same in torch's ops."""
+    if importlib.util.find_spec("exllamav2") is not None and x.is_cuda:
+        from exllamav2.ext import exllamav2_ext as ext_c
+
+        out = torch.empty_like(x)
+        ext_c.rms_norm(x.view(1, -1), norm, out.view(1, -1), eps)
+        return out
+    scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (x.float() * scale * norm.float()).half()
+
+
+def ways(x, norm, input_major: list, output_major: list, flat: list) -> dict[str, Callable[[], list[torch.Tensor]]]:
+    """Each way of running every layer's norm and q, k and v: name -> a call returning the layers' outputs. Each
+    layer's weights as the (3, K, N) stack the fused group holds, as one output-major (3N, K) matrix, and as one
+    input-major (K, 3N) matrix, the three products' columns side by side."""
+    from exlnb.engines.gemv import row_times_matrix
+
+    def bmm(stack):
+        return torch.bmm(rms_norm(x, norm).view(1, 1, -1).expand(3, -1, -1), stack).view(-1)
+
+    found = {
+        "norm_then_bmm_kn": lambda: [bmm(stack) for stack in input_major],
+        "norm_then_gemv_nk": lambda: [row_times_matrix(rms_norm(x, norm), w, torch.half) for w in output_major],
+    }
+    for config in OUTPUT_MAJOR:
+        found["normed_nk_bn{}_bk{}_w{}_s{}".format(*config)] = lambda c=config: [
+            normed_product(x, norm, w, True, c) for w in output_major
+        ]
+    for config in INPUT_MAJOR:
+        found["normed_kn_bn{}_bk{}_w{}_s{}".format(*config)] = lambda c=config: [
+            normed_product(x, norm, w, False, c) for w in flat
+        ]
+    return found
+
+
+def layouts(stacks: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each (3, K, N) stack as one output-major (3N, K) matrix and as one input-major (K, 3N) matrix (copies)."""
+    output_major = [stack.transpose(1, 2).reshape(-1, stack.shape[1]).contiguous() for stack in stacks]
+    flat = [torch.cat(list(stack), dim=1).contiguous() for stack in stacks]
+    return output_major, flat
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks qkv-sweep", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or not TRITON:
+        parser.exit(2, "python -m benchmarks qkv-sweep needs a CUDA GPU and triton\n")
+    torch.manual_seed(0)
+    input_major = [torch.randn(3, HIDDEN, HIDDEN, device="cuda").half() * 0.02 for _ in range(LAYERS)]
+    output_major, flat = layouts(input_major)
+    x, norm = torch.randn(HIDDEN, device="cuda").half(), (1 + 0.1 * torch.randn(HIDDEN, device="cuda")).half()
+    record = {"environment": environment(), "copy_bandwidth_bytes_per_s": copy_bytes_per_s(cuda=True)}
+    weight_bytes = LAYERS * 3 * HIDDEN * HIDDEN * 2
+    results = record.setdefault("results", {"weight_bytes": weight_bytes})
+    reference = None
+    for name, fn in ways(x, norm, input_major, output_major, flat).items():
+        timed(results, name, fn, weight_bytes)
+        first = fn()[0].float()
+        reference = first if reference is None else reference
+        results[name]["max_rel_diff"] = float((first - reference).abs().max() / reference.abs().max())
+    path = new_result_path(args.out, f"qkv-sweep-{device_slug(record['environment'])}")
+    write_json(path, record, indent=1)
+    print(f"wrote {path}")
+    return record
