@@ -12,8 +12,8 @@ This replays 32 layers of norm and q, k and v (4096 -> 3 x 4096) from one CUDA g
 - `norm_then_gemv_nk`: the same norm, then exlnb's GEMV over the output-major (12288, 4096);
 - `normed_nk_bnB_bkK_wW_sS`: one Triton kernel whose every program computes the row's RMS itself, then reads rows
   of the output-major weights;
-- `normed_kn_bnB_bkK_wW_sS`: the same over the input-major weights (4096, 12288), each program a block of
-  contiguous outputs.
+- `normed_kn_bnB_bkK_wW_sS`: the same over the fused group's input-major stack as it lies, each program a block of
+  contiguous outputs of one product: no weight laid out again.
 Median and best of 20 replays, the weights' bytes over the median, and each way's largest difference from the
 first, over its largest output. CUDA only (the kernels run in Triton's interpreter for the tests).
 """
@@ -55,36 +55,54 @@ if TRITON:
 
     @triton.jit
     def normed_row_times_matrix(
-        x, norm, w, out, eps, N, K: tl.constexpr, stride_n, stride_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+        x,
+        norm,
+        w,
+        out,
+        eps,
+        N,
+        K: tl.constexpr,
+        SLICE: tl.constexpr,
+        slice_stride,
+        stride_n,
+        stride_k,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):
-        """out = rmsnorm(x) @ W for W's element (k, n) at w + n * stride_n + k * stride_k: output-major weights
-        (stride_k 1) or input-major (stride_n 1), which Triton, specialising a stride of 1, reads along their
+        """out = rmsnorm(x) @ W for W's element (k, n) at w + (n // SLICE) * slice_stride + (n % SLICE) * stride_n
+        + k * stride_k: SLICE outputs a product, so q, k and v read as they lie, output-major (stride_k 1) or as the
+        fused group's input-major stack (stride_n 1), which Triton, specialising a stride of 1, reads along its
         contiguous side. The normed row is rounded to fp16, as the norm's kernel writes it."""
         scale = _inverse_rms(x, K, eps, BLOCK_K)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         real_n = n < N
+        rows = w + (n // SLICE) * slice_stride + (n % SLICE) * stride_n  # int32: a 7B layer's 50 M weights fit
         sums = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         for first in range(0, K, BLOCK_K):
             k = first + tl.arange(0, BLOCK_K)
             real_k = k < K
             normed = tl.load(x + k, mask=real_k, other=0.0).to(tl.float32) * scale
             normed = (normed * tl.load(norm + k, mask=real_k, other=0.0).to(tl.float32)).to(tl.float16)
-            at = w + n[:, None] * stride_n + k[None, :] * stride_k  # int32: a 7B layer's 50 M weights fit
-            tile = tl.load(at, mask=real_n[:, None] & real_k[None, :])
+            tile = tl.load(rows[:, None] + k[None, :] * stride_k, mask=real_n[:, None] & real_k[None, :])
             sums += tile.to(tl.float32) * normed.to(tl.float32)[None, :]
         tl.store(out + n, tl.sum(sums, 1).to(out.dtype.element_ty), mask=real_n)
 
 
-def normed_product(x, norm, weight, output_major: bool, config: tuple, eps: float = EPS) -> torch.Tensor:
-    """rmsnorm(x) times q, k and v at one row, in one launch: weight (N, K) output-major or (K, N) input-major;
-    config is (outputs a program, inputs a tile, warps, stages). Returns N fp16 outputs."""
+def normed_product(x, norm, weight, config: tuple, eps: float = EPS) -> torch.Tensor:
+    """rmsnorm(x) times q, k and v at one row, in one launch, their outputs one after the other: weight the
+    output-major (3N, K) matrix or the fused group's input-major (3, K, N) stack; config is (outputs a program,
+    inputs a tile, warps, stages), a program's outputs within one product. Returns 3N fp16 outputs."""
     block_n, block_k, warps, stages = config
-    outputs, inputs = weight.shape if output_major else weight.shape[::-1]
-    stride_n, stride_k = weight.stride() if output_major else weight.stride()[::-1]
-    out = torch.empty(outputs, dtype=torch.half, device=x.device)
-    normed_row_times_matrix[(triton.cdiv(outputs, block_n),)](
-        x, norm, weight, out, eps, outputs, inputs, stride_n, stride_k, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages,
+    if weight.dim() == 3:  # (3, K, N), input-major
+        slices, inputs, outputs = weight.shape
+        slice_stride, stride_k, stride_n = weight.stride()
+    else:  # (3N, K), output-major: one slice of all its rows
+        (outputs, inputs), slices = weight.shape, 1
+        (stride_n, stride_k), slice_stride = weight.stride(), 0
+    out = torch.empty(slices * outputs, dtype=torch.half, device=x.device)
+    normed_row_times_matrix[(triton.cdiv(slices * outputs, block_n),)](
+        x, norm, weight, out, eps, slices * outputs, inputs, outputs, slice_stride, stride_n, stride_k,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -101,35 +119,29 @@ def rms_norm(x: torch.Tensor, norm: torch.Tensor, eps: float = EPS) -> torch.Ten
     return (x.float() * scale * norm.float()).half()
 
 
-def ways(x, norm, input_major: list, output_major: list, flat: list) -> dict[str, Callable[[], list[torch.Tensor]]]:
+def ways(x, norm, stacks: list, output_major: list) -> dict[str, Callable[[], list[torch.Tensor]]]:
     """Each way of running every layer's norm and q, k and v: name -> a call returning the layers' outputs. Each
-    layer's weights as the (3, K, N) stack the fused group holds, as one output-major (3N, K) matrix, and as one
-    input-major (K, 3N) matrix, the three products' columns side by side."""
+    layer's weights as the (3, K, N) stack the fused group holds, and as one output-major (3N, K) matrix."""
     from exlnb.engines.gemv import row_times_matrix
 
     def bmm(stack):
         return torch.bmm(rms_norm(x, norm).view(1, 1, -1).expand(3, -1, -1), stack).view(-1)
 
     found = {
-        "norm_then_bmm_kn": lambda: [bmm(stack) for stack in input_major],
+        "norm_then_bmm_kn": lambda: [bmm(stack) for stack in stacks],
         "norm_then_gemv_nk": lambda: [row_times_matrix(rms_norm(x, norm), w, torch.half) for w in output_major],
     }
-    for config in OUTPUT_MAJOR:
-        found["normed_nk_bn{}_bk{}_w{}_s{}".format(*config)] = lambda c=config: [
-            normed_product(x, norm, w, True, c) for w in output_major
-        ]
-    for config in INPUT_MAJOR:
-        found["normed_kn_bn{}_bk{}_w{}_s{}".format(*config)] = lambda c=config: [
-            normed_product(x, norm, w, False, c) for w in flat
-        ]
+    for layout, weights, configs in (("nk", output_major, OUTPUT_MAJOR), ("kn", stacks, INPUT_MAJOR)):
+        for config in configs:
+            found["normed_{}_bn{}_bk{}_w{}_s{}".format(layout, *config)] = lambda c=config, ws=weights: [
+                normed_product(x, norm, w, c) for w in ws
+            ]
     return found
 
 
-def layouts(stacks: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each (3, K, N) stack as one output-major (3N, K) matrix and as one input-major (K, 3N) matrix (copies)."""
-    output_major = [stack.transpose(1, 2).reshape(-1, stack.shape[1]).contiguous() for stack in stacks]
-    flat = [torch.cat(list(stack), dim=1).contiguous() for stack in stacks]
-    return output_major, flat
+def output_major_of(stacks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each (3, K, N) stack as one output-major (3N, K) matrix, q's rows, then k's, then v's (copies)."""
+    return [stack.transpose(1, 2).reshape(-1, stack.shape[1]).contiguous() for stack in stacks]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -140,13 +152,13 @@ def main(argv: list[str] | None = None) -> dict:
         parser.exit(2, "python -m benchmarks qkv-sweep needs a CUDA GPU and triton\n")
     torch.manual_seed(0)
     input_major = [torch.randn(3, HIDDEN, HIDDEN, device="cuda").half() * 0.02 for _ in range(LAYERS)]
-    output_major, flat = layouts(input_major)
+    output_major = output_major_of(input_major)
     x, norm = torch.randn(HIDDEN, device="cuda").half(), (1 + 0.1 * torch.randn(HIDDEN, device="cuda")).half()
     record = {"environment": environment(), "copy_bandwidth_bytes_per_s": copy_bytes_per_s(cuda=True)}
     weight_bytes = LAYERS * 3 * HIDDEN * HIDDEN * 2
     results = record.setdefault("results", {"weight_bytes": weight_bytes})
     reference = None
-    for name, fn in ways(x, norm, input_major, output_major, flat).items():
+    for name, fn in ways(x, norm, input_major, output_major).items():
         timed(results, name, fn, weight_bytes)
         first = fn()[0].float()
         reference = first if reference is None else reference
