@@ -27,9 +27,9 @@ SUITES = {
         "gemv_sweep",
         "a 7B step's o and down products and its decode attention, each way of launching them (CUDA)",
     ),
-    "qkv-sweep": (
-        "qkv_sweep",
-        "a 7B attention's norm and q, k and v product at one row, each way exlnb could run them (CUDA)",
+    "norm-product-sweep": (
+        "norm_product_sweep",
+        "a 7B layer's norms and the fused products after them at one row, each way exlnb could run them (CUDA)",
     ),
     "kit-overhead": ("kit_overhead", "what the session adds per token, the model replaced by a fixed-cost step"),
     "profile-decode": ("profile_decode", "the torch profiler over decode steps"),

@@ -109,7 +109,7 @@ def test_one_entry_names_every_suite_and_refuses_an_unknown_one_in_one_line():
     [
         ("graphs", "needs a CUDA GPU and exllamav2 and exllamav3"),
         ("gemv-sweep", "needs a CUDA GPU"),
-        ("qkv-sweep", "needs a CUDA GPU"),
+        ("norm-product-sweep", "needs a CUDA GPU"),
     ],
 )
 def test_a_gpu_suite_refuses_in_one_line_without_cuda_and_writes_nothing(tmp_path, suite, says):

@@ -1,9 +1,9 @@
 """exlnb's GEMV (engines/gemv.py) against torch's product: shapes that fill its blocks and shapes that do not, both
 output types, the residual added as it writes; the gated activation (engines/gated_activation.py) against torch's
-three kernels; and the q, k and v sweep's GEMV with the norm folded in (benchmarks/qkv_sweep.py) against the norm
-and the product. Compiled on CUDA (`-m gpu`), eagerly and inside a CUDA graph; without CUDA in Triton's
-interpreter, which must be on before the kernels are defined (set at this module's top where there is no CUDA).
-Skipped where triton is not installed."""
+three kernels; and the norm-product sweep's GEMV with the norm folded in (benchmarks/norm_product_sweep.py)
+against the norm and the product. Compiled on CUDA (`-m gpu`), eagerly and inside a CUDA graph; without CUDA in
+Triton's interpreter, which must be on before the kernels are defined (set at this module's top where there is no
+CUDA). Skipped where triton is not installed."""
 
 from __future__ import annotations
 
@@ -119,27 +119,30 @@ def test_the_gated_activation_is_torch_s_silu_multiply_and_clamp(device, inputs)
         assert got[..., 0].item() == 65504.0 and got[..., 1].item() == -65504.0 and got[..., 2].isnan().item()
 
 
-# -- the q, k and v sweep's one-launch kernel (benchmarks/qkv_sweep.py), a GEMV with the norm folded in --------
+# -- the norm-product sweep's one-launch kernel (benchmarks/norm_product_sweep.py), a GEMV with the norm folded in -
 
 
 @pytest.mark.parametrize("output_major", [True, False], ids=["output-major", "input-major-stack"])
 @pytest.mark.parametrize("config", [(8, 64, 4, 2), (32, 128, 4, 3)])
-def test_one_launch_gives_the_norm_then_q_k_and_v_in_the_stack_s_order(device, output_major, config):
-    """The row normed as the norm's kernel writes it (fp16), then each of the stack's three products, their outputs
-    one after the other, whether the weights are read output-major or as the fused group's stack lies; a block of
+@pytest.mark.parametrize("products", [3, 2], ids=["q-k-v", "gate-up"])
+def test_one_launch_gives_the_norm_then_the_group_s_products_in_the_stack_s_order(
+    device, output_major, config, products
+):
+    """The row normed as the norm's kernel writes it (fp16), then each of the stack's products, their outputs one
+    after the other, whether the weights are read output-major or as the fused group's stack lies; a block of
     outputs past the last is masked."""
-    from benchmarks.qkv_sweep import normed_product, output_major_of
+    from benchmarks.norm_product_sweep import normed_product, output_major_of
 
     inputs, outputs = 256, 40  # 40 outputs a product: not a multiple of any block
     g = torch.Generator().manual_seed(inputs + outputs)
-    stack = (torch.randn(3, inputs, outputs, generator=g) * 0.05).half()
+    stack = (torch.randn(products, inputs, outputs, generator=g) * 0.05).half()
     x = (torch.randn(inputs, generator=g) * 3).half()
     norm = (1 + 0.1 * torch.randn(inputs, generator=g)).half()
     normed = (x.float() * torch.rsqrt(x.float().pow(2).mean() + 1e-5) * norm.float()).half()
-    expected = torch.bmm(normed.float().view(1, 1, -1).expand(3, -1, -1), stack.float()).view(-1)
+    expected = torch.bmm(normed.float().view(1, 1, -1).expand(products, -1, -1), stack.float()).view(-1)
     weight = output_major_of([stack])[0] if output_major else stack
 
     got = normed_product(x.to(device), norm.to(device), weight.to(device), config)
 
-    assert got.shape == (3 * outputs,) and got.dtype == torch.half
+    assert got.shape == (products * outputs,) and got.dtype == torch.half
     torch.testing.assert_close(got.float().cpu(), expected, rtol=2e-3, atol=2e-3)

@@ -1,21 +1,22 @@
-"""The attention's norm and its q, k and v product at one row, each way exlnb could run them; JSON out.
+"""A norm and the fused product after it at one row, each way exlnb could run them; JSON out.
 
-    python -m benchmarks qkv-sweep [--out DIR]
+    python -m benchmarks norm-product-sweep [--out DIR]
 
-On an H200 the ExLlamaV2 engine's 7B step spent 0.174 ms on 65 RMS-norm launches and 0.883 ms on q, k and v, one
-cuBLAS batched product a layer over an input-major stack, reading 3.22 GB at 85 % of copy bandwidth where gate and
-up read at 94 % (benchmarks/results/speed-nvidia-h200-2026-11-29-c). 1.3x the floor needs about 0.12 ms more than
-the MLP and attention tails give, which is about what a norm folded into a q, k and v product at 89 % would save.
-This replays 32 layers of norm and q, k and v (4096 -> 3 x 4096) from one CUDA graph, each way:
+On an H200 the ExLlamaV2 engine's 7B step spent 0.174 ms on 65 RMS-norm launches, 0.883 ms on q, k and v (one
+cuBLAS batched product a layer over an input-major stack, 3.22 GB at 85 % of copy bandwidth) and 1.429 ms on gate
+and up (the same, 5.77 GB at 94 %) (benchmarks/results/speed-nvidia-h200-2026-11-29-c). 1.3x the floor needs about
+0.12 ms more than the MLP and attention tails give, which is about what a norm folded into the q, k and v product
+at 89 % would save. For each group (an attention's q, k and v: 4096 -> 3 x 4096; an MLP's gate and up: 4096 ->
+2 x 11008) this replays 32 layers of the norm and the product from one CUDA graph, each way:
 - `norm_then_bmm_kn`: the RMS norm (exllamav2's kernel where it is installed, else torch's ops), then `torch.bmm`
-  over the input-major stack (3, 4096, 4096), as the fused group runs it today;
-- `norm_then_gemv_nk`: the same norm, then exlnb's GEMV over the output-major (12288, 4096);
+  over the input-major stack, as the fused group runs it today;
+- `norm_then_gemv_nk`: the same norm, then exlnb's GEMV over output-major weights;
 - `normed_nk_bnB_bkK_wW_sS`: one Triton kernel whose every program computes the row's RMS itself, then reads rows
   of the output-major weights;
 - `normed_kn_bnB_bkK_wW_sS`: the same over the fused group's input-major stack as it lies, each program a block of
   contiguous outputs of one product: no weight laid out again.
 Median and best of 20 replays, the weights' bytes over the median, and each way's largest difference from the
-first, over its largest output. CUDA only (the kernels run in Triton's interpreter for the tests).
+first, over its largest output. CUDA only (the kernel runs in Triton's interpreter for the tests).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ if TRITON:
     import triton.language as tl
 
 LAYERS, HIDDEN, EPS = 32, 4096, 1e-5
+GROUPS = {"qkv": (3, 4096), "gate_up": (2, 11008)}  # the fused group's products, and the outputs of each
 OUTPUT_MAJOR = [(16, 1024, 8, 3), (16, 512, 4, 3), (32, 512, 8, 3), (8, 1024, 4, 3), (16, 256, 4, 4)]
 INPUT_MAJOR = [(64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (256, 32, 8, 3), (32, 128, 4, 3), (64, 128, 8, 4)]
 
@@ -89,14 +91,14 @@ if TRITON:
 
 
 def normed_product(x, norm, weight, config: tuple, eps: float = EPS) -> torch.Tensor:
-    """rmsnorm(x) times q, k and v at one row, in one launch, their outputs one after the other: weight the
-    output-major (3N, K) matrix or the fused group's input-major (3, K, N) stack; config is (outputs a program,
-    inputs a tile, warps, stages), a program's outputs within one product. Returns 3N fp16 outputs."""
+    """rmsnorm(x) times a fused group's products at one row, in one launch, their outputs one after the other:
+    weight the output-major (PN, K) matrix or the group's input-major (P, K, N) stack; config is (outputs a program,
+    inputs a tile, warps, stages), a program's outputs within one product. Returns PN fp16 outputs."""
     block_n, block_k, warps, stages = config
-    if weight.dim() == 3:  # (3, K, N), input-major
+    if weight.dim() == 3:  # (P, K, N), input-major
         slices, inputs, outputs = weight.shape
         slice_stride, stride_k, stride_n = weight.stride()
-    else:  # (3N, K), output-major: one slice of all its rows
+    else:  # (PN, K), output-major: one slice of all its rows
         (outputs, inputs), slices = weight.shape, 1
         (stride_n, stride_k), slice_stride = weight.stride(), 0
     out = torch.empty(slices * outputs, dtype=torch.half, device=x.device)
@@ -120,12 +122,12 @@ def rms_norm(x: torch.Tensor, norm: torch.Tensor, eps: float = EPS) -> torch.Ten
 
 
 def ways(x, norm, stacks: list, output_major: list) -> dict[str, Callable[[], list[torch.Tensor]]]:
-    """Each way of running every layer's norm and q, k and v: name -> a call returning the layers' outputs. Each
-    layer's weights as the (3, K, N) stack the fused group holds, and as one output-major (3N, K) matrix."""
+    """Each way of running every layer's norm and fused products: name -> a call returning the layers' outputs.
+    Each layer's weights as the (P, K, N) stack the fused group holds, and as one output-major (PN, K) matrix."""
     from exlnb.engines.gemv import row_times_matrix
 
     def bmm(stack):
-        return torch.bmm(rms_norm(x, norm).view(1, 1, -1).expand(3, -1, -1), stack).view(-1)
+        return torch.bmm(rms_norm(x, norm).view(1, 1, -1).expand(len(stack), -1, -1), stack).view(-1)
 
     found = {
         "norm_then_bmm_kn": lambda: [bmm(stack) for stack in stacks],
@@ -140,30 +142,33 @@ def ways(x, norm, stacks: list, output_major: list) -> dict[str, Callable[[], li
 
 
 def output_major_of(stacks: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each (3, K, N) stack as one output-major (3N, K) matrix, q's rows, then k's, then v's (copies)."""
+    """Each (P, K, N) stack as one output-major (PN, K) matrix, the first product's rows first (copies)."""
     return [stack.transpose(1, 2).reshape(-1, stack.shape[1]).contiguous() for stack in stacks]
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks qkv-sweep", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks norm-product-sweep", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or not TRITON:
-        parser.exit(2, "python -m benchmarks qkv-sweep needs a CUDA GPU and triton\n")
-    torch.manual_seed(0)
-    input_major = [torch.randn(3, HIDDEN, HIDDEN, device="cuda").half() * 0.02 for _ in range(LAYERS)]
-    output_major = output_major_of(input_major)
-    x, norm = torch.randn(HIDDEN, device="cuda").half(), (1 + 0.1 * torch.randn(HIDDEN, device="cuda")).half()
+        parser.exit(2, "python -m benchmarks norm-product-sweep needs a CUDA GPU and triton\n")
     record = {"environment": environment(), "copy_bandwidth_bytes_per_s": copy_bytes_per_s(cuda=True)}
-    weight_bytes = LAYERS * 3 * HIDDEN * HIDDEN * 2
-    results = record.setdefault("results", {"weight_bytes": weight_bytes})
-    reference = None
-    for name, fn in ways(x, norm, input_major, output_major).items():
-        timed(results, name, fn, weight_bytes)
-        first = fn()[0].float()
-        reference = first if reference is None else reference
-        results[name]["max_rel_diff"] = float((first - reference).abs().max() / reference.abs().max())
-    path = new_result_path(args.out, f"qkv-sweep-{device_slug(record['environment'])}")
-    write_json(path, record, indent=1)
+    path = new_result_path(args.out, f"norm-product-sweep-{device_slug(record['environment'])}")
+    for group, (products, outputs) in GROUPS.items():
+        torch.manual_seed(0)
+        stacks = [torch.randn(products, HIDDEN, outputs, device="cuda").half() * 0.02 for _ in range(LAYERS)]
+        x, norm = torch.randn(HIDDEN, device="cuda").half(), (1 + 0.1 * torch.randn(HIDDEN, device="cuda")).half()
+        results = record.setdefault(group, {"weight_bytes": LAYERS * products * HIDDEN * outputs * 2})
+        reference = None
+        for name, fn in ways(x, norm, stacks, output_major_of(stacks)).items():
+            timed(results, name, fn, results["weight_bytes"])
+            first = fn()[0].float()
+            reference = first if reference is None else reference
+            results[name]["max_rel_diff"] = float((first - reference).abs().max() / reference.abs().max())
+        del stacks
+        torch.cuda.empty_cache()
+        write_json(path, record, indent=1)
     print(f"wrote {path}")
     return record
