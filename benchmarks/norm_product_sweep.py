@@ -11,8 +11,8 @@ at 89 % would save. For each group (an attention's q, k and v: 4096 -> 3 x 4096;
 - `norm_then_bmm_kn`: the RMS norm (exllamav2's kernel where it is installed, else torch's ops), then `torch.bmm`
   over the input-major stack, as the fused group runs it today;
 - `norm_then_gemv_nk`: the same norm, then exlnb's GEMV over output-major weights;
-- `normed_nk_bnB_bkK_wW_sS`: one Triton kernel whose every program computes the row's RMS itself, then reads rows
-  of the output-major weights;
+- `normed_nk_bnB_bkK_wW_sS`: one Triton kernel (exlnb/engines/normed_gemv.py) whose every program computes the
+  row's RMS itself, then reads rows of the output-major weights;
 - `normed_kn_bnB_bkK_wW_sS`: the same over the fused group's input-major stack as it lies, each program a block of
   contiguous outputs of one product: no weight laid out again.
 Median and best of 20 replays, the weights' bytes over the median, and each way's largest difference from the
@@ -33,80 +33,10 @@ from benchmarks.gemv_sweep import timed
 from benchmarks.harness import device_slug, environment, new_result_path, write_json
 
 TRITON = importlib.util.find_spec("triton") is not None
-if TRITON:
-    import triton
-    import triton.language as tl
-
 LAYERS, HIDDEN, EPS = 32, 4096, 1e-5
 GROUPS = {"qkv": (3, 4096), "gate_up": (2, 11008)}  # the fused group's products, and the outputs of each
 OUTPUT_MAJOR = [(16, 1024, 8, 3), (16, 512, 4, 3), (32, 512, 8, 3), (8, 1024, 4, 3), (16, 256, 4, 4)]
 INPUT_MAJOR = [(64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (256, 32, 8, 3), (32, 128, 4, 3), (64, 128, 8, 4)]
-
-
-if TRITON:
-
-    @triton.jit
-    def _inverse_rms(x, K: tl.constexpr, eps, BLOCK_K: tl.constexpr):
-        """1 / sqrt(mean(x * x) + eps) over the row, in float32 (every program reads the row whole)."""
-        squares = tl.zeros((BLOCK_K,), tl.float32)
-        for first in range(0, K, BLOCK_K):
-            k = first + tl.arange(0, BLOCK_K)
-            values = tl.load(x + k, mask=k < K, other=0.0).to(tl.float32)
-            squares += values * values
-        return 1.0 / tl.sqrt(tl.sum(squares, 0) / K + eps)
-
-    @triton.jit
-    def normed_row_times_matrix(
-        x,
-        norm,
-        w,
-        out,
-        eps,
-        N,
-        K: tl.constexpr,
-        SLICE: tl.constexpr,
-        slice_stride,
-        stride_n,
-        stride_k,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        """out = rmsnorm(x) @ W for W's element (k, n) at w + (n // SLICE) * slice_stride + (n % SLICE) * stride_n
-        + k * stride_k: SLICE outputs a product, so q, k and v read as they lie, output-major (stride_k 1) or as the
-        fused group's input-major stack (stride_n 1), which Triton, specialising a stride of 1, reads along its
-        contiguous side. The normed row is rounded to fp16, as the norm's kernel writes it."""
-        scale = _inverse_rms(x, K, eps, BLOCK_K)
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        real_n = n < N
-        rows = w + (n // SLICE) * slice_stride + (n % SLICE) * stride_n  # int32: a 7B layer's 50 M weights fit
-        sums = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-        for first in range(0, K, BLOCK_K):
-            k = first + tl.arange(0, BLOCK_K)
-            real_k = k < K
-            normed = tl.load(x + k, mask=real_k, other=0.0).to(tl.float32) * scale
-            normed = (normed * tl.load(norm + k, mask=real_k, other=0.0).to(tl.float32)).to(tl.float16)
-            tile = tl.load(rows[:, None] + k[None, :] * stride_k, mask=real_n[:, None] & real_k[None, :])
-            sums += tile.to(tl.float32) * normed.to(tl.float32)[None, :]
-        tl.store(out + n, tl.sum(sums, 1).to(out.dtype.element_ty), mask=real_n)
-
-
-def normed_product(x, norm, weight, config: tuple, eps: float = EPS) -> torch.Tensor:
-    """rmsnorm(x) times a fused group's products at one row, in one launch, their outputs one after the other:
-    weight the output-major (PN, K) matrix or the group's input-major (P, K, N) stack; config is (outputs a program,
-    inputs a tile, warps, stages), a program's outputs within one product. Returns PN fp16 outputs."""
-    block_n, block_k, warps, stages = config
-    if weight.dim() == 3:  # (P, K, N), input-major
-        slices, inputs, outputs = weight.shape
-        slice_stride, stride_k, stride_n = weight.stride()
-    else:  # (PN, K), output-major: one slice of all its rows
-        (outputs, inputs), slices = weight.shape, 1
-        (stride_n, stride_k), slice_stride = weight.stride(), 0
-    out = torch.empty(slices * outputs, dtype=torch.half, device=x.device)
-    normed_row_times_matrix[(triton.cdiv(slices * outputs, block_n),)](
-        x, norm, weight, out, eps, slices * outputs, inputs, outputs, slice_stride, stride_n, stride_k,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return out
 
 
 def rms_norm(x: torch.Tensor, norm: torch.Tensor, eps: float = EPS) -> torch.Tensor:
@@ -125,6 +55,7 @@ def ways(x, norm, stacks: list, output_major: list) -> dict[str, Callable[[], li
     """Each way of running every layer's norm and fused products: name -> a call returning the layers' outputs.
     Each layer's weights as the (P, K, N) stack the fused group holds, and as one output-major (PN, K) matrix."""
     from exlnb.engines.gemv import row_times_matrix
+    from exlnb.engines.normed_gemv import normed_product
 
     def bmm(stack):
         return torch.bmm(rms_norm(x, norm).view(1, 1, -1).expand(len(stack), -1, -1), stack).view(-1)
@@ -136,7 +67,7 @@ def ways(x, norm, stacks: list, output_major: list) -> dict[str, Callable[[], li
     for layout, weights, configs in (("nk", output_major, OUTPUT_MAJOR), ("kn", stacks, INPUT_MAJOR)):
         for config in configs:
             found["normed_{}_bn{}_bk{}_w{}_s{}".format(layout, *config)] = lambda c=config, ws=weights: [
-                normed_product(x, norm, w, c) for w in ws
+                normed_product(x, norm, w, c, EPS) for w in ws
             ]
     return found
 

@@ -95,11 +95,21 @@ KIT_VARIANTS = {
     "kit-exllamav3-ahead-off": ("exllamav3", {"EXLNB_QUEUE_AHEAD": "0"}),
     "kit-exllamav2-ahead-on": ("exllamav2", {"EXLNB_QUEUE_AHEAD": "1"}),
     "kit-exllamav2-ahead-off": ("exllamav2", {"EXLNB_QUEUE_AHEAD": "0"}),
-    # the ExLlamaV2 engine's MLP and attention tails, each alone, both, and neither (mlp_tail.py, attention_tail.py)
-    "kit-exllamav2-mlp-tail": ("exllamav2", {"EXLNB_MLP_TAIL": "1", "EXLNB_ATTENTION_TAIL": "0"}),
-    "kit-exllamav2-attention-tail": ("exllamav2", {"EXLNB_MLP_TAIL": "0", "EXLNB_ATTENTION_TAIL": "1"}),
-    "kit-exllamav2-tails": ("exllamav2", {"EXLNB_MLP_TAIL": "1", "EXLNB_ATTENTION_TAIL": "1"}),
-    "kit-exllamav2-tails-apart": ("exllamav2", {"EXLNB_MLP_TAIL": "0", "EXLNB_ATTENTION_TAIL": "0"}),
+    # the ExLlamaV2 engine's MLP and attention tails, each alone, both, both with the attention's norm folded into
+    # q, k and v, and neither (mlp_tail.py, attention_tail.py)
+    **{
+        f"kit-exllamav2-{name}": (
+            "exllamav2",
+            {"EXLNB_MLP_TAIL": mlp, "EXLNB_ATTENTION_TAIL": attention, "EXLNB_NORM_IN_PRODUCT": folded},
+        )
+        for name, (mlp, attention, folded) in {
+            "mlp-tail": ("1", "0", "0"),
+            "attention-tail": ("0", "1", "0"),
+            "tails": ("1", "1", "0"),
+            "tails-folded": ("1", "1", "1"),
+            "tails-apart": ("0", "0", "0"),
+        }.items()
+    },
     "kit-exllamav3-before-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "1"}),
     "kit-exllamav3-after-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "0"}),
     **_switched("EXLNB_PREFILL_TOGETHER", "prefill-together", "prefill-apart"),

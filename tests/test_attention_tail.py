@@ -20,6 +20,7 @@ from exlnb.engines.exllamav2 import paged_attention
 from exlnb.engines.exllamav2.attention_tail import (
     ATTENTION_TAILS,
     AttentionTail,
+    FoldedNorm,
     attention_tail_on,
     has_a_plain_tail,
     side_by_side,
@@ -256,6 +257,48 @@ def test_a_single_row_takes_the_tail_and_gives_the_library_s_output_and_cache(
     assert len(gemv_rows) == 2
 
 
+def test_a_folded_norm_runs_inside_q_k_and_v_and_gives_the_library_s_output(gemv_rows, monkeypatch):
+    """`EXLNB_NORM_IN_PRODUCT=1`: the row goes to the fused group's stack with its norm in one launch (here a
+    stand-in for normed_gemv's kernel, which needs triton, computing the stand-in norm and the group's product as
+    they compute them); the norm's own forward is not called, q and k still take one RoPE call, the output and the
+    pages are the library's; the status names the fold."""
+    library, attention, _ = _tailed()
+    stacks = []
+
+    def normed_row_times_stack(x, weight, eps, stack):
+        stacks.append(stack)
+        rows = (x.reshape(1, 1, -1) * 0.5).expand(stack.shape[0], -1, -1)  # the stand-in norm, as _Attention's
+        return torch.bmm(rows, stack).view(stack.shape[0], -1)
+
+    monkeypatch.setitem(
+        sys.modules, "exlnb.engines.normed_gemv", SimpleNamespace(normed_row_times_stack=normed_row_times_stack)
+    )
+    folded = FoldedNorm(attention.group.stacked, (0, 1, 2), torch.ones(attention.hidden).half(), 1e-5)
+    tail = AttentionTail(attention, library, folded)
+    fused = FusedProducts([attention.group], tails=iter([tail]))
+    norms = []
+    norm = attention.pre_layernorm.forward
+    attention.pre_layernorm = SimpleNamespace(forward=lambda x: norms.append(x.shape) or norm(x))
+    x, ours = torch.randn(1, 1, attention.hidden).half(), _Cache(HEADS)
+    theirs = ours.clone()
+    expected = type(attention).forward_paged(attention, x, theirs, _Params([5], [[1, 0]]))
+    norms.clear()
+    library.rope_heads.clear()
+
+    out = attention.forward(x, cache=ours, attn_params=_Params([5], [[1, 0]]))
+
+    assert norms == [] and len(stacks) == 1 and stacks[0] is attention.group.stacked
+    assert library.rope_heads == [2 * HEADS] and torch.equal(out, expected)
+    assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+    assert fused.describe() == (
+        "1 fp16 projection groups fused, 1 attention tails with the norm in q, k and v and the residual in o"
+    )
+    attention.forward(
+        torch.randn(2, 1, attention.hidden).half(), cache=_Cache(HEADS), attn_params=_Params([5, 2], [[1, 0], [0, 1]])
+    )
+    assert len(norms) == 1 and len(stacks) == 1  # a batch takes the library's norm and products
+
+
 def test_every_other_call_takes_the_library_s_forward_paged(gemv_rows):
     """Batches, several positions, LoRAs, alternative or offset RoPE and caches other than fp16's take the library's
     own `forward_paged`, as does a single row once the tails are uninstalled."""
@@ -468,5 +511,24 @@ def test_a_tail_that_differs_is_dropped_at_load_and_the_products_kept(monkeypatc
         notes = [note for note in session.status().notes if note.startswith("step tails not used: ")]
         assert len(notes) == 1 and "an attention's tail differs" in notes[0] and "\n" not in notes[0]
         assert "attention tails" not in session.status().decode
+    finally:
+        session.unload()
+
+
+@pytest.mark.gpu
+def test_a_norm_folded_into_q_k_and_v_agrees_with_the_library_s_attention_to_the_load_s_tolerance(monkeypatch, request):
+    """`EXLNB_NORM_IN_PRODUCT=1` on Llama-2-7B's widths (q, k and v one fused group after an RMS norm): the tail
+    folds the norm in, says so, and its load check, against the library's own attention, keeps it."""
+    from exlnb.engines.cuda_graphs import beyond_tolerance
+
+    for variable, value in (("EXLNB_ATTENTION_TAIL", "1"), ("EXLNB_NORM_IN_PRODUCT", "1"), ("EXLNB_MLP_TAIL", "0")):
+        monkeypatch.setenv(variable, value)
+    session = load(request.getfixturevalue("wide_folder"), "exllamav2")
+    try:
+        assert "1 attention tails with the norm in q, k and v and the residual in o" in session.status().decode
+        assert not any(note.startswith("step tails not used") for note in session.status().notes)
+        errors = session.run_on_engine(lambda engine: [tail.differs() for tail in engine.fused.tails])
+        assert len(errors) == 1 and not beyond_tolerance(errors[0])
+        assert session.generate("The capital of France is", max_new_tokens=4).result().new_tokens > 0
     finally:
         session.unload()

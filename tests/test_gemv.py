@@ -1,9 +1,9 @@
 """exlnb's GEMV (engines/gemv.py) against torch's product: shapes that fill its blocks and shapes that do not, both
 output types, the residual added as it writes; the gated activation (engines/gated_activation.py) against torch's
-three kernels; and the norm-product sweep's GEMV with the norm folded in (benchmarks/norm_product_sweep.py)
-against the norm and the product. Compiled on CUDA (`-m gpu`), eagerly and inside a CUDA graph; without CUDA in
-Triton's interpreter, which must be on before the kernels are defined (set at this module's top where there is no
-CUDA). Skipped where triton is not installed."""
+three kernels; and the GEMV with the norm folded in (engines/normed_gemv.py) against the norm and the product.
+Compiled on CUDA (`-m gpu`), eagerly and inside a CUDA graph; without CUDA in Triton's interpreter, which must be
+on before the kernels are defined (set at this module's top where there is no CUDA). Skipped where triton is not
+installed."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def test_the_gated_activation_is_torch_s_silu_multiply_and_clamp(device, inputs)
         assert got[..., 0].item() == 65504.0 and got[..., 1].item() == -65504.0 and got[..., 2].isnan().item()
 
 
-# -- the norm-product sweep's one-launch kernel (benchmarks/norm_product_sweep.py), a GEMV with the norm folded in -
+# -- a GEMV with the norm folded in (engines/normed_gemv.py), as the norm-product sweep times it ----------------
 
 
 @pytest.mark.parametrize("output_major", [True, False], ids=["output-major", "input-major-stack"])
@@ -131,7 +131,8 @@ def test_one_launch_gives_the_norm_then_the_group_s_products_in_the_stack_s_orde
     """The row normed as the norm's kernel writes it (fp16), then each of the stack's products, their outputs one
     after the other, whether the weights are read output-major or as the fused group's stack lies; a block of
     outputs past the last is masked."""
-    from benchmarks.norm_product_sweep import normed_product, output_major_of
+    from benchmarks.norm_product_sweep import output_major_of
+    from exlnb.engines.normed_gemv import normed_product
 
     inputs, outputs = 256, 40  # 40 outputs a product: not a multiple of any block
     g = torch.Generator().manual_seed(inputs + outputs)
@@ -142,7 +143,7 @@ def test_one_launch_gives_the_norm_then_the_group_s_products_in_the_stack_s_orde
     expected = torch.bmm(normed.float().view(1, 1, -1).expand(products, -1, -1), stack.float()).view(-1)
     weight = output_major_of([stack])[0] if output_major else stack
 
-    got = normed_product(x.to(device), norm.to(device), weight.to(device), config)
+    got = normed_product(x.to(device), norm.to(device), weight.to(device), config, 1e-5)
 
     assert got.shape == (products * outputs,) and got.dtype == torch.half
     torch.testing.assert_close(got.float().cpu(), expected, rtol=2e-3, atol=2e-3)

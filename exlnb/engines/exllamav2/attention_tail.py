@@ -13,6 +13,10 @@ every head of q and of k is at the same position (rope.cu reads position `past_l
 num_heads), with the same sin and cos. Under grouped-query attention q has a product of its own, lies apart from
 k, and keeps its own `rope_` call.
 
+With `EXLNB_NORM_IN_PRODUCT=1` as well (off until timed), where q, k and v are one fused group after an RMS norm, the
+norm runs inside their product (`normed_gemv.py`): 32 launches fewer again, its outputs the norm's and the product's
+to the tolerance of every load check rather than to the bit.
+
 Any other call (a prompt, a batch, LoRAs, alternative or offset RoPE, a cache other than fp16's) takes the library's own
 `forward_paged`. A tail is one more of the products `FusedProducts` installs, and a load checks each against the
 library's attention on a random row over a scratch page, its output and the key and value it writes (`check_fused`,
@@ -24,14 +28,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from exlnb.engines.cuda_graphs import relative_difference
-from exlnb.engines.fused_products import TailKind, random_probe
+from exlnb.engines.fused_products import ProductGroup, TailKind, random_probe
 
 ATTENTION_TAILS = TailKind(
     "attention tails with the residual in o", "an attention's tail differs from the library's attention"
+)
+FOLDED_ATTENTION_TAILS = TailKind(
+    "attention tails with the norm in q, k and v and the residual in o",
+    "an attention's tail with its norm in q, k and v differs from the library's attention",
 )
 
 # What `AttentionTail.forward_paged` mirrors of exllamav2 0.3.2's, and where: `attention_tails` checks these first.
@@ -57,6 +66,43 @@ def attention_tail_on() -> bool:
     """Whether the ExLlamaV2 engine runs its single-row attentions with RoPE in one launch and the residual in o
     (off unless `EXLNB_ATTENTION_TAIL=1`, read at each load, until a GPU has timed it)."""
     return os.environ.get("EXLNB_ATTENTION_TAIL", "0") == "1"
+
+
+def norm_in_product_on() -> bool:
+    """Whether an attention tail folds its RMS norm into its fused q, k and v product (off unless
+    `EXLNB_NORM_IN_PRODUCT=1`, read at each load, until a GPU has timed it)."""
+    return os.environ.get("EXLNB_NORM_IN_PRODUCT", "0") == "1"
+
+
+@dataclass(frozen=True)
+class FoldedNorm:
+    """An attention's RMS norm folded into its fused q, k and v product: the group's (3, K, N) input-major stack,
+    q's, k's and v's slots in it, and the norm's weight and epsilon."""
+
+    stack: torch.Tensor
+    slots: tuple[int, ...]
+    weight: torch.Tensor
+    eps: float
+
+    def products(self, hidden_states: torch.Tensor) -> list[torch.Tensor]:
+        """q, k and v of a single row, each a contiguous row of one (3, N) output, so q and k lie side by side."""
+        from exlnb.engines.normed_gemv import normed_row_times_stack  # imports triton: only where a GPU engine loads
+
+        rows = normed_row_times_stack(hidden_states, self.weight, self.eps, self.stack)
+        return [rows[slot] for slot in self.slots]
+
+
+def folded_norm(attention, group: ProductGroup | None) -> FoldedNorm | None:
+    """Where an attention's norm is exllamav2's RMS norm (fp16 weight, no bias) and its q, k and v are one fused
+    group, the norm folded into their product; else None."""
+    from exllamav2.rmsnorm import ExLlamaV2RMSNorm
+
+    norm = attention.pre_layernorm
+    plain_norm = attention.has_norm and type(norm) is ExLlamaV2RMSNorm and norm.bias is None
+    qkv = [attention.q_proj, attention.k_proj, attention.v_proj]
+    if not plain_norm or norm.weight.dtype != torch.half or group is None or group.linears != qkv:
+        return None
+    return FoldedNorm(group.stacked, tuple(group.slots or range(3)), norm.weight.data, norm.variance_epsilon)
 
 
 def side_by_side(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | None:
@@ -104,12 +150,11 @@ class AttentionTail:
     attribute, found before the class's method), the library's own for every other call. `library` is the module
     the library's attention reads its kernels and flags from at call time (`exllamav2.attn`)."""
 
-    kind = ATTENTION_TAILS
-
-    def __init__(self, attention, library) -> None:
-        self.attention, self.library = attention, library
+    def __init__(self, attention, library, folded: FoldedNorm | None = None) -> None:
+        self.attention, self.library, self.folded = attention, library, folded
         self.o_weight = attention.o_proj.linear.weight.data  # (out, in), as it lies
         self.hidden = self.o_weight.shape[0]
+        self.kind = ATTENTION_TAILS if folded is None else FOLDED_ATTENTION_TAILS
 
     def install(self) -> None:
         self.attention.forward_paged = self.forward_paged
@@ -150,10 +195,15 @@ class AttentionTail:
         k_cache = k_cache_f.view(k_cache_f.shape[1] // page_size, page_size, *k_cache_f.shape[2:])
         v_cache = v_cache_f.view(v_cache_f.shape[1] // page_size, page_size, *v_cache_f.shape[2:])
 
-        x = attention.pre_layernorm.forward(hidden_states) if attention.has_norm else hidden_states
-        q = attention.q_proj.forward(x, loras=None).view(1, 1, heads, dim)
-        k = attention.k_proj.forward(x, loras=None).view(1, 1, kv_heads, dim)
-        v = attention.v_proj.forward(x, loras=None).view(1, 1, kv_heads, dim)
+        if self.folded is not None:
+            q, k, v = self.folded.products(hidden_states)
+        else:
+            x = attention.pre_layernorm.forward(hidden_states) if attention.has_norm else hidden_states
+            q, k, v = (
+                projection.forward(x, loras=None)
+                for projection in (attention.q_proj, attention.k_proj, attention.v_proj)
+            )
+        q, k, v = q.view(1, 1, heads, dim), k.view(1, 1, kv_heads, dim), v.view(1, 1, kv_heads, dim)
         if attention.q_norm is not None:
             q, k = attention.q_norm.forward(q), attention.k_norm.forward(k)
         self._rope(q, k, cache_seqlens)
@@ -257,9 +307,12 @@ def has_a_plain_tail(attention, o_is_plain: Callable[[object], bool]) -> bool:
     )
 
 
-def attention_tails(model, o_is_plain: Callable[[object], bool]) -> Iterator[AttentionTail]:
+def attention_tails(
+    model, o_is_plain: Callable[[object], bool], groups: list[ProductGroup | None]
+) -> Iterator[AttentionTail]:
     """Each unquantized attention of the model that `has_a_plain_tail`, once the library's attention is the one
-    the tail mirrors."""
+    the tail mirrors; with `EXLNB_NORM_IN_PRODUCT=1`, its norm folded into its q, k and v where they are one of
+    `groups` (the model's fused groups)."""
     import exllamav2
     from exllamav2 import attn
 
@@ -276,6 +329,9 @@ def attention_tails(model, o_is_plain: Callable[[object], bool]) -> Iterator[Att
             raise RuntimeError(
                 f"exllamav2's ExLlamaV2Attention.{name} no longer reads {sorted(missing)}: unset EXLNB_ATTENTION_TAIL"
             )
+    leading = {id(group.linears[0]): group for group in groups if group is not None}
+    fold = norm_in_product_on()
     for module in model.modules:
         if type(module) is attn.ExLlamaV2Attention and has_a_plain_tail(module, o_is_plain):
-            yield AttentionTail(module, attn)
+            folded = folded_norm(module, leading.get(id(module.q_proj))) if fold else None
+            yield AttentionTail(module, attn, folded)

@@ -31,10 +31,10 @@ from exlnb.engines.fused_products import (
 def fuse_exllamav2(model) -> FusedProducts:
     """The model's qualifying groups, stacked, its single-row products and (with `EXLNB_MLP_TAIL=1`) its MLPs' tails
     and (with `EXLNB_ATTENTION_TAIL=1`) its attentions' tails, installed."""
-    groups = (_group(linears) for linears in _candidate_groups(model) if _fusable(linears))
+    groups = [_group(linears) for linears in _candidate_groups(model) if _fusable(linears)]
     tails = chain(
         mlp_tails(model, _single_row_product) if mlp_tail_on() else (),
-        attention_tails(model, _single_row_product) if attention_tail_on() else (),
+        attention_tails(model, _single_row_product, groups) if attention_tail_on() else (),
     )
     return FusedProducts(groups, _row_products(model), tails)
 
