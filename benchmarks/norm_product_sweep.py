@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
         reference = None
         for name, fn in ways(x, norm, stacks, output_major_of(stacks)).items():
             timed(results, name, fn, results["weight_bytes"])
+            if "error" in results[name]:  # a configuration triton refuses is recorded as such, and not run again
+                continue
             first = fn()[0].float()
             reference = first if reference is None else reference
             results[name]["max_rel_diff"] = float((first - reference).abs().max() / reference.abs().max())

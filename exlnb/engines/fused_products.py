@@ -184,7 +184,7 @@ def stack_without_copy(weights: list[torch.Tensor]) -> tuple[torch.Tensor, list[
 class TailKind:
     """How the status counts one kind of tail, and how a load that refuses one says why."""
 
-    counted: str  # after the count: "2 MLP tails in their down product"
+    counted: str  # after the count: "2 MLP tails in two kernels"
     refused: str  # before the difference: "... by 0.5 of its largest"
 
 

@@ -258,7 +258,7 @@ class AttentionTail:
         """The tail's largest difference from the library's own `forward_paged` on a random row at a random position
         of a scratch page of random keys and values, over its output and over the page each writes, in both ways a
         step writes its key (eager batch-1 steps copy it to its slot; graph replays let the attention write it). 0:
-        the same bits, as it should be."""
+        the same bits, as it should be, but for a folded norm, whose sums run in another order."""
         from exllamav2.generator.dynamic import PAGED_PAGE_SIZE
 
         attention, device = self.attention, self.o_weight.device

@@ -197,7 +197,7 @@ class GraphDecoder:
 
     def prefill(self, input_ids: torch.Tensor, params: dict | None = None):
         """The model's `prefill`, after a step queued on the side stream: a new prompt may take a page that step
-        writes (one a job that has just ended let go), and its decode attention shares exlnb's split counters."""
+        writes (one a job that has just ended let go)."""
         self._after_side_step(self._ahead)
         return self._own_prefill(input_ids, params)
 
