@@ -15,8 +15,14 @@ at 89 % would save. For each group (an attention's q, k and v: 4096 -> 3 x 4096;
   row's RMS itself, then reads rows of the output-major weights;
 - `normed_kn_bnB_bkK_wW_sS`: the same over the fused group's input-major stack as it lies, each program a block of
   contiguous outputs of one product: no weight laid out again.
+For gate and up, the MLP's activation after them too:
+- `norm_then_bmm_then_silu_kn`: the norm, the batched product, then `gated_activation.silu_times`, as the MLP tail
+  runs them without a folded norm;
+- `normed_gated_nk_bnB_bkK_wW_sS`: one kernel (`normed_gated_row`), the norm, both products over output-major
+  weights and the activation as it writes them, B outputs of each a program.
 Median and best of 20 replays, the weights' bytes over the median, and each way's largest difference from the
-first, over its largest output. CUDA only (the kernel runs in Triton's interpreter for the tests).
+first way of its outputs (the products; the activation), over its largest output. CUDA only (the kernels run in
+Triton's interpreter for the tests).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ LAYERS, HIDDEN, EPS = 32, 4096, 1e-5
 GROUPS = {"qkv": (3, 4096), "gate_up": (2, 11008)}  # the fused group's products, and the outputs of each
 OUTPUT_MAJOR = [(16, 1024, 8, 3), (16, 512, 4, 3), (32, 512, 8, 3), (8, 1024, 4, 3), (16, 256, 4, 4)]
 INPUT_MAJOR = [(64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (256, 32, 8, 3), (32, 128, 4, 3), (64, 128, 8, 4)]
+GATED = [(8, 256, 4, 4), (16, 256, 4, 4), (8, 512, 4, 3), (16, 128, 4, 4), (4, 512, 4, 4), (8, 256, 8, 3)]
 
 
 def rms_norm(x: torch.Tensor, norm: torch.Tensor, eps: float = EPS) -> torch.Tensor:
@@ -54,8 +61,9 @@ def rms_norm(x: torch.Tensor, norm: torch.Tensor, eps: float = EPS) -> torch.Ten
 def ways(x, norm, stacks: list, output_major: list) -> dict[str, Callable[[], list[torch.Tensor]]]:
     """Each way of running every layer's norm and fused products: name -> a call returning the layers' outputs.
     Each layer's weights as the (P, K, N) stack the fused group holds, and as one output-major (PN, K) matrix."""
+    from exlnb.engines.gated_activation import silu_times
     from exlnb.engines.gemv import row_times_matrix
-    from exlnb.engines.normed_gemv import normed_product
+    from exlnb.engines.normed_gemv import normed_gated_row, normed_product
 
     def bmm(stack):
         return torch.bmm(rms_norm(x, norm).view(1, 1, -1).expand(len(stack), -1, -1), stack).view(-1)
@@ -68,6 +76,13 @@ def ways(x, norm, stacks: list, output_major: list) -> dict[str, Callable[[], li
         for config in configs:
             found["normed_{}_bn{}_bk{}_w{}_s{}".format(layout, *config)] = lambda c=config, ws=weights: [
                 normed_product(x, norm, w, c, EPS) for w in ws
+            ]
+    if len(stacks[0]) == 2:  # gate and up: the activation after them
+        found["norm_then_bmm_then_silu_kn"] = lambda: [silu_times(*bmm(stack).view(2, -1)) for stack in stacks]
+        views = [w.view(2, -1, w.shape[1]).transpose(1, 2) for w in output_major]  # (2, K, N) views of (2, N, K)
+        for config in GATED:
+            found["normed_gated_nk_bn{}_bk{}_w{}_s{}".format(*config)] = lambda c=config: [
+                normed_gated_row(x, norm, EPS, view, (0, 1), c) for view in views
             ]
     return found
 
@@ -92,13 +107,13 @@ def main(argv: list[str] | None = None) -> dict:
         stacks = [torch.randn(products, HIDDEN, outputs, device="cuda").half() * 0.02 for _ in range(LAYERS)]
         x, norm = torch.randn(HIDDEN, device="cuda").half(), (1 + 0.1 * torch.randn(HIDDEN, device="cuda")).half()
         results = record.setdefault(group, {"weight_bytes": LAYERS * products * HIDDEN * outputs * 2})
-        reference = None
+        references = {}  # the first way's outputs, by their count: the products, or the activation
         for name, fn in ways(x, norm, stacks, output_major_of(stacks)).items():
             timed(results, name, fn, results["weight_bytes"])
             if "error" in results[name]:  # a configuration triton refuses is recorded as such, and not run again
                 continue
             first = fn()[0].float()
-            reference = first if reference is None else reference
+            reference = references.setdefault(first.numel(), first)
             results[name]["max_rel_diff"] = float((first - reference).abs().max() / reference.abs().max())
         del stacks
         torch.cuda.empty_cache()

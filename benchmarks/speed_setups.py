@@ -95,8 +95,8 @@ KIT_VARIANTS = {
     "kit-exllamav3-ahead-off": ("exllamav3", {"EXLNB_QUEUE_AHEAD": "0"}),
     "kit-exllamav2-ahead-on": ("exllamav2", {"EXLNB_QUEUE_AHEAD": "1"}),
     "kit-exllamav2-ahead-off": ("exllamav2", {"EXLNB_QUEUE_AHEAD": "0"}),
-    # the ExLlamaV2 engine's MLP and attention tails, each alone, both, both with the attention's norm folded into
-    # q, k and v, and neither (mlp_tail.py, attention_tail.py)
+    # the ExLlamaV2 engine's MLP and attention tails, each alone, both, both with each norm folded into the group
+    # after it (q, k and v; gate and up), and neither (mlp_tail.py, attention_tail.py, folded_norm.py)
     **{
         f"kit-exllamav2-{name}": (
             "exllamav2",
@@ -352,6 +352,7 @@ PROFILED = {
     "profile-exllamav2": ("exllamav2", {}),
     "profile-exllamav3": ("exllamav3", {}),
     "profile-exllamav2-tails": KIT_VARIANTS["kit-exllamav2-tails"],
+    "profile-exllamav2-tails-folded": KIT_VARIANTS["kit-exllamav2-tails-folded"],
 }
 
 

@@ -20,11 +20,11 @@ from exlnb.engines.exllamav2 import paged_attention
 from exlnb.engines.exllamav2.attention_tail import (
     ATTENTION_TAILS,
     AttentionTail,
-    FoldedNorm,
     attention_tail_on,
     has_a_plain_tail,
     side_by_side,
 )
+from exlnb.engines.exllamav2.folded_norm import FoldedNorm
 from exlnb.engines.fused_products import FusedProducts, ProductGroup, check_tails
 from exlnb.random_model import LLAMA_7B, random_llama
 from exlnb.templates import chatml
@@ -450,6 +450,7 @@ def test_each_tail_gives_the_library_s_bits_and_ropes_q_and_k_in_one_call_where_
     folder = request.getfixturevalue(model)
     monkeypatch.setenv("EXLNB_ATTENTION_TAIL", "1")
     monkeypatch.setenv("EXLNB_MLP_TAIL", "0")  # this test's tails alone, whatever the suite sets
+    monkeypatch.setenv("EXLNB_NORM_IN_PRODUCT", "0")  # the library's bits: no norm folded in
     session = load(folder, "exllamav2")
     try:
         layers, heads, kv_heads = (
@@ -481,6 +482,7 @@ def test_greedy_tokens_with_the_attention_tail_are_those_without(model, monkeypa
     options = JobOptions(max_new_tokens=32, sampler=SamplerSettings.greedy(), stop_at_eos=False)
     tokens = {}
     monkeypatch.setenv("EXLNB_MLP_TAIL", "0")  # this test's tails alone, whatever the suite sets
+    monkeypatch.setenv("EXLNB_NORM_IN_PRODUCT", "0")  # the library's bits: no norm folded in
     for switch in ("0", "1"):
         monkeypatch.setenv("EXLNB_ATTENTION_TAIL", switch)
         session = load(folder, "exllamav2")
@@ -501,6 +503,7 @@ def test_a_tail_that_differs_is_dropped_at_load_and_the_products_kept(monkeypatc
     library's own attention, and says why in a line."""
     monkeypatch.setenv("EXLNB_ATTENTION_TAIL", "1")
     monkeypatch.setenv("EXLNB_MLP_TAIL", "0")
+    monkeypatch.setenv("EXLNB_NORM_IN_PRODUCT", "0")
     monkeypatch.setattr(AttentionTail, "differs", lambda self: 0.5)
     session = load(request.getfixturevalue("wide_folder"), "exllamav2")
     try:

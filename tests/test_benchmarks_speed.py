@@ -265,7 +265,7 @@ def test_a_setup_timed_in_a_worker_of_its_own_says_why_it_could_not_load(tmp_pat
             for variable, switch in (
                 ("EXLNB_MLP_TAIL", "exlnb.engines.exllamav2.mlp_tail:mlp_tail_on"),
                 ("EXLNB_ATTENTION_TAIL", "exlnb.engines.exllamav2.attention_tail:attention_tail_on"),
-                ("EXLNB_NORM_IN_PRODUCT", "exlnb.engines.exllamav2.attention_tail:norm_in_product_on"),
+                ("EXLNB_NORM_IN_PRODUCT", "exlnb.engines.exllamav2.folded_norm:norm_in_product_on"),
             )
         ),
         ("kit-exllamav3-before-wait", "EXLNB_QUEUE_BEFORE_WAIT", "exlnb.engines.queue_ahead:queue_before_wait_on"),

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from benchmarks.paged_acceptance import QUESTIONS
 from exlnb.engines.cuda_graphs import CHECK_TOLERANCE
@@ -345,6 +346,7 @@ def test_an_mlp_tail_in_its_down_product_gives_the_library_mlp_s_bits(wide_folde
     library's own MLP (SiLU, multiply, clamp, down on exlnb's GEMV, residual add); more rows take the library's."""
     monkeypatch.setenv("EXLNB_MLP_TAIL", "1")
     monkeypatch.setenv("EXLNB_ATTENTION_TAIL", "0")  # this test's tails alone, whatever the suite sets
+    monkeypatch.setenv("EXLNB_NORM_IN_PRODUCT", "0")  # the library's bits: no norm folded in
     session = load(wide_folder, "exllamav2")
     try:
 
@@ -366,6 +368,40 @@ def test_an_mlp_tail_in_its_down_product_gives_the_library_mlp_s_bits(wide_folde
 
 
 @pytest.mark.gpu
+def test_a_norm_folded_into_gate_and_up_agrees_with_the_library_s_mlp_to_the_load_s_tolerance(wide_folder, monkeypatch):
+    """`EXLNB_MLP_TAIL=1 EXLNB_NORM_IN_PRODUCT=1` on Llama-2-7B's widths: the groups are laid out output-major, the
+    MLP's tail folds its norm into gate and up and says so, its load check keeps it, and a single row's MLP is the
+    library's to that tolerance (more rows: the library's own bits)."""
+    from exlnb.engines.cuda_graphs import beyond_tolerance, relative_difference
+    from exlnb.engines.exllamav2.folded_norm import output_major
+
+    for variable, value in (("EXLNB_MLP_TAIL", "1"), ("EXLNB_NORM_IN_PRODUCT", "1"), ("EXLNB_ATTENTION_TAIL", "0")):
+        monkeypatch.setenv(variable, value)
+    session = load(wide_folder, "exllamav2")
+    try:
+
+        def check(engine):
+            (tail,) = engine.fused.tails
+            layouts = [output_major(group.stacked) for group in engine.fused.groups]
+            results = []
+            with torch.inference_mode():
+                for rows in (1, 3):
+                    x = torch.randn((rows, 1, tail.hidden), dtype=torch.half, device=tail.down.device)
+                    results.append((tail.mlp.forward(x.clone()), type(tail.mlp).forward_torch(tail.mlp, x)))
+            return layouts, tail.differs(), results
+
+        layouts, error, ((one, one_own), (many, many_own)) = session.run_on_engine(check)
+        assert layouts == [True, True]  # q, k and v; gate and up
+        assert "1 MLP tails with the norm and the activation in gate and up" in session.status().decode
+        assert not any(note.startswith("step tails not used") for note in session.status().notes)
+        assert not beyond_tolerance(error) and not beyond_tolerance(relative_difference(one.float(), one_own.float()))
+        assert torch.equal(many, many_own)
+        assert session.generate("The capital of France is", max_new_tokens=4).result().new_tokens > 0
+    finally:
+        session.unload()
+
+
+@pytest.mark.gpu
 def test_greedy_tokens_with_the_mlp_tail_are_those_without(monkeypatch):
     """The bundled model on the ExLlamaV2 engine, CUDA graphs on: the same greedy tokens with the tails as without."""
     from exlnb.engines.job_options import JobOptions
@@ -376,6 +412,7 @@ def test_greedy_tokens_with_the_mlp_tail_are_those_without(monkeypatch):
     options = JobOptions(max_new_tokens=32, sampler=SamplerSettings.greedy(), stop_at_eos=False)
     tokens = {}
     monkeypatch.setenv("EXLNB_ATTENTION_TAIL", "0")  # this test's tails alone, whatever the suite sets
+    monkeypatch.setenv("EXLNB_NORM_IN_PRODUCT", "0")  # the library's bits: no norm folded in
     for switch in ("0", "1"):
         monkeypatch.setenv("EXLNB_MLP_TAIL", switch)
         session = load("smollm2-135m-instruct", "exllamav2")
@@ -476,3 +513,81 @@ def test_an_mlp_tail_takes_single_rows_and_leaves_every_other_call_to_the_librar
     fused.uninstall()
     mlp.forward(one)
     assert mlp.own_calls == 4 and len(rows_in_kernel) == 1
+
+
+def test_a_folded_norm_runs_inside_gate_and_up_and_the_tail_gives_the_library_s_mlp(monkeypatch):
+    """`EXLNB_NORM_IN_PRODUCT=1`: a single row goes to the gate and up stack with its norm and activation in one
+    launch (here a stand-in for normed_gemv's kernel computing the stand-in norm, the products and the activation as
+    they compute them), in the stack's slots, then the down product; the norm's own forward and the activation's
+    kernel are not called; the output is the library's; the status names the fold."""
+    from exlnb.engines.exllamav2.folded_norm import FoldedNorm
+    from exlnb.engines.exllamav2.mlp_tail import MlpTail
+
+    stacks = []
+
+    def normed_gated_row(x, weight, eps, stack, slots):
+        stacks.append((stack, slots))
+        rows = (x.reshape(1, 1, -1) * 0.5).expand(stack.shape[0], -1, -1)  # the stand-in norm, as _Mlp's
+        products = torch.bmm(rows, stack).view(stack.shape[0], -1)
+        return F.silu(products[slots[0]]) * products[slots[1]]
+
+    activations = []
+    monkeypatch.setitem(sys.modules, "exlnb.engines.normed_gemv", SimpleNamespace(normed_gated_row=normed_gated_row))
+    monkeypatch.setitem(
+        sys.modules,
+        "exlnb.engines.gated_activation",
+        SimpleNamespace(silu_times=lambda g, u: activations.append(g.shape) or F.silu(g) * u),
+    )
+    monkeypatch.setitem(sys.modules, "exlnb.engines.gemv", SimpleNamespace(row_times_matrix_plus=_plus))
+    mlp = _Mlp(hidden=8, inner=24)
+    stack = torch.stack([mlp.up_proj.weight, mlp.gate_proj.weight])  # up first: the slots say where each lies
+    tail = MlpTail(mlp, FoldedNorm(stack, (1, 0), torch.ones(8), 1e-5))
+    fused = FusedProducts(tails=iter([tail]))
+    norms = []
+    norm = mlp.pre_layernorm.forward
+    mlp.pre_layernorm = SimpleNamespace(forward=lambda x: norms.append(x.shape) or norm(x))
+    one = torch.randn(1, 1, 8)
+    expected = type(mlp).forward_torch(mlp, one)
+    norms.clear()
+
+    got = mlp.forward(one)
+
+    assert torch.allclose(got, expected, atol=1e-5) and got.shape == one.shape
+    assert norms == [] and activations == [] and stacks == [(stack, (1, 0))]
+    assert fused.describe() == "1 MLP tails with the norm and the activation in gate and up"
+    mlp.forward(torch.randn(3, 1, 8))
+    assert len(norms) == 1 and len(stacks) == 1  # a batch takes the library's norm and products
+
+
+def _plus(x, weight, residual):
+    """exlnb's GEMV with the residual, as a stand-in: x @ weight.T + residual in the residual's shape."""
+    return residual + (x.reshape(1, -1) @ weight.t()).view(residual.shape)
+
+
+def test_an_exllamav2_group_laid_out_output_major_keeps_each_weight_as_it_lay():
+    """For a folded norm the ExLlamaV2 engine stacks a group's (out, in) weights as they lie: each projection's
+    weight is then its slice of the stack, contiguous as before, the group's (n, in, out) stack its transposed view,
+    and the batched product is each projection's."""
+    from exlnb.engines.exllamav2.folded_norm import output_major
+    from exlnb.engines.exllamav2.fused_products import _group
+
+    torch.manual_seed(0)
+    weights = [torch.randn(24, 8) for _ in range(2)]  # (out, in), as an nn.Linear holds them
+    linears = [
+        SimpleNamespace(linear=SimpleNamespace(weight=torch.nn.Parameter(w.clone(), requires_grad=False)))
+        for w in weights
+    ]
+    group = _group(linears, output_major=True)
+    assert group.stacked.shape == (2, 8, 24) and output_major(group.stacked)
+    for linear, weight, slot in zip(linears, weights, group.slots, strict=True):
+        assert linear.linear.weight.is_contiguous() and torch.equal(linear.linear.weight, weight)
+        assert linear.linear.weight.data_ptr() == group.stacked[slot].data_ptr()
+    x = torch.randn(3, 8)
+    products = torch.bmm(x.expand(2, -1, -1), group.stacked)
+    for product, weight in zip(products, weights, strict=True):
+        torch.testing.assert_close(product, x @ weight.t())
+
+    apart = [SimpleNamespace(linear=SimpleNamespace(weight=torch.nn.Parameter(w.clone()))) for w in weights]
+    input_major = _group(apart, output_major=False)
+    assert input_major.stacked.is_contiguous() and not output_major(input_major.stacked)
+    assert torch.equal(apart[1].linear.weight, weights[1])  # the same values, now a transposed view of the stack

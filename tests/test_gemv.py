@@ -147,3 +147,74 @@ def test_one_launch_gives_the_norm_then_the_group_s_products_in_the_stack_s_orde
 
     assert got.shape == (products * outputs,) and got.dtype == torch.half
     torch.testing.assert_close(got.float().cpu(), expected, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("products, outputs", [(3, 40), (2, 72)], ids=["q-k-v", "gate-up"])
+def test_the_engine_s_entry_reads_an_output_major_stack_and_refuses_an_input_major_one(device, products, outputs):
+    """`normed_row_times_stack`, as a folded tail calls it: the group's (P, K, N) stack a view of output-major
+    weights, the (P, N) outputs those of the norm and each product, in the engine's CONFIG; the input-major stack,
+    which that CONFIG was not timed on and which the sweep found slower than the norm and cuBLAS, refused."""
+    from exlnb.engines.normed_gemv import normed_row_times_stack
+
+    inputs = 512
+    g = torch.Generator().manual_seed(products)
+    rows = (torch.randn(products, outputs, inputs, generator=g) * 0.05).half()  # (P, N, K), as the engine lays them
+    x = (torch.randn(1, 1, inputs, generator=g) * 3).half()
+    norm = (1 + 0.1 * torch.randn(inputs, generator=g)).half()
+    normed = (x.float().view(-1) * torch.rsqrt(x.float().pow(2).mean() + 1e-5) * norm.float()).half()
+    expected = torch.stack([weights.float() @ normed.float() for weights in rows])
+
+    got = normed_row_times_stack(x.to(device), norm.to(device), 1e-5, rows.to(device).transpose(1, 2))
+
+    assert got.shape == (products, outputs) and got.is_contiguous()
+    torch.testing.assert_close(got.float().cpu(), expected, rtol=2e-3, atol=2e-3)
+    with pytest.raises(ValueError, match="output-major"):
+        normed_row_times_stack(x.to(device), norm.to(device), 1e-5, rows.transpose(1, 2).contiguous().to(device))
+
+
+@pytest.mark.parametrize("config", [None, (16, 128, 4, 3)], ids=["engine-config", "another"])
+def test_one_launch_gives_the_norm_both_products_and_the_activation_of_a_gated_mlp(device, config):
+    """`normed_gated_row`: the row normed, gate and up each rounded to fp16 as the products write them, then
+    clamp(silu(gate) * up) as torch computes it, from an output-major stack whose slots put up first; 40 outputs
+    fill no block."""
+    from exlnb.engines.normed_gemv import normed_gated_row
+
+    inputs, outputs = 384, 40
+    g = torch.Generator().manual_seed(7)
+    up_gate = (torch.randn(2, outputs, inputs, generator=g) * 0.05).half()  # (2, N, K): up in slot 0, gate in 1
+    x = (torch.randn(inputs, generator=g) * 3).half()
+    norm = (1 + 0.1 * torch.randn(inputs, generator=g)).half()
+    normed = (x.float() * torch.rsqrt(x.float().pow(2).mean() + 1e-5) * norm.float()).half().float()
+    up, gate = ((weights.float() @ normed).half() for weights in up_gate)
+    expected = torch.clamp(torch.nn.functional.silu(gate.float()).half().float() * up.float(), -65504, 65504).half()
+
+    got = normed_gated_row(x.to(device), norm.to(device), 1e-5, up_gate.to(device).transpose(1, 2), (1, 0), config)
+
+    assert got.shape == (outputs,) and got.dtype == torch.half
+    torch.testing.assert_close(got.float().cpu(), expected.float(), rtol=4e-3, atol=4e-3)
+    with pytest.raises(ValueError, match="output-major"):
+        normed_gated_row(x.to(device), norm.to(device), 1e-5, up_gate.transpose(1, 2).contiguous().to(device), (1, 0))
+
+
+@pytest.mark.parametrize("products", [3, 2], ids=["q-k-v", "gate-up"])
+def test_every_way_the_norm_product_sweep_times_gives_the_same_outputs(device, products):
+    """The sweep's ways, on a small group (its configurations' blocks masked to fit): each gives its outputs'
+    first way's (the norm and the batched product; for gate and up, then the activation), so that the sweep times
+    the same work every way."""
+    from benchmarks import norm_product_sweep
+
+    inputs, outputs, layers = 64, 24, 2
+    g = torch.Generator().manual_seed(products)
+    stacks = [(torch.randn(products, inputs, outputs, generator=g) * 0.1).half().to(device) for _ in range(layers)]
+    x = torch.randn(inputs, generator=g).half().to(device)
+    norm = (1 + 0.1 * torch.randn(inputs, generator=g)).half().to(device)
+    found = norm_product_sweep.ways(x, norm, stacks, norm_product_sweep.output_major_of(stacks))
+
+    references = {}
+    for name, fn in found.items():
+        outputs_of_layers = fn()
+        assert len(outputs_of_layers) == layers, name
+        for layer, out in enumerate(outputs_of_layers):
+            reference = references.setdefault((out.numel(), layer), out.float().cpu())
+            torch.testing.assert_close(out.float().cpu(), reference, rtol=5e-3, atol=5e-3, msg=name)
+    assert {numel for numel, _ in references} == ({products * outputs} | ({outputs} if products == 2 else set()))

@@ -43,10 +43,18 @@ def _silu_times(gate, up, out, COUNT, BLOCK: tl.constexpr, PRECISE: tl.constexpr
     index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     real = index < COUNT
     g = tl.load(gate + index, mask=real, other=0.0).to(tl.float32)
+    u = tl.load(up + index, mask=real, other=0.0).to(tl.float32)
+    tl.store(out + index, silu_times_values(g, u, PRECISE), mask=real)
+
+
+@triton.jit
+def silu_times_values(g, u, PRECISE: tl.constexpr):
+    """clamp(silu(g) * u) in fp16, rounded where torch's three kernels round, for float32 g and u that hold fp16
+    values (also the epilogue of normed_gemv's gated product)."""
     if PRECISE:
         silu = tl.math.div_rn(g, 1.0 + libdevice.exp(-g))
     else:
         silu = g / (1.0 + tl.exp(-g))
-    product = silu.to(tl.float16).to(tl.float32) * tl.load(up + index, mask=real, other=0.0).to(tl.float32)
+    product = silu.to(tl.float16).to(tl.float32) * u
     result = tl.clamp(product.to(tl.float16).to(tl.float32), -FP16_MAX, FP16_MAX, propagate_nan=tl.PropagateNan.ALL)
-    tl.store(out + index, result.to(tl.float16), mask=real)
+    return result.to(tl.float16)

@@ -14,7 +14,7 @@ num_heads), with the same sin and cos. Under grouped-query attention q has a pro
 k, and keeps its own `rope_` call.
 
 With `EXLNB_NORM_IN_PRODUCT=1` as well (off until timed), where q, k and v are one fused group after an RMS norm, the
-norm runs inside their product (`normed_gemv.py`): 32 launches fewer again, its outputs the norm's and the product's
+norm runs inside their product (`folded_norm.py`): 32 launches fewer again, its outputs the norm's and the product's
 to the tolerance of every load check rather than to the bit.
 
 Any other call (a prompt, a batch, LoRAs, alternative or offset RoPE, a cache other than fp16's) takes the library's own
@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 
 from exlnb.engines.cuda_graphs import relative_difference
+from exlnb.engines.exllamav2.folded_norm import FoldedNorm, folded_norm, norm_in_product_on
 from exlnb.engines.fused_products import ProductGroup, TailKind, random_probe
 
 ATTENTION_TAILS = TailKind(
@@ -66,43 +66,6 @@ def attention_tail_on() -> bool:
     """Whether the ExLlamaV2 engine runs its single-row attentions with RoPE in one launch and the residual in o
     (off unless `EXLNB_ATTENTION_TAIL=1`, read at each load, until a GPU has timed it)."""
     return os.environ.get("EXLNB_ATTENTION_TAIL", "0") == "1"
-
-
-def norm_in_product_on() -> bool:
-    """Whether an attention tail folds its RMS norm into its fused q, k and v product (off unless
-    `EXLNB_NORM_IN_PRODUCT=1`, read at each load, until a GPU has timed it)."""
-    return os.environ.get("EXLNB_NORM_IN_PRODUCT", "0") == "1"
-
-
-@dataclass(frozen=True)
-class FoldedNorm:
-    """An attention's RMS norm folded into its fused q, k and v product: the group's (3, K, N) input-major stack,
-    q's, k's and v's slots in it, and the norm's weight and epsilon."""
-
-    stack: torch.Tensor
-    slots: tuple[int, ...]
-    weight: torch.Tensor
-    eps: float
-
-    def products(self, hidden_states: torch.Tensor) -> list[torch.Tensor]:
-        """q, k and v of a single row, each a contiguous row of one (3, N) output, so q and k lie side by side."""
-        from exlnb.engines.normed_gemv import normed_row_times_stack  # imports triton: only where a GPU engine loads
-
-        rows = normed_row_times_stack(hidden_states, self.weight, self.eps, self.stack)
-        return [rows[slot] for slot in self.slots]
-
-
-def folded_norm(attention, group: ProductGroup | None) -> FoldedNorm | None:
-    """Where an attention's norm is exllamav2's RMS norm (fp16 weight, no bias) and its q, k and v are one fused
-    group, the norm folded into their product; else None."""
-    from exllamav2.rmsnorm import ExLlamaV2RMSNorm
-
-    norm = attention.pre_layernorm
-    plain_norm = attention.has_norm and type(norm) is ExLlamaV2RMSNorm and norm.bias is None
-    qkv = [attention.q_proj, attention.k_proj, attention.v_proj]
-    if not plain_norm or norm.weight.dtype != torch.half or group is None or group.linears != qkv:
-        return None
-    return FoldedNorm(group.stacked, tuple(group.slots or range(3)), norm.weight.data, norm.variance_epsilon)
 
 
 def side_by_side(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | None:
@@ -333,5 +296,7 @@ def attention_tails(
     fold = norm_in_product_on()
     for module in model.modules:
         if type(module) is attn.ExLlamaV2Attention and has_a_plain_tail(module, o_is_plain):
-            folded = folded_norm(module, leading.get(id(module.q_proj))) if fold else None
+            qkv = [module.q_proj, module.k_proj, module.v_proj]
+            group = leading.get(id(module.q_proj))
+            folded = folded_norm(module.pre_layernorm, group, qkv) if fold and module.has_norm else None
             yield AttentionTail(module, attn, folded)

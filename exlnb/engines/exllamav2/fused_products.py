@@ -4,7 +4,9 @@ exllamav2 0.3.2 runs an unquantized attention or MLP through its Python path, wh
 (`ExLlamaV2Attention.forward_paged`, `forward_torch`), and gate and up (`ExLlamaV2MLP.forward_torch`), one after
 another with one input. Its fp16 projections hold an `nn.Linear` whose weight is output-major, (out, in), and
 multiply by its transpose; the group's stack is input-major, (n, in, out), and each `nn.Linear` gets the transpose
-of its slice, so that a projection's own product reads a contiguous (in, out) matrix as before. Each attention's o,
+of its slice, so that a projection's own product reads a contiguous (in, out) matrix as before. With a norm folded
+into the products (`EXLNB_NORM_IN_PRODUCT=1`, folded_norm.py) the stack is output-major instead, each `nn.Linear`
+keeping its weight's layout, and the group's (n, in, out) stack is its transposed view. Each attention's o,
 each MLP's down and the head take exlnb's GEMV for single rows, reading the `nn.Linear`'s (out, in) weight as it
 lies.
 """
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from exlnb.engines.exllamav2.attention_tail import attention_tail_on, attention_tails
+from exlnb.engines.exllamav2.folded_norm import norm_in_product_on
 from exlnb.engines.exllamav2.mlp_tail import mlp_tail_on, mlp_tails
 from exlnb.engines.fused_products import (
     FusedProducts,
@@ -29,11 +32,13 @@ from exlnb.engines.fused_products import (
 
 
 def fuse_exllamav2(model) -> FusedProducts:
-    """The model's qualifying groups, stacked, its single-row products and (with `EXLNB_MLP_TAIL=1`) its MLPs' tails
-    and (with `EXLNB_ATTENTION_TAIL=1`) its attentions' tails, installed."""
-    groups = [_group(linears) for linears in _candidate_groups(model) if _fusable(linears)]
+    """The model's qualifying groups, stacked (output-major with `EXLNB_NORM_IN_PRODUCT=1`), its single-row products
+    and (with `EXLNB_MLP_TAIL=1`) its MLPs' tails and (with `EXLNB_ATTENTION_TAIL=1`) its attentions' tails,
+    installed."""
+    output_major = norm_in_product_on()
+    groups = [_group(linears, output_major) for linears in _candidate_groups(model) if _fusable(linears)]
     tails = chain(
-        mlp_tails(model, _single_row_product) if mlp_tail_on() else (),
+        mlp_tails(model, _single_row_product, groups) if mlp_tail_on() else (),
         attention_tails(model, _single_row_product, groups) if attention_tail_on() else (),
     )
     return FusedProducts(groups, _row_products(model), tails)
@@ -76,14 +81,18 @@ def _row_products(model) -> Iterator[RowProduct]:
             yield RowProduct(linear, linear.linear.weight.data, wanted)
 
 
-def _group(linears: list) -> ProductGroup | None:
-    stack = stack_without_copy([linear.linear.weight.data.t() for linear in linears])
+def _group(linears: list, output_major: bool) -> ProductGroup | None:
+    """The projections' weights stacked input-major, or (`output_major`, for a norm folded into the product) as they
+    lie, the group's stack then the (n, in, out) transposed view cuBLAS reads."""
+    weights = [linear.linear.weight.data for linear in linears]  # (out, in) each
+    stack = stack_without_copy(weights if output_major else [weight.t() for weight in weights])
     if stack is None:
         return None
     stacked, slots = stack
     for linear, slot in zip(linears, slots, strict=True):
-        linear.linear.weight = nn.Parameter(stacked[slot].t(), requires_grad=False)
-    return ProductGroup(linears, stacked, torch.half, _accepts, slots)
+        weight = stacked[slot] if output_major else stacked[slot].t()
+        linear.linear.weight = nn.Parameter(weight, requires_grad=False)
+    return ProductGroup(linears, stacked.transpose(1, 2) if output_major else stacked, torch.half, _accepts, slots)
 
 
 def _candidate_groups(model) -> Iterator[list]:

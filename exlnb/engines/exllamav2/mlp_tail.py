@@ -9,7 +9,10 @@ the activation in one kernel (`gated_activation.silu_times`) and the down produc
 residual as it writes (`gemv.row_times_matrix_plus`): 96 launches fewer a step, each kernel rounding where torch
 rounds, so the outputs are the library's bits. (The activation read inside the down product, one kernel in all,
 was slower: every program of the product repeated the row's SiLUs; benchmarks/results/speed-nvidia-h200-2026-11-29-c.)
-Any other call (a prompt, a batch, LoRAs, intermediates) takes the library's own `forward_torch`.
+With `EXLNB_NORM_IN_PRODUCT=1` as well (off until timed), where gate and up are one fused group after an RMS norm,
+the norm runs inside their product and the activation as it writes them (`folded_norm.py`): two kernels in all, 64
+launches fewer again, to the load check's tolerance rather than the library's bits. Any other call (a prompt, a
+batch, LoRAs, intermediates) takes the library's own `forward_torch`.
 
 A tail is one more of the products `FusedProducts` installs, and a load checks each against the library's own MLP on
 a random row (`check_fused`), so `EXLNB_FUSED_PRODUCTS=0` turns it off too.
@@ -23,7 +26,13 @@ from collections.abc import Iterator
 import torch
 
 from exlnb.engines.cuda_graphs import relative_difference
-from exlnb.engines.fused_products import MLP_TAILS, random_probe
+from exlnb.engines.exllamav2.folded_norm import FoldedNorm, folded_norm, norm_in_product_on
+from exlnb.engines.fused_products import MLP_TAILS, ProductGroup, TailKind, random_probe
+
+FOLDED_MLP_TAILS = TailKind(
+    "MLP tails with the norm and the activation in gate and up",
+    "an MLP's tail with its norm and activation in gate and up differs from the library's MLP",
+)
 
 
 def mlp_tail_on() -> bool:
@@ -34,14 +43,13 @@ def mlp_tail_on() -> bool:
 
 class MlpTail:
     """One MLP's `forward_torch` with its tail in two kernels for single rows (an instance attribute, found before
-    the class's method), the library's own for every other call."""
+    the class's method), the library's own for every other call; `folded`, its norm in its gate and up product."""
 
-    kind = MLP_TAILS
-
-    def __init__(self, mlp) -> None:
-        self.mlp = mlp
+    def __init__(self, mlp, folded: FoldedNorm | None = None) -> None:
+        self.mlp, self.folded = mlp, folded
         self.down = mlp.down_proj.linear.weight.data  # (out, in), as it lies
         self.hidden = self.down.shape[0]
+        self.kind = MLP_TAILS if folded is None else FOLDED_MLP_TAILS
 
     def install(self) -> None:
         self.mlp.forward_torch = self.forward_torch
@@ -56,6 +64,8 @@ class MlpTail:
         from exlnb.engines.gated_activation import silu_times  # these import triton: only where a GPU engine loads
         from exlnb.engines.gemv import row_times_matrix_plus
 
+        if self.folded is not None:
+            return row_times_matrix_plus(self.folded.gated(hidden_states), self.down, hidden_states)
         post_norm = self.mlp.pre_layernorm.forward(hidden_states)
         gate = self.mlp.gate_proj.forward(post_norm, loras=None)
         up = self.mlp.up_proj.forward(post_norm, loras=None)
@@ -63,18 +73,21 @@ class MlpTail:
 
     def differs(self) -> float:
         """The tail's largest difference from the library's own MLP on a random row, over the largest output (0: the
-        same bits, as it should be)."""
+        same bits, as it should be, but for a folded norm, whose sums run in another order)."""
         x = random_probe(1, 1, self.hidden, dtype=torch.half, device=self.down.device)
         own = type(self.mlp).forward_torch(self.mlp, x.clone())
         return relative_difference(self.forward_torch(x).float(), own.float())
 
 
-def mlp_tails(model, down_is_plain) -> Iterator[MlpTail]:
+def mlp_tails(model, down_is_plain, groups: list[ProductGroup | None]) -> Iterator[MlpTail]:
     """Each unquantized gated SiLU MLP whose `forward_torch` ends in nothing but its down product and the residual
     add (no post-norm, merge, fp32 residual stream or clamp of the hidden state), its down product a plain fp16 one
-    (`down_is_plain`: the check the GEMV's own single-row products pass)."""
+    (`down_is_plain`: the check the GEMV's own single-row products pass); with `EXLNB_NORM_IN_PRODUCT=1`, its norm
+    folded into its gate and up where they are one of `groups` (the model's fused groups)."""
     from exllamav2.mlp import ExLlamaV2MLP
 
+    leading = {id(group.linears[0]): group for group in groups if group is not None}
+    fold = norm_in_product_on()
     for module in model.modules:
         if type(module) is not ExLlamaV2MLP or getattr(module, "is_tp", False) or module.q_handle is not None:
             continue
@@ -90,4 +103,6 @@ def mlp_tails(model, down_is_plain) -> Iterator[MlpTail]:
             and not params.clamp_hidden_states
         )
         if plain and down_is_plain(module.down_proj) and module.down_proj.linear.weight.dtype == torch.half:
-            yield MlpTail(module)
+            gate_up = [module.gate_proj, module.up_proj]
+            group = leading.get(id(module.gate_proj))
+            yield MlpTail(module, folded_norm(module.pre_layernorm, group, gate_up) if fold else None)

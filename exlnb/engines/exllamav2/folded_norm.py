@@ -1,0 +1,77 @@
+"""An ExLlamaV2 RMS norm folded into the fused group's product after it, at one row (`EXLNB_NORM_IN_PRODUCT=1`, with
+the attention tail for q, k and v and the MLP tail for gate and up; off until timed in the engine).
+
+At one row the engine runs each norm as a launch of its own and then the fused group's batched product. Folded, one
+Triton kernel (`normed_gemv.py`) computes the row's RMS in every program and multiplies as it reads the weights; for
+gate and up it also computes the MLP's activation from the two sums as it writes them (the SiLU kernel's 32
+launches a 7B step: 0.067 ms of kernels and about 0.03 ms of launches in the H200's profile of the tails). Its
+speed hangs on the layout: 32 layers replayed from one graph on an H200 (benchmarks/results/speed-nvidia-h200-2026-
+11-29-d, the norm-product sweep) took, for q, k and v, 0.839 ms over output-major weights against 0.973 ms for the
+norm and cuBLAS's product over the input-major stack, and for gate and up 1.418 against 1.522 ms; over the
+input-major stack the best the kernel did was 1.069 and 1.492 ms, and at the size first guessed, four times slower
+(that step: 7.40 ms against 4.22). So with the switch on, the engine lays each group out output-major (every
+projection's weight then lies as its `nn.Linear` held it, and cuBLAS reads the same stack transposed for prompts and
+batches, `ProductGroup.stacked` being its transposed view), and the tails take that kernel for their single rows.
+
+The norm is exllamav2's arithmetic but not its order of summation: a folded tail agrees with the library's step to
+the load check's tolerance, not to the bit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from exlnb.engines.fused_products import ProductGroup
+
+
+def norm_in_product_on() -> bool:
+    """Whether the ExLlamaV2 engine lays its fused groups out output-major and folds each tail's RMS norm into the
+    group after it (off unless `EXLNB_NORM_IN_PRODUCT=1`, read at each load, until a GPU has timed it in the engine)."""
+    return os.environ.get("EXLNB_NORM_IN_PRODUCT", "0") == "1"
+
+
+def output_major(stack: torch.Tensor) -> bool:
+    """Whether a group's (P, K, N) stack is a transposed view of contiguous (P, N, K) output-major weights."""
+    return stack.transpose(1, 2).is_contiguous()
+
+
+@dataclass(frozen=True)
+class FoldedNorm:
+    """An RMS norm folded into a fused group's products: the group's (P, K, N) stack (a view of output-major
+    weights), the slots of the projections in the caller's order, and the norm's weight and epsilon."""
+
+    stack: torch.Tensor
+    slots: tuple[int, ...]
+    weight: torch.Tensor
+    eps: float
+
+    def products(self, hidden_states: torch.Tensor) -> list[torch.Tensor]:
+        """Each projection's output for a single row, in the caller's order, each a contiguous row of one (P, N)
+        output (so that q and k lie side by side)."""
+        from exlnb.engines.normed_gemv import normed_row_times_stack  # imports triton: only where a GPU engine loads
+
+        rows = normed_row_times_stack(hidden_states, self.weight, self.eps, self.stack)
+        return [rows[slot] for slot in self.slots]
+
+    def gated(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """A gated MLP's clamp(silu(gate) * up) for a single row, its projections (gate, up) in the caller's order,
+        the activation computed as the products' sums are written: one launch, the activation's bits those of
+        `gated_activation.silu_times` on the products' outputs."""
+        from exlnb.engines.normed_gemv import normed_gated_row  # imports triton: only where a GPU engine loads
+
+        return normed_gated_row(hidden_states, self.weight, self.eps, self.stack, self.slots)
+
+
+def folded_norm(norm, group: ProductGroup | None, linears: list) -> FoldedNorm | None:
+    """Where `norm` is exllamav2's RMS norm (fp16 weight, no bias) and `linears` are one fused group laid out
+    output-major, the norm folded into their products; else None (the tail then runs the norm and the group)."""
+    from exllamav2.rmsnorm import ExLlamaV2RMSNorm
+
+    plain = type(norm) is ExLlamaV2RMSNorm and norm.bias is None and norm.weight.dtype == torch.half
+    if not plain or group is None or group.linears != linears or not output_major(group.stacked):
+        return None
+    slots = tuple(group.slots or range(len(linears)))
+    return FoldedNorm(group.stacked, slots, norm.weight.data, norm.variance_epsilon)
