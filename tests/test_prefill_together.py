@@ -83,7 +83,7 @@ def test_held_prompt_passes_run_before_the_decode_step_that_reads_their_keys(mon
     assert "forward" not in vars(generator.model) and "prefill" not in vars(generator.model)  # as it was, after
 
 
-def test_prompts_are_prefilled_together_by_default_on_the_exllamav2_engine_alone(monkeypatch):
+def test_prompts_are_prefilled_together_by_default_on_both_engines_and_the_switch_turns_it_off(monkeypatch):
     from exlnb.engines.exllamav2.prefill_together import PrefillTogether as OnExllamav2
 
     paged = Generator()
@@ -91,9 +91,10 @@ def test_prompts_are_prefilled_together_by_default_on_the_exllamav2_engine_alone
     monkeypatch.delenv("EXLNB_PREFILL_TOGETHER", raising=False)
     notes: list[str] = []
     assert OnExllamav2.start(paged, notes, batchable=True) is not None and notes == [NOTE]
-    assert PrefillTogether.start(Generator(), [], batchable=True) is None
+    assert PrefillTogether.start(Generator(), [], batchable=True) is not None
     monkeypatch.setenv("EXLNB_PREFILL_TOGETHER", "0")
     assert OnExllamav2.start(paged, [], batchable=True) is None
+    assert PrefillTogether.start(Generator(), [], batchable=True) is None
     monkeypatch.setenv("EXLNB_PREFILL_TOGETHER", "1")
     assert PrefillTogether.start(Generator(), [], batchable=True) is not None
 
