@@ -1,6 +1,6 @@
 """The decode products cuBLAS splits over their inputs, and the Triton decode attention, each way of launching them.
 
-    python -m benchmarks gemv-sweep [--out DIR]
+    python -m benchmarks gemv-sweep [--only products,attention,batched] [--out DIR]
 
 The 2026-11-28 H200 profiles had a 7B step's o and down products (a split-K kernel and a reduce kernel each, 64
 of each a step) at 75 % of copy bandwidth, and the ExLlamaV2 engine's attention at 4,096 tokens well below it.
@@ -10,8 +10,9 @@ exllamav2 holds them, and a zero-copy batched product over 2, 4 or 8 slices of t
 output-major weights), through exlnb's own single-row call (engines/gemv.py), and through its Triton kernel over
 output-major weights in 26 configurations. Then 32 layers of triton_decode's attention (batch 1, 32 query heads of
 128, 32 or 8 key/value heads, a 4,608-token cache) at 256, 1,024 and 4,096 tokens, under each of
-ATTENTION_OPTIONS, over the table both engines' graphs read (cut to the bucket of the pages the sequence needs: one
-page at 256 tokens, 16 at 4,096). Last, a batch of 8 as the ExLlamaV3 engine attends it (its block table padded to
+ATTENTION_OPTIONS (split and tile sizes, warps, stages, and the call's new keys read in tiles of their own), over
+the table both engines' graphs read (cut to the bucket of the pages the sequence needs: one page at 256 tokens, 16
+at 4,096). Last, a batch of 8 as the ExLlamaV3 engine attends it (its block table padded to
 16 pages, as exllamav3 pads it): exllamav3's own decode kernel, and exlnb's with 256, 1,024 and 4,096 keys a split,
 and on a table cut to the pages the batch needs. Median of 20 replays each; the weights' or keys' bytes over that
 time. CUDA only.
@@ -46,19 +47,28 @@ ROW_CONFIGS = [  # (outputs a program, inputs a tile, warps, stages) at one row
     (16, 1024, 8, 3),
 ]
 BATCH_CONFIGS = [(n, k, 4, s) for n in (16, 32, 64) for k in (128, 256) for s in (3, 4)]  # tl.dot, 16 rows
-ATTENTION_OPTIONS = [  # (keys a split, keys a tile, warps, stages or None for triton's default)
-    (256, 64, 4, None),
-    (256, 64, 8, None),
-    (256, 64, 4, 2),
-    (256, 64, 4, 4),
-    (256, 64, 8, 4),
-    (128, 64, 4, None),
-    (512, 64, 4, None),
-    (256, 32, 4, None),
-    (256, 32, 8, None),
-    (512, 32, 4, None),
-    (256, 128, 4, None),
-    (256, 128, 8, 3),
+ATTENTION_OPTIONS = [  # (keys a split, keys a tile, warps, stages or None for triton's default, the call's keys apart)
+    (256, 64, 4, None, False),
+    (256, 64, 8, None, False),
+    (256, 64, 4, 2, False),
+    (256, 64, 4, 4, False),
+    (256, 64, 8, 4, False),
+    (128, 64, 4, None, False),
+    (512, 64, 4, None, False),
+    (256, 32, 4, None, False),
+    (256, 32, 8, None, False),
+    (512, 32, 4, None, False),
+    (256, 128, 4, None, False),
+    (256, 128, 8, 3, False),
+    # the call's new keys in tiles of their own (triton_decode.fresh_tile_apart): less shared memory a program
+    (256, 64, 4, None, True),
+    (512, 64, 4, None, True),
+    (256, 64, 8, None, True),
+    (256, 64, 4, 4, True),
+    (256, 32, 4, None, True),
+    (256, 128, 4, None, True),
+    (512, 128, 4, None, True),
+    (512, 128, 8, None, True),
 ]
 
 
@@ -224,7 +234,8 @@ def attention(record: dict) -> None:
     shape, since it must not follow the table's width (a sequence's bits would change with its batch mates)."""
     from exlnb.engines import triton_decode
 
-    kernel, constants = triton_decode._attention_split_kernel, (triton_decode.SPLIT_KEYS, triton_decode.BLOCK_KEYS)
+    kernel = triton_decode._attention_split_kernel
+    constants = (triton_decode.SPLIT_KEYS, triton_decode.BLOCK_KEYS, triton_decode.FRESH_APART)
     pages = CACHE_TOKENS // PAGE
     whole = torch.arange(pages, device="cuda", dtype=torch.int32)[None]
     results = record.setdefault("attention", {"results": {}})["results"]
@@ -249,17 +260,17 @@ def attention(record: dict) -> None:
                 lengths = torch.tensor([tokens - 1], device="cuda", dtype=torch.int32)
                 table = whole[:, : cut_width(pages, tokens - 1, PAGE, buckets(pages))].contiguous()
                 key_bytes = LAYERS * tokens * kv_heads * HEAD_DIM * 2 * 2
-                for split, block, warps, stages in ATTENTION_OPTIONS:
-                    triton_decode.SPLIT_KEYS, triton_decode.BLOCK_KEYS = split, block
+                for split, block, warps, stages, apart in ATTENTION_OPTIONS:
+                    triton_decode.SPLIT_KEYS, triton_decode.BLOCK_KEYS, triton_decode.FRESH_APART = split, block, apart
                     staged = {"num_stages": stages} if stages else {}
                     triton_decode._attention_split_kernel = Launched(num_warps=warps, **staged)
                     layers = exlnb_layers(caches, q, fresh, lengths, table)
-                    name = f"{shape}split{split}_block{block}_w{warps}_s{stages}@ctx{tokens}"
+                    name = f"{shape}split{split}_block{block}_w{warps}_s{stages}{'_apart' * apart}@ctx{tokens}"
                     timed(results, name, layers, key_bytes)
             del caches
     finally:
         triton_decode._attention_split_kernel = kernel
-        triton_decode.SPLIT_KEYS, triton_decode.BLOCK_KEYS = constants
+        triton_decode.SPLIT_KEYS, triton_decode.BLOCK_KEYS, triton_decode.FRESH_APART = constants
 
 
 BATCH, PADDED_PAGES = 8, 16  # exllamav3 1.6.5 pads a step's block table to a multiple of 16 pages
@@ -307,21 +318,29 @@ def batched_attention(record: dict) -> None:
         triton_decode.SPLIT_KEYS = split_keys
 
 
+SWEEPS = {"products": products, "attention": attention, "batched": batched_attention}
+SET_BY_THE_SWEEP = ("EXLNB_DECODE_SPLIT_KEYS", "EXLNB_DECODE_FRESH_APART")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks gemv-sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument(
+        "--only", default=",".join(SWEEPS), help=f"the sweeps to run, comma-separated (default: {', '.join(SWEEPS)})"
+    )
     args = parser.parse_args(argv)
+    chosen = args.only.split(",")
+    if not set(chosen) <= set(SWEEPS):
+        parser.error(f"--only {args.only}: each must be one of {', '.join(SWEEPS)}")
     if not torch.cuda.is_available() or not TRITON:
         parser.exit(2, "python -m benchmarks gemv-sweep needs a CUDA GPU and triton\n")
-    if "EXLNB_DECODE_SPLIT_KEYS" in os.environ:  # it would stand in for every split size the sweep sets
-        parser.exit(2, "python -m benchmarks gemv-sweep sets its own split sizes: unset EXLNB_DECODE_SPLIT_KEYS\n")
+    for variable in SET_BY_THE_SWEEP:  # each would stand in for every value the sweep sets
+        if variable in os.environ:
+            parser.exit(2, f"python -m benchmarks gemv-sweep sets its own decode options: unset {variable}\n")
     record = {"environment": environment(), "copy_bandwidth_bytes_per_s": copy_bytes_per_s(cuda=True)}
     path = new_result_path(args.out, f"gemv-sweep-{device_slug(record['environment'])}")
-    products(record)
-    write_json(path, record, indent=1)
-    attention(record)
-    write_json(path, record, indent=1)
-    batched_attention(record)
-    write_json(path, record, indent=1)
+    for name in chosen:
+        SWEEPS[name](record)
+        write_json(path, record, indent=1)
     print(f"wrote {path}")
     return record

@@ -98,6 +98,10 @@ PARTS = (  # the goals' parts first (7B-shaped fp16, then EXL3), so that a short
         # each engine's decode attention with fewer, longer splits, and with its default (triton_decode.py): the
         # context ratio
         "kit-exllamav2-split512+kit-exllamav2-split256+kit-exllamav3-split512+kit-exllamav3-split256@7b-fp16",
+        # each engine's decode attention with the call's new keys in tiles of their own (triton_decode.py): the
+        # context ratio again
+        "kit-exllamav2-fresh-apart+kit-exllamav2-fresh-inline+kit-exllamav3-fresh-apart+kit-exllamav3-fresh-inline"
+        "@7b-fp16",
         "raw-exllamav2+raw-exllamav3@7b-fp16",
     ]
     # the engine with each step queued ahead and without, beside exllamav3's own loop

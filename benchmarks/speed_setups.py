@@ -121,6 +121,8 @@ KIT_VARIANTS = {
         for keys in (512, 256)
     },
     **_switched("EXLNB_FUSED_PRODUCTS", "fused", "unfused"),
+    # both engines' decode attention with the call's new keys in tiles of their own, and in every tile (its default)
+    **_switched("EXLNB_DECODE_FRESH_APART", "fresh-apart", "fresh-inline"),
 }
 
 

@@ -103,6 +103,20 @@ def test_one_entry_names_every_suite_and_refuses_an_unknown_one_in_one_line():
     ]
 
 
+def test_the_gemv_sweep_refuses_an_unknown_part_and_a_decode_option_it_sets_itself(tmp_path, monkeypatch):
+    """`--only` names the sweeps to run; a name not among them, and an environment that would stand in for the
+    options the sweep sets, are refused in one line before any GPU work."""
+    unknown = _benchmarks("gemv-sweep", "--only", "attention,graphs", "--out", str(tmp_path / "out"))
+    assert unknown.returncode == 2 and "--only attention,graphs: each must be one of products, attention, batched" in (
+        unknown.stderr
+    )
+    if torch.cuda.is_available():
+        monkeypatch.setenv("EXLNB_DECODE_FRESH_APART", "1")
+        set_here = _benchmarks("gemv-sweep", "--only", "attention", "--out", str(tmp_path / "out"))
+        assert set_here.returncode == 2 and "unset EXLNB_DECODE_FRESH_APART" in set_here.stderr
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the suite runs instead of refusing")
 @pytest.mark.parametrize(
     ("suite", "says"),

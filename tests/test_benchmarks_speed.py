@@ -268,6 +268,11 @@ def test_a_setup_timed_in_a_worker_of_its_own_says_why_it_could_not_load(tmp_pat
                 ("EXLNB_NORM_IN_PRODUCT", "exlnb.engines.exllamav2.folded_norm:norm_in_product_on"),
             )
         ),
+        *(
+            (f"kit-{engine}-fresh-{side}", "EXLNB_DECODE_FRESH_APART", "exlnb.engines.triton_decode:fresh_tile_apart")
+            for engine in ("exllamav2", "exllamav3")
+            for side in ("apart", "inline")
+        ),
         ("kit-exllamav3-before-wait", "EXLNB_QUEUE_BEFORE_WAIT", "exlnb.engines.queue_ahead:queue_before_wait_on"),
         ("kit-exllamav3-after-wait", "EXLNB_QUEUE_BEFORE_WAIT", "exlnb.engines.queue_ahead:queue_before_wait_on"),
     ],
@@ -279,6 +284,8 @@ def test_a_kit_variant_runs_its_engine_with_its_switch_set_then_leaves_the_envir
     environment holds while its setup lives, loaded and timed in a process of its own (a switch may be read at load
     or at each launch), and is gone after, as it was before."""
     module, name = switch.split(":")
+    if module == "exlnb.engines.triton_decode":
+        pytest.importorskip("triton")  # the decode attention's module imports it at its top
     is_on = getattr(importlib.import_module(module), name)
     engine, variables = speed_setups.KIT_VARIANTS[runner]
     assert runner.startswith(f"kit-{engine}-") and speed.RUNNER_LIBRARY[runner] == engine

@@ -202,6 +202,29 @@ def test_longer_splits_agree_with_the_pytorch_path_and_keep_a_sequence_s_bits_in
     assert torch.equal(flash_attn_with_kvcache(**copy(alone)), in_batch[:1])
 
 
+@pytest.mark.parametrize("name", ["ragged lengths up to sixteen splits", *OTHER_CALLS])
+def test_the_call_s_keys_in_tiles_of_their_own_give_the_same_bits_and_cache(name, device, monkeypatch):
+    """`EXLNB_DECODE_FRESH_APART=1`: the tiles before the call's first new key read the cache alone, the rest the
+    call's keys as well, each tile's arithmetic as in one loop: the output and the pages written are the one
+    loop's to the bit, on every call the engines make (new keys mid-tile, at a tile's or a page's start, several a
+    sequence, keys in the cache already, windows, a padded table), at 256 keys a split and at 512."""
+    from exlnb.engines import triton_decode
+
+    call = Call(ragged(6), group=4) if name.startswith("ragged") else OTHER_CALLS[name]
+    for keys_a_split in ("256", "512"):
+        monkeypatch.setenv("EXLNB_DECODE_SPLIT_KEYS", keys_a_split)
+        results = {}
+        for apart in ("0", "1"):
+            monkeypatch.setenv("EXLNB_DECODE_FRESH_APART", apart)
+            assert triton_decode.fresh_tile_apart() == (apart == "1")
+            args = inputs(call, device)
+            results[apart] = (flash_attn_with_kvcache(**args), args["k_cache"], args["v_cache"])
+        (one_loop, *one_loop_pages), (apart, *apart_pages) = results["0"], results["1"]
+        assert torch.equal(apart, one_loop), keys_a_split
+        for mine, theirs in zip(apart_pages, one_loop_pages, strict=True):
+            assert torch.equal(mine.nan_to_num(), theirs.nan_to_num())
+
+
 @pytest.mark.parametrize("value", ["100", "0", "-256", "many"])
 def test_a_split_size_that_is_no_multiple_of_a_key_tile_is_refused_in_one_line(value, monkeypatch):
     pytest.importorskip("triton")

@@ -12,6 +12,7 @@ and 19.1 at 4096, where reading the keys and values once costs about 0.7 ms a to
   new keys and values are read from the call itself, and the first program of each (sequence, key/value head)
   writes them into their pages: no program reads a slot another is writing, and a step needs no kernels of its
   own for the writes (two a layer, 64 of a 7B step's 594 on the ExLlamaV2 engine, H200 profile of 2026-11-28).
+  With `EXLNB_DECODE_FRESH_APART=1` only the tiles that can hold the call's keys read them (`fresh_tile_apart`).
 - `_attention_combine_kernel`: one program per (sequence, query position, head) brings the splits to one maximum,
   sums them and writes the output in the query's dtype. With a single split the first kernel writes it directly.
 
@@ -41,6 +42,7 @@ SPLIT_KEYS = 256  # keys per split: 16 splits at 4096 tokens keep an H100's 132 
 BLOCK_KEYS = 64  # keys per tile within a split, and a divisor of both SPLIT_KEYS and the page size
 MIN_ROWS, MAX_ROWS = 16, 64  # query rows per program: tl.dot needs 16; more share a key tile but hold more registers
 COMBINE_SPLITS = 16  # splits the combine kernel reads at once
+FRESH_APART = False  # the call's new keys read in their own tiles alone (fresh_tile_apart)
 
 
 def split_keys() -> int:
@@ -57,6 +59,16 @@ def split_keys() -> int:
             f"EXLNB_DECODE_SPLIT_KEYS={value!r}: keys per split must be a positive multiple of {BLOCK_KEYS}"
         )
     return int(value)
+
+
+def fresh_tile_apart() -> bool:
+    """Whether a split's key loop reads the call's new keys in the tiles that can hold them alone
+    (`EXLNB_DECODE_FRESH_APART=1`, read at each launch; off until timed), else FRESH_APART. In one loop every tile
+    also loads a tile of the call's keys and one of its values, masked off in all but the last; compiled for sm_90,
+    Triton's pipeliner stages those in shared memory too, doubling a stage's shared memory and its copies. The same
+    arithmetic, tile by tile: the same bits."""
+    value = os.environ.get("EXLNB_DECODE_FRESH_APART")
+    return FRESH_APART if value is None else value == "1"
 
 
 def handles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -141,6 +153,7 @@ def paged_decode_attention(
             ROWS=rows,
             BLOCK_KEYS=BLOCK_KEYS,
             SPLIT_KEYS=keys_a_split,
+            FRESH_APART=appends and fresh_tile_apart(),
         )
         if splits > 1:
             _attention_combine_kernel[(batch * q_len * heads,)](
@@ -193,6 +206,7 @@ def _attention_split_kernel(
     ROWS: tl.constexpr,
     BLOCK_KEYS: tl.constexpr,
     SPLIT_KEYS: tl.constexpr,
+    FRESH_APART: tl.constexpr,
 ):
     GROUP: tl.constexpr = HEADS // KV_HEADS
     ROW_BLOCKS: tl.constexpr = (Q_LEN * GROUP + ROWS - 1) // ROWS
@@ -233,54 +247,21 @@ def _attention_split_kernel(
     maximum = tl.full((ROWS,), -float("inf"), tl.float32)
     denominator = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, DIM_PAD), tl.float32)
-    for first in range(start, end, BLOCK_KEYS):
-        key = first + tl.arange(0, BLOCK_KEYS)
-        in_split = key < end
-        # a tile starts at a multiple of BLOCK_KEYS, which divides the page: its page is one load, not one a key
-        page = tl.load(block_table + sequence * table_row_stride + first // PAGE_SIZE * table_column_stride)
-        slot = (
-            page.to(tl.int64) * PAGE_SIZE + key % PAGE_SIZE
-        ) * KV_HEADS + kv_head  # a row of (slots * kv_heads, dim)
-        in_cache = in_split & (key < cached)  # a new key is read from the call, never from the slot being written
-        keys = tl.load(
-            k_cache + slot[None, :] * DIM + dims[:, None], mask=in_cache[None, :] & real_dim[:, None], other=0.0
-        )
-        if APPENDS:
-            fresh = in_split & (key >= cached)
-            new_row = (sequence * Q_LEN + key - cached) * KV_HEADS + kv_head  # a row of (batch * q_len * kv_heads, dim)
-            keys = tl.where(
-                fresh[None, :],
-                tl.load(new_keys + new_row[None, :] * DIM + dims[:, None], mask=fresh[None, :] & real_dim[:, None]),
-                keys,
-            )
-        scores = tl.dot(queries, keys) * scale
-        if SOFTCAP > 0:
-            scores = _tanh(scores / SOFTCAP) * SOFTCAP
-        visible = real_row[:, None] & in_split[None, :]
-        if CAUSAL:
-            visible = visible & (key[None, :] <= query_at[:, None])
-        if HAS_RIGHT:
-            visible = visible & (key[None, :] <= query_at[:, None] + window_right)
-        if HAS_LEFT:
-            visible = visible & (key[None, :] >= query_at[:, None] - window_left)
-        scores = tl.where(visible, scores, -float("inf"))
-
-        new_maximum = tl.maximum(maximum, tl.max(scores, 1))
-        shift = tl.where(new_maximum == -float("inf"), 0.0, new_maximum)  # a row that has seen no key yet
-        weights = tl.exp(scores - shift[:, None])
-        rescale = tl.exp(maximum - shift)
-        denominator = denominator * rescale + tl.sum(weights, 1)
-        values = tl.load(
-            v_cache + slot[:, None] * DIM + dims[None, :], mask=in_cache[:, None] & real_dim[None, :], other=0.0
-        )
-        if APPENDS:
-            values = tl.where(
-                fresh[:, None],
-                tl.load(new_values + new_row[:, None] * DIM + dims[None, :], mask=fresh[:, None] & real_dim[None, :]),
-                values,
-            )
-        acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values)
-        maximum = new_maximum
+    # tiles wholly before the call's first new key read the cache alone; the rest read the call's keys as well
+    calls_from = tl.minimum(end, tl.maximum(start, cached // BLOCK_KEYS * BLOCK_KEYS)) if FRESH_APART else start
+    for reads_call in tl.static_range(2):  # compiled as two loops: the first's tiles stage no tile of the call's
+        for first in tl.range(
+            calls_from if reads_call else start,
+            end if reads_call else calls_from,
+            BLOCK_KEYS,
+            num_stages=1 if FRESH_APART and reads_call else None,  # at most a tile or two: nothing to stage
+        ):
+            maximum, denominator, acc = _attend_tile(
+                first, queries, maximum, denominator, acc, k_cache, v_cache, new_keys, new_values, block_table,
+                sequence, table_row_stride, table_column_stride, kv_head, cached, end, query_at, real_row, dims,
+                real_dim, scale, window_left, window_right, Q_LEN, KV_HEADS, PAGE_SIZE, DIM, SOFTCAP, CAUSAL,
+                HAS_LEFT, HAS_RIGHT, BLOCK_KEYS, APPENDS and reads_call,
+            )  # fmt: skip
 
     if ONE_SPLIT:
         result = acc / tl.where(denominator == 0.0, 1.0, denominator)[:, None]
@@ -294,6 +275,62 @@ def _attention_split_kernel(
         tl.store(partial_sums + part[:, None] * DIM_PAD + dims[None, :], acc, mask=real_row[:, None])
         tl.store(partial_stats + part * 2, maximum, mask=real_row)
         tl.store(partial_stats + part * 2 + 1, denominator, mask=real_row)
+
+
+@triton.jit
+def _attend_tile(
+    first, queries, maximum, denominator, acc, k_cache, v_cache, new_keys, new_values, block_table, sequence,
+    table_row_stride, table_column_stride, kv_head, cached, end, query_at, real_row, dims, real_dim, scale,
+    window_left, window_right, Q_LEN: tl.constexpr, KV_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    DIM: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    BLOCK_KEYS: tl.constexpr, FRESH: tl.constexpr,
+):  # fmt: skip
+    """The tile of keys from `first` into a program's online softmax: its (maximum, denominator, acc) after the
+    tile. FRESH: the tile may hold the call's new keys, which it reads from the call, never from the slot being
+    written (another program writes them)."""
+    key = first + tl.arange(0, BLOCK_KEYS)
+    in_split = key < end
+    # a tile starts at a multiple of BLOCK_KEYS, which divides the page: its page is one load, not one a key
+    page = tl.load(block_table + sequence * table_row_stride + first // PAGE_SIZE * table_column_stride)
+    slot = (page.to(tl.int64) * PAGE_SIZE + key % PAGE_SIZE) * KV_HEADS + kv_head  # a row of (slots * kv_heads, dim)
+    in_cache = in_split & (key < cached)
+    keys = tl.load(k_cache + slot[None, :] * DIM + dims[:, None], mask=in_cache[None, :] & real_dim[:, None], other=0.0)
+    if FRESH:
+        fresh = in_split & (key >= cached)
+        new_row = (sequence * Q_LEN + key - cached) * KV_HEADS + kv_head  # a row of (batch * q_len * kv_heads, dim)
+        keys = tl.where(
+            fresh[None, :],
+            tl.load(new_keys + new_row[None, :] * DIM + dims[:, None], mask=fresh[None, :] & real_dim[:, None]),
+            keys,
+        )
+    scores = tl.dot(queries, keys) * scale
+    if SOFTCAP > 0:
+        scores = _tanh(scores / SOFTCAP) * SOFTCAP
+    visible = real_row[:, None] & in_split[None, :]
+    if CAUSAL:
+        visible = visible & (key[None, :] <= query_at[:, None])
+    if HAS_RIGHT:
+        visible = visible & (key[None, :] <= query_at[:, None] + window_right)
+    if HAS_LEFT:
+        visible = visible & (key[None, :] >= query_at[:, None] - window_left)
+    scores = tl.where(visible, scores, -float("inf"))
+
+    new_maximum = tl.maximum(maximum, tl.max(scores, 1))
+    shift = tl.where(new_maximum == -float("inf"), 0.0, new_maximum)  # a row that has seen no key yet
+    weights = tl.exp(scores - shift[:, None])
+    rescale = tl.exp(maximum - shift)
+    denominator = denominator * rescale + tl.sum(weights, 1)
+    values = tl.load(
+        v_cache + slot[:, None] * DIM + dims[None, :], mask=in_cache[:, None] & real_dim[None, :], other=0.0
+    )
+    if FRESH:
+        values = tl.where(
+            fresh[:, None],
+            tl.load(new_values + new_row[:, None] * DIM + dims[None, :], mask=fresh[:, None] & real_dim[None, :]),
+            values,
+        )
+    acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values)
+    return new_maximum, denominator, acc
 
 
 @triton.jit
