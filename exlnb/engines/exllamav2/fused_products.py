@@ -35,7 +35,7 @@ def fuse_exllamav2(model) -> FusedProducts:
     """The model's qualifying groups, stacked (output-major with `EXLNB_NORM_IN_PRODUCT=1`), its single-row products
     and (with `EXLNB_MLP_TAIL=1`) its MLPs' tails and (with `EXLNB_ATTENTION_TAIL=1`) its attentions' tails,
     installed."""
-    output_major = norm_in_product_on()
+    output_major = norm_in_product_on() and (mlp_tail_on() or attention_tail_on())  # a tail to fold a norm into
     groups = [_group(linears, output_major) for linears in _candidate_groups(model) if _fusable(linears)]
     tails = chain(
         mlp_tails(model, _single_row_product, groups) if mlp_tail_on() else (),
