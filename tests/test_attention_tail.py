@@ -257,12 +257,21 @@ def test_a_single_row_takes_the_tail_and_gives_the_library_s_output_and_cache(
     assert len(gemv_rows) == 2
 
 
-def test_a_folded_norm_runs_inside_q_k_and_v_and_gives_the_library_s_output(gemv_rows, monkeypatch):
-    """`EXLNB_NORM_IN_PRODUCT=1`: the row goes to the fused group's stack with its norm in one launch (here a
-    stand-in for normed_gemv's kernel, which needs triton, computing the stand-in norm and the group's product as
-    they compute them); the norm's own forward is not called, q and k still take one RoPE call, the output and the
-    pages are the library's; the status names the fold."""
-    library, attention, _ = _tailed()
+@pytest.mark.parametrize(
+    "rope_style, status",
+    [
+        (_RopeStyle.NEOX, "attention tails with the norm and RoPE in q, k and v and the residual in o"),
+        (_RopeStyle.NONE, "attention tails with the norm in q, k and v and the residual in o"),
+    ],
+    ids=["neox-rope-in-the-product", "no-rope"],
+)
+def test_a_folded_norm_runs_inside_q_k_and_v_and_gives_the_library_s_output(gemv_rows, monkeypatch, rope_style, status):
+    """`EXLNB_NORM_IN_PRODUCT=1`: the row goes to the fused group's stack with its norm, and with NEOX RoPE on q and k
+    at the step's position, in one launch (here stand-ins for normed_gemv's kernels, which need triton, computing
+    the stand-in norm, the group's product and the stand-in library's RoPE as they compute them); neither the norm's
+    own forward nor the library's `rope_` is called; the output and the pages are the library's; the status names
+    the fold."""
+    library, attention, _ = _tailed(rope_style=rope_style)
     stacks = []
 
     def normed_row_times_stack(x, weight, eps, stack):
@@ -270,8 +279,16 @@ def test_a_folded_norm_runs_inside_q_k_and_v_and_gives_the_library_s_output(gemv
         rows = (x.reshape(1, 1, -1) * 0.5).expand(stack.shape[0], -1, -1)  # the stand-in norm, as _Attention's
         return torch.bmm(rows, stack).view(stack.shape[0], -1)
 
+    def normed_roped_rows(x, weight, eps, stack, rotated, sin, cos, positions):
+        rows = normed_row_times_stack(x, weight, eps, stack)
+        for slot in rotated:
+            _Library()._rope_(rows[slot].view(1, -1), sin, cos, 0, HEADS, DIM, positions, True)
+        return rows
+
     monkeypatch.setitem(
-        sys.modules, "exlnb.engines.normed_gemv", SimpleNamespace(normed_row_times_stack=normed_row_times_stack)
+        sys.modules,
+        "exlnb.engines.normed_gemv",
+        SimpleNamespace(normed_row_times_stack=normed_row_times_stack, normed_roped_rows=normed_roped_rows),
     )
     folded = FoldedNorm(attention.group.stacked, (0, 1, 2), torch.ones(attention.hidden).half(), 1e-5)
     tail = AttentionTail(attention, library, folded)
@@ -287,12 +304,10 @@ def test_a_folded_norm_runs_inside_q_k_and_v_and_gives_the_library_s_output(gemv
 
     out = attention.forward(x, cache=ours, attn_params=_Params([5], [[1, 0]]))
 
-    assert norms == [] and len(stacks) == 1 and stacks[0] is attention.group.stacked
-    assert library.rope_heads == [2 * HEADS] and torch.equal(out, expected)
+    assert norms == [] and library.rope_heads == [] and len(stacks) == 1 and stacks[0] is attention.group.stacked
+    assert torch.equal(out, expected)
     assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
-    assert fused.describe() == (
-        "1 fp16 projection groups fused, 1 attention tails with the norm in q, k and v and the residual in o"
-    )
+    assert fused.describe() == f"1 fp16 projection groups fused, 1 {status}"
     attention.forward(
         torch.randn(2, 1, attention.hidden).half(), cache=_Cache(HEADS), attn_params=_Params([5, 2], [[1, 0], [0, 1]])
     )
@@ -520,15 +535,16 @@ def test_a_tail_that_differs_is_dropped_at_load_and_the_products_kept(monkeypatc
 
 @pytest.mark.gpu
 def test_a_norm_folded_into_q_k_and_v_agrees_with_the_library_s_attention_to_the_load_s_tolerance(monkeypatch, request):
-    """`EXLNB_NORM_IN_PRODUCT=1` on Llama-2-7B's widths (q, k and v one fused group after an RMS norm): the tail
-    folds the norm in, says so, and its load check, against the library's own attention, keeps it."""
+    """`EXLNB_NORM_IN_PRODUCT=1` on Llama-2-7B's widths (q, k and v one fused group after an RMS norm, NEOX RoPE over
+    whole heads): the tail folds the norm and RoPE in, says so, and its load check, against the library's own
+    attention at a random position (the new key and value it writes included), keeps it."""
     from exlnb.engines.cuda_graphs import beyond_tolerance
 
     for variable, value in (("EXLNB_ATTENTION_TAIL", "1"), ("EXLNB_NORM_IN_PRODUCT", "1"), ("EXLNB_MLP_TAIL", "0")):
         monkeypatch.setenv(variable, value)
     session = load(request.getfixturevalue("wide_folder"), "exllamav2")
     try:
-        assert "1 attention tails with the norm in q, k and v and the residual in o" in session.status().decode
+        assert "1 attention tails with the norm and RoPE in q, k and v and the residual in o" in session.status().decode
         assert not any(note.startswith("step tails not used") for note in session.status().notes)
         errors = session.run_on_engine(lambda engine: [tail.differs() for tail in engine.fused.tails])
         assert len(errors) == 1 and not beyond_tolerance(errors[0])

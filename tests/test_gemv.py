@@ -218,3 +218,38 @@ def test_every_way_the_norm_product_sweep_times_gives_the_same_outputs(device, p
             reference = references.setdefault((out.numel(), layer), out.float().cpu())
             torch.testing.assert_close(out.float().cpu(), reference, rtol=5e-3, atol=5e-3, msg=name)
     assert {numel for numel, _ in references} == ({products * outputs} | ({outputs} if products == 2 else set()))
+
+
+@pytest.mark.parametrize("head_dim", [64, 80], ids=["head-64", "head-80"])
+def test_one_launch_gives_the_norm_q_k_and_v_and_rope_at_the_position_on_the_device(device, head_dim):
+    """`normed_roped_rows`: the row normed, each product rounded to fp16 as written, then NEOX RoPE on the products
+    it is told to rotate (here the stack's third and first), at the position the positions tensor holds, against
+    RoPE in float64 on the products; the other product as normed_row_times_stack gives it (its sums may run in
+    another order on a GPU: to fp16's last place)."""
+    from exlnb.engines.normed_gemv import normed_roped_rows, normed_row_times_stack
+
+    inputs, heads, positions = 256, 2, 12
+    outputs = heads * head_dim
+    g = torch.Generator().manual_seed(head_dim)
+    rows = (torch.randn(3, outputs, inputs, generator=g) * 0.05).half()  # (P, N, K), output-major
+    x = (torch.randn(inputs, generator=g) * 3).half()
+    norm = (1 + 0.1 * torch.randn(inputs, generator=g)).half()
+    frequencies = torch.arange(positions)[:, None] * 10000 ** (-torch.arange(head_dim // 2) / (head_dim // 2))
+    angles = torch.cat([frequencies, frequencies], -1)[None, None]  # exllamav2's (1, 1, positions, head_dim)
+    sin, cos = angles.sin().half(), angles.cos().half()
+    stack = rows.to(device).transpose(1, 2)
+    plain = normed_row_times_stack(x.to(device), norm.to(device), 1e-5, stack).cpu()
+
+    for position in (0, 7):
+        at = torch.tensor([position], dtype=torch.int32)
+        got = normed_roped_rows(
+            x.to(device), norm.to(device), 1e-5, stack, (2, 0), sin.to(device), cos.to(device), at.to(device)
+        ).cpu()
+        assert got.shape == (3, outputs) and got.is_contiguous()
+        torch.testing.assert_close(got[1], plain[1], rtol=1e-3, atol=1e-3)  # not rotated
+        c, s = cos[0, 0, position, : head_dim // 2].double(), sin[0, 0, position, : head_dim // 2].double()
+        for product in (0, 2):
+            left, right = plain[product].double().view(heads, 2, head_dim // 2).unbind(1)
+            expected = torch.stack([left * c - right * s, right * c + left * s], 1).view(-1)
+            torch.testing.assert_close(got[product].double(), expected, rtol=4e-3, atol=4e-3)
+    assert not torch.equal(got[0], plain[0])  # a position past 0 turns the heads

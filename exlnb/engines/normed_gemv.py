@@ -32,7 +32,19 @@ CONFIG = (16, 256, 4, 4)
 # the same for a gated MLP's gate and up with its activation in the epilogue (`normed_gated_row`): 8 outputs of each,
 # so that a program reads CONFIG's 16 rows; to be chosen by the sweep's gated rows
 GATED_CONFIG = (8, 256, 4, 4)
+# and for q, k and v with RoPE in the epilogue (`normed_roped_rows`): 8 rows of a head's first half and their 8
+# partners a program, CONFIG's 16 rows; not yet timed
+ROPED_CONFIG = (8, 256, 4, 4)
 FP16_MAX: tl.constexpr = tl.constexpr(65504.0)  # exllamav2's norm clamps its inputs to fp16's range
+
+
+def output_major_rows(stack: torch.Tensor, caller: str) -> torch.Tensor:
+    """A group's (P, K, N) stack as the contiguous (P, N, K) output-major weights it is a view of (the layout the
+    configurations were timed on); any other stack refused in a line."""
+    rows = stack.transpose(1, 2)
+    if not rows.is_contiguous():
+        raise ValueError(f"{caller} reads output-major weights: a (P, K, N) view of (P, N, K)")
+    return rows
 
 
 def normed_row_times_stack(x: torch.Tensor, norm: torch.Tensor, eps: float, stack: torch.Tensor) -> torch.Tensor:
@@ -40,11 +52,33 @@ def normed_row_times_stack(x: torch.Tensor, norm: torch.Tensor, eps: float, stac
     its K weights, stack the group's (P, K, N) stack, a transposed view of contiguous output-major (P, N, K) weights
     (the layout CONFIG was timed on). Returns (P, N) fp16, the products in the stack's order, contiguous."""
     products, inputs, outputs = stack.shape
-    rows = stack.transpose(1, 2)
-    if not rows.is_contiguous():
-        raise ValueError("normed_row_times_stack reads output-major weights: a (P, K, N) view of (P, N, K)")
+    rows = output_major_rows(stack, "normed_row_times_stack")
     out = normed_product(x.reshape(-1), norm, rows.reshape(products * outputs, inputs), CONFIG, eps)
     return out.view(products, outputs)
+
+
+def normed_roped_rows(x, norm, eps: float, stack, rotated, sin, cos, positions, config=None) -> torch.Tensor:
+    """normed_row_times_stack with exllamav2's NEOX RoPE applied as the sums are written to the products in
+    `rotated` (their places in the stack: q's and k's), at the position `positions[0]` holds on the device, as
+    `ext_c.rope_` computes it (fp16: the rotated half times -sin rounded, then fused with x times cos): one launch
+    for an attention's norm, q, k and v and RoPE. Each program reads 8 rows of a head's first half and the 8 rows
+    of its second half they pair with. sin, cos: (..., positions, head_dim) fp16 tables, head_dim dividing N.
+    Returns (P, N) fp16, contiguous."""
+    block_n, block_k, warps, stages = config or ROPED_CONFIG
+    products, inputs, outputs = stack.shape
+    rows = output_major_rows(stack, "normed_roped_rows")
+    head_dim = sin.shape[-1]
+    if outputs % head_dim or head_dim % 2 or cos.shape[-1] != head_dim or products > 3:
+        raise ValueError(f"normed_roped_rows: {products} products of {outputs}, heads of {head_dim}: not q, k and v")
+    rotates = [slot in rotated for slot in range(3)]  # the kernel's ROTATE_0..2
+    out = torch.empty(products, outputs, dtype=torch.half, device=x.device)
+    programs = products * (outputs // head_dim) * triton.cdiv(head_dim // 2, block_n)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton's current device
+        _normed_roped_rows[(programs,)](
+            x.reshape(-1), norm, rows, out, sin, cos, positions, eps, outputs, inputs, *rotates,
+            HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+    return out
 
 
 def normed_gated_row(x: torch.Tensor, norm: torch.Tensor, eps: float, stack: torch.Tensor, slots, config=None):
@@ -54,9 +88,7 @@ def normed_gated_row(x: torch.Tensor, norm: torch.Tensor, eps: float, stack: tor
     weights; slots: gate's and up's places in it; config: GATED_CONFIG unless told. Returns N fp16 outputs."""
     block_n, block_k, warps, stages = config or GATED_CONFIG
     _, inputs, outputs = stack.shape
-    rows = stack.transpose(1, 2)
-    if not rows.is_contiguous():
-        raise ValueError("normed_gated_row reads output-major weights: a (2, K, N) view of (2, N, K)")
+    rows = output_major_rows(stack, "normed_gated_row")
     out = torch.empty(outputs, dtype=torch.half, device=x.device)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton's current device
         _normed_gated_row[(triton.cdiv(outputs, block_n),)](
@@ -140,6 +172,22 @@ def _normed_row_times_matrix(
 
 
 @triton.jit
+def _paired_sums(x, norm, first, second, real, scale, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """rmsnorm(x) times two sets of BLOCK_N output-major rows (`first`, `second`: each row's first weight), each
+    sum rounded to fp16 as a product writes it, in float32."""
+    first_sums = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    second_sums = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    for start in range(0, K, BLOCK_K):
+        k = start + tl.arange(0, BLOCK_K)
+        real_k = k < K
+        normed = _normed_tile(x, norm, k, real_k, scale)
+        both = real[:, None] & real_k[None, :]
+        first_sums += tl.load(first[:, None] + k[None, :], mask=both, other=0.0).to(tl.float32) * normed[None, :]
+        second_sums += tl.load(second[:, None] + k[None, :], mask=both, other=0.0).to(tl.float32) * normed[None, :]
+    return tl.sum(first_sums, 1).to(tl.float16).to(tl.float32), tl.sum(second_sums, 1).to(tl.float16).to(tl.float32)
+
+
+@triton.jit
 def _normed_gated_row(
     x,
     norm,
@@ -158,16 +206,51 @@ def _normed_gated_row(
     scale = _inverse_rms(x, K, eps, BLOCK_K)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     real_n = n < N
-    gate_sums = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    up_sums = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    for first in range(0, K, BLOCK_K):
-        k = first + tl.arange(0, BLOCK_K)
-        real_k = k < K
-        normed = _normed_tile(x, norm, k, real_k, scale)
-        where = n[:, None] * K + k[None, :]  # int32: a 7B MLP's 45 M weights a product fit
-        both = real_n[:, None] & real_k[None, :]
-        gate_sums += tl.load(gate + where, mask=both, other=0.0).to(tl.float32) * normed[None, :]
-        up_sums += tl.load(up + where, mask=both, other=0.0).to(tl.float32) * normed[None, :]
-    g = tl.sum(gate_sums, 1).to(tl.float16).to(tl.float32)
-    u = tl.sum(up_sums, 1).to(tl.float16).to(tl.float32)
+    g, u = _paired_sums(x, norm, gate + n * K, up + n * K, real_n, scale, K, BLOCK_N, BLOCK_K)  # int32: 45 M fit
     tl.store(out + n, silu_times_values(g, u, PRECISE), mask=real_n)
+
+
+@triton.jit
+def _normed_roped_rows(
+    x,
+    norm,
+    w,
+    out,
+    sin,
+    cos,
+    positions,
+    eps,
+    N,
+    K: tl.constexpr,
+    ROTATE_0,
+    ROTATE_1,
+    ROTATE_2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[p] = rmsnorm(x) @ w[p].T for output-major (P, N, K) w, each program BLOCK_N rows of one head's first
+    half and the rows of its second half they pair with; where product p rotates (ROTATE_p), NEOX RoPE at
+    positions[0] as exllamav2's rope.cu computes it in fp16: l' = fma(l, cos, round(r * -sin)), r' = fma(r, cos,
+    round(l * sin)), with the first half's sin and cos for both."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    BLOCKS_A_HALF: tl.constexpr = (HALF + BLOCK_N - 1) // BLOCK_N
+    scale = _inverse_rms(x, K, eps, BLOCK_K)
+    program = tl.program_id(0)
+    blocks_a_product = N // HEAD_DIM * BLOCKS_A_HALF
+    product = program // blocks_a_product
+    head = program % blocks_a_product // BLOCKS_A_HALF
+    column = program % BLOCKS_A_HALF * BLOCK_N + tl.arange(0, BLOCK_N)  # within the head's first half
+    real = column < HALF
+    first = product * N + head * HEAD_DIM + column  # a row of (P * N, K); its partner HALF rows on
+    left, right = _paired_sums(x, norm, w + first * K, w + (first + HALF) * K, real, scale, K, BLOCK_N, BLOCK_K)
+    rotates = ((product == 0) & ROTATE_0) | ((product == 1) & ROTATE_1) | ((product == 2) & ROTATE_2)
+    if rotates:
+        at = tl.load(positions).to(tl.int64) * HEAD_DIM + column
+        c = tl.load(cos + at, mask=real, other=0.0).to(tl.float32)
+        s = tl.load(sin + at, mask=real, other=0.0).to(tl.float32)
+        rotated_left = left * c + (right * -s).to(tl.float16).to(tl.float32)
+        right = right * c + (left * s).to(tl.float16).to(tl.float32)
+        left = rotated_left
+    tl.store(out + first, left.to(tl.float16), mask=real)
+    tl.store(out + first + HALF, right.to(tl.float16), mask=real)

@@ -14,8 +14,10 @@ num_heads), with the same sin and cos. Under grouped-query attention q has a pro
 k, and keeps its own `rope_` call.
 
 With `EXLNB_NORM_IN_PRODUCT=1` as well (off until timed), where q, k and v are one fused group after an RMS norm, the
-norm runs inside their product (`folded_norm.py`): 32 launches fewer again, its outputs the norm's and the product's
-to the tolerance of every load check rather than to the bit.
+norm runs inside their product (`folded_norm.py`), and where the RoPE is NEOX over whole heads with no head norm
+before it (a Llama's), RoPE too, as the product writes q and k (rope.cu's fp16 arithmetic, the position read on the
+device): 64 launches fewer again, its outputs the library's to the tolerance of every load check rather than to
+the bit.
 
 Any other call (a prompt, a batch, LoRAs, alternative or offset RoPE, a cache other than fp16's) takes the library's own
 `forward_paged`. A tail is one more of the products `FusedProducts` installs, and a load checks each against the
@@ -41,6 +43,10 @@ ATTENTION_TAILS = TailKind(
 FOLDED_ATTENTION_TAILS = TailKind(
     "attention tails with the norm in q, k and v and the residual in o",
     "an attention's tail with its norm in q, k and v differs from the library's attention",
+)
+ROPED_ATTENTION_TAILS = TailKind(
+    "attention tails with the norm and RoPE in q, k and v and the residual in o",
+    "an attention's tail with its norm and RoPE in q, k and v differs from the library's attention",
 )
 
 # What `AttentionTail.forward_paged` mirrors of exllamav2 0.3.2's, and where: `attention_tails` checks these first.
@@ -117,7 +123,16 @@ class AttentionTail:
         self.attention, self.library, self.folded = attention, library, folded
         self.o_weight = attention.o_proj.linear.weight.data  # (out, in), as it lies
         self.hidden = self.o_weight.shape[0]
-        self.kind = ATTENTION_TAILS if folded is None else FOLDED_ATTENTION_TAILS
+        self.rope_in_product = folded is not None and self._neox_over_whole_heads()
+        kinds = {None: ATTENTION_TAILS, False: FOLDED_ATTENTION_TAILS, True: ROPED_ATTENTION_TAILS}
+        self.kind = kinds[None if folded is None else self.rope_in_product]
+
+    def _neox_over_whole_heads(self) -> bool:
+        """Whether the attention's RoPE can run as its folded product writes q and k: NEOX over whole heads (the
+        halves a head's first and second), with no head norm between the products and RoPE."""
+        attention = self.attention
+        neox = attention.archparams.rope_style == self.library.RopeStyle.NEOX and attention.q_norm is None
+        return neox and all(table.shape[-1] == attention.head_dim for table in self._sin_cos())
 
     def install(self) -> None:
         self.attention.forward_paged = self.forward_paged
@@ -158,7 +173,9 @@ class AttentionTail:
         k_cache = k_cache_f.view(k_cache_f.shape[1] // page_size, page_size, *k_cache_f.shape[2:])
         v_cache = v_cache_f.view(v_cache_f.shape[1] // page_size, page_size, *v_cache_f.shape[2:])
 
-        if self.folded is not None:
+        if self.rope_in_product:
+            q, k, v = self.folded.roped(hidden_states, *self._sin_cos(), cache_seqlens)
+        elif self.folded is not None:
             q, k, v = self.folded.products(hidden_states)
         else:
             x = attention.pre_layernorm.forward(hidden_states) if attention.has_norm else hidden_states
@@ -169,7 +186,8 @@ class AttentionTail:
         q, k, v = q.view(1, 1, heads, dim), k.view(1, 1, kv_heads, dim), v.view(1, 1, kv_heads, dim)
         if attention.q_norm is not None:
             q, k = attention.q_norm.forward(q), attention.k_norm.forward(k)
-        self._rope(q, k, cache_seqlens)
+        if not self.rope_in_product:
+            self._rope(q, k, cache_seqlens)
 
         seqlens = cache_seqlens
         if attn_params.is_sequential:  # eager batch-1 steps: the library copies the new key and value in itself
@@ -198,14 +216,19 @@ class AttentionTail:
         style = attention.archparams.rope_style
         if style == library.RopeStyle.NONE:
             return
-        constants = attention.model.get_device_context(attention.device_idx, scratch=False)
-        sin, cos = constants.sin[attention.rope_index], constants.cos[attention.rope_index]
+        sin, cos = self._sin_cos()
         both = side_by_side(q, k)
         dim = attention.head_dim
         for heads in (q, k) if both is None else (both,):  # one row: its head count is its number of rows
             library.ext_c.rope_(
                 heads, sin, cos, 0, heads.numel() // dim, dim, positions, style == library.RopeStyle.NEOX
             )
+
+    def _sin_cos(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's sin and cos tables, as the library reads them at call time."""
+        attention = self.attention
+        constants = attention.model.get_device_context(attention.device_idx, scratch=False)
+        return constants.sin[attention.rope_index], constants.cos[attention.rope_index]
 
     def _flash_options(self) -> dict:
         """The window and softcap the library passes, read from its flags at call time as it reads them."""

@@ -4,7 +4,8 @@ the attention tail for q, k and v and the MLP tail for gate and up; off until ti
 At one row the engine runs each norm as a launch of its own and then the fused group's batched product. Folded, one
 Triton kernel (`normed_gemv.py`) computes the row's RMS in every program and multiplies as it reads the weights; for
 gate and up it also computes the MLP's activation from the two sums as it writes them (the SiLU kernel's 32
-launches a 7B step: 0.067 ms of kernels and about 0.03 ms of launches in the H200's profile of the tails). Its
+launches a 7B step: 0.067 ms of kernels and about 0.03 ms of launches in the H200's profile of the tails), and for
+q, k and v their RoPE (32 launches, 0.058 ms of kernels in the same profile). Its
 speed hangs on the layout: 32 layers replayed from one graph on an H200 (benchmarks/results/speed-nvidia-h200-2026-
 11-29-d, the norm-product sweep) took, for q, k and v, 0.839 ms over output-major weights against 0.973 ms for the
 norm and cuBLAS's product over the input-major stack, and for gate and up 1.418 against 1.522 ms; over the
@@ -54,6 +55,15 @@ class FoldedNorm:
         from exlnb.engines.normed_gemv import normed_row_times_stack  # imports triton: only where a GPU engine loads
 
         rows = normed_row_times_stack(hidden_states, self.weight, self.eps, self.stack)
+        return [rows[slot] for slot in self.slots]
+
+    def roped(self, hidden_states, sin, cos, positions) -> list[torch.Tensor]:
+        """`products` of q, k and v (the caller's order) with NEOX RoPE on q and k at the position `positions[0]`
+        holds, computed as the sums are written: one launch for the norm, the products and RoPE."""
+        from exlnb.engines.normed_gemv import normed_roped_rows  # imports triton: only where a GPU engine loads
+
+        q, k, _ = self.slots
+        rows = normed_roped_rows(hidden_states, self.weight, self.eps, self.stack, (q, k), sin, cos, positions)
         return [rows[slot] for slot in self.slots]
 
     def gated(self, hidden_states: torch.Tensor) -> torch.Tensor:
