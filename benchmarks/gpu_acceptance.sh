@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_acceptance.sh gguf GGUF_XZ_PART...              # more of the bundled GGUF
 #   bash benchmarks/gpu_acceptance.sh model [GGUF_XZ_PART...]           # the rest of it, then start `all`
 #   bash benchmarks/gpu_acceptance.sh collect SECONDS DEST              # wait up to SECONDS, results.tar.gz
+#                                                                       # (exit 3 at once on a machine lent afresh)
 #   bash benchmarks/gpu_acceptance.sh report ENGINES                    # the investigations now (as in `all`)
 #
 # WHEEL_DIRS is one directory of wheels or several in one argument (".whl .whl2"); the investigations'
@@ -215,13 +216,19 @@ all)
     touch "$OUTDIR/DONE"
     ;;
 collect)
+    if [ ! -e "$OUTDIR/progress.txt" ]; then  # a machine lent afresh keeps nothing of the one that ran setup
+        echo "nothing of a run is here ($OUTDIR/progress.txt is missing): this is not the machine that ran setup"
+        exit 3
+    fi
     deadline=$((SECONDS + $2))
     while [ ! -e "$OUTDIR/DONE" ] && [ $SECONDS -lt "$deadline" ]; do sleep 5; done
-    mkdir -p "$3" && tar -czf "$3/results.tar.gz" -C "$OUTDIR" .
+    mkdir -p "$3" && tar -czf "$3/results.tar.gz" --exclude='*.xml' --exclude='pip-list*' -C "$OUTDIR" .
+    packed=$?
     cat "$OUTDIR/progress.txt"
     for f in "$OUTDIR"/pytest-gpu-*.log; do [ -e "$f" ] && { echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$f" | tail -n 15; }; done
     for f in "$OUTDIR"/pytest-gpu-*-failures.txt; do [ -e "$f" ] && { echo "== $f"; grep -E "^(====|E )" "$f" | cut -c1-220 | head -n 60; }; done
     for f in "$OUTDIR"/report-*.log; do [ -e "$f" ] && { echo "== $f"; grep -E "^\[[0-9]+/[0-9]+\] .*(done|failed)" "$f"; }; done
+    exit $packed  # whether the results were packed (the listings above may end on a test that finds nothing)
     ;;
 *)
     sed -n 2,12p "$0"; exit 2
