@@ -34,6 +34,8 @@
 # `--layers 12 --only quantize@7b-exl3`, whose model a later EXLNB_GPU_SPEED run times). EXLNB_GPU_SPEED_UNTIL=EPOCH
 # (the machine's `date +%s` by which the runs must end, e.g. the lease's end less a minute to collect) gives each run
 # the time left, less 60 s, as its budget, so a run in turns starts no part it cannot finish.
+# EXLNB_GPU_SWEEPS="SUITE ARGS; SUITE ARGS" runs those kernel sweeps after the speed runs, alone (e.g.
+# "gemv-sweep --only attention; norm-product-sweep"), their JSON in the results.
 # These variables are read by `all`, so set them on the `model` call that starts it.
 #
 # The bundled GGUF travels xz-compressed in parts (`xz -6`, then `split`). Everything runs from a snapshot of
@@ -131,6 +133,12 @@ speed() {  # speed ARGS...: one `python -m benchmarks speed` run, appended to sp
     log "end speed (exit $?)"
 }
 
+sweep() {  # sweep SUITE ARGS...: one kernel sweep (`python -m benchmarks SUITE ARGS`), appended to sweeps.log
+    log "start sweep $*"
+    (cd "$REPO" && eval "timeout 600 python3 -m benchmarks $* --out \"$OUTDIR\"" >> "$OUTDIR/sweeps.log" 2>&1)
+    log "end sweep (exit $?)"
+}
+
 chain_speed_beside() {  # EXLNB_GPU_SPEED_BESIDE's run, beside the suites
     [ -n "${EXLNB_GPU_SPEED_BESIDE:-}" ] || return 0
     wait_for "$WORK/build-exllamav3.rc"
@@ -189,6 +197,8 @@ all)
     chain_exllamav2 & chain_exllamav3 & chain_quantized & chain_speed_beside & wait
     IFS=';' read -ra runs <<< "${EXLNB_GPU_SPEED:-}"
     for args in "${runs[@]}"; do [ -n "${args// /}" ] && speed "$args"; done
+    IFS=';' read -ra sweeps <<< "${EXLNB_GPU_SWEEPS:-}"
+    for args in "${sweeps[@]}"; do [ -n "${args// /}" ] && sweep "$args"; done
     [ "${EXLNB_GPU_GRAPHS:-0}" = 1 ] && graphs_benchmark
     benchmarks=${EXLNB_GPU_BENCHMARKS:-1}
     if [ "$benchmarks" = 1 ]; then
