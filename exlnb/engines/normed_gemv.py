@@ -11,7 +11,9 @@ agree with the norm and product to the tolerance a graph's replay is held to, no
 `python -m benchmarks norm-product-sweep` times it against the norm and cuBLAS's product: over output-major weights
 it beats them (CONFIG, the fastest of its configurations on both of a 7B layer's groups); over the input-major stack
 the groups otherwise keep it loses (benchmarks/results/speed-nvidia-h200-2026-11-29-d), so the engine folds a norm
-only into a group laid out output-major (engines/exllamav2/folded_norm.py).
+only into a group laid out output-major (engines/exllamav2/folded_norm.py). Two epilogues ride on the same reading,
+each program then summing two sets of rows (`_paired_sums`): a gated MLP's activation from gate and up
+(`normed_gated_row`), and NEOX RoPE on q and k from a head's two halves (`normed_roped_rows`).
 
 This module imports triton at its top: callers import it only where CUDA (and with it triton) is present.
 """

@@ -5,14 +5,16 @@ At one row the engine runs each norm as a launch of its own and then the fused g
 Triton kernel (`normed_gemv.py`) computes the row's RMS in every program and multiplies as it reads the weights; for
 gate and up it also computes the MLP's activation from the two sums as it writes them (the SiLU kernel's 32
 launches a 7B step: 0.067 ms of kernels and about 0.03 ms of launches in the H200's profile of the tails), and for
-q, k and v their RoPE (32 launches, 0.058 ms of kernels in the same profile). Its
-speed hangs on the layout: 32 layers replayed from one graph on an H200 (benchmarks/results/speed-nvidia-h200-2026-
-11-29-d, the norm-product sweep) took, for q, k and v, 0.839 ms over output-major weights against 0.973 ms for the
-norm and cuBLAS's product over the input-major stack, and for gate and up 1.418 against 1.522 ms; over the
-input-major stack the best the kernel did was 1.069 and 1.492 ms, and at the size first guessed, four times slower
-(that step: 7.40 ms against 4.22). So with the switch on, the engine lays each group out output-major (every
-projection's weight then lies as its `nn.Linear` held it, and cuBLAS reads the same stack transposed for prompts and
-batches, `ProductGroup.stacked` being its transposed view), and the tails take that kernel for their single rows.
+q, k and v their RoPE (32 launches, 0.058 ms of kernels in the same profile).
+
+Its speed hangs on the layout. 32 layers replayed from one graph on an H200 (the norm-product sweep in
+benchmarks/results/speed-nvidia-h200-2026-11-29-d) took, for q, k and v, 0.839 ms over output-major weights
+against 0.973 ms for the norm and cuBLAS's product over the input-major stack, and for gate and up 1.418 against
+1.522 ms; over the input-major stack the kernel's best was 1.080 and 1.497 ms, and at the size first guessed it was
+four times slower (that step: 7.40 ms against 4.22). So with the switch on, the engine lays each group out
+output-major (every projection's weight then lies as its `nn.Linear` held it, and cuBLAS reads the same stack
+transposed for prompts and batches, `ProductGroup.stacked` being its transposed view), and the tails take that
+kernel for their single rows.
 
 The norm is exllamav2's arithmetic but not its order of summation: a folded tail agrees with the library's step to
 the load check's tolerance, not to the bit.
