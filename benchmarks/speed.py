@@ -91,8 +91,8 @@ PARTS = (  # the goals' parts first (7B-shaped fp16, then EXL3), so that a short
         "kit-exllamav2-prefill-together+kit-exllamav2-prefill-apart+kit-exllamav3-prefill-together"
         "+kit-exllamav3-prefill-apart@7b-fp16",
         # the ExLlamaV2 engine with its MLPs' tails in two kernels, its attentions' RoPE in one launch and residual in
-        # o (mlp_tail.py, attention_tail.py), each alone, both, both with the attention's norm in q, k and v, and as
-        # exllamav2 runs them
+        # o (mlp_tail.py, attention_tail.py), each alone, both, both with their norms folded into the products after
+        # them (folded_norm.py), and as exllamav2 runs them
         "kit-exllamav2-mlp-tail+kit-exllamav2-attention-tail+kit-exllamav2-tails+kit-exllamav2-tails-folded"
         "+kit-exllamav2-tails-apart@7b-fp16",
         # each engine's decode attention with fewer, longer splits, and with its default (triton_decode.py): the

@@ -348,7 +348,8 @@ def kernels_by_kind(prof, wall_s: float, steps: int) -> dict:
     }
 
 
-# each engine's step profiled as it ships, and the ExLlamaV2 engine's with both tails on (whose launches it counts):
+# each engine's step profiled as it ships, and the ExLlamaV2 engine's with both tails on, then with their norms folded
+# too (whose launches it counts):
 # runner -> (engine, the environment it loads and runs in)
 PROFILED = {
     "profile-exllamav2": ("exllamav2", {}),

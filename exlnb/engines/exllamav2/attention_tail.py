@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from exlnb.engines.cuda_graphs import relative_difference
-from exlnb.engines.exllamav2.folded_norm import FoldedNorm, folded_norm, norm_in_product_on
+from exlnb.engines.exllamav2.folded_norm import FoldedNorm, folded_norm
 from exlnb.engines.fused_products import ProductGroup, TailKind, random_probe
 
 ATTENTION_TAILS = TailKind(
@@ -315,11 +315,8 @@ def attention_tails(
             raise RuntimeError(
                 f"exllamav2's ExLlamaV2Attention.{name} no longer reads {sorted(missing)}: unset EXLNB_ATTENTION_TAIL"
             )
-    leading = {id(group.linears[0]): group for group in groups if group is not None}
-    fold = norm_in_product_on()
     for module in model.modules:
         if type(module) is attn.ExLlamaV2Attention and has_a_plain_tail(module, o_is_plain):
             qkv = [module.q_proj, module.k_proj, module.v_proj]
-            group = leading.get(id(module.q_proj))
-            folded = folded_norm(module.pre_layernorm, group, qkv) if fold and module.has_norm else None
+            folded = folded_norm(module.pre_layernorm, groups, qkv) if module.has_norm else None
             yield AttentionTail(module, attn, folded)

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import torch
 
 from exlnb.engines.cuda_graphs import relative_difference
-from exlnb.engines.exllamav2.folded_norm import FoldedNorm, folded_norm, norm_in_product_on
+from exlnb.engines.exllamav2.folded_norm import FoldedNorm, folded_norm
 from exlnb.engines.fused_products import MLP_TAILS, ProductGroup, TailKind, random_probe
 
 FOLDED_MLP_TAILS = TailKind(
@@ -86,8 +86,6 @@ def mlp_tails(model, down_is_plain, groups: list[ProductGroup | None]) -> Iterat
     folded into its gate and up where they are one of `groups` (the model's fused groups)."""
     from exllamav2.mlp import ExLlamaV2MLP
 
-    leading = {id(group.linears[0]): group for group in groups if group is not None}
-    fold = norm_in_product_on()
     for module in model.modules:
         if type(module) is not ExLlamaV2MLP or getattr(module, "is_tp", False) or module.q_handle is not None:
             continue
@@ -103,6 +101,4 @@ def mlp_tails(model, down_is_plain, groups: list[ProductGroup | None]) -> Iterat
             and not params.clamp_hidden_states
         )
         if plain and down_is_plain(module.down_proj) and module.down_proj.linear.weight.dtype == torch.half:
-            gate_up = [module.gate_proj, module.up_proj]
-            group = leading.get(id(module.gate_proj))
-            yield MlpTail(module, folded_norm(module.pre_layernorm, group, gate_up) if fold else None)
+            yield MlpTail(module, folded_norm(module.pre_layernorm, groups, [module.gate_proj, module.up_proj]))
