@@ -246,7 +246,7 @@ def attention(record: dict) -> None:
 
         def __getitem__(self, grid):
             launch = kernel[grid]
-            return lambda *args, **kwargs: launch(*args, **kwargs, **self.options)
+            return lambda *args, **kwargs: launch(*args, **{**kwargs, **self.options})  # over the module's own
 
     try:
         for shape, kv_heads in ATTENTION_SHAPES.items():

@@ -95,8 +95,8 @@ KIT_VARIANTS = {
     "kit-exllamav3-ahead-off": ("exllamav3", {"EXLNB_QUEUE_AHEAD": "0"}),
     "kit-exllamav2-ahead-on": ("exllamav2", {"EXLNB_QUEUE_AHEAD": "1"}),
     "kit-exllamav2-ahead-off": ("exllamav2", {"EXLNB_QUEUE_AHEAD": "0"}),
-    # the ExLlamaV2 engine's MLP and attention tails, each alone, both, both with each norm folded into the group
-    # after it (q, k and v; gate and up), and neither (mlp_tail.py, attention_tail.py, folded_norm.py)
+    # the ExLlamaV2 engine's MLP and attention tails, each alone, both (its default), both with each norm folded into
+    # the group after it (q, k and v; gate and up), and neither (mlp_tail.py, attention_tail.py, folded_norm.py)
     **{
         f"kit-exllamav2-{name}": (
             "exllamav2",
@@ -121,7 +121,7 @@ KIT_VARIANTS = {
         for keys in (512, 256)
     },
     **_switched("EXLNB_FUSED_PRODUCTS", "fused", "unfused"),
-    # both engines' decode attention with the call's new keys in tiles of their own, and in every tile (its default)
+    # both engines' decode attention with the call's new keys in tiles of their own (its default), and in every tile
     **_switched("EXLNB_DECODE_FRESH_APART", "fresh-apart", "fresh-inline"),
 }
 

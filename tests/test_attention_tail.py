@@ -385,9 +385,9 @@ def test_each_kind_of_tail_is_counted_apart_and_refused_in_its_own_words():
     assert reason is not None and "an attention's tail differs" in reason and "0.5" in reason and "\n" not in reason
 
 
-def test_the_switch_is_off_unless_set(monkeypatch):
+def test_the_switch_is_on_unless_set_to_0(monkeypatch):
     monkeypatch.delenv("EXLNB_ATTENTION_TAIL", raising=False)
-    assert not attention_tail_on()
+    assert attention_tail_on()
     monkeypatch.setenv("EXLNB_ATTENTION_TAIL", "1")
     assert attention_tail_on()
     monkeypatch.setenv("EXLNB_ATTENTION_TAIL", "0")

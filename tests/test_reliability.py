@@ -16,6 +16,8 @@ import pytest
 import exlnb.engines.cpu.engine as cpu_engine
 from exlnb import EosReason, SamplerSettings
 from exlnb.generation import start
+from exlnb.near_ties import margin
+from exlnb.noise_floor import ALTERNATIVES, record_steps, shifts
 from exlnb.session import LoadFailed, NoModelLoaded, Session
 from exlnb.streaming import JobError, ModelUnloaded
 from exlnb.templates import chatml
@@ -180,12 +182,33 @@ def test_two_hundred_abandoned_streams_leave_no_job_page_or_thread(idle_session)
     assert threading.active_count() == threads_before
 
 
-@pytest.mark.slow  # sixteen answers twice
-def test_sixteen_concurrent_greedy_jobs_equal_their_solo_outputs(idle_session, greedy):
-    solo = [idle_session.complete(q, max_new_tokens=16, sampler=greedy).token_ids for q in QUESTIONS]
-    streams = [idle_session.generate(q, max_new_tokens=16, sampler=greedy) for q in QUESTIONS]
+# A batch's rounding moves a margin by far less than this on every engine: the largest shift the near-tie record
+# measured between two ways of running the same steps on a GPU engine (0.297 nats, an fp16 cache against a q8 one;
+# batches against alone moved none; benchmarks/results/near-ties-nvidia-h100-80gb-hbm3-2026-11-28). A job that read
+# another's keys or rows would move its margins by whole nats.
+ROUNDING_SHIFT = 0.3
 
-    assert [s.result().token_ids for s in streams] == solo
+
+@pytest.mark.slow  # sixteen answers twice
+def test_sixteen_concurrent_greedy_jobs_equal_their_solo_outputs_up_to_a_near_tie(idle_session, greedy):
+    """Jobs run side by side give the tokens each gives alone, with the same margins up to rounding. On a GPU
+    engine rows of differently shaped batches round differently (fp16), so an answer may part from its solo run
+    at a near tie (the near-tie record: 6 of 196 answers parted between alone and a batch of 16): compared up to
+    and including its first parting, no margin moved by more than rounding moves one, the parting included."""
+    job = {"max_new_tokens": 16, "sampler": greedy, "top_tokens": ALTERNATIVES}
+    solo = [idle_session.complete(q, **job) for q in QUESTIONS]
+    streams = [idle_session.generate(q, **job) for q in QUESTIONS]
+    together = [s.result() for s in streams]
+
+    for question, (alone, beside) in enumerate(zip(solo, together, strict=True)):
+        moved, parted = shifts(alone, record_steps(beside))  # up to and including the first parting
+        last = alone.token_records[len(moved) - 1].info
+        why = f", parting at token {len(moved) - 1}, where alone it led by {margin(last):.3g}" if parted else ""
+        assert max(moved) <= ROUNDING_SHIFT, (
+            f"question {question}: a margin moved {max(moved):.3g} nats beside others{why}"
+        )
+        if not parted:
+            assert beside.token_ids == alone.token_ids
 
 
 # -- unload and reload under load (a consumer once waited for ever) -------------------------------------------

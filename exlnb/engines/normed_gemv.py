@@ -31,9 +31,10 @@ from exlnb.engines.gated_activation import LIBDEVICE, silu_times_values
 # outputs a program, inputs a tile, warps, stages, over output-major weights: the sweep's fastest for q, k and v (0.839
 # ms for 32 layers, against 0.973 for the norm and cuBLAS) and for gate and up (1.418 against 1.522), on an H200
 CONFIG = (16, 256, 4, 4)
-# the same for a gated MLP's gate and up with its activation in the epilogue (`normed_gated_row`): 8 outputs of each,
-# so that a program reads CONFIG's 16 rows; to be chosen by the sweep's gated rows
-GATED_CONFIG = (8, 256, 4, 4)
+# the same for a gated MLP's gate and up with its activation in the epilogue (`normed_gated_row`): 4 outputs of each
+# a program, 512 inputs a tile, the fastest of the sweep's six gated rows (32 layers: 1.59 ms, against 1.71 at 8 and
+# 256 and 1.60 for the norm, cuBLAS and the activation apart; benchmarks/results/speed-nvidia-h200-2026-11-29-e)
+GATED_CONFIG = (4, 512, 4, 4)
 # and for q, k and v with RoPE in the epilogue (`normed_roped_rows`): 8 rows of a head's first half and their 8
 # partners a program, CONFIG's 16 rows; not yet timed
 ROPED_CONFIG = (8, 256, 4, 4)

@@ -12,7 +12,7 @@ and 19.1 at 4096, where reading the keys and values once costs about 0.7 ms a to
   new keys and values are read from the call itself, and the first program of each (sequence, key/value head)
   writes them into their pages: no program reads a slot another is writing, and a step needs no kernels of its
   own for the writes (two a layer, 64 of a 7B step's 594 on the ExLlamaV2 engine, H200 profile of 2026-11-28).
-  With `EXLNB_DECODE_FRESH_APART=1` only the tiles that can hold the call's keys read them (`fresh_tile_apart`).
+  Only the tiles that can hold the call's keys read them (`fresh_tile_apart`; `EXLNB_DECODE_FRESH_APART=0`: all).
 - `_attention_combine_kernel`: one program per (sequence, query position, head) brings the splits to one maximum,
   sums them and writes the output in the query's dtype. With a single split the first kernel writes it directly.
 
@@ -42,7 +42,11 @@ SPLIT_KEYS = 256  # keys per split: 16 splits at 4096 tokens keep an H100's 132 
 BLOCK_KEYS = 64  # keys per tile within a split, and a divisor of both SPLIT_KEYS and the page size
 MIN_ROWS, MAX_ROWS = 16, 64  # query rows per program: tl.dot needs 16; more share a key tile but hold more registers
 COMBINE_SPLITS = 16  # splits the combine kernel reads at once
-FRESH_APART = False  # the call's new keys read in their own tiles alone (fresh_tile_apart)
+FRESH_APART = True  # the call's new keys read in their own tiles alone (fresh_tile_apart)
+# warps a split's program: with the new keys apart, 8 were faster than 4 at 256, 1,024 and 4,096 tokens, for 32 and
+# for 8 key/value heads (0.366 against 0.432 ms and 0.911 against 0.963 for a 7B step's 32 layers at 256 and 4,096;
+# `gemv-sweep --only attention`, benchmarks/results/speed-nvidia-h200-2026-11-29-e)
+SPLIT_WARPS = 8
 
 
 def split_keys() -> int:
@@ -63,10 +67,12 @@ def split_keys() -> int:
 
 def fresh_tile_apart() -> bool:
     """Whether a split's key loop reads the call's new keys in the tiles that can hold them alone
-    (`EXLNB_DECODE_FRESH_APART=1`, read at each launch; off until timed), else FRESH_APART. In one loop every tile
-    also loads a tile of the call's keys and one of its values, masked off in all but the last; compiled for sm_90,
-    Triton's pipeliner stages those in shared memory too, doubling a stage's shared memory and its copies. The same
-    arithmetic, tile by tile: the same bits."""
+    (`EXLNB_DECODE_FRESH_APART`, 1 or 0, read at each launch), else FRESH_APART. In one loop every tile also loads
+    a tile of the call's keys and one of its values, masked off in all but the last; compiled for sm_90, Triton's
+    pipeliner stages those in shared memory too, doubling a stage's shared memory and its copies (88 KB against 39 a
+    program at 64 keys a tile). The same arithmetic, tile by tile: the same bits. Apart, a 7B step at 4,096 tokens
+    took 0.24 ms less on both GPU engines, level at 256, timed in turns on an H200, and both GPU suites passed with
+    it (benchmarks/results/speed-nvidia-h200-2026-11-29-e)."""
     value = os.environ.get("EXLNB_DECODE_FRESH_APART")
     return FRESH_APART if value is None else value == "1"
 
@@ -154,6 +160,7 @@ def paged_decode_attention(
             BLOCK_KEYS=BLOCK_KEYS,
             SPLIT_KEYS=keys_a_split,
             FRESH_APART=appends and fresh_tile_apart(),
+            num_warps=SPLIT_WARPS,
         )
         if splits > 1:
             _attention_combine_kernel[(batch * q_len * heads,)](

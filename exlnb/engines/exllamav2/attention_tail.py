@@ -1,5 +1,5 @@
 """The ExLlamaV2 engine's fp16 attention at one row with RoPE in one launch and the residual in o's product
-(`EXLNB_ATTENTION_TAIL=1`, off until timed).
+(on unless `EXLNB_ATTENTION_TAIL=0`).
 
 exllamav2 0.3.2 runs an unquantized paged attention through `ExLlamaV2Attention.forward_paged`: the norm, the q, k
 and v products, `ext_c.rope_` on q and again on k, the attention (which writes the new key and value into their
@@ -13,15 +13,15 @@ every head of q and of k is at the same position (rope.cu reads position `past_l
 num_heads), with the same sin and cos. Under grouped-query attention q has a product of its own, lies apart from
 k, and keeps its own `rope_` call.
 
-With `EXLNB_NORM_IN_PRODUCT=1` as well (off until timed), where q, k and v are one fused group after an RMS norm, the
-norm runs inside their product (`folded_norm.py`), and where the RoPE is NEOX over whole heads with no head norm
-before it (a Llama's), RoPE too, as the product writes q and k (rope.cu's fp16 arithmetic, the position read on the
-device): 64 launches fewer again, its outputs the library's to the tolerance of every load check rather than to
-the bit.
+With `EXLNB_NORM_IN_PRODUCT=1` as well (off: level when timed), where q, k and v are one fused group after an RMS
+norm, the norm runs inside their product (`folded_norm.py`), and where the RoPE is NEOX over whole heads with no
+head norm before it (a Llama's), RoPE too, as the product writes q and k (rope.cu's fp16 arithmetic, the position
+read on the device): 64 launches fewer again, its outputs the library's to the tolerance of every load check rather
+than to the bit.
 
 Any other call (a prompt, a batch, LoRAs, alternative or offset RoPE, a cache other than fp16's) takes the library's own
 `forward_paged`. A tail is one more of the products `FusedProducts` installs, and a load checks each against the
-library's attention on a random row over a scratch page, its output and the key and value it writes (`check_fused`,
+library's attention on a random row over a scratch page, its output and the key and value it writes (`check_tails`,
 to the tolerance of every load check; the same bits give 0), refusing them where they differ.
 `EXLNB_FUSED_PRODUCTS=0` turns it off with the products.
 """
@@ -70,8 +70,8 @@ _PINS = {
 
 def attention_tail_on() -> bool:
     """Whether the ExLlamaV2 engine runs its single-row attentions with RoPE in one launch and the residual in o
-    (off unless `EXLNB_ATTENTION_TAIL=1`, read at each load, until a GPU has timed it)."""
-    return os.environ.get("EXLNB_ATTENTION_TAIL", "0") == "1"
+    (on unless `EXLNB_ATTENTION_TAIL=0`, read at each load): timed with the MLP's tail, as `mlp_tail_on` says."""
+    return os.environ.get("EXLNB_ATTENTION_TAIL", "1") != "0"
 
 
 def side_by_side(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | None:
@@ -307,13 +307,13 @@ def attention_tails(
     if exllamav2.__version__ != VERIFIED_EXLLAMAV2:
         raise RuntimeError(
             f"the attention tail mirrors exllamav2 {VERIFIED_EXLLAMAV2}'s forward_paged, found "
-            f"{exllamav2.__version__}: unset EXLNB_ATTENTION_TAIL"
+            f"{exllamav2.__version__}: set EXLNB_ATTENTION_TAIL=0"
         )
     for name, names in _PINS.items():
         missing = set(names) - set(getattr(attn.ExLlamaV2Attention, name).__code__.co_names)
         if missing:
             raise RuntimeError(
-                f"exllamav2's ExLlamaV2Attention.{name} no longer reads {sorted(missing)}: unset EXLNB_ATTENTION_TAIL"
+                f"exllamav2's ExLlamaV2Attention.{name} no longer reads {sorted(missing)}: set EXLNB_ATTENTION_TAIL=0"
             )
     for module in model.modules:
         if type(module) is attn.ExLlamaV2Attention and has_a_plain_tail(module, o_is_plain):

@@ -1,5 +1,5 @@
 """An ExLlamaV2 RMS norm folded into the fused group's product after it, at one row (`EXLNB_NORM_IN_PRODUCT=1`, with
-the attention tail for q, k and v and the MLP tail for gate and up; off until timed in the engine).
+the attention tail for q, k and v and the MLP tail for gate and up; off: level in the engine, timed in turns).
 
 At one row the engine runs each norm as a launch of its own and then the fused group's batched product. Folded, one
 Triton kernel (`normed_gemv.py`) computes the row's RMS in every program and multiplies as it reads the weights; for
@@ -32,7 +32,9 @@ from exlnb.engines.fused_products import ProductGroup
 
 def norm_in_product_on() -> bool:
     """Whether the ExLlamaV2 engine lays its fused groups out output-major and folds each tail's RMS norm into the
-    group after it (off unless `EXLNB_NORM_IN_PRODUCT=1`, read at each load, until a GPU has timed it in the engine)."""
+    group after it (off unless `EXLNB_NORM_IN_PRODUCT=1`, read at each load): in turns on an H200 it was level at
+    batch 1 (4.27 against 4.29 ms a 7B token) and 3 % slower at batch 8
+    (benchmarks/results/speed-nvidia-h200-2026-11-29-e)."""
     return os.environ.get("EXLNB_NORM_IN_PRODUCT", "0") == "1"
 
 
