@@ -12,14 +12,15 @@ at 89 % would save. For each group (an attention's q, k and v: 4096 -> 3 x 4096;
   over the input-major stack, as the fused group runs it today;
 - `norm_then_gemv_nk`: the same norm, then exlnb's GEMV over output-major weights;
 - `normed_nk_bnB_bkK_wW_sS`: one Triton kernel (exlnb/engines/normed_gemv.py) whose every program computes the
-  row's RMS itself, then reads rows of the output-major weights;
+  row's RMS itself, then reads rows of the output-major weights; with `_once`, the row read once, beside the
+  weights, each program scaling its sums by the inverse RMS at the end (one pass) instead of a first pass over it;
 - `normed_kn_bnB_bkK_wW_sS`: the same over the fused group's input-major stack as it lies, each program a block of
-  contiguous outputs of one product: no weight laid out again.
+  contiguous outputs of one product: no weight laid out again (two passes).
 For gate and up, the MLP's activation after them too:
 - `norm_then_bmm_then_silu_kn`: the norm, the batched product, then `gated_activation.silu_times`, as the MLP tail
   runs them without a folded norm;
 - `normed_gated_nk_bnB_bkK_wW_sS`: one kernel (`normed_gated_row`), the norm, both products over output-major
-  weights and the activation as it writes them, B outputs of each a program.
+  weights and the activation as it writes them, B outputs of each a program (`_once`: in one pass).
 Median and best of 20 replays, the weights' bytes over the median, and each way's largest difference from the
 first way of its outputs (the products; the activation), over its largest output. CUDA only (the kernels run in
 Triton's interpreter for the tests).
@@ -41,6 +42,7 @@ from benchmarks.harness import device_slug, environment, new_result_path, write_
 TRITON = importlib.util.find_spec("triton") is not None
 LAYERS, HIDDEN, EPS = 32, 4096, 1e-5
 GROUPS = {"qkv": (3, 4096), "gate_up": (2, 11008)}  # the fused group's products, and the outputs of each
+# (outputs a program, inputs a tile, warps, stages); the output-major kernels each in two passes and in one
 OUTPUT_MAJOR = [(16, 1024, 8, 3), (16, 512, 4, 3), (32, 512, 8, 3), (8, 1024, 4, 3), (16, 256, 4, 4)]
 INPUT_MAJOR = [(64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (256, 32, 8, 3), (32, 128, 4, 3), (64, 128, 8, 4)]
 GATED = [(8, 256, 4, 4), (16, 256, 4, 4), (8, 512, 4, 3), (16, 128, 4, 4), (4, 512, 4, 4), (8, 256, 8, 3)]
@@ -72,18 +74,23 @@ def ways(x, norm, stacks: list, output_major: list) -> dict[str, Callable[[], li
         "norm_then_bmm_kn": lambda: [bmm(stack) for stack in stacks],
         "norm_then_gemv_nk": lambda: [row_times_matrix(rms_norm(x, norm), w, torch.half) for w in output_major],
     }
-    for layout, weights, configs in (("nk", output_major, OUTPUT_MAJOR), ("kn", stacks, INPUT_MAJOR)):
+    for layout, weights, configs, passes in (
+        ("nk", output_major, OUTPUT_MAJOR, (False, True)),
+        ("kn", stacks, INPUT_MAJOR, (False,)),
+    ):
         for config in configs:
-            found["normed_{}_bn{}_bk{}_w{}_s{}".format(layout, *config)] = lambda c=config, ws=weights: [
-                normed_product(x, norm, w, c, EPS) for w in ws
-            ]
+            for once in passes:
+                name = "normed_{}_bn{}_bk{}_w{}_s{}".format(layout, *config) + "_once" * once
+                found[name] = lambda c=(*config, once), ws=weights: [normed_product(x, norm, w, c, EPS) for w in ws]
     if len(stacks[0]) == 2:  # gate and up: the activation after them
         found["norm_then_bmm_then_silu_kn"] = lambda: [silu_times(*bmm(stack).view(2, -1)) for stack in stacks]
         views = [w.view(2, -1, w.shape[1]).transpose(1, 2) for w in output_major]  # (2, K, N) views of (2, N, K)
         for config in GATED:
-            found["normed_gated_nk_bn{}_bk{}_w{}_s{}".format(*config)] = lambda c=config: [
-                normed_gated_row(x, norm, EPS, view, (0, 1), c) for view in views
-            ]
+            for once in (False, True):
+                name = "normed_gated_nk_bn{}_bk{}_w{}_s{}".format(*config) + "_once" * once
+                found[name] = lambda c=(*config, once): [
+                    normed_gated_row(x, norm, EPS, view, (0, 1), c) for view in views
+                ]
     return found
 
 

@@ -123,14 +123,15 @@ def test_the_gated_activation_is_torch_s_silu_multiply_and_clamp(device, inputs)
 
 
 @pytest.mark.parametrize("output_major", [True, False], ids=["output-major", "input-major-stack"])
-@pytest.mark.parametrize("config", [(8, 64, 4, 2), (32, 128, 4, 3)])
+@pytest.mark.parametrize("config", [(8, 64, 4, 2, False), (32, 128, 4, 3, True)], ids=["two-passes", "one-pass"])
 @pytest.mark.parametrize("products", [3, 2], ids=["q-k-v", "gate-up"])
 def test_one_launch_gives_the_norm_then_the_group_s_products_in_the_stack_s_order(
     device, output_major, config, products
 ):
     """The row normed as the norm's kernel writes it (fp16), then each of the stack's products, their outputs one
-    after the other, whether the weights are read output-major or as the fused group's stack lies; a block of
-    outputs past the last is masked."""
+    after the other, whether the weights are read output-major or as the fused group's stack lies, and whether the
+    row is read in two passes (the RMS first) or in one (the sums scaled at the end); a block of outputs past the
+    last is masked."""
     from benchmarks.norm_product_sweep import output_major_of
     from exlnb.engines.normed_gemv import normed_product
 
@@ -172,7 +173,7 @@ def test_the_engine_s_entry_reads_an_output_major_stack_and_refuses_an_input_maj
         normed_row_times_stack(x.to(device), norm.to(device), 1e-5, rows.transpose(1, 2).contiguous().to(device))
 
 
-@pytest.mark.parametrize("config", [None, (16, 128, 4, 3)], ids=["engine-config", "another"])
+@pytest.mark.parametrize("config", [None, (16, 128, 4, 3, False)], ids=["engine-config", "two-passes"])
 def test_one_launch_gives_the_norm_both_products_and_the_activation_of_a_gated_mlp(device, config):
     """`normed_gated_row`: the row normed, gate and up each rounded to fp16 as the products write them, then
     clamp(silu(gate) * up) as torch computes it, from an output-major stack whose slots put up first; 40 outputs

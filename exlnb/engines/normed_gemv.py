@@ -5,8 +5,12 @@ each costing its kernel's time and about 0.88 us more) and then the fused group 
 product (benchmarks/results/speed-nvidia-h200-2026-11-29-c). Here every program computes the row's RMS itself (the
 row is 8 KiB, read from L2) and multiplies its block of outputs by the normed row as it reads the weights. The norm
 is exllamav2's arithmetic (each input clamped to fp16's range, the mean of squares plus epsilon, its approximate
-reciprocal square root, x times the weight times it, rounded to fp16) but not its order of summation, so the outputs
-agree with the norm and product to the tolerance a graph's replay is held to, not to the bit.
+reciprocal square root) but not its order of summation, so the outputs agree with the norm and product to the
+tolerance a graph's replay is held to, not to the bit. A configuration's last field says how the row is read: in
+one pass (True), beside the weights, each product summing x times the norm's weight and scaling its sums by the
+inverse RMS at the end; or in two (False), the RMS first, each program then reading the row normed and rounded to
+fp16 as exllamav2's norm writes it. Two passes put a serial read of the row before the first weight; the sweep times
+both.
 
 `python -m benchmarks norm-product-sweep` times it against the norm and cuBLAS's product: over output-major weights
 it beats them (CONFIG, the fastest of its configurations on both of a 7B layer's groups); over the input-major stack
@@ -28,16 +32,17 @@ import triton.language as tl
 
 from exlnb.engines.gated_activation import LIBDEVICE, silu_times_values
 
-# outputs a program, inputs a tile, warps, stages, over output-major weights: the sweep's fastest for q, k and v (0.839
-# ms for 32 layers, against 0.973 for the norm and cuBLAS) and for gate and up (1.418 against 1.522), on an H200
-CONFIG = (16, 256, 4, 4)
+# outputs a program, inputs a tile, warps, stages, over output-major weights, the row in one pass: the sweep's fastest
+# in two passes for q, k and v (0.839 ms for 32 layers, against 0.973 for the norm and cuBLAS) and for gate and up
+# (1.418 against 1.522), on an H200 (benchmarks/results/speed-nvidia-h200-2026-11-29-d); one pass is to be timed
+CONFIG = (16, 256, 4, 4, True)
 # the same for a gated MLP's gate and up with its activation in the epilogue (`normed_gated_row`): 4 outputs of each
 # a program, 512 inputs a tile, the fastest of the sweep's six gated rows (32 layers: 1.59 ms, against 1.71 at 8 and
 # 256 and 1.60 for the norm, cuBLAS and the activation apart; benchmarks/results/speed-nvidia-h200-2026-11-29-e)
-GATED_CONFIG = (4, 512, 4, 4)
+GATED_CONFIG = (4, 512, 4, 4, True)
 # and for q, k and v with RoPE in the epilogue (`normed_roped_rows`): 8 rows of a head's first half and their 8
 # partners a program, CONFIG's 16 rows; not yet timed
-ROPED_CONFIG = (8, 256, 4, 4)
+ROPED_CONFIG = (8, 256, 4, 4, True)
 FP16_MAX: tl.constexpr = tl.constexpr(65504.0)  # exllamav2's norm clamps its inputs to fp16's range
 
 
@@ -67,7 +72,7 @@ def normed_roped_rows(x, norm, eps: float, stack, rotated, sin, cos, positions, 
     for an attention's norm, q, k and v and RoPE. Each program reads 8 rows of a head's first half and the 8 rows
     of its second half they pair with. sin, cos: (..., positions, head_dim) fp16 tables, head_dim dividing N.
     Returns (P, N) fp16, contiguous."""
-    block_n, block_k, warps, stages = config or ROPED_CONFIG
+    block_n, block_k, warps, stages, one_pass = config or ROPED_CONFIG
     products, inputs, outputs = stack.shape
     rows = output_major_rows(stack, "normed_roped_rows")
     head_dim = sin.shape[-1]
@@ -79,7 +84,8 @@ def normed_roped_rows(x, norm, eps: float, stack, rotated, sin, cos, positions, 
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton's current device
         _normed_roped_rows[(programs,)](
             x.reshape(-1), norm, rows, out, sin, cos, positions, eps, outputs, inputs, *rotates,
-            HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+            HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_K=block_k, ONE_PASS=one_pass, num_warps=warps,
+            num_stages=stages,
         )  # fmt: skip
     return out
 
@@ -89,14 +95,15 @@ def normed_gated_row(x: torch.Tensor, norm: torch.Tensor, eps: float, stack: tor
     reads its outputs' rows of gate and of up, rounds both sums to fp16 as the products write them, and computes the
     activation as `gated_activation.silu_times` does. stack: a gated MLP's (2, K, N) stack, a view of output-major
     weights; slots: gate's and up's places in it; config: GATED_CONFIG unless told. Returns N fp16 outputs."""
-    block_n, block_k, warps, stages = config or GATED_CONFIG
+    block_n, block_k, warps, stages, one_pass = config or GATED_CONFIG
     _, inputs, outputs = stack.shape
     rows = output_major_rows(stack, "normed_gated_row")
     out = torch.empty(outputs, dtype=torch.half, device=x.device)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton's current device
         _normed_gated_row[(triton.cdiv(outputs, block_n),)](
             x.reshape(-1), norm, rows[slots[0]], rows[slots[1]], out, eps, outputs, inputs,
-            BLOCK_N=block_n, BLOCK_K=block_k, PRECISE=LIBDEVICE, num_warps=warps, num_stages=stages,
+            BLOCK_N=block_n, BLOCK_K=block_k, ONE_PASS=one_pass, PRECISE=LIBDEVICE, num_warps=warps,
+            num_stages=stages,
         )  # fmt: skip
     return out
 
@@ -104,8 +111,9 @@ def normed_gated_row(x: torch.Tensor, norm: torch.Tensor, eps: float, stack: tor
 def normed_product(x: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, config: tuple, eps: float):
     """rmsnorm(x) times a fused group's products at one row, in one launch, their outputs one after the other:
     weight the output-major (PN, K) matrix or the group's input-major (P, K, N) stack; config is (outputs a program,
-    inputs a tile, warps, stages), a program's outputs within one product. Returns PN fp16 outputs."""
-    block_n, block_k, warps, stages = config
+    inputs a tile, warps, stages, the row in one pass), a program's outputs within one product. Returns PN fp16
+    outputs."""
+    block_n, block_k, warps, stages, one_pass = config
     if weight.dim() == 3:  # (P, K, N), input-major
         slices, inputs, outputs = weight.shape
         slice_stride, stride_k, stride_n = weight.stride()
@@ -116,28 +124,50 @@ def normed_product(x: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, co
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton's current device
         _normed_row_times_matrix[(triton.cdiv(slices * outputs, block_n),)](
             x, norm, weight, out, eps, slices * outputs, inputs, outputs, slice_stride, stride_n, stride_k,
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+            BLOCK_N=block_n, BLOCK_K=block_k, ONE_PASS=one_pass, num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return out
 
 
 @triton.jit
-def _inverse_rms(x, K: tl.constexpr, eps, BLOCK_K: tl.constexpr):
-    """exllamav2's rsqrt(mean(x * x) + eps) over the row, each input clamped to fp16's range, in float32."""
-    squares = tl.zeros((BLOCK_K,), tl.float32)
-    for first in range(0, K, BLOCK_K):
-        k = first + tl.arange(0, BLOCK_K)
-        values = tl.clamp(tl.load(x + k, mask=k < K, other=0.0).to(tl.float32), -FP16_MAX, FP16_MAX)
-        squares += values * values
+def _inverse_rms(squares, K: tl.constexpr, eps):
+    """exllamav2's rsqrt(mean(x * x) + eps) from a tile's worth of the row's squares summed, in float32."""
     return tl.math.rsqrt(tl.sum(squares, 0) * (1.0 / K) + eps)
 
 
 @triton.jit
-def _normed_tile(x, norm, k, real_k, scale):
-    """The normed row at inputs k, as exllamav2's norm writes it (rounded to fp16), back in float32 for the sums."""
+def _row_scale(x, K: tl.constexpr, eps, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
+    """What each tile of the row is multiplied by as it is read: 1 in one pass (its sums are scaled at the end),
+    else the inverse RMS from a first pass over the row."""
+    scale = 1.0
+    if not ONE_PASS:
+        squares = tl.zeros((BLOCK_K,), tl.float32)
+        for first in range(0, K, BLOCK_K):
+            k = first + tl.arange(0, BLOCK_K)
+            values = tl.clamp(tl.load(x + k, mask=k < K, other=0.0).to(tl.float32), -FP16_MAX, FP16_MAX)
+            squares += values * values
+        scale = _inverse_rms(squares, K, eps)
+    return scale
+
+
+@triton.jit
+def _normed_tile(x, norm, k, real_k, scale, ONE_PASS: tl.constexpr):
+    """The row at inputs k clamped to fp16's range (whose squares give the RMS), and the row the products read
+    there, in float32: x times the norm's weight times `scale`, rounded to fp16 as exllamav2's norm writes it where
+    the scale is the inverse RMS (two passes), left unrounded where the sums are scaled at the end (one pass)."""
     values = tl.clamp(tl.load(x + k, mask=real_k, other=0.0).to(tl.float32), -FP16_MAX, FP16_MAX)
     normed = values * tl.load(norm + k, mask=real_k, other=0.0).to(tl.float32) * scale
-    return normed.to(tl.float16).to(tl.float32)
+    if not ONE_PASS:
+        normed = normed.to(tl.float16).to(tl.float32)
+    return values, normed
+
+
+@triton.jit
+def _scaled(sums, squares, K: tl.constexpr, eps, ONE_PASS: tl.constexpr):
+    """A program's reduced sums, scaled by the inverse RMS of the row's squares where the row was read in one pass."""
+    if ONE_PASS:
+        sums = sums * _inverse_rms(squares, K, eps)
+    return sums
 
 
 @triton.jit
@@ -155,39 +185,51 @@ def _normed_row_times_matrix(
     stride_k,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):
     """out = rmsnorm(x) @ W for W's element (k, n) at w + (n // SLICE) * slice_stride + (n % SLICE) * stride_n
     + k * stride_k: SLICE outputs a product, so a group's products read as they lie, output-major (stride_k 1) or
     as the fused group's input-major stack (stride_n 1), which Triton, specialising a stride of 1, reads along its
-    contiguous side. The normed row is rounded to fp16, as the norm's kernel writes it."""
-    scale = _inverse_rms(x, K, eps, BLOCK_K)
+    contiguous side. The row read in one pass or two (`_normed_tile`)."""
+    scale = _row_scale(x, K, eps, BLOCK_K, ONE_PASS)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     real_n = n < N
     rows = w + (n // SLICE) * slice_stride + (n % SLICE) * stride_n  # int32: a 7B layer's 50 M weights fit
     sums = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    squares = tl.zeros((BLOCK_K,), tl.float32)
     for first in range(0, K, BLOCK_K):
         k = first + tl.arange(0, BLOCK_K)
         real_k = k < K
-        normed = _normed_tile(x, norm, k, real_k, scale)
+        values, normed = _normed_tile(x, norm, k, real_k, scale, ONE_PASS)
+        squares += values * values  # read only in one pass
         tile = tl.load(rows[:, None] + k[None, :] * stride_k, mask=real_n[:, None] & real_k[None, :], other=0.0)
         sums += tile.to(tl.float32) * normed[None, :]
-    tl.store(out + n, tl.sum(sums, 1).to(out.dtype.element_ty), mask=real_n)
+    result = _scaled(tl.sum(sums, 1), squares, K, eps, ONE_PASS)
+    tl.store(out + n, result.to(out.dtype.element_ty), mask=real_n)
 
 
 @triton.jit
-def _paired_sums(x, norm, first, second, real, scale, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _paired_sums(
+    x, norm, first, second, real, eps, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+):  # fmt: skip
     """rmsnorm(x) times two sets of BLOCK_N output-major rows (`first`, `second`: each row's first weight), each
-    sum rounded to fp16 as a product writes it, in float32."""
+    sum rounded to fp16 as a product writes it, in float32; the row read in one pass or two (`_normed_tile`)."""
+    scale = _row_scale(x, K, eps, BLOCK_K, ONE_PASS)
     first_sums = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     second_sums = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    squares = tl.zeros((BLOCK_K,), tl.float32)
     for start in range(0, K, BLOCK_K):
         k = start + tl.arange(0, BLOCK_K)
         real_k = k < K
-        normed = _normed_tile(x, norm, k, real_k, scale)
+        values, normed = _normed_tile(x, norm, k, real_k, scale, ONE_PASS)
+        squares += values * values  # read only in one pass
         both = real[:, None] & real_k[None, :]
         first_sums += tl.load(first[:, None] + k[None, :], mask=both, other=0.0).to(tl.float32) * normed[None, :]
         second_sums += tl.load(second[:, None] + k[None, :], mask=both, other=0.0).to(tl.float32) * normed[None, :]
-    return tl.sum(first_sums, 1).to(tl.float16).to(tl.float32), tl.sum(second_sums, 1).to(tl.float16).to(tl.float32)
+    first_row = _scaled(tl.sum(first_sums, 1), squares, K, eps, ONE_PASS)
+    second_row = _scaled(tl.sum(second_sums, 1), squares, K, eps, ONE_PASS)
+    return first_row.to(tl.float16).to(tl.float32), second_row.to(tl.float16).to(tl.float32)
 
 
 @triton.jit
@@ -202,14 +244,14 @@ def _normed_gated_row(
     K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_PASS: tl.constexpr,
     PRECISE: tl.constexpr,
 ):
     """out = silu_times(rmsnorm(x) @ gate.T, rmsnorm(x) @ up.T) for output-major (N, K) gate and up, each sum
     rounded to fp16 first, as the two products write them."""
-    scale = _inverse_rms(x, K, eps, BLOCK_K)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     real_n = n < N
-    g, u = _paired_sums(x, norm, gate + n * K, up + n * K, real_n, scale, K, BLOCK_N, BLOCK_K)  # int32: 45 M fit
+    g, u = _paired_sums(x, norm, gate + n * K, up + n * K, real_n, eps, K, BLOCK_N, BLOCK_K, ONE_PASS)  # int32: fits
     tl.store(out + n, silu_times_values(g, u, PRECISE), mask=real_n)
 
 
@@ -231,6 +273,7 @@ def _normed_roped_rows(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):
     """out[p] = rmsnorm(x) @ w[p].T for output-major (P, N, K) w, each program BLOCK_N rows of one head's first
     half and the rows of its second half they pair with; where product p rotates (ROTATE_p), NEOX RoPE at
@@ -238,7 +281,6 @@ def _normed_roped_rows(
     round(l * sin)), with the first half's sin and cos for both."""
     HALF: tl.constexpr = HEAD_DIM // 2
     BLOCKS_A_HALF: tl.constexpr = (HALF + BLOCK_N - 1) // BLOCK_N
-    scale = _inverse_rms(x, K, eps, BLOCK_K)
     program = tl.program_id(0)
     blocks_a_product = N // HEAD_DIM * BLOCKS_A_HALF
     product = program // blocks_a_product
@@ -246,7 +288,7 @@ def _normed_roped_rows(
     column = program % BLOCKS_A_HALF * BLOCK_N + tl.arange(0, BLOCK_N)  # within the head's first half
     real = column < HALF
     first = product * N + head * HEAD_DIM + column  # a row of (P * N, K); its partner HALF rows on
-    left, right = _paired_sums(x, norm, w + first * K, w + (first + HALF) * K, real, scale, K, BLOCK_N, BLOCK_K)
+    left, right = _paired_sums(x, norm, w + first * K, w + (first + HALF) * K, real, eps, K, BLOCK_N, BLOCK_K, ONE_PASS)
     rotates = ((product == 0) & ROTATE_0) | ((product == 1) & ROTATE_1) | ((product == 2) & ROTATE_2)
     if rotates:
         at = tl.load(positions).to(tl.int64) * HEAD_DIM + column
