@@ -21,6 +21,9 @@ For gate and up, the MLP's activation after them too:
   runs them without a folded norm;
 - `normed_gated_nk_bnB_bkK_wW_sS`: one kernel (`normed_gated_row`), the norm, both products over output-major
   weights and the activation as it writes them, B outputs of each a program (`_once`: in one pass).
+For q, k and v, RoPE on q and k as they are written:
+- `normed_roped_nk_bnB_bkK_wW_sS`: one kernel (`normed_roped_rows`), B rows of a head's first half and their
+  partners a program (`_once`: in one pass), heads of 128.
 Median and best of 20 replays, the weights' bytes over the median, and each way's largest difference from the
 first way of its outputs (the products; the activation), over its largest output. CUDA only (the kernels run in
 Triton's interpreter for the tests).
@@ -46,6 +49,8 @@ GROUPS = {"qkv": (3, 4096), "gate_up": (2, 11008)}  # the fused group's products
 OUTPUT_MAJOR = [(16, 1024, 8, 3), (16, 512, 4, 3), (32, 512, 8, 3), (8, 1024, 4, 3), (16, 256, 4, 4)]
 INPUT_MAJOR = [(64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (256, 32, 8, 3), (32, 128, 4, 3), (64, 128, 8, 4)]
 GATED = [(8, 256, 4, 4), (16, 256, 4, 4), (8, 512, 4, 3), (16, 128, 4, 4), (4, 512, 4, 4), (8, 256, 8, 3)]
+ROPED = [(8, 256, 4, 4), (16, 256, 4, 4), (4, 512, 4, 4), (8, 512, 4, 3), (8, 1024, 4, 3)]
+HEAD_DIM, POSITION = 128, 1000  # a 7B Llama's heads, and the position the RoPE rows rotate to
 
 
 def rms_norm(x: torch.Tensor, norm: torch.Tensor, eps: float = EPS) -> torch.Tensor:
@@ -65,7 +70,7 @@ def ways(x, norm, stacks: list, output_major: list) -> dict[str, Callable[[], li
     Each layer's weights as the (P, K, N) stack the fused group holds, and as one output-major (PN, K) matrix."""
     from exlnb.engines.gated_activation import silu_times
     from exlnb.engines.gemv import row_times_matrix
-    from exlnb.engines.normed_gemv import normed_gated_row, normed_product
+    from exlnb.engines.normed_gemv import normed_gated_row, normed_product, normed_roped_rows
 
     def bmm(stack):
         return torch.bmm(rms_norm(x, norm).view(1, 1, -1).expand(len(stack), -1, -1), stack).view(-1)
@@ -91,7 +96,23 @@ def ways(x, norm, stacks: list, output_major: list) -> dict[str, Callable[[], li
                 found[name] = lambda c=(*config, once): [
                     normed_gated_row(x, norm, EPS, view, (0, 1), c) for view in views
                 ]
+    if len(stacks[0]) == 3:  # q, k and v: RoPE on q and k as they are written
+        head_dim = min(HEAD_DIM, stacks[0].shape[2])
+        angles = torch.rand(1, 1, POSITION + 1, head_dim, device=x.device) * 6.3
+        sin, cos, at = angles.sin().half(), angles.cos().half(), torch.tensor([POSITION], device=x.device)
+        views = [w.view(3, -1, w.shape[1]).transpose(1, 2) for w in output_major]  # (3, K, N) views of (3, N, K)
+        for config in ROPED:
+            for once in (False, True):
+                name = "normed_roped_nk_bn{}_bk{}_w{}_s{}".format(*config) + "_once" * once
+                found[name] = lambda c=(*config, once): [
+                    normed_roped_rows(x, norm, EPS, view, (0, 1), sin, cos, at, c) for view in views
+                ]
     return found
+
+
+def same_outputs(name: str, out: torch.Tensor) -> tuple[int, bool]:
+    """Which ways' outputs a way's must equal: those of as many numbers, rotated (RoPE) or not."""
+    return out.numel(), "roped" in name
 
 
 def output_major_of(stacks: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -114,13 +135,13 @@ def main(argv: list[str] | None = None) -> dict:
         stacks = [torch.randn(products, HIDDEN, outputs, device="cuda").half() * 0.02 for _ in range(LAYERS)]
         x, norm = torch.randn(HIDDEN, device="cuda").half(), (1 + 0.1 * torch.randn(HIDDEN, device="cuda")).half()
         results = record.setdefault(group, {"weight_bytes": LAYERS * products * HIDDEN * outputs * 2})
-        references = {}  # the first way's outputs, by their count: the products, or the activation
+        references = {}  # the first way's outputs of each kind (same_outputs): the products, rotated, the activation
         for name, fn in ways(x, norm, stacks, output_major_of(stacks)).items():
             timed(results, name, fn, results["weight_bytes"])
             if "error" in results[name]:  # a configuration triton refuses is recorded as such, and not run again
                 continue
             first = fn()[0].float()
-            reference = references.setdefault(first.numel(), first)
+            reference = references.setdefault(same_outputs(name, first), first)
             results[name]["max_rel_diff"] = float((first - reference).abs().max() / reference.abs().max())
         del stacks
         torch.cuda.empty_cache()

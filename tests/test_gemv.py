@@ -200,8 +200,8 @@ def test_one_launch_gives_the_norm_both_products_and_the_activation_of_a_gated_m
 @pytest.mark.parametrize("products", [3, 2], ids=["q-k-v", "gate-up"])
 def test_every_way_the_norm_product_sweep_times_gives_the_same_outputs(device, products):
     """The sweep's ways, on a small group (its configurations' blocks masked to fit): each gives its outputs'
-    first way's (the norm and the batched product; for gate and up, then the activation), so that the sweep times
-    the same work every way."""
+    first way's (the norm and the batched product; for gate and up, then the activation; for q, k and v, rotated),
+    so that the sweep times the same work every way."""
     from benchmarks import norm_product_sweep
 
     inputs, outputs, layers = 64, 24, 2
@@ -216,9 +216,11 @@ def test_every_way_the_norm_product_sweep_times_gives_the_same_outputs(device, p
         outputs_of_layers = fn()
         assert len(outputs_of_layers) == layers, name
         for layer, out in enumerate(outputs_of_layers):
-            reference = references.setdefault((out.numel(), layer), out.float().cpu())
+            kind = norm_product_sweep.same_outputs(name, out)
+            reference = references.setdefault((kind, layer), out.float().cpu())
             torch.testing.assert_close(out.float().cpu(), reference, rtol=5e-3, atol=5e-3, msg=name)
-    assert {numel for numel, _ in references} == ({products * outputs} | ({outputs} if products == 2 else set()))
+    kinds = {kind for kind, _ in references}
+    assert kinds == {(products * outputs, False), (outputs, False) if products == 2 else (products * outputs, True)}
 
 
 @pytest.mark.parametrize("head_dim", [64, 80], ids=["head-64", "head-80"])
