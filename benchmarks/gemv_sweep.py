@@ -319,7 +319,7 @@ def batched_attention(record: dict) -> None:
 
 
 SWEEPS = {"products": products, "attention": attention, "batched": batched_attention}
-SET_BY_THE_SWEEP = ("EXLNB_DECODE_SPLIT_KEYS", "EXLNB_DECODE_FRESH_APART")
+SET_BY_THE_SWEEP = ("EXLNB_DECODE_SPLIT_KEYS", "EXLNB_DECODE_FRESH_APART", "EXLNB_DECODE_SPLIT_WARPS")
 
 
 def main(argv: list[str] | None = None) -> dict:

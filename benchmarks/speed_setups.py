@@ -120,6 +120,12 @@ KIT_VARIANTS = {
         for engine in ("exllamav2", "exllamav3")
         for keys in (512, 256)
     },
+    # both engines' decode attention with 8 warps a program (its default) and with 4 (triton_decode.py)
+    **{
+        f"kit-{engine}-warps{warps}": (engine, {"EXLNB_DECODE_SPLIT_WARPS": str(warps)})
+        for engine in ("exllamav2", "exllamav3")
+        for warps in (8, 4)
+    },
     **_switched("EXLNB_FUSED_PRODUCTS", "fused", "unfused"),
     # both engines' decode attention with the call's new keys in tiles of their own (its default), and in every tile
     **_switched("EXLNB_DECODE_FRESH_APART", "fresh-apart", "fresh-inline"),

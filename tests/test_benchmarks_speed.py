@@ -300,19 +300,37 @@ def test_a_kit_variant_runs_its_engine_with_its_switch_set_then_leaves_the_envir
         assert os.environ.get(variable) == before
 
 
-@pytest.mark.parametrize("keys", [512, 256])
-@pytest.mark.parametrize("engine", ["exllamav2", "exllamav3"])
-def test_a_split_size_variant_sets_its_keys_a_split_while_it_lives(monkeypatch, engine, keys):
+DEFAULTS = {"split_keys": "SPLIT_KEYS", "split_warps": "SPLIT_WARPS"}  # each number's reader, and its default
+
+
+@pytest.mark.parametrize(
+    "runner, variable, read, wanted",
+    [
+        *(
+            (f"kit-{engine}-split{keys}", "EXLNB_DECODE_SPLIT_KEYS", "split_keys", keys)
+            for engine in ("exllamav2", "exllamav3")
+            for keys in (512, 256)
+        ),
+        *(
+            (f"kit-{engine}-warps{warps}", "EXLNB_DECODE_SPLIT_WARPS", "split_warps", warps)
+            for engine in ("exllamav2", "exllamav3")
+            for warps in (8, 4)
+        ),
+    ],
+)
+def test_a_decode_attention_variant_sets_its_number_while_it_lives(monkeypatch, runner, variable, read, wanted):
+    """Keys a split and warps a program, each timed against the default in turns: the variant's number holds while
+    its setup lives, and the default after."""
     pytest.importorskip("triton")  # the decode attention's module imports it at its top
     from exlnb.engines import triton_decode
 
-    monkeypatch.delenv("EXLNB_DECODE_SPLIT_KEYS", raising=False)
-    runner = f"kit-{engine}-split{keys}"
+    monkeypatch.delenv(variable, raising=False)
     library, variables = speed_setups.KIT_VARIANTS[runner]
-    assert library == engine and speed.RUNNER_LIBRARY[runner] == engine
+    assert runner.startswith(f"kit-{library}-") and speed.RUNNER_LIBRARY[runner] == library
+    number = getattr(triton_decode, read)
     with speed_setups._environment(variables):
-        assert triton_decode.split_keys() == keys
-    assert "EXLNB_DECODE_SPLIT_KEYS" not in os.environ and triton_decode.split_keys() == triton_decode.SPLIT_KEYS
+        assert number() == wanted
+    assert variable not in os.environ and number() == getattr(triton_decode, DEFAULTS[read])
 
 
 def test_each_setup_is_timed_by_one_part_per_model_so_its_record_is_its_turns():

@@ -225,14 +225,22 @@ def test_the_call_s_keys_in_tiles_of_their_own_give_the_same_bits_and_cache(name
             assert torch.equal(mine.nan_to_num(), theirs.nan_to_num())
 
 
-@pytest.mark.parametrize("value", ["100", "0", "-256", "many"])
-def test_a_split_size_that_is_no_multiple_of_a_key_tile_is_refused_in_one_line(value, monkeypatch):
+@pytest.mark.parametrize(
+    "variable, read, value, wanted",
+    [
+        *(("EXLNB_DECODE_SPLIT_KEYS", "split_keys", value, "multiple of 64") for value in ("100", "0", "-256", "many")),
+        *(("EXLNB_DECODE_SPLIT_WARPS", "split_warps", value, "1, 2, 4, 8 or 16") for value in ("3", "0", "32", "x")),
+    ],
+)
+def test_a_split_size_or_warps_count_the_kernel_cannot_take_is_refused_in_one_line(
+    variable, read, value, wanted, monkeypatch
+):
     pytest.importorskip("triton")
     from exlnb.engines import triton_decode
 
-    monkeypatch.setenv("EXLNB_DECODE_SPLIT_KEYS", value)
-    with pytest.raises(ValueError, match=r"^EXLNB_DECODE_SPLIT_KEYS=.*multiple of 64$") as error:
-        triton_decode.split_keys()
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=rf"^{variable}=.*{wanted}$") as error:
+        getattr(triton_decode, read)()
     assert "\n" not in str(error.value)
 
 

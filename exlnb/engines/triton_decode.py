@@ -43,9 +43,9 @@ BLOCK_KEYS = 64  # keys per tile within a split, and a divisor of both SPLIT_KEY
 MIN_ROWS, MAX_ROWS = 16, 64  # query rows per program: tl.dot needs 16; more share a key tile but hold more registers
 COMBINE_SPLITS = 16  # splits the combine kernel reads at once
 FRESH_APART = True  # the call's new keys read in their own tiles alone (fresh_tile_apart)
-# warps a split's program: with the new keys apart, 8 were faster than 4 at 256, 1,024 and 4,096 tokens, for 32 and
-# for 8 key/value heads (0.366 against 0.432 ms and 0.911 against 0.963 for a 7B step's 32 layers at 256 and 4,096;
-# `gemv-sweep --only attention`, benchmarks/results/speed-nvidia-h200-2026-11-29-e)
+# warps a split's program (split_warps): with the new keys apart, 8 were faster than 4 at 256, 1,024 and 4,096 tokens,
+# for 32 and for 8 key/value heads (0.366 against 0.432 ms and 0.911 against 0.963 for a 7B step's 32 layers at 256
+# and 4,096; `gemv-sweep --only attention`, benchmarks/results/speed-nvidia-h200-2026-11-29-e)
 SPLIT_WARPS = 8
 
 
@@ -62,6 +62,18 @@ def split_keys() -> int:
         raise ValueError(
             f"EXLNB_DECODE_SPLIT_KEYS={value!r}: keys per split must be a positive multiple of {BLOCK_KEYS}"
         )
+    return int(value)
+
+
+def split_warps() -> int:
+    """Warps a split's program: `EXLNB_DECODE_SPLIT_WARPS` where it is set (1, 2, 4, 8 or 16; read at each launch,
+    so set it before a model loads), else SPLIT_WARPS. The speed suite times 8 against 4 in the step, in turns
+    (kit-ENGINE-warps8 and kit-ENGINE-warps4)."""
+    value = os.environ.get("EXLNB_DECODE_SPLIT_WARPS")
+    if value is None:
+        return SPLIT_WARPS
+    if value not in ("1", "2", "4", "8", "16"):
+        raise ValueError(f"EXLNB_DECODE_SPLIT_WARPS={value!r}: warps a program must be 1, 2, 4, 8 or 16")
     return int(value)
 
 
@@ -160,7 +172,7 @@ def paged_decode_attention(
             BLOCK_KEYS=BLOCK_KEYS,
             SPLIT_KEYS=keys_a_split,
             FRESH_APART=appends and fresh_tile_apart(),
-            num_warps=SPLIT_WARPS,
+            num_warps=split_warps(),
         )
         if splits > 1:
             _attention_combine_kernel[(batch * q_len * heads,)](
