@@ -118,7 +118,6 @@ PARTS = (  # the goals' parts first (7B-shaped fp16, then EXL3), so that a short
 )
 PROFILE_PARTS = (
     "profile-exllamav2@7b-fp16",
-    "profile-exllamav2-tails@7b-fp16",
     "profile-exllamav2-tails-folded@7b-fp16",
     "profile-exllamav3@7b-fp16",
     "profile-exllamav3@7b-exl3",

@@ -354,13 +354,12 @@ def kernels_by_kind(prof, wall_s: float, steps: int) -> dict:
     }
 
 
-# each engine's step profiled as it ships, and the ExLlamaV2 engine's with both tails on, then with their norms folded
-# too (whose launches it counts):
+# each engine's step profiled as it ships (the ExLlamaV2 engine's with both tails, its default), and the ExLlamaV2
+# engine's with the tails' norms folded too (whose launches it counts):
 # runner -> (engine, the environment it loads and runs in)
 PROFILED = {
     "profile-exllamav2": ("exllamav2", {}),
     "profile-exllamav3": ("exllamav3", {}),
-    "profile-exllamav2-tails": KIT_VARIANTS["kit-exllamav2-tails"],
     "profile-exllamav2-tails-folded": KIT_VARIANTS["kit-exllamav2-tails-folded"],
 }
 
