@@ -185,7 +185,8 @@ def test_two_hundred_abandoned_streams_leave_no_job_page_or_thread(idle_session)
 # A batch's rounding moves a margin by far less than this on every engine: the largest shift the near-tie record
 # measured between two ways of running the same steps on a GPU engine (0.297 nats, an fp16 cache against a q8 one;
 # batches against alone moved none; benchmarks/results/near-ties-nvidia-h100-80gb-hbm3-2026-11-28). A job that read
-# another's keys or rows would move its margins by whole nats.
+# another's keys or rows would move its margins by whole nats. The two partings an H200 showed here were at margins of
+# 0.011 and 0.00014 nats (benchmarks/results/speed-nvidia-h200-2026-11-29-e).
 ROUNDING_SHIFT = 0.3
 
 
