@@ -92,9 +92,9 @@ PARTS = (  # the goals' parts first (7B-shaped fp16, then EXL3), so that a short
         "+kit-exllamav3-prefill-apart@7b-fp16",
         # the ExLlamaV2 engine with its MLPs' tails in two kernels, its attentions' RoPE in one launch and residual in
         # o (mlp_tail.py, attention_tail.py), each alone, both, both with their norms folded into the products after
-        # them (folded_norm.py), and as exllamav2 runs them
+        # them and with the attention's alone (folded_norm.py), and as exllamav2 runs them
         "kit-exllamav2-mlp-tail+kit-exllamav2-attention-tail+kit-exllamav2-tails+kit-exllamav2-tails-folded"
-        "+kit-exllamav2-tails-apart@7b-fp16",
+        "+kit-exllamav2-tails-folded-attention+kit-exllamav2-tails-apart@7b-fp16",
         # each engine's decode attention with fewer, longer splits, and with its default (triton_decode.py): the
         # context ratio
         "kit-exllamav2-split512+kit-exllamav2-split256+kit-exllamav3-split512+kit-exllamav3-split256@7b-fp16",

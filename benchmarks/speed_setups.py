@@ -96,7 +96,8 @@ KIT_VARIANTS = {
     "kit-exllamav2-ahead-on": ("exllamav2", {"EXLNB_QUEUE_AHEAD": "1"}),
     "kit-exllamav2-ahead-off": ("exllamav2", {"EXLNB_QUEUE_AHEAD": "0"}),
     # the ExLlamaV2 engine's MLP and attention tails, each alone, both (its default), both with each norm folded into
-    # the group after it (q, k and v; gate and up), and neither (mlp_tail.py, attention_tail.py, folded_norm.py)
+    # the group after it (q, k and v; gate and up), with the attention's alone, and neither (mlp_tail.py,
+    # attention_tail.py, folded_norm.py)
     **{
         f"kit-exllamav2-{name}": (
             "exllamav2",
@@ -107,6 +108,7 @@ KIT_VARIANTS = {
             "attention-tail": ("0", "1", "0"),
             "tails": ("1", "1", "0"),
             "tails-folded": ("1", "1", "1"),
+            "tails-folded-attention": ("1", "1", "attention"),
             "tails-apart": ("0", "0", "0"),
         }.items()
     },

@@ -24,7 +24,7 @@ from exlnb.engines.exllamav2.attention_tail import (
     has_a_plain_tail,
     side_by_side,
 )
-from exlnb.engines.exllamav2.folded_norm import FoldedNorm
+from exlnb.engines.exllamav2.folded_norm import FoldedNorm, folded_tails, norm_in_product_on
 from exlnb.engines.fused_products import FusedProducts, ProductGroup, check_tails
 from exlnb.random_model import LLAMA_7B, random_llama
 from exlnb.templates import chatml
@@ -383,6 +383,24 @@ def test_each_kind_of_tail_is_counted_apart_and_refused_in_its_own_words():
     assert check_tails(fused) is None
     reason = check_tails(FusedProducts(tails=iter([StandInTail(0.0), StandInTail(0.5, ATTENTION_TAILS)])))
     assert reason is not None and "an attention's tail differs" in reason and "0.5" in reason and "\n" not in reason
+
+
+@pytest.mark.parametrize(
+    "value, folded",
+    [(None, ()), ("0", ()), ("1", ("attention", "mlp")), ("attention", ("attention",)), ("mlp", ("mlp",))],
+)
+def test_the_norm_folds_into_the_tails_the_switch_names(monkeypatch, value, folded):
+    if value is None:
+        monkeypatch.delenv("EXLNB_NORM_IN_PRODUCT", raising=False)
+    else:
+        monkeypatch.setenv("EXLNB_NORM_IN_PRODUCT", value)
+    assert folded_tails() == folded and norm_in_product_on() is bool(folded)
+
+
+def test_a_fold_the_engine_does_not_know_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("EXLNB_NORM_IN_PRODUCT", "qkv")
+    with pytest.raises(ValueError, match=r"^EXLNB_NORM_IN_PRODUCT='qkv': one of 0, 1, attention, mlp$"):
+        folded_tails()
 
 
 def test_the_switch_is_on_unless_set_to_0(monkeypatch):

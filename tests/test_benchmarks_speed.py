@@ -261,7 +261,14 @@ def test_a_setup_timed_in_a_worker_of_its_own_says_why_it_could_not_load(tmp_pat
         ),
         *(
             (f"kit-exllamav2-{runner}", variable, switch)
-            for runner in ("mlp-tail", "attention-tail", "tails", "tails-folded", "tails-apart")
+            for runner in (
+                "mlp-tail",
+                "attention-tail",
+                "tails",
+                "tails-folded",
+                "tails-folded-attention",
+                "tails-apart",
+            )
             for variable, switch in (
                 ("EXLNB_MLP_TAIL", "exlnb.engines.exllamav2.mlp_tail:mlp_tail_on"),
                 ("EXLNB_ATTENTION_TAIL", "exlnb.engines.exllamav2.attention_tail:attention_tail_on"),

@@ -1,5 +1,6 @@
 """An ExLlamaV2 RMS norm folded into the fused group's product after it, at one row (`EXLNB_NORM_IN_PRODUCT=1`, with
-the attention tail for q, k and v and the MLP tail for gate and up; off: level in the engine, timed in turns).
+the attention tail for q, k and v and the MLP tail for gate and up; `attention` or `mlp` for one tail's alone; off:
+level in the engine, timed in turns).
 
 At one row the engine runs each norm as a launch of its own and then the fused group's batched product. Folded, one
 Triton kernel (`normed_gemv.py`) computes the row's RMS in every program and multiplies as it reads the weights; for
@@ -18,6 +19,11 @@ kernel for their single rows.
 
 The norm is exllamav2's arithmetic but not its order of summation: a folded tail agrees with the library's step to
 the load check's tolerance, not to the bit.
+
+The two folds weigh differently. In the H200's profile of the step with both (speed-nvidia-h200-2026-11-29-e), q, k
+and v with the norm and RoPE took 0.951 ms against 1.022 for the norm, cuBLAS and RoPE apart, while gate and up with
+the norm and the activation took 1.699 against 1.566 (cuBLAS reads gate and up at 96 % of copy bandwidth). So each
+tail's fold can be had alone, and only its groups are then laid out output-major.
 """
 
 from __future__ import annotations
@@ -29,13 +35,24 @@ import torch
 
 from exlnb.engines.fused_products import ProductGroup
 
+ATTENTION, MLP = "attention", "mlp"  # the tails whose norm can fold into the group after it: q, k, v; gate, up
+FOLDS = {"0": (), "1": (ATTENTION, MLP), ATTENTION: (ATTENTION,), MLP: (MLP,)}  # EXLNB_NORM_IN_PRODUCT's values
+
+
+def folded_tails() -> tuple[str, ...]:
+    """The tails whose RMS norm the ExLlamaV2 engine folds into the group after it, that group laid out output-major:
+    `EXLNB_NORM_IN_PRODUCT` (read at each load) 1 for both, `attention` or `mlp` for one, 0 or unset for none. Both
+    were level at batch 1 in turns on an H200 (4.27 against 4.29 ms a 7B token) and 3 % slower at batch 8
+    (benchmarks/results/speed-nvidia-h200-2026-11-29-e)."""
+    value = os.environ.get("EXLNB_NORM_IN_PRODUCT", "0")
+    if value not in FOLDS:
+        raise ValueError(f"EXLNB_NORM_IN_PRODUCT={value!r}: one of {', '.join(FOLDS)}")
+    return FOLDS[value]
+
 
 def norm_in_product_on() -> bool:
-    """Whether the ExLlamaV2 engine lays its fused groups out output-major and folds each tail's RMS norm into the
-    group after it (off unless `EXLNB_NORM_IN_PRODUCT=1`, read at each load): in turns on an H200 it was level at
-    batch 1 (4.27 against 4.29 ms a 7B token) and 3 % slower at batch 8
-    (benchmarks/results/speed-nvidia-h200-2026-11-29-e)."""
-    return os.environ.get("EXLNB_NORM_IN_PRODUCT", "0") == "1"
+    """Whether any tail folds its norm (`folded_tails`)."""
+    return bool(folded_tails())
 
 
 def output_major(stack: torch.Tensor) -> bool:
@@ -79,15 +96,15 @@ class FoldedNorm:
         return normed_gated_row(hidden_states, self.weight, self.eps, self.stack, self.slots)
 
 
-def folded_norm(norm, groups: list[ProductGroup | None], linears: list) -> FoldedNorm | None:
-    """With `EXLNB_NORM_IN_PRODUCT=1`, where `norm` is exllamav2's RMS norm (fp16 weight, no bias) and `linears` are
-    one of the model's fused `groups` laid out output-major, the norm folded into their products; else None (the
-    tail then runs the norm and the group)."""
+def folded_norm(norm, groups: list[ProductGroup | None], linears: list, tail: str) -> FoldedNorm | None:
+    """Where `tail` (ATTENTION or MLP) folds its norm (`folded_tails`), `norm` is exllamav2's RMS norm (fp16 weight,
+    no bias) and `linears` are one of the model's fused `groups` laid out output-major, the norm folded into their
+    products; else None (the tail then runs the norm and the group)."""
     from exllamav2.rmsnorm import ExLlamaV2RMSNorm
 
     group = next((group for group in groups if group is not None and group.linears == linears), None)
     plain = type(norm) is ExLlamaV2RMSNorm and norm.bias is None and norm.weight.dtype == torch.half
-    if not norm_in_product_on() or not plain or group is None or not output_major(group.stacked):
+    if tail not in folded_tails() or not plain or group is None or not output_major(group.stacked):
         return None
     slots = tuple(group.slots or range(len(linears)))
     return FoldedNorm(group.stacked, slots, norm.weight.data, norm.variance_epsilon)

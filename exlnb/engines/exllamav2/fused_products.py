@@ -4,11 +4,11 @@ exllamav2 0.3.2 runs an unquantized attention or MLP through its Python path, wh
 (`ExLlamaV2Attention.forward_paged`, `forward_torch`), and gate and up (`ExLlamaV2MLP.forward_torch`), one after
 another with one input. Its fp16 projections hold an `nn.Linear` whose weight is output-major, (out, in), and
 multiply by its transpose; the group's stack is input-major, (n, in, out), and each `nn.Linear` gets the transpose
-of its slice, so that a projection's own product reads a contiguous (in, out) matrix as before. With a norm folded
-into the products (`EXLNB_NORM_IN_PRODUCT=1`, folded_norm.py) the stack is output-major instead, each `nn.Linear`
-keeping its weight's layout, and the group's (n, in, out) stack is its transposed view. Each attention's o,
-each MLP's down and the head take exlnb's GEMV for single rows, reading the `nn.Linear`'s (out, in) weight as it
-lies.
+of its slice, so that a projection's own product reads a contiguous (in, out) matrix as before. Where a tail's norm
+folds into the group after it (`EXLNB_NORM_IN_PRODUCT`, folded_norm.py) that group's stack is output-major instead,
+each `nn.Linear` keeping its weight's layout, and the group's (n, in, out) stack is its transposed view. Each
+attention's o, each MLP's down and the head take exlnb's GEMV for single rows, reading the `nn.Linear`'s (out, in)
+weight as it lies.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from exlnb.engines.exllamav2.attention_tail import attention_tail_on, attention_tails
-from exlnb.engines.exllamav2.folded_norm import norm_in_product_on
+from exlnb.engines.exllamav2.folded_norm import ATTENTION, MLP, folded_tails
 from exlnb.engines.exllamav2.mlp_tail import mlp_tail_on, mlp_tails
 from exlnb.engines.fused_products import (
     FusedProducts,
@@ -32,11 +32,12 @@ from exlnb.engines.fused_products import (
 
 
 def fuse_exllamav2(model) -> FusedProducts:
-    """The model's qualifying groups, stacked (output-major with `EXLNB_NORM_IN_PRODUCT=1`), its single-row products
-    and (with `EXLNB_MLP_TAIL=1`) its MLPs' tails and (with `EXLNB_ATTENTION_TAIL=1`) its attentions' tails,
-    installed."""
-    output_major = norm_in_product_on() and (mlp_tail_on() or attention_tail_on())  # a tail to fold a norm into
-    groups = [_group(linears, output_major) for linears in _candidate_groups(model) if _fusable(linears)]
+    """The model's qualifying groups, stacked (output-major where their tail folds its norm into them,
+    `EXLNB_NORM_IN_PRODUCT`), its single-row products and its MLPs' and attentions' tails (unless `EXLNB_MLP_TAIL=0`,
+    `EXLNB_ATTENTION_TAIL=0`), installed."""
+    on = {ATTENTION: attention_tail_on(), MLP: mlp_tail_on()}
+    folding = {tail for tail in folded_tails() if on[tail]}  # a tail to fold a norm into
+    groups = [_group(linears, tail in folding) for tail, linears in _candidate_groups(model) if _fusable(linears)]
     tails = chain(
         mlp_tails(model, _single_row_product, groups) if mlp_tail_on() else (),
         attention_tails(model, _single_row_product, groups) if attention_tail_on() else (),
@@ -95,9 +96,9 @@ def _group(linears: list, output_major: bool) -> ProductGroup | None:
     return ProductGroup(linears, stacked.transpose(1, 2) if output_major else stacked, torch.half, _accepts, slots)
 
 
-def _candidate_groups(model) -> Iterator[list]:
+def _candidate_groups(model) -> Iterator[tuple[str, list]]:
     """Each unquantized attention's q, k, v (only k and v where q is wider, as under grouped-query attention), and
-    each unquantized gated MLP's gate and up."""
+    each unquantized gated MLP's gate and up, with the tail (ATTENTION, MLP) whose norm could fold into them."""
     from exllamav2.attn import ExLlamaV2Attention
     from exllamav2.mlp import ExLlamaV2MLP
 
@@ -106,9 +107,9 @@ def _candidate_groups(model) -> Iterator[list]:
             continue
         if type(module) is ExLlamaV2Attention and getattr(module, "v_proj", None) is not None:
             qkv = [module.q_proj, module.k_proj, module.v_proj]
-            yield qkv if len({linear.out_features for linear in qkv}) == 1 else qkv[1:]
+            yield ATTENTION, qkv if len({linear.out_features for linear in qkv}) == 1 else qkv[1:]
         elif type(module) is ExLlamaV2MLP and getattr(module, "gate_proj", None) is not None:
-            yield [module.gate_proj, module.up_proj]
+            yield MLP, [module.gate_proj, module.up_proj]
 
 
 def _single_row_product(linear) -> bool:
