@@ -84,7 +84,7 @@ def fresh_tile_apart() -> bool:
     pipeliner stages those in shared memory too, doubling a stage's shared memory and its copies (88 KB against 39 a
     program at 64 keys a tile). The same arithmetic, tile by tile: the same bits. Apart, a 7B step at 4,096 tokens
     took 0.24 ms less on both GPU engines, level at 256, timed in turns on an H200, and both GPU suites passed with
-    it (benchmarks/results/speed-nvidia-h200-2026-11-29-e)."""
+    it but for a test that failed without it too, at a near tie (benchmarks/results/speed-nvidia-h200-2026-11-29-e)."""
     value = os.environ.get("EXLNB_DECODE_FRESH_APART")
     return FRESH_APART if value is None else value == "1"
 

@@ -39,7 +39,8 @@ FOLDED_MLP_TAILS = TailKind(
 def mlp_tail_on() -> bool:
     """Whether the ExLlamaV2 engine runs its MLPs' tails in two kernels at one row (on unless `EXLNB_MLP_TAIL=0`,
     read at each load): with the attention's tail, 0.24 ms a 7B step faster on an H200, timed in turns, and the GPU
-    suite passed with both on (benchmarks/results/speed-nvidia-h200-2026-11-29-e)."""
+    suite passed with both on but for a test that failed without them too, at a near tie
+    (benchmarks/results/speed-nvidia-h200-2026-11-29-e)."""
     return os.environ.get("EXLNB_MLP_TAIL", "1") != "0"
 
 
