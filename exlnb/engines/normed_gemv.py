@@ -163,11 +163,13 @@ def _normed_tile(x, norm, k, real_k, scale, ONE_PASS: tl.constexpr):
 
 
 @triton.jit
-def _scaled(sums, squares, K: tl.constexpr, eps, ONE_PASS: tl.constexpr):
-    """A program's reduced sums, scaled by the inverse RMS of the row's squares where the row was read in one pass."""
+def _end_scale(squares, K: tl.constexpr, eps, ONE_PASS: tl.constexpr):
+    """What a program's reduced sums are multiplied by: the inverse RMS of the row's squares where the row was read
+    in one pass, else 1 (`_row_scale` scaled it as it was read)."""
+    scale = 1.0
     if ONE_PASS:
-        sums = sums * _inverse_rms(squares, K, eps)
-    return sums
+        scale = _inverse_rms(squares, K, eps)
+    return scale
 
 
 @triton.jit
@@ -204,7 +206,7 @@ def _normed_row_times_matrix(
         squares += values * values  # read only in one pass
         tile = tl.load(rows[:, None] + k[None, :] * stride_k, mask=real_n[:, None] & real_k[None, :], other=0.0)
         sums += tile.to(tl.float32) * normed[None, :]
-    result = _scaled(tl.sum(sums, 1), squares, K, eps, ONE_PASS)
+    result = tl.sum(sums, 1) * _end_scale(squares, K, eps, ONE_PASS)
     tl.store(out + n, result.to(out.dtype.element_ty), mask=real_n)
 
 
@@ -227,8 +229,8 @@ def _paired_sums(
         both = real[:, None] & real_k[None, :]
         first_sums += tl.load(first[:, None] + k[None, :], mask=both, other=0.0).to(tl.float32) * normed[None, :]
         second_sums += tl.load(second[:, None] + k[None, :], mask=both, other=0.0).to(tl.float32) * normed[None, :]
-    first_row = _scaled(tl.sum(first_sums, 1), squares, K, eps, ONE_PASS)
-    second_row = _scaled(tl.sum(second_sums, 1), squares, K, eps, ONE_PASS)
+    end = _end_scale(squares, K, eps, ONE_PASS)  # one reduction of the squares for both sets
+    first_row, second_row = tl.sum(first_sums, 1) * end, tl.sum(second_sums, 1) * end
     return first_row.to(tl.float16).to(tl.float32), second_row.to(tl.float16).to(tl.float32)
 
 

@@ -39,8 +39,8 @@ def fuse_exllamav2(model) -> FusedProducts:
     folding = {tail for tail in folded_tails() if on[tail]}  # a tail to fold a norm into
     groups = [_group(linears, tail in folding) for tail, linears in _candidate_groups(model) if _fusable(linears)]
     tails = chain(
-        mlp_tails(model, _single_row_product, groups) if mlp_tail_on() else (),
-        attention_tails(model, _single_row_product, groups) if attention_tail_on() else (),
+        mlp_tails(model, _single_row_product, groups) if on[MLP] else (),
+        attention_tails(model, _single_row_product, groups) if on[ATTENTION] else (),
     )
     return FusedProducts(groups, _row_products(model), tails)
 
