@@ -91,10 +91,12 @@ PARTS = (  # the goals' parts first (7B-shaped fp16, then EXL3), so that a short
         "kit-exllamav2-prefill-together+kit-exllamav2-prefill-apart+kit-exllamav3-prefill-together"
         "+kit-exllamav3-prefill-apart@7b-fp16",
         # the ExLlamaV2 engine with its MLPs' tails in two kernels, its attentions' RoPE in one launch and residual in
-        # o (mlp_tail.py, attention_tail.py), each alone, both, both with their norms folded into the products after
-        # them and with the attention's alone (folded_norm.py), and as exllamav2 runs them
-        "kit-exllamav2-mlp-tail+kit-exllamav2-attention-tail+kit-exllamav2-tails+kit-exllamav2-tails-folded"
-        "+kit-exllamav2-tails-folded-attention+kit-exllamav2-tails-apart@7b-fp16",
+        # o (mlp_tail.py, attention_tail.py), each alone, both, and as exllamav2 runs them, no norm folded
+        "kit-exllamav2-mlp-tail+kit-exllamav2-attention-tail+kit-exllamav2-tails+kit-exllamav2-tails-apart@7b-fp16",
+        # with both tails, the attention's norm folded into q, k and v (the default), both norms, none, and the first
+        # two with the paired kernels in tiles of 1,024 inputs (folded_norm.py, normed_gemv.py)
+        "kit-exllamav2-fold-attention+kit-exllamav2-fold-both+kit-exllamav2-fold-none"
+        "+kit-exllamav2-fold-attention-k1024+kit-exllamav2-fold-both-k1024@7b-fp16",
         # each engine's decode attention with fewer, longer splits, and with its default (triton_decode.py): the
         # context ratio
         "kit-exllamav2-split512+kit-exllamav2-split256+kit-exllamav3-split512+kit-exllamav3-split256@7b-fp16",
@@ -118,7 +120,7 @@ PARTS = (  # the goals' parts first (7B-shaped fp16, then EXL3), so that a short
 )
 PROFILE_PARTS = (
     "profile-exllamav2@7b-fp16",
-    "profile-exllamav2-tails-folded@7b-fp16",
+    "profile-exllamav2-fold-both-k1024@7b-fp16",
     "profile-exllamav3@7b-fp16",
     "profile-exllamav3@7b-exl3",
 )

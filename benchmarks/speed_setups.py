@@ -88,6 +88,9 @@ def _switched(variable: str, on: str, off: str) -> dict[str, tuple[str, dict[str
     }
 
 
+WIDE_TILES = "4,1024,4,3"  # 8 rows a program in tiles of 1,024 inputs, 3 stages: the plain normed kernel's fastest
+
+
 # exlnb's engines loaded with a switch set, timed in turns beside each other: runner -> (engine, the environment it
 # loads and runs in). A switch's A/B names both sides ("-fused", "-unfused"): a setup's record belongs to one part,
 # and the goals' own setups ("kit-exllamav3") keep the numbers of the turns they took with their peers.
@@ -95,22 +98,32 @@ KIT_VARIANTS = {
     "kit-exllamav3-ahead-off": ("exllamav3", {"EXLNB_QUEUE_AHEAD": "0"}),
     "kit-exllamav2-ahead-on": ("exllamav2", {"EXLNB_QUEUE_AHEAD": "1"}),
     "kit-exllamav2-ahead-off": ("exllamav2", {"EXLNB_QUEUE_AHEAD": "0"}),
-    # the ExLlamaV2 engine's MLP and attention tails, each alone, both (its default), both with each norm folded into
-    # the group after it (q, k and v; gate and up), with the attention's alone, and neither (mlp_tail.py,
-    # attention_tail.py, folded_norm.py)
+    # the ExLlamaV2 engine's MLP and attention tails, each alone, both and neither, no norm folded (mlp_tail.py,
+    # attention_tail.py)
     **{
         f"kit-exllamav2-{name}": (
             "exllamav2",
-            {"EXLNB_MLP_TAIL": mlp, "EXLNB_ATTENTION_TAIL": attention, "EXLNB_NORM_IN_PRODUCT": folded},
+            {"EXLNB_MLP_TAIL": mlp, "EXLNB_ATTENTION_TAIL": attention, "EXLNB_NORM_IN_PRODUCT": "0"},
         )
-        for name, (mlp, attention, folded) in {
-            "mlp-tail": ("1", "0", "0"),
-            "attention-tail": ("0", "1", "0"),
-            "tails": ("1", "1", "0"),
-            "tails-folded": ("1", "1", "1"),
-            "tails-folded-attention": ("1", "1", "attention"),
-            "tails-apart": ("0", "0", "0"),
+        for name, (mlp, attention) in {
+            "mlp-tail": ("1", "0"),
+            "attention-tail": ("0", "1"),
+            "tails": ("1", "1"),
+            "tails-apart": ("0", "0"),
         }.items()
+    },
+    # with both tails, each norm folded into the group after it (folded_norm.py): the attention's alone (its default),
+    # both and none, and the first two with the paired kernels reading the plain kernel's fastest tiles
+    # (normed_gemv.py)
+    **{
+        f"kit-exllamav2-fold-{name}": ("exllamav2", {"EXLNB_NORM_IN_PRODUCT": folds, **tiles})
+        for name, folds, tiles in (
+            ("attention", "attention", {}),
+            ("both", "1", {}),
+            ("none", "0", {}),
+            ("attention-k1024", "attention", {"EXLNB_NORM_PRODUCT_TILES": WIDE_TILES}),
+            ("both-k1024", "1", {"EXLNB_NORM_PRODUCT_TILES": WIDE_TILES}),
+        )
     },
     "kit-exllamav3-before-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "1"}),
     "kit-exllamav3-after-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "0"}),
@@ -362,7 +375,7 @@ def kernels_by_kind(prof, wall_s: float, steps: int) -> dict:
 PROFILED = {
     "profile-exllamav2": ("exllamav2", {}),
     "profile-exllamav3": ("exllamav3", {}),
-    "profile-exllamav2-tails-folded": KIT_VARIANTS["kit-exllamav2-tails-folded"],
+    "profile-exllamav2-fold-both-k1024": KIT_VARIANTS["kit-exllamav2-fold-both-k1024"],
 }
 
 

@@ -387,7 +387,7 @@ def test_each_kind_of_tail_is_counted_apart_and_refused_in_its_own_words():
 
 @pytest.mark.parametrize(
     "value, folded",
-    [(None, ()), ("0", ()), ("1", ("attention", "mlp")), ("attention", ("attention",)), ("mlp", ("mlp",))],
+    [(None, ("attention",)), ("0", ()), ("1", ("attention", "mlp")), ("attention", ("attention",)), ("mlp", ("mlp",))],
 )
 def test_the_norm_folds_into_the_tails_the_switch_names(monkeypatch, value, folded):
     if value is None:

@@ -261,19 +261,20 @@ def test_a_setup_timed_in_a_worker_of_its_own_says_why_it_could_not_load(tmp_pat
         ),
         *(
             (f"kit-exllamav2-{runner}", variable, switch)
-            for runner in (
-                "mlp-tail",
-                "attention-tail",
-                "tails",
-                "tails-folded",
-                "tails-folded-attention",
-                "tails-apart",
-            )
+            for runner in ("mlp-tail", "attention-tail", "tails", "tails-apart")
             for variable, switch in (
                 ("EXLNB_MLP_TAIL", "exlnb.engines.exllamav2.mlp_tail:mlp_tail_on"),
                 ("EXLNB_ATTENTION_TAIL", "exlnb.engines.exllamav2.attention_tail:attention_tail_on"),
                 ("EXLNB_NORM_IN_PRODUCT", "exlnb.engines.exllamav2.folded_norm:norm_in_product_on"),
             )
+        ),
+        *(
+            (
+                f"kit-exllamav2-fold-{runner}",
+                "EXLNB_NORM_IN_PRODUCT",
+                "exlnb.engines.exllamav2.folded_norm:norm_in_product_on",
+            )
+            for runner in ("attention", "both", "none", "attention-k1024", "both-k1024")
         ),
         *(
             (f"kit-{engine}-fresh-{side}", "EXLNB_DECODE_FRESH_APART", "exlnb.engines.triton_decode:fresh_tile_apart")
@@ -338,6 +339,29 @@ def test_a_decode_attention_variant_sets_its_number_while_it_lives(monkeypatch, 
     with speed_setups._environment(variables):
         assert number() == wanted
     assert variable not in os.environ and number() == getattr(triton_decode, DEFAULTS[read])
+
+
+@pytest.mark.parametrize(
+    "runner, tiles",
+    [
+        ("kit-exllamav2-fold-attention", None),
+        ("kit-exllamav2-fold-both", None),
+        ("kit-exllamav2-fold-attention-k1024", (4, 1024, 4, 3, True)),
+        ("kit-exllamav2-fold-both-k1024", (4, 1024, 4, 3, True)),
+    ],
+)
+def test_a_fold_variant_sets_the_paired_kernels_tiles_while_it_lives(monkeypatch, runner, tiles):
+    """The folded norm's paired kernels in the plain kernel's fastest tiles, timed against their own in turns: the
+    variant's shape holds for both kernels while its setup lives, their own defaults otherwise and after."""
+    pytest.importorskip("triton")  # the normed products' module imports it at its top
+    from exlnb.engines import normed_gemv
+
+    monkeypatch.delenv("EXLNB_NORM_PRODUCT_TILES", raising=False)
+    _, variables = speed_setups.KIT_VARIANTS[runner]
+    defaults = (normed_gemv.ROPED_CONFIG, normed_gemv.GATED_CONFIG)
+    with speed_setups._environment(variables):
+        assert [normed_gemv.paired_config(default) for default in defaults] == [tiles or d for d in defaults]
+    assert [normed_gemv.paired_config(default) for default in defaults] == list(defaults)
 
 
 def test_each_setup_is_timed_by_one_part_per_model_so_its_record_is_its_turns():

@@ -90,11 +90,17 @@ def test_each_projection_gives_its_own_product_and_another_input_takes_the_separ
             alone = group.linears[-1].forward(x.clone(), *params)
         return fused, separate, alone, group._pending
 
+    def relative(mine, theirs) -> float:
+        return float((mine.float() - theirs.float()).abs().max() / theirs.float().abs().max())
+
     fused, separate, alone, pending = session.run_on_engine(check)
     assert pending is None  # nothing held once the group's last output is handed over
     for mine, theirs in zip(fused, separate, strict=True):
         assert mine.shape == theirs.shape and mine.dtype == theirs.dtype and mine.is_contiguous()
-        assert float((mine.float() - theirs.float()).abs().max() / theirs.float().abs().max()) < 1e-3
+        error = relative(mine, theirs)
+        if error >= 1e-3:  # once, beside two other suites' processes: 1.4e10, where the tensors then read equal
+            torch.cuda.synchronize()
+            assert error < 1e-3, f"{error} (read again after a synchronize: {relative(mine, theirs)})"
     assert torch.equal(alone, separate[-1])  # not the input the group just read: the projection's own product
 
 
@@ -361,16 +367,21 @@ def test_an_mlp_tail_in_its_down_product_gives_the_library_mlp_s_bits(wide_folde
 
         count, results = session.run_on_engine(check)
         assert count == 1 and "1 MLP tails in two kernels" in session.status().decode
-        for tail, own in results:
-            assert torch.equal(tail, own)
+        for (tail, own), rows in zip(results, (1, 3), strict=True):
+            differing = tail != own
+            assert not differing.any(), (
+                f"{rows} row(s): {int(differing.sum())} of {own.numel()} outputs differ, by up to "
+                f"{float((tail.float() - own.float()).abs().max())}"
+            )
     finally:
         session.unload()
 
 
 @pytest.mark.gpu
 def test_a_norm_folded_into_gate_and_up_agrees_with_the_library_s_mlp_to_the_load_s_tolerance(wide_folder, monkeypatch):
-    """`EXLNB_MLP_TAIL=1 EXLNB_NORM_IN_PRODUCT=1` on Llama-2-7B's widths: the groups are laid out output-major, the
-    MLP's tail folds its norm into gate and up and says so, its load check keeps it, and a single row's MLP is the
+    """`EXLNB_MLP_TAIL=1 EXLNB_NORM_IN_PRODUCT=1` on Llama-2-7B's widths with no attention tail: gate and up are
+    laid out output-major and q, k and v as they were (no tail folds a norm into them), the MLP's tail folds its
+    norm into gate and up and says so, its load check keeps it, and a single row's MLP is the
     library's to that tolerance (more rows: the library's own bits)."""
     from exlnb.engines.cuda_graphs import beyond_tolerance, relative_difference
     from exlnb.engines.exllamav2.folded_norm import output_major
@@ -391,7 +402,7 @@ def test_a_norm_folded_into_gate_and_up_agrees_with_the_library_s_mlp_to_the_loa
             return layouts, tail.differs(), results
 
         layouts, error, ((one, one_own), (many, many_own)) = session.run_on_engine(check)
-        assert layouts == [True, True]  # q, k and v; gate and up
+        assert layouts == [False, True]  # q, k and v; gate and up
         assert "1 MLP tails with the norm and the activation in gate and up" in session.status().decode
         assert not any(note.startswith("step tails not used") for note in session.status().notes)
         assert not beyond_tolerance(error) and not beyond_tolerance(relative_difference(one.float(), one_own.float()))

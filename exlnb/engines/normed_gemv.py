@@ -25,6 +25,7 @@ This module imports triton at its top: callers import it only where CUDA (and wi
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import triton
@@ -33,17 +34,44 @@ import triton.language as tl
 from exlnb.engines.gated_activation import LIBDEVICE, silu_times_values
 
 # outputs a program, inputs a tile, warps, stages, over output-major weights, the row in one pass: the sweep's fastest
-# in two passes for q, k and v (0.839 ms for 32 layers, against 0.973 for the norm and cuBLAS) and for gate and up
-# (1.418 against 1.522), on an H200 (benchmarks/results/speed-nvidia-h200-2026-11-29-d); one pass is to be timed
-CONFIG = (16, 256, 4, 4, True)
+# for q, k and v (0.842 ms for 32 layers, against 0.960 for the norm and exlnb's GEMV and 0.979 for the norm and
+# cuBLAS) and for gate and up (1.428 against 1.545 for the norm and cuBLAS), on an H200
+# (benchmarks/results/speed-nvidia-h200-2026-11-29-f)
+CONFIG = (8, 1024, 4, 3, True)
 # the same for a gated MLP's gate and up with its activation in the epilogue (`normed_gated_row`): 4 outputs of each
-# a program, 512 inputs a tile, the fastest of the sweep's six gated rows (32 layers: 1.59 ms, against 1.71 at 8 and
-# 256 and 1.60 for the norm, cuBLAS and the activation apart; benchmarks/results/speed-nvidia-h200-2026-11-29-e)
+# a program, 512 inputs a tile, the fastest of the sweep's six gated rows in the start that chose it (32 layers: 1.59
+# ms, against 1.71 at 8 and 256 and 1.60 for the norm, cuBLAS and the activation apart;
+# benchmarks/results/speed-nvidia-h200-2026-11-29-e)
 GATED_CONFIG = (4, 512, 4, 4, True)
 # and for q, k and v with RoPE in the epilogue (`normed_roped_rows`): 8 rows of a head's first half and their 8
-# partners a program, CONFIG's 16 rows; not yet timed
+# partners a program, as fast as the sweep's other roped rows (0.933 ms against 0.928 at 4 and 512; 0.960 for the
+# norm and exlnb's GEMV without the RoPE; speed-nvidia-h200-2026-11-29-f)
 ROPED_CONFIG = (8, 256, 4, 4, True)
+# Both paired kernels read 2 x 8 rows a program with these; the plain kernel's fastest reads 8 rows in tiles of
+# 1,024 inputs with 3 stages. `EXLNB_NORM_PRODUCT_TILES` sets both paired kernels' shape in the step, so the speed
+# suite can time that shape against these in turns.
+TILES_VARIABLE = "EXLNB_NORM_PRODUCT_TILES"
 FP16_MAX: tl.constexpr = tl.constexpr(65504.0)  # exllamav2's norm clamps its inputs to fp16's range
+
+
+def paired_config(default: tuple) -> tuple:
+    """A paired kernel's configuration: `EXLNB_NORM_PRODUCT_TILES` where it is set ("B,K,W,S": outputs of each set
+    a program, inputs a tile, warps, stages, powers of two but the stages, 1 to 6; the row read in one pass), read
+    at each launch, so set it before a model loads (its graphs keep what they captured); else `default`."""
+    value = os.environ.get(TILES_VARIABLE)
+    if not value:
+        return default
+    try:
+        block_n, block_k, warps, stages = (int(part) for part in value.split(","))
+    except ValueError:
+        block_n = block_k = warps = stages = 0
+    powers = all(n > 0 and n & (n - 1) == 0 for n in (block_n, block_k, warps))
+    if not (powers and block_n <= 64 and 16 <= block_k <= 4096 and warps <= 16 and 1 <= stages <= 6):
+        raise ValueError(
+            f"{TILES_VARIABLE}={value!r}: B,K,W,S (outputs a program up to 64, inputs a tile 16 to 4,096, warps up to "
+            "16, each a power of two; stages 1 to 6)"
+        )
+    return block_n, block_k, warps, stages, True
 
 
 def output_major_rows(stack: torch.Tensor, caller: str) -> torch.Tensor:
@@ -72,7 +100,7 @@ def normed_roped_rows(x, norm, eps: float, stack, rotated, sin, cos, positions, 
     for an attention's norm, q, k and v and RoPE. Each program reads 8 rows of a head's first half and the 8 rows
     of its second half they pair with. sin, cos: (..., positions, head_dim) fp16 tables, head_dim dividing N.
     Returns (P, N) fp16, contiguous."""
-    block_n, block_k, warps, stages, one_pass = config or ROPED_CONFIG
+    block_n, block_k, warps, stages, one_pass = config or paired_config(ROPED_CONFIG)
     products, inputs, outputs = stack.shape
     rows = output_major_rows(stack, "normed_roped_rows")
     head_dim = sin.shape[-1]
@@ -95,7 +123,7 @@ def normed_gated_row(x: torch.Tensor, norm: torch.Tensor, eps: float, stack: tor
     reads its outputs' rows of gate and of up, rounds both sums to fp16 as the products write them, and computes the
     activation as `gated_activation.silu_times` does. stack: a gated MLP's (2, K, N) stack, a view of output-major
     weights; slots: gate's and up's places in it; config: GATED_CONFIG unless told. Returns N fp16 outputs."""
-    block_n, block_k, warps, stages, one_pass = config or GATED_CONFIG
+    block_n, block_k, warps, stages, one_pass = config or paired_config(GATED_CONFIG)
     _, inputs, outputs = stack.shape
     rows = output_major_rows(stack, "normed_gated_row")
     out = torch.empty(outputs, dtype=torch.half, device=x.device)

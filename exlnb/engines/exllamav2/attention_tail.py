@@ -13,11 +13,11 @@ every head of q and of k is at the same position (rope.cu reads position `past_l
 num_heads), with the same sin and cos. Under grouped-query attention q has a product of its own, lies apart from
 k, and keeps its own `rope_` call.
 
-With `EXLNB_NORM_IN_PRODUCT=1` as well (off: level when timed), where q, k and v are one fused group after an RMS
-norm, the norm runs inside their product (`folded_norm.py`), and where the RoPE is NEOX over whole heads with no
-head norm before it (a Llama's), RoPE too, as the product writes q and k (rope.cu's fp16 arithmetic, the position
-read on the device): 64 launches fewer again, its outputs the library's to the tolerance of every load check rather
-than to the bit.
+By default as well (`EXLNB_NORM_IN_PRODUCT=attention` or `1`; `0` or `mlp` leave it out), where q, k and v are one
+fused group after an RMS norm, the norm runs inside their product (`folded_norm.py`), and where the RoPE is NEOX
+over whole heads with no head norm before it (a Llama's), RoPE too, as the product writes q and k (rope.cu's fp16
+arithmetic, the position read on the device): 64 launches fewer again, its outputs the library's to the tolerance
+of every load check rather than to the bit.
 
 Any other call (a prompt, a batch, LoRAs, alternative or offset RoPE, a cache other than fp16's) takes the library's own
 `forward_paged`. A tail is one more of the products `FusedProducts` installs, and a load checks each against the
@@ -297,8 +297,8 @@ def attention_tails(
     model, o_is_plain: Callable[[object], bool], groups: list[ProductGroup | None]
 ) -> Iterator[AttentionTail]:
     """Each unquantized attention of the model that `has_a_plain_tail`, once the library's attention is the one
-    the tail mirrors; with `EXLNB_NORM_IN_PRODUCT=1`, its norm folded into its q, k and v where they are one of
-    `groups` (the model's fused groups)."""
+    the tail mirrors; where the attention's fold is on (`folded_tails`), its norm folded into its q, k and v where
+    they are one of `groups` (the model's fused groups)."""
     import exllamav2
     from exllamav2 import attn
 

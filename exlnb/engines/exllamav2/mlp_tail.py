@@ -9,10 +9,11 @@ the activation in one kernel (`gated_activation.silu_times`) and the down produc
 residual as it writes (`gemv.row_times_matrix_plus`): 96 launches fewer a step, each kernel rounding where torch
 rounds, so the outputs are the library's bits. (The activation read inside the down product, one kernel in all,
 was slower: every program of the product repeated the row's SiLUs; benchmarks/results/speed-nvidia-h200-2026-11-29-c.)
-With `EXLNB_NORM_IN_PRODUCT=1` as well (off: level when timed), where gate and up are one fused group after an RMS norm,
-the norm runs inside their product and the activation as it writes them (`folded_norm.py`): two kernels in all, 64
-launches fewer again, to the load check's tolerance rather than the library's bits. Any other call (a prompt, a
-batch, LoRAs, intermediates) takes the library's own `forward_torch`.
+With `EXLNB_NORM_IN_PRODUCT=1` or `mlp` as well (off: level at batch 1 and 3 % slower at batch 8 in turns), where
+gate and up are one fused group after an RMS norm, the norm runs inside their product and the activation as it
+writes them (`folded_norm.py`): two kernels in all, 64 launches fewer again, to the load check's tolerance rather
+than the library's bits. Any other call (a prompt, a batch, LoRAs, intermediates) takes the library's own
+`forward_torch`.
 
 A tail is one more of the products `FusedProducts` installs, and a load checks each against the library's own MLP on
 a random row (`check_tails`: a load whose tails differ drops them, keeps its products and says why), so
@@ -85,7 +86,7 @@ class MlpTail:
 def mlp_tails(model, down_is_plain, groups: list[ProductGroup | None]) -> Iterator[MlpTail]:
     """Each unquantized gated SiLU MLP whose `forward_torch` ends in nothing but its down product and the residual
     add (no post-norm, merge, fp32 residual stream or clamp of the hidden state), its down product a plain fp16 one
-    (`down_is_plain`: the check the GEMV's own single-row products pass); with `EXLNB_NORM_IN_PRODUCT=1`, its norm
+    (`down_is_plain`: the check the GEMV's own single-row products pass); where the MLP's fold is on, its norm
     folded into its gate and up where they are one of `groups` (the model's fused groups)."""
     from exllamav2.mlp import ExLlamaV2MLP
 
