@@ -579,7 +579,7 @@ def test_an_exllamav2_group_laid_out_output_major_keeps_each_weight_as_it_lay():
     """For a folded norm the ExLlamaV2 engine stacks a group's (out, in) weights as they lie: each projection's
     weight is then its slice of the stack, contiguous as before, the group's (n, in, out) stack its transposed view,
     and the batched product is each projection's."""
-    from exlnb.engines.exllamav2.folded_norm import output_major
+    from exlnb.engines.exllamav2.folded_norm import ATTENTION, output_major
     from exlnb.engines.exllamav2.fused_products import _group
 
     torch.manual_seed(0)
@@ -588,8 +588,8 @@ def test_an_exllamav2_group_laid_out_output_major_keeps_each_weight_as_it_lay():
         SimpleNamespace(linear=SimpleNamespace(weight=torch.nn.Parameter(w.clone(), requires_grad=False)))
         for w in weights
     ]
-    group = _group(linears, output_major=True)
-    assert group.stacked.shape == (2, 8, 24) and output_major(group.stacked)
+    group = _group(linears, ATTENTION)
+    assert group.stacked.shape == (2, 8, 24) and output_major(group.stacked) and not group.one_matrix
     for linear, weight, slot in zip(linears, weights, group.slots, strict=True):
         assert linear.linear.weight.is_contiguous() and torch.equal(linear.linear.weight, weight)
         assert linear.linear.weight.data_ptr() == group.stacked[slot].data_ptr()
@@ -599,6 +599,43 @@ def test_an_exllamav2_group_laid_out_output_major_keeps_each_weight_as_it_lay():
         torch.testing.assert_close(product, x @ weight.t())
 
     apart = [SimpleNamespace(linear=SimpleNamespace(weight=torch.nn.Parameter(w.clone()))) for w in weights]
-    input_major = _group(apart, output_major=False)
+    input_major = _group(apart, None)
     assert input_major.stacked.is_contiguous() and not output_major(input_major.stacked)
     assert torch.equal(apart[1].linear.weight, weights[1])  # the same values, now a transposed view of the stack
+
+
+class _OutputMajorProjection:
+    """A stand-in for an exllamav2 fp16 projection: its (out, in) weight in `linear.weight`, its own product."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.linear = SimpleNamespace(weight=torch.nn.Parameter(weight, requires_grad=False))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, loras=None) -> torch.Tensor:
+        self.calls += 1
+        return x @ self.linear.weight.t()
+
+
+def test_gate_and_up_laid_out_for_a_folded_norm_are_read_as_one_matrix_and_hand_over_strided_outputs():
+    """Where the MLP's norm folds into gate and up, the ExLlamaV2 engine reads them for prompts and batches as one
+    (2 * out, in) matrix, as an nn.Linear reads a fused projection (batched over their transposed stack, batch 8 was
+    slower): each projection's output is its product, a strided slice of the one product, and the projections run
+    none of their own; q, k and v so laid out stay batched, each output contiguous, as exllamav2's RoPE reads them."""
+    from exlnb.engines.exllamav2.folded_norm import ATTENTION, MLP
+    from exlnb.engines.exllamav2.fused_products import _group
+
+    torch.manual_seed(1)
+    weights = [torch.randn(24, 8).half() for _ in range(2)]  # gate's and up's (out, in), fp16 as the engine's
+    x = torch.randn(3, 2, 8).half()  # a batch of three, two positions each
+    for folding, strided in ((MLP, True), (ATTENTION, False)):
+        projections = [_OutputMajorProjection(w.clone()) for w in weights]
+        group = _group(projections, folding)
+        assert group.one_matrix is strided
+        FusedProducts([group])
+        gate, up = (projection.forward(x) for projection in projections)
+        for output, weight in zip((gate, up), weights, strict=True):
+            assert output.shape == (3, 2, 24) and output.is_contiguous() is not strided
+            torch.testing.assert_close(output.float(), x.float() @ weight.float().t(), rtol=2e-3, atol=2e-3)
+        if strided:
+            assert up.data_ptr() - gate.data_ptr() == 24 * gate.element_size()  # side by side in one product
+        assert [projection.calls for projection in projections] == [0, 0] and group._pending is None

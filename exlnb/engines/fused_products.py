@@ -10,8 +10,10 @@ weights are moved into one stacked tensor (n, in, out), and each projection's we
 view). The group's first projection computes every output with one `torch.bmm` over the stack; the others, which
 both libraries call next with the very same input tensor (their attention: q, k, v; their gated MLP: gate, up),
 hand back their slice of it, each contiguous, so the RoPE, cache and activation kernels after them read what they
-always did. Called with any other input, or with options the batched product does not cover (LoRAs, an output
-type of its own), a projection runs its own product. Eager steps and graph replays take the same path, so a replay
+always did (a gated MLP's gate and up laid out output-major for a folded norm are read as one matrix instead, each
+output a strided slice, which the activation reads as it would a contiguous one: exllamav2/fused_products.py).
+Called with any other input, or with options the batched product does not cover (LoRAs, an output type of its
+own), a projection runs its own product. Eager steps and graph replays take the same path, so a replay
 still matches the eager step it stands for; and a load checks the fused logits against the separate ones
 (`check_fused`) before it keeps them. Each library's module says which projections qualify and how its weights
 are held (exllamav2/fused_products.py, exllamav3/fused_products.py).
@@ -57,6 +59,10 @@ class ProductGroup:
     out_dtype: torch.dtype
     accepts: Callable[[tuple, dict], bool]
     slots: list[int] | None = None  # each projection's place in the stack, where it is not the projections' order
+    # the stack a transposed view of output-major (n, out, in) weights, read as one (n * out, in) matrix, as an
+    # `nn.Linear` reads a fused projection; each output then a strided slice of the product, for callers that read
+    # strided outputs as they would contiguous ones (a gated MLP's activation)
+    one_matrix: bool = False
     _pending: tuple[torch.Tensor, list[torch.Tensor]] | None = field(default=None, repr=False)
     _own: list = field(default_factory=list, repr=False)  # each projection's own bound forward
 
@@ -73,16 +79,24 @@ class ProductGroup:
     def _leading(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if not self.accepts(args, kwargs) or x.shape[-1] != self.stacked.shape[1] or x.dtype != self.stacked.dtype:
             return self._own[0](x, *args, **kwargs)
+        if self.one_matrix:
+            matrix = self.stacked.transpose(1, 2).view(-1, self.stacked.shape[1])  # (n * out, in), no copy
+            outputs = list(torch.nn.functional.linear(x, matrix).split(self.stacked.shape[2], dim=-1))
+        else:
+            outputs = self._batched(x)
+        if self.slots is not None:
+            outputs = [outputs[slot] for slot in self.slots]
+        self._pending = (x, outputs)
+        return outputs[0]
+
+    def _batched(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every projection's output, in the stack's order, each contiguous: one batched product over the stack."""
         rows = x.reshape(1, -1, x.shape[-1]).expand(self.stacked.shape[0], -1, -1)
         if self.out_dtype == x.dtype:
             products = torch.bmm(rows, self.stacked)
         else:  # fp16 products accumulated and written in float32, as exllamav3's Llama keeps gate/up
             products = torch.bmm(rows, self.stacked, out_dtype=self.out_dtype)
-        outputs = [y.view(*x.shape[:-1], y.shape[-1]) for y in products.unbind(0)]
-        if self.slots is not None:
-            outputs = [outputs[slot] for slot in self.slots]
-        self._pending = (x, outputs)
-        return outputs[0]
+        return [y.view(*x.shape[:-1], y.shape[-1]) for y in products.unbind(0)]
 
     def _following(self, index: int):
         def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
