@@ -46,18 +46,18 @@ TRITON = importlib.util.find_spec("triton") is not None
 LAYERS, HIDDEN, EPS = 32, 4096, 1e-5
 GROUPS = {"qkv": (3, 4096), "gate_up": (2, 11008)}  # the fused group's products, and the outputs of each
 # (outputs a program, inputs a tile, warps, stages); the output-major kernels each in two passes and in one
-OUTPUT_MAJOR = [(16, 1024, 8, 3), (16, 512, 4, 3), (32, 512, 8, 3), (8, 1024, 4, 3), (16, 256, 4, 4), (16, 1024, 4, 3)]
+OUTPUT_MAJOR = [(16, 1024, 8, 3), (16, 512, 4, 3), (32, 512, 8, 3), (8, 1024, 4, 3), (16, 256, 4, 4), (8, 2048, 4, 3)]
 INPUT_MAJOR = [(64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (256, 32, 8, 3), (32, 128, 4, 3), (64, 128, 8, 4)]
 # the paired kernels' rows: B outputs of each of two sets a program; (4, 1024, 4, 3) reads the 8 rows a program in
 # the tiles and stages of the plain kernel's fastest (8, 1024, 4, 3)
 GATED = [
     (8, 256, 4, 4),
     (16, 256, 4, 4),
-    (8, 512, 4, 3),
     (4, 512, 4, 4),
     (4, 1024, 4, 3),
     (2, 1024, 4, 3),
     (8, 1024, 4, 3),
+    (4, 2048, 4, 3),
 ]
 ROPED = [(8, 256, 4, 4), (4, 512, 4, 4), (8, 1024, 4, 3), (4, 1024, 4, 3), (2, 1024, 4, 3), (4, 2048, 4, 3)]
 HEAD_DIM, POSITION = 128, 1000  # a 7B Llama's heads, and the position the RoPE rows rotate to

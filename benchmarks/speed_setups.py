@@ -88,9 +88,6 @@ def _switched(variable: str, on: str, off: str) -> dict[str, tuple[str, dict[str
     }
 
 
-WIDE_TILES = "4,1024,4,3"  # 8 rows a program in tiles of 1,024 inputs, 3 stages: the plain normed kernel's fastest
-
-
 # exlnb's engines loaded with a switch set, timed in turns beside each other: runner -> (engine, the environment it
 # loads and runs in). A switch's A/B names both sides ("-fused", "-unfused"): a setup's record belongs to one part,
 # and the goals' own setups ("kit-exllamav3") keep the numbers of the turns they took with their peers.
@@ -113,17 +110,21 @@ KIT_VARIANTS = {
         }.items()
     },
     # with both tails, each norm folded into the group after it (folded_norm.py): the attention's alone (its default),
-    # both and none, and the first two with the paired kernels reading the plain kernel's fastest tiles
-    # (normed_gemv.py)
+    # both and none; and with the paired kernels in longer tiles (normed_gemv.py): 4 rows of each set a program in
+    # tiles of 1,024 inputs, as the plain normed kernel's fastest reads 8, and of 2,048 (twice the loads in flight)
     **{
-        f"kit-exllamav2-fold-{name}": ("exllamav2", {"EXLNB_NORM_IN_PRODUCT": folds, **tiles})
-        for name, folds, tiles in (
-            ("attention", "attention", {}),
-            ("both", "1", {}),
-            ("none", "0", {}),
-            ("attention-k1024", "attention", {"EXLNB_NORM_PRODUCT_TILES": WIDE_TILES}),
-            ("both-k1024", "1", {"EXLNB_NORM_PRODUCT_TILES": WIDE_TILES}),
+        f"kit-exllamav2-fold-{name}": (
+            "exllamav2",
+            {"EXLNB_NORM_IN_PRODUCT": folds, **({"EXLNB_NORM_PRODUCT_TILES": tiles} if tiles else {})},
         )
+        for name, (folds, tiles) in {
+            "attention": ("attention", None),
+            "both": ("1", None),
+            "none": ("0", None),
+            "attention-k1024": ("attention", "4,1024,4,3"),
+            "attention-k2048": ("attention", "4,2048,4,3"),
+            "both-k1024": ("1", "4,1024,4,3"),
+        }.items()
     },
     "kit-exllamav3-before-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "1"}),
     "kit-exllamav3-after-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "0"}),

@@ -274,7 +274,7 @@ def test_a_setup_timed_in_a_worker_of_its_own_says_why_it_could_not_load(tmp_pat
                 "EXLNB_NORM_IN_PRODUCT",
                 "exlnb.engines.exllamav2.folded_norm:norm_in_product_on",
             )
-            for runner in ("attention", "both", "none", "attention-k1024", "both-k1024")
+            for runner in ("attention", "both", "none", "attention-k1024", "attention-k2048", "both-k1024")
         ),
         *(
             (f"kit-{engine}-fresh-{side}", "EXLNB_DECODE_FRESH_APART", "exlnb.engines.triton_decode:fresh_tile_apart")
@@ -347,6 +347,7 @@ def test_a_decode_attention_variant_sets_its_number_while_it_lives(monkeypatch, 
         ("kit-exllamav2-fold-attention", None),
         ("kit-exllamav2-fold-both", None),
         ("kit-exllamav2-fold-attention-k1024", (4, 1024, 4, 3, True)),
+        ("kit-exllamav2-fold-attention-k2048", (4, 2048, 4, 3, True)),
         ("kit-exllamav2-fold-both-k1024", (4, 1024, 4, 3, True)),
     ],
 )
