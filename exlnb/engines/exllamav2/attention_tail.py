@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from exlnb.engines.cuda_graphs import relative_difference
-from exlnb.engines.exllamav2.folded_norm import ATTENTION, FoldedNorm, folded_norm
+from exlnb.engines.exllamav2.folded_norm import FoldedNorm, folded_norm
 from exlnb.engines.fused_products import ProductGroup, TailKind, random_probe
 
 ATTENTION_TAILS = TailKind(
@@ -318,5 +318,5 @@ def attention_tails(
     for module in model.modules:
         if type(module) is attn.ExLlamaV2Attention and has_a_plain_tail(module, o_is_plain):
             qkv = [module.q_proj, module.k_proj, module.v_proj]
-            folded = folded_norm(module.pre_layernorm, groups, qkv, ATTENTION) if module.has_norm else None
+            folded = folded_norm(module.pre_layernorm, groups, qkv) if module.has_norm else None
             yield AttentionTail(module, attn, folded)

@@ -100,15 +100,15 @@ class FoldedNorm:
         return normed_gated_row(hidden_states, self.weight, self.eps, self.stack, self.slots)
 
 
-def folded_norm(norm, groups: list[ProductGroup | None], linears: list, tail: str) -> FoldedNorm | None:
-    """Where `tail` (ATTENTION or MLP) folds its norm (`folded_tails`), `norm` is exllamav2's RMS norm (fp16 weight,
-    no bias) and `linears` are one of the model's fused `groups` laid out output-major, the norm folded into their
-    products; else None (the tail then runs the norm and the group)."""
+def folded_norm(norm, groups: list[ProductGroup | None], linears: list) -> FoldedNorm | None:
+    """Where `norm` is exllamav2's RMS norm (fp16 weight, no bias) and `linears` are one of the model's fused `groups`
+    laid out output-major (as a group is only where its tail folds its norm: `fuse_exllamav2`), the norm folded into
+    their products; else None (the tail then runs the norm and the group)."""
     from exllamav2.rmsnorm import ExLlamaV2RMSNorm
 
     group = next((group for group in groups if group is not None and group.linears == linears), None)
     plain = type(norm) is ExLlamaV2RMSNorm and norm.bias is None and norm.weight.dtype == torch.half
-    if tail not in folded_tails() or not plain or group is None or not output_major(group.stacked):
+    if not plain or group is None or not output_major(group.stacked):
         return None
     slots = tuple(group.slots or range(len(linears)))
     return FoldedNorm(group.stacked, slots, norm.weight.data, norm.variance_epsilon)

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import torch
 
 from exlnb.engines.cuda_graphs import relative_difference
-from exlnb.engines.exllamav2.folded_norm import MLP, FoldedNorm, folded_norm
+from exlnb.engines.exllamav2.folded_norm import FoldedNorm, folded_norm
 from exlnb.engines.fused_products import MLP_TAILS, ProductGroup, TailKind, random_probe
 
 FOLDED_MLP_TAILS = TailKind(
@@ -105,4 +105,4 @@ def mlp_tails(model, down_is_plain, groups: list[ProductGroup | None]) -> Iterat
             and not params.clamp_hidden_states
         )
         if plain and down_is_plain(module.down_proj) and module.down_proj.linear.weight.dtype == torch.half:
-            yield MlpTail(module, folded_norm(module.pre_layernorm, groups, [module.gate_proj, module.up_proj], MLP))
+            yield MlpTail(module, folded_norm(module.pre_layernorm, groups, [module.gate_proj, module.up_proj]))
