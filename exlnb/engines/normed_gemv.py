@@ -47,9 +47,9 @@ GATED_CONFIG = (4, 512, 4, 4, True)
 # partners a program, as fast as the sweep's other roped rows (0.933 ms against 0.928 at 4 and 512; 0.960 for the
 # norm and exlnb's GEMV without the RoPE; speed-nvidia-h200-2026-11-29-f)
 ROPED_CONFIG = (8, 256, 4, 4, True)
-# Both paired kernels read 2 x 8 rows a program with these; the plain kernel's fastest reads 8 rows in tiles of
-# 1,024 inputs with 3 stages. `EXLNB_NORM_PRODUCT_TILES` sets both paired kernels' shape in the step, so the speed
-# suite can time that shape against these in turns.
+# The paired kernels read 2 x 4 (gated) and 2 x 8 (RoPE) rows a program with these, in tiles of 512 or 256 inputs;
+# the plain kernel's fastest reads 8 rows in tiles of 1,024 inputs with 3 stages. `EXLNB_NORM_PRODUCT_TILES` sets
+# both paired kernels' shape in the step, so the speed suite can time that shape against these in turns.
 TILES_VARIABLE = "EXLNB_NORM_PRODUCT_TILES"
 FP16_MAX: tl.constexpr = tl.constexpr(65504.0)  # exllamav2's norm clamps its inputs to fp16's range
 
@@ -97,9 +97,9 @@ def normed_roped_rows(x, norm, eps: float, stack, rotated, sin, cos, positions, 
     """normed_row_times_stack with exllamav2's NEOX RoPE applied as the sums are written to the products in
     `rotated` (their places in the stack: q's and k's), at the position `positions[0]` holds on the device, as
     `ext_c.rope_` computes it (fp16: the rotated half times -sin rounded, then fused with x times cos): one launch
-    for an attention's norm, q, k and v and RoPE. Each program reads 8 rows of a head's first half and the 8 rows
-    of its second half they pair with. sin, cos: (..., positions, head_dim) fp16 tables, head_dim dividing N.
-    Returns (P, N) fp16, contiguous."""
+    for an attention's norm, q, k and v and RoPE. Each program reads a block of rows of a head's first half (8 in
+    ROPED_CONFIG) and the rows of its second half they pair with. sin, cos: (..., positions, head_dim) fp16 tables,
+    head_dim dividing N. Returns (P, N) fp16, contiguous."""
     block_n, block_k, warps, stages, one_pass = config or paired_config(ROPED_CONFIG)
     products, inputs, outputs = stack.shape
     rows = output_major_rows(stack, "normed_roped_rows")
