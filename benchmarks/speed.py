@@ -93,10 +93,10 @@ PARTS = (  # the goals' parts first (7B-shaped fp16, then EXL3), so that a short
         # the ExLlamaV2 engine with its MLPs' tails in two kernels, its attentions' RoPE in one launch and residual in
         # o (mlp_tail.py, attention_tail.py), each alone, both, and as exllamav2 runs them, no norm folded
         "kit-exllamav2-mlp-tail+kit-exllamav2-attention-tail+kit-exllamav2-tails+kit-exllamav2-tails-apart@7b-fp16",
-        # with both tails, the attention's norm folded into q, k and v (the default), both norms, none, and with the
-        # paired kernels in tiles of 1,024 and 2,048 inputs (folded_norm.py, normed_gemv.py)
-        "kit-exllamav2-fold-attention+kit-exllamav2-fold-both+kit-exllamav2-fold-none+kit-exllamav2-fold-attention-k1024"
-        "+kit-exllamav2-fold-attention-k2048+kit-exllamav2-fold-both-k1024@7b-fp16",
+        # with both tails, the attention's norm folded into q, k and v (the default), both norms, none, and both with
+        # the activation's kernel in its former shape (folded_norm.py, normed_gemv.py)
+        "kit-exllamav2-fold-attention+kit-exllamav2-fold-both+kit-exllamav2-fold-none+kit-exllamav2-fold-both-g4k512"
+        "@7b-fp16",
         # each engine's decode attention with fewer, longer splits, and with its default (triton_decode.py): the
         # context ratio
         "kit-exllamav2-split512+kit-exllamav2-split256+kit-exllamav3-split512+kit-exllamav3-split256@7b-fp16",
@@ -120,7 +120,7 @@ PARTS = (  # the goals' parts first (7B-shaped fp16, then EXL3), so that a short
 )
 PROFILE_PARTS = (
     "profile-exllamav2@7b-fp16",
-    "profile-exllamav2-fold-both-k1024@7b-fp16",
+    "profile-exllamav2-fold-both@7b-fp16",
     "profile-exllamav3@7b-fp16",
     "profile-exllamav3@7b-exl3",
 )

@@ -110,20 +110,15 @@ KIT_VARIANTS = {
         }.items()
     },
     # with both tails, each norm folded into the group after it (folded_norm.py): the attention's alone (its default),
-    # both and none; and with the paired kernels in longer tiles (normed_gemv.py): 4 rows of each set a program in
-    # tiles of 1,024 inputs, as the plain normed kernel's fastest reads 8, and of 2,048 (twice the loads in flight)
+    # both and none; and both with the activation's kernel in its former shape, 4 rows of gate and 4 of up a program
+    # in tiles of 512 inputs (normed_gemv.py), against the sweep's fastest it takes now
     **{
-        f"kit-exllamav2-fold-{name}": (
-            "exllamav2",
-            {"EXLNB_NORM_IN_PRODUCT": folds, **({"EXLNB_NORM_PRODUCT_TILES": tiles} if tiles else {})},
-        )
+        f"kit-exllamav2-fold-{name}": ("exllamav2", {"EXLNB_NORM_IN_PRODUCT": folds, **tiles})
         for name, (folds, tiles) in {
-            "attention": ("attention", None),
-            "both": ("1", None),
-            "none": ("0", None),
-            "attention-k1024": ("attention", "4,1024,4,3"),
-            "attention-k2048": ("attention", "4,2048,4,3"),
-            "both-k1024": ("1", "4,1024,4,3"),
+            "attention": ("attention", {}),
+            "both": ("1", {}),
+            "none": ("0", {}),
+            "both-g4k512": ("1", {"EXLNB_GATED_TILES": "4,512,4,4"}),
         }.items()
     },
     "kit-exllamav3-before-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "1"}),
@@ -370,13 +365,13 @@ def kernels_by_kind(prof, wall_s: float, steps: int) -> dict:
     }
 
 
-# each engine's step profiled as it ships (the ExLlamaV2 engine's with both tails, its default), and the ExLlamaV2
-# engine's with the tails' norms folded too (whose launches it counts):
+# each engine's step profiled as it ships (the ExLlamaV2 engine's with both tails and the attention's norm folded, its
+# defaults), and the ExLlamaV2 engine's with the MLP's norm folded too (whose launches it counts):
 # runner -> (engine, the environment it loads and runs in)
 PROFILED = {
     "profile-exllamav2": ("exllamav2", {}),
     "profile-exllamav3": ("exllamav3", {}),
-    "profile-exllamav2-fold-both-k1024": KIT_VARIANTS["kit-exllamav2-fold-both-k1024"],
+    "profile-exllamav2-fold-both": KIT_VARIANTS["kit-exllamav2-fold-both"],
 }
 
 

@@ -274,7 +274,7 @@ def test_a_setup_timed_in_a_worker_of_its_own_says_why_it_could_not_load(tmp_pat
                 "EXLNB_NORM_IN_PRODUCT",
                 "exlnb.engines.exllamav2.folded_norm:norm_in_product_on",
             )
-            for runner in ("attention", "both", "none", "attention-k1024", "attention-k2048", "both-k1024")
+            for runner in ("attention", "both", "none", "both-g4k512")
         ),
         *(
             (f"kit-{engine}-fresh-{side}", "EXLNB_DECODE_FRESH_APART", "exlnb.engines.triton_decode:fresh_tile_apart")
@@ -342,27 +342,30 @@ def test_a_decode_attention_variant_sets_its_number_while_it_lives(monkeypatch, 
 
 
 @pytest.mark.parametrize(
-    "runner, tiles",
+    "runner, gated",
     [
         ("kit-exllamav2-fold-attention", None),
         ("kit-exllamav2-fold-both", None),
-        ("kit-exllamav2-fold-attention-k1024", (4, 1024, 4, 3, True)),
-        ("kit-exllamav2-fold-attention-k2048", (4, 2048, 4, 3, True)),
-        ("kit-exllamav2-fold-both-k1024", (4, 1024, 4, 3, True)),
+        ("kit-exllamav2-fold-both-g4k512", (4, 512, 4, 4, True)),
     ],
 )
-def test_a_fold_variant_sets_the_paired_kernels_tiles_while_it_lives(monkeypatch, runner, tiles):
-    """The folded norm's paired kernels in the plain kernel's fastest tiles, timed against their own in turns: the
-    variant's shape holds for both kernels while its setup lives, their own defaults otherwise and after."""
+def test_a_fold_variant_sets_the_activation_kernel_s_tiles_while_it_lives(monkeypatch, runner, gated):
+    """The activation's kernel in its former shape, timed against the sweep's fastest in turns: the variant's shape
+    holds for that kernel alone while its setup lives (RoPE's keeps its own), each kernel's default otherwise and
+    after."""
     pytest.importorskip("triton")  # the normed products' module imports it at its top
-    from exlnb.engines import normed_gemv
+    from exlnb.engines import normed_gemv as n
 
-    monkeypatch.delenv("EXLNB_NORM_PRODUCT_TILES", raising=False)
+    for variable in (n.GATED_TILES, n.ROPED_TILES):
+        monkeypatch.delenv(variable, raising=False)
     _, variables = speed_setups.KIT_VARIANTS[runner]
-    defaults = (normed_gemv.ROPED_CONFIG, normed_gemv.GATED_CONFIG)
+
+    def configs():
+        return n.paired_config(n.GATED_TILES, n.GATED_CONFIG), n.paired_config(n.ROPED_TILES, n.ROPED_CONFIG)
+
     with speed_setups._environment(variables):
-        assert [normed_gemv.paired_config(default) for default in defaults] == [tiles or d for d in defaults]
-    assert [normed_gemv.paired_config(default) for default in defaults] == list(defaults)
+        assert configs() == (gated or n.GATED_CONFIG, n.ROPED_CONFIG)
+    assert configs() == (n.GATED_CONFIG, n.ROPED_CONFIG)
 
 
 def test_each_setup_is_timed_by_one_part_per_model_so_its_record_is_its_turns():

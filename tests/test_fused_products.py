@@ -78,6 +78,23 @@ def test_the_status_says_how_many_groups_are_fused(session):
     assert not any("not fused" in note for note in session.status().notes)
 
 
+def handover() -> tuple[int, torch.cuda.Event]:
+    """On the engine thread, after the work a test reads on its own thread: that thread's current stream and an event
+    recorded there. Two tests read values that a read just after them no longer found, only with three suites'
+    processes on one card; `handover_note` says what such a read would need to be understood."""
+    ended = torch.cuda.Event()
+    ended.record()
+    return torch.cuda.current_stream().cuda_stream, ended
+
+
+def handover_note(mark: tuple[int, torch.cuda.Event], finished: bool) -> str:
+    """`finished`: whether the event had completed when the test began its first read (query it before reading)."""
+    return (
+        f"the engine thread's stream {mark[0]:#x}, this thread's {torch.cuda.current_stream().cuda_stream:#x}; the "
+        f"engine's work {'had' if finished else 'had not'} finished at the first read"
+    )
+
+
 @pytest.mark.gpu
 def test_each_projection_gives_its_own_product_and_another_input_takes_the_separate_path(session):
     def check(engine):
@@ -88,19 +105,22 @@ def test_each_projection_gives_its_own_product_and_another_input_takes_the_separ
             fused = [linear.forward(x, *params) for linear in group.linears]
             separate = [own(x, *params) for own in group._own]
             alone = group.linears[-1].forward(x.clone(), *params)
-        return fused, separate, alone, group._pending
+        return fused, separate, alone, group._pending, group.one_matrix, handover()
 
     def relative(mine, theirs) -> float:
         return float((mine.float() - theirs.float()).abs().max() / theirs.float().abs().max())
 
-    fused, separate, alone, pending = session.run_on_engine(check)
+    fused, separate, alone, pending, one_matrix, mark = session.run_on_engine(check)
+    finished = mark[1].query()
     assert pending is None  # nothing held once the group's last output is handed over
     for mine, theirs in zip(fused, separate, strict=True):
-        assert mine.shape == theirs.shape and mine.dtype == theirs.dtype and mine.is_contiguous()
+        assert mine.shape == theirs.shape and mine.dtype == theirs.dtype
+        assert mine.is_contiguous() is not one_matrix  # read as one matrix (the MLP's fold): strided slices of it
         error = relative(mine, theirs)
-        if error >= 1e-3:  # once, beside two other suites' processes: 1.4e10, where the tensors then read equal
+        if error >= 1e-3:  # in two suites beside two others' processes: 1.4e10 and 5.9e9, then 0.0 read again
             torch.cuda.synchronize()
-            assert error < 1e-3, f"{error} (read again after a synchronize: {relative(mine, theirs)})"
+            again = relative(mine, theirs)
+            assert error < 1e-3, f"{error} (read again after a synchronize: {again}; {handover_note(mark, finished)})"
     assert torch.equal(alone, separate[-1])  # not the input the group just read: the projection's own product
 
 
@@ -363,16 +383,21 @@ def test_an_mlp_tail_in_its_down_product_gives_the_library_mlp_s_bits(wide_folde
                     for rows in (1, 3):
                         x = torch.randn((rows, 1, tail.hidden), dtype=torch.half, device=tail.down.device)
                         results.append((tail.mlp.forward(x.clone()), type(tail.mlp).forward_torch(tail.mlp, x)))
-            return len(engine.fused.tails), results
+            return len(engine.fused.tails), results, handover()
 
-        count, results = session.run_on_engine(check)
+        count, results, mark = session.run_on_engine(check)
+        finished = mark[1].query()
         assert count == 1 and "1 MLP tails in two kernels" in session.status().decode
         for (tail, own), rows in zip(results, (1, 3), strict=True):
             differing = tail != own
-            assert not differing.any(), (
-                f"{rows} row(s): {int(differing.sum())} of {own.numel()} outputs differ, by up to "
-                f"{float((tail.float() - own.float()).abs().max())}"
-            )
+            if differing.any():  # once beside two other suites' processes: all 4,096 differed, by up to 0.0
+                torch.cuda.synchronize()
+                largest = float((tail.float() - own.float()).abs().max())
+                assert not differing.any(), (
+                    f"{rows} row(s): {int(differing.sum())} of {own.numel()} outputs differ, "
+                    f"{int((tail != own).sum())} read again after a synchronize, by up to {largest}; "
+                    f"{handover_note(mark, finished)}"
+                )
     finally:
         session.unload()
 

@@ -258,26 +258,30 @@ def test_one_launch_gives_the_norm_q_k_and_v_and_rope_at_the_position_on_the_dev
     assert not torch.equal(got[0], plain[0])  # a position past 0 turns the heads
 
 
-def test_the_paired_kernels_take_the_tiles_the_variable_names_at_each_launch(device, monkeypatch):
-    """`EXLNB_NORM_PRODUCT_TILES` (the speed suite's other tiles for the folded norm's paired kernels): a gated row
-    launched with it set gives the bits of that configuration passed by hand, read in one pass."""
-    from exlnb.engines.normed_gemv import normed_gated_row
+def test_each_paired_kernel_takes_the_tiles_its_variable_names_at_each_launch(device, monkeypatch):
+    """`EXLNB_GATED_TILES` (the speed suite's other shapes for the activation's kernel): a gated row launched with it
+    set gives the bits of that configuration passed by hand, read in one pass; RoPE's variable leaves it alone."""
+    from exlnb.engines.normed_gemv import GATED_CONFIG, GATED_TILES, ROPED_TILES, normed_gated_row
 
     inputs, outputs = 2048, 24
     g = torch.Generator().manual_seed(11)
     gate_up = (torch.randn(2, outputs, inputs, generator=g) * 0.05).half().to(device).transpose(1, 2)
     x, norm = torch.randn(inputs, generator=g).half().to(device), torch.ones(inputs).half().to(device)
-    by_hand = normed_gated_row(x, norm, 1e-5, gate_up, (0, 1), (2, 1024, 4, 3, True))
-    monkeypatch.setenv("EXLNB_NORM_PRODUCT_TILES", "2,1024,4,3")
+    by_hand = normed_gated_row(x, norm, 1e-5, gate_up, (0, 1), (4, 512, 4, 4, True))
+    own = normed_gated_row(x, norm, 1e-5, gate_up, (0, 1), GATED_CONFIG)
+    monkeypatch.setenv(ROPED_TILES, "4,512,4,4")
+    assert torch.equal(normed_gated_row(x, norm, 1e-5, gate_up, (0, 1)), own)
+    monkeypatch.setenv(GATED_TILES, "4,512,4,4")
     assert torch.equal(normed_gated_row(x, norm, 1e-5, gate_up, (0, 1)), by_hand)
 
 
 @pytest.mark.parametrize("value", ["4,1024,4", "3,1024,4,3", "4,1000,4,3", "4,1024,32,3", "4,1024,4,0", "a,b,c,d"])
-def test_tiles_the_paired_kernels_cannot_take_are_refused_in_one_line(monkeypatch, value):
+@pytest.mark.parametrize("variable", ["EXLNB_GATED_TILES", "EXLNB_ROPED_TILES"])
+def test_tiles_the_paired_kernels_cannot_take_are_refused_in_one_line(monkeypatch, variable, value):
     pytest.importorskip("triton")
     from exlnb.engines.normed_gemv import GATED_CONFIG, paired_config
 
-    monkeypatch.setenv("EXLNB_NORM_PRODUCT_TILES", value)
-    with pytest.raises(ValueError, match=r"^EXLNB_NORM_PRODUCT_TILES=.*stages 1 to 6\)$") as error:
-        paired_config(GATED_CONFIG)
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=rf"^{variable}=.*stages 1 to 6\)$") as error:
+        paired_config(variable, GATED_CONFIG)
     assert "\n" not in str(error.value)

@@ -38,27 +38,28 @@ from exlnb.engines.gated_activation import LIBDEVICE, silu_times_values
 # cuBLAS) and for gate and up (1.428 against 1.545 for the norm and cuBLAS), on an H200
 # (benchmarks/results/speed-nvidia-h200-2026-11-29-f)
 CONFIG = (8, 1024, 4, 3, True)
-# the same for a gated MLP's gate and up with its activation in the epilogue (`normed_gated_row`): 4 outputs of each
-# a program, 512 inputs a tile, the fastest of the sweep's six gated rows in the start that chose it (32 layers: 1.59
-# ms, against 1.71 at 8 and 256 and 1.60 for the norm, cuBLAS and the activation apart;
-# benchmarks/results/speed-nvidia-h200-2026-11-29-e)
-GATED_CONFIG = (4, 512, 4, 4, True)
+# the same for a gated MLP's gate and up with its activation in the epilogue (`normed_gated_row`): 2 outputs of each
+# a program, 1,024 inputs a tile, 3 stages, the fastest of the sweep's nine gated rows (32 layers: 1.511 ms, against
+# 1.626 at 4 and 512, 1.682 for the norm, cuBLAS and the activation apart, and 1.415 for the plain kernel without the
+# activation; benchmarks/results/speed-nvidia-h200-2026-11-29-g); it runs only with the MLP's fold, off by default
+GATED_CONFIG = (2, 1024, 4, 3, True)
 # and for q, k and v with RoPE in the epilogue (`normed_roped_rows`): 8 rows of a head's first half and their 8
-# partners a program, as fast as the sweep's other roped rows (0.933 ms against 0.928 at 4 and 512; 0.960 for the
-# norm and exlnb's GEMV without the RoPE; speed-nvidia-h200-2026-11-29-f)
+# partners a program, the fastest of the sweep's roped rows in two starts (0.924 ms against 0.943 at 4 and 1,024 and
+# 0.828 for the plain kernel without the RoPE), and faster in the step than 4 and 1,024 or 2,048 (0.013 and 0.044
+# ms a token; speed-nvidia-h200-2026-11-29-g)
 ROPED_CONFIG = (8, 256, 4, 4, True)
-# The paired kernels read 2 x 4 (gated) and 2 x 8 (RoPE) rows a program with these, in tiles of 512 or 256 inputs;
-# the plain kernel's fastest reads 8 rows in tiles of 1,024 inputs with 3 stages. `EXLNB_NORM_PRODUCT_TILES` sets
-# both paired kernels' shape in the step, so the speed suite can time that shape against these in turns.
-TILES_VARIABLE = "EXLNB_NORM_PRODUCT_TILES"
+# each paired kernel's shape in the step where its variable is set, so the speed suite can time a sweep's shape
+# against the configuration in turns
+GATED_TILES, ROPED_TILES = "EXLNB_GATED_TILES", "EXLNB_ROPED_TILES"
 FP16_MAX: tl.constexpr = tl.constexpr(65504.0)  # exllamav2's norm clamps its inputs to fp16's range
 
 
-def paired_config(default: tuple) -> tuple:
-    """A paired kernel's configuration: `EXLNB_NORM_PRODUCT_TILES` where it is set ("B,K,W,S": outputs of each set
-    a program, inputs a tile, warps, stages, powers of two but the stages, 1 to 6; the row read in one pass), read
-    at each launch, so set it before a model loads (its graphs keep what they captured); else `default`."""
-    value = os.environ.get(TILES_VARIABLE)
+def paired_config(variable: str, default: tuple) -> tuple:
+    """A paired kernel's configuration: its `variable` (GATED_TILES, ROPED_TILES) where it is set ("B,K,W,S":
+    outputs of each set a program, inputs a tile, warps, stages, powers of two but the stages, 1 to 6; the row read
+    in one pass), read at each launch, so set it before a model loads (its graphs keep what they captured); else
+    `default`."""
+    value = os.environ.get(variable)
     if not value:
         return default
     try:
@@ -68,7 +69,7 @@ def paired_config(default: tuple) -> tuple:
     powers = all(n > 0 and n & (n - 1) == 0 for n in (block_n, block_k, warps))
     if not (powers and block_n <= 64 and 16 <= block_k <= 4096 and warps <= 16 and 1 <= stages <= 6):
         raise ValueError(
-            f"{TILES_VARIABLE}={value!r}: B,K,W,S (outputs a program up to 64, inputs a tile 16 to 4,096, warps up to "
+            f"{variable}={value!r}: B,K,W,S (outputs a program up to 64, inputs a tile 16 to 4,096, warps up to "
             "16, each a power of two; stages 1 to 6)"
         )
     return block_n, block_k, warps, stages, True
@@ -100,7 +101,7 @@ def normed_roped_rows(x, norm, eps: float, stack, rotated, sin, cos, positions, 
     for an attention's norm, q, k and v and RoPE. Each program reads a block of rows of a head's first half (8 in
     ROPED_CONFIG) and the rows of its second half they pair with. sin, cos: (..., positions, head_dim) fp16 tables,
     head_dim dividing N. Returns (P, N) fp16, contiguous."""
-    block_n, block_k, warps, stages, one_pass = config or paired_config(ROPED_CONFIG)
+    block_n, block_k, warps, stages, one_pass = config or paired_config(ROPED_TILES, ROPED_CONFIG)
     products, inputs, outputs = stack.shape
     rows = output_major_rows(stack, "normed_roped_rows")
     head_dim = sin.shape[-1]
@@ -123,7 +124,7 @@ def normed_gated_row(x: torch.Tensor, norm: torch.Tensor, eps: float, stack: tor
     reads its outputs' rows of gate and of up, rounds both sums to fp16 as the products write them, and computes the
     activation as `gated_activation.silu_times` does. stack: a gated MLP's (2, K, N) stack, a view of output-major
     weights; slots: gate's and up's places in it; config: GATED_CONFIG unless told. Returns N fp16 outputs."""
-    block_n, block_k, warps, stages, one_pass = config or paired_config(GATED_CONFIG)
+    block_n, block_k, warps, stages, one_pass = config or paired_config(GATED_TILES, GATED_CONFIG)
     _, inputs, outputs = stack.shape
     rows = output_major_rows(stack, "normed_gated_row")
     out = torch.empty(outputs, dtype=torch.half, device=x.device)

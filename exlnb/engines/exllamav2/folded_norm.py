@@ -25,7 +25,9 @@ and v with the norm and RoPE took 0.919 ms against 1.028 for the norm, cuBLAS an
 the norm and the activation took 1.617 against 1.584 (cuBLAS reads gate and up at 94 % of copy bandwidth). So each
 tail's fold can be had alone, and only its groups are then laid out output-major: timed in turns there, the
 attention's alone was 0.122 ms a token faster at 256 tokens and 0.130 at 4,096 and level at batch 8 (1483 tokens/s
-each), both folds 2.4 % slower at batch 8, where cuBLAS reads the transposed gate and up.
+each), both folds 2.4 % slower at batch 8, where cuBLAS reads the transposed gate and up. Read as one matrix since,
+both folds were again 0.067 ms faster than the attention's alone at 256 tokens and 1.5-4.8 % slower at batch 8
+(speed-nvidia-h200-2026-11-29-g): the MLP's stays off by default.
 """
 
 from __future__ import annotations

@@ -91,9 +91,10 @@ def _group(linears: list, folding: str | None) -> ProductGroup | None:
     MLP), as they lie, the group's stack then the (n, in, out) transposed view. For prompts and batches gate and up
     so laid out are read as one (2 * out, in) matrix, as an `nn.Linear` reads a fused projection, instead of batched
     over the transposed stack, which ran batch 8 2.4 % slower than the input-major stack on an H200
-    (benchmarks/results/speed-nvidia-h200-2026-11-29-f; to be timed: `kit-exllamav2-fold-both` against
-    `-fold-none`). The MLP's activation reads the strided outputs as it reads contiguous ones; q, k and v stay
-    batched, each output contiguous, as exllamav2's RoPE kernel reads them."""
+    (benchmarks/results/speed-nvidia-h200-2026-11-29-f); no clear gain in the next start (1.5 % slower than the
+    input-major stack at the fastest turn, 5.8 % at the median, every setup unsteady at batch 8 there;
+    speed-nvidia-h200-2026-11-29-g). The MLP's activation reads the strided outputs as it reads contiguous ones;
+    q, k and v stay batched, each output contiguous, as exllamav2's RoPE kernel reads them."""
     output_major = folding is not None
     weights = [linear.linear.weight.data for linear in linears]  # (out, in) each
     stack = stack_without_copy(weights if output_major else [weight.t() for weight in weights])
