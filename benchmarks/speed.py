@@ -104,6 +104,8 @@ PARTS = (  # the goals' parts first (7B-shaped fp16, then EXL3), so that a short
         # context ratio again
         "kit-exllamav2-fresh-apart+kit-exllamav2-fresh-inline+kit-exllamav3-fresh-apart+kit-exllamav3-fresh-inline"
         "@7b-fp16",
+        # each engine with exlnb's kernels launched dependent on the one before, and apart (dependent_launch.py)
+        "kit-exllamav2-dependent+kit-exllamav2-independent+kit-exllamav3-dependent+kit-exllamav3-independent@7b-fp16",
         # each engine's decode attention with 8 warps a program and with 4 (triton_decode.py)
         "kit-exllamav2-warps8+kit-exllamav2-warps4+kit-exllamav3-warps8+kit-exllamav3-warps4@7b-fp16",
         "raw-exllamav2+raw-exllamav3@7b-fp16",

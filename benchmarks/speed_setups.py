@@ -140,6 +140,8 @@ KIT_VARIANTS = {
     **_switched("EXLNB_FUSED_PRODUCTS", "fused", "unfused"),
     # both engines' decode attention with the call's new keys in tiles of their own (its default), and in every tile
     **_switched("EXLNB_DECODE_FRESH_APART", "fresh-apart", "fresh-inline"),
+    # both engines with exlnb's kernels launched dependent on the one before (dependent_launch.py), and apart
+    **_switched("EXLNB_DEPENDENT_LAUNCH", "dependent", "independent"),
 }
 
 

@@ -281,6 +281,11 @@ def test_a_setup_timed_in_a_worker_of_its_own_says_why_it_could_not_load(tmp_pat
             for engine in ("exllamav2", "exllamav3")
             for side in ("apart", "inline")
         ),
+        *(
+            (f"kit-{engine}-{side}", "EXLNB_DEPENDENT_LAUNCH", "exlnb.engines.dependent_launch:dependent_launch_on")
+            for engine in ("exllamav2", "exllamav3")
+            for side in ("dependent", "independent")
+        ),
         ("kit-exllamav3-before-wait", "EXLNB_QUEUE_BEFORE_WAIT", "exlnb.engines.queue_ahead:queue_before_wait_on"),
         ("kit-exllamav3-after-wait", "EXLNB_QUEUE_BEFORE_WAIT", "exlnb.engines.queue_ahead:queue_before_wait_on"),
     ],
@@ -292,8 +297,8 @@ def test_a_kit_variant_runs_its_engine_with_its_switch_set_then_leaves_the_envir
     environment holds while its setup lives, loaded and timed in a process of its own (a switch may be read at load
     or at each launch), and is gone after, as it was before."""
     module, name = switch.split(":")
-    if module == "exlnb.engines.triton_decode":
-        pytest.importorskip("triton")  # the decode attention's module imports it at its top
+    if module in ("exlnb.engines.triton_decode", "exlnb.engines.dependent_launch"):
+        pytest.importorskip("triton")  # these modules import it at their top
     is_on = getattr(importlib.import_module(module), name)
     engine, variables = speed_setups.KIT_VARIANTS[runner]
     assert runner.startswith(f"kit-{engine}-") and speed.RUNNER_LIBRARY[runner] == engine

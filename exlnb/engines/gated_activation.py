@@ -13,18 +13,23 @@ This module imports triton at its top: callers import it only where CUDA (and wi
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from exlnb.engines.dependent_launch import (
+    INTERPRETED,
+    dependent_launch,
+    let_the_next_kernel_start,
+    wait_for_the_kernel_before,
+)
+
 BLOCK = 1024  # elements per program: 11 programs for a 7B MLP's 11,008
 FP16_MAX: tl.constexpr = tl.constexpr(65504.0)  # exllamav2 clamps the activation to fp16's range
-# libdevice's expf, as torch's SiLU uses, where the kernel is compiled; Triton's interpreter has no libdevice (it
-# reads TRITON_INTERPRET once, when the kernel is defined, and so does this)
-LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
+# libdevice's expf, as torch's SiLU uses, where the kernel is compiled; Triton's interpreter has no libdevice
+LIBDEVICE = not INTERPRETED
 
 
 def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -33,17 +38,22 @@ def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
     count = gate.numel()
+    pdl = dependent_launch(gate.device)
     with torch.cuda.device(gate.device) if gate.is_cuda else contextlib.nullcontext():  # Triton's current device
-        _silu_times[(triton.cdiv(count, BLOCK),)](gate, up, out, count, BLOCK=BLOCK, PRECISE=LIBDEVICE)
+        _silu_times[(triton.cdiv(count, BLOCK),)](
+            gate, up, out, count, BLOCK=BLOCK, PRECISE=LIBDEVICE, PDL=pdl, launch_pdl=pdl
+        )
     return out
 
 
 @triton.jit
-def _silu_times(gate, up, out, COUNT, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+def _silu_times(gate, up, out, COUNT, BLOCK: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+    wait_for_the_kernel_before(PDL)
     index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     real = index < COUNT
     g = tl.load(gate + index, mask=real, other=0.0).to(tl.float32)
     u = tl.load(up + index, mask=real, other=0.0).to(tl.float32)
+    let_the_next_kernel_start(PDL)
     tl.store(out + index, silu_times_values(g, u, PRECISE), mask=real)
 
 

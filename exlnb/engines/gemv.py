@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from exlnb.engines.dependent_launch import dependent_launch, let_the_next_kernel_start, wait_for_the_kernel_before
+
 BLOCK_N = 16  # outputs per program: 256 programs for 4,096 outputs, about two per SM
 BLOCK_K = 1024  # inputs per tile: a program reads 2 KiB of each of its weight rows at a time
 WARPS, STAGES = 8, 3
@@ -46,6 +48,7 @@ def _launch(x, weight, residual, out_dtype: torch.dtype) -> torch.Tensor:
     row = x.reshape(inputs).contiguous()
     plus = residual is not None
     out = torch.empty(outputs, dtype=out_dtype, device=x.device)
+    pdl = dependent_launch(x.device)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton launches on the current one
         _row_times_matrix[(triton.cdiv(outputs, BLOCK_N),)](
             row,
@@ -57,8 +60,10 @@ def _launch(x, weight, residual, out_dtype: torch.dtype) -> torch.Tensor:
             BLOCK_N=BLOCK_N,
             BLOCK_K=BLOCK_K,
             PLUS=plus,
+            PDL=pdl,
             num_warps=WARPS,
             num_stages=STAGES,
+            launch_pdl=pdl,
         )
     return out.view(*(residual if plus else x).shape[:-1], outputs)
 
@@ -74,7 +79,9 @@ def _row_times_matrix(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PLUS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_the_kernel_before(PDL)
     output = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     real_output = output < OUTPUTS
     rows = weight + output[:, None].to(tl.int64) * INPUTS
@@ -85,6 +92,7 @@ def _row_times_matrix(
         tile = tl.load(rows + column[None, :], mask=real_output[:, None] & real_column[None, :], other=0.0)
         values = tl.load(x + column, mask=real_column, other=0.0)
         sums += tile.to(tl.float32) * values.to(tl.float32)[None, :]
+    let_the_next_kernel_start(PDL)
     result = tl.sum(sums, 1).to(out.dtype.element_ty)
     if PLUS:  # torch's fp16 add: both in float32, the sum rounded
         result = (result.to(tl.float32) + tl.load(residual + output, mask=real_output).to(tl.float32)).to(

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from exlnb.engines.dependent_launch import dependent_launch, let_the_next_kernel_start, wait_for_the_kernel_before
 from exlnb.engines.gated_activation import LIBDEVICE, silu_times_values
 
 # outputs a program, inputs a tile, warps, stages, over output-major weights, the row in one pass: the sweep's fastest
@@ -110,11 +111,12 @@ def normed_roped_rows(x, norm, eps: float, stack, rotated, sin, cos, positions, 
     rotates = [slot in rotated for slot in range(3)]  # the kernel's ROTATE_0..2
     out = torch.empty(products, outputs, dtype=torch.half, device=x.device)
     programs = products * (outputs // head_dim) * triton.cdiv(head_dim // 2, block_n)
+    pdl = dependent_launch(x.device)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton's current device
         _normed_roped_rows[(programs,)](
             x.reshape(-1), norm, rows, out, sin, cos, positions, eps, outputs, inputs, *rotates,
-            HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_K=block_k, ONE_PASS=one_pass, num_warps=warps,
-            num_stages=stages,
+            HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_K=block_k, ONE_PASS=one_pass, PDL=pdl, num_warps=warps,
+            num_stages=stages, launch_pdl=pdl,
         )  # fmt: skip
     return out
 
@@ -128,11 +130,12 @@ def normed_gated_row(x: torch.Tensor, norm: torch.Tensor, eps: float, stack: tor
     _, inputs, outputs = stack.shape
     rows = output_major_rows(stack, "normed_gated_row")
     out = torch.empty(outputs, dtype=torch.half, device=x.device)
+    pdl = dependent_launch(x.device)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton's current device
         _normed_gated_row[(triton.cdiv(outputs, block_n),)](
             x.reshape(-1), norm, rows[slots[0]], rows[slots[1]], out, eps, outputs, inputs,
-            BLOCK_N=block_n, BLOCK_K=block_k, ONE_PASS=one_pass, PRECISE=LIBDEVICE, num_warps=warps,
-            num_stages=stages,
+            BLOCK_N=block_n, BLOCK_K=block_k, ONE_PASS=one_pass, PRECISE=LIBDEVICE, PDL=pdl, num_warps=warps,
+            num_stages=stages, launch_pdl=pdl,
         )  # fmt: skip
     return out
 
@@ -150,10 +153,12 @@ def normed_product(x: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, co
         (outputs, inputs), slices = weight.shape, 1
         (stride_n, stride_k), slice_stride = weight.stride(), 0
     out = torch.empty(slices * outputs, dtype=torch.half, device=x.device)
+    pdl = dependent_launch(x.device)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton's current device
         _normed_row_times_matrix[(triton.cdiv(slices * outputs, block_n),)](
             x, norm, weight, out, eps, slices * outputs, inputs, outputs, slice_stride, stride_n, stride_k,
-            BLOCK_N=block_n, BLOCK_K=block_k, ONE_PASS=one_pass, num_warps=warps, num_stages=stages,
+            BLOCK_N=block_n, BLOCK_K=block_k, ONE_PASS=one_pass, PDL=pdl, num_warps=warps, num_stages=stages,
+            launch_pdl=pdl,
         )  # fmt: skip
     return out
 
@@ -217,11 +222,13 @@ def _normed_row_times_matrix(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_PASS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out = rmsnorm(x) @ W for W's element (k, n) at w + (n // SLICE) * slice_stride + (n % SLICE) * stride_n
     + k * stride_k: SLICE outputs a product, so a group's products read as they lie, output-major (stride_k 1) or
     as the fused group's input-major stack (stride_n 1), which Triton, specialising a stride of 1, reads along its
     contiguous side. The row read in one pass or two (`_normed_tile`)."""
+    wait_for_the_kernel_before(PDL)
     scale = _row_scale(x, K, eps, BLOCK_K, ONE_PASS)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     real_n = n < N
@@ -235,6 +242,7 @@ def _normed_row_times_matrix(
         squares += values * values  # read only in one pass
         tile = tl.load(rows[:, None] + k[None, :] * stride_k, mask=real_n[:, None] & real_k[None, :], other=0.0)
         sums += tile.to(tl.float32) * normed[None, :]
+    let_the_next_kernel_start(PDL)
     result = tl.sum(sums, 1) * _end_scale(squares, K, eps, ONE_PASS)
     tl.store(out + n, result.to(out.dtype.element_ty), mask=real_n)
 
@@ -242,7 +250,7 @@ def _normed_row_times_matrix(
 @triton.jit
 def _paired_sums(
     x, norm, first, second, real, eps, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ONE_PASS: tl.constexpr,
+    ONE_PASS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """rmsnorm(x) times two sets of BLOCK_N output-major rows (`first`, `second`: each row's first weight), each
     sum rounded to fp16 as a product writes it, in float32; the row read in one pass or two (`_normed_tile`)."""
@@ -258,6 +266,7 @@ def _paired_sums(
         both = real[:, None] & real_k[None, :]
         first_sums += tl.load(first[:, None] + k[None, :], mask=both, other=0.0).to(tl.float32) * normed[None, :]
         second_sums += tl.load(second[:, None] + k[None, :], mask=both, other=0.0).to(tl.float32) * normed[None, :]
+    let_the_next_kernel_start(PDL)
     end = _end_scale(squares, K, eps, ONE_PASS)  # one reduction of the squares for both sets
     first_row, second_row = tl.sum(first_sums, 1) * end, tl.sum(second_sums, 1) * end
     return first_row.to(tl.float16).to(tl.float32), second_row.to(tl.float16).to(tl.float32)
@@ -277,12 +286,15 @@ def _normed_gated_row(
     BLOCK_K: tl.constexpr,
     ONE_PASS: tl.constexpr,
     PRECISE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out = silu_times(rmsnorm(x) @ gate.T, rmsnorm(x) @ up.T) for output-major (N, K) gate and up, each sum
     rounded to fp16 first, as the two products write them."""
+    wait_for_the_kernel_before(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     real_n = n < N
-    g, u = _paired_sums(x, norm, gate + n * K, up + n * K, real_n, eps, K, BLOCK_N, BLOCK_K, ONE_PASS)  # int32: fits
+    first, second = gate + n * K, up + n * K  # int32: fits
+    g, u = _paired_sums(x, norm, first, second, real_n, eps, K, BLOCK_N, BLOCK_K, ONE_PASS, PDL)
     tl.store(out + n, silu_times_values(g, u, PRECISE), mask=real_n)
 
 
@@ -305,11 +317,13 @@ def _normed_roped_rows(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_PASS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[p] = rmsnorm(x) @ w[p].T for output-major (P, N, K) w, each program BLOCK_N rows of one head's first
     half and the rows of its second half they pair with; where product p rotates (ROTATE_p), NEOX RoPE at
     positions[0] as exllamav2's rope.cu computes it in fp16: l' = fma(l, cos, round(r * -sin)), r' = fma(r, cos,
     round(l * sin)), with the first half's sin and cos for both."""
+    wait_for_the_kernel_before(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     BLOCKS_A_HALF: tl.constexpr = (HALF + BLOCK_N - 1) // BLOCK_N
     program = tl.program_id(0)
@@ -319,7 +333,8 @@ def _normed_roped_rows(
     column = program % BLOCKS_A_HALF * BLOCK_N + tl.arange(0, BLOCK_N)  # within the head's first half
     real = column < HALF
     first = product * N + head * HEAD_DIM + column  # a row of (P * N, K); its partner HALF rows on
-    left, right = _paired_sums(x, norm, w + first * K, w + (first + HALF) * K, real, eps, K, BLOCK_N, BLOCK_K, ONE_PASS)
+    rows, partners = w + first * K, w + (first + HALF) * K
+    left, right = _paired_sums(x, norm, rows, partners, real, eps, K, BLOCK_N, BLOCK_K, ONE_PASS, PDL)
     rotates = ((product == 0) & ROTATE_0) | ((product == 1) & ROTATE_1) | ((product == 2) & ROTATE_2)
     if rotates:
         at = tl.load(positions).to(tl.int64) * HEAD_DIM + column

@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from exlnb.engines.dependent_launch import dependent_launch, let_the_next_kernel_start, wait_for_the_kernel_before
+
 MAX_QUERIES = 16  # query positions per sequence a call may have: decode has 1
 MAX_HEAD_DIM = 256  # a row block's float32 accumulator (rows x head dim) lives in registers
 SPLIT_KEYS = 256  # keys per split: 16 splits at 4096 tokens keep an H100's 132 SMs busy at batch 1
@@ -137,6 +139,7 @@ def paged_decode_attention(
     partial_sums = torch.empty((batch, q_len, heads, splits, dim_pad), dtype=torch.float32, device=q.device)
     partial_stats = torch.empty((batch, q_len, heads, splits, 2), dtype=torch.float32, device=q.device)
     left, right = window_size
+    pdl = dependent_launch(q.device)
     # Triton launches on the current device: a model split over GPUs calls with each layer's own
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _attention_split_kernel[(batch * kv_heads * triton.cdiv(group_rows, rows), splits)](
@@ -172,7 +175,9 @@ def paged_decode_attention(
             BLOCK_KEYS=BLOCK_KEYS,
             SPLIT_KEYS=keys_a_split,
             FRESH_APART=appends and fresh_tile_apart(),
+            PDL=pdl,
             num_warps=split_warps(),
+            launch_pdl=pdl,
         )
         if splits > 1:
             _attention_combine_kernel[(batch * q_len * heads,)](
@@ -183,6 +188,8 @@ def paged_decode_attention(
                 DIM=dim,
                 DIM_PAD=dim_pad,
                 CHUNK=COMBINE_SPLITS,
+                PDL=pdl,
+                launch_pdl=pdl,
             )
     return out
 
@@ -226,7 +233,9 @@ def _attention_split_kernel(
     BLOCK_KEYS: tl.constexpr,
     SPLIT_KEYS: tl.constexpr,
     FRESH_APART: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_the_kernel_before(PDL)
     GROUP: tl.constexpr = HEADS // KV_HEADS
     ROW_BLOCKS: tl.constexpr = (Q_LEN * GROUP + ROWS - 1) // ROWS
     program = tl.program_id(0)
@@ -282,6 +291,7 @@ def _attention_split_kernel(
                 HAS_LEFT, HAS_RIGHT, BLOCK_KEYS, APPENDS and reads_call,
             )  # fmt: skip
 
+    let_the_next_kernel_start(PDL)
     if ONE_SPLIT:
         result = acc / tl.where(denominator == 0.0, 1.0, denominator)[:, None]
         tl.store(
@@ -354,8 +364,16 @@ def _attend_tile(
 
 @triton.jit
 def _attention_combine_kernel(
-    partial_sums, partial_stats, out, splits, DIM: tl.constexpr, DIM_PAD: tl.constexpr, CHUNK: tl.constexpr
+    partial_sums,
+    partial_stats,
+    out,
+    splits,
+    DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_the_kernel_before(PDL)
     out_row = tl.program_id(0)
     dims = tl.arange(0, DIM_PAD)
     chunk = tl.arange(0, CHUNK)
@@ -383,5 +401,6 @@ def _attention_combine_kernel(
         )
         acc += tl.sum(sums * weight[:, None], 0)
     denominator = tl.sum(denominators, 0)
+    let_the_next_kernel_start(PDL)
     result = acc / tl.where(denominator == 0.0, 1.0, denominator)
     tl.store(out + out_row * DIM + dims, result.to(out.dtype.element_ty), mask=dims < DIM)
