@@ -93,10 +93,11 @@ PARTS = (  # the goals' parts first (7B-shaped fp16, then EXL3), so that a short
         # the ExLlamaV2 engine with its MLPs' tails in two kernels, its attentions' RoPE in one launch and residual in
         # o (mlp_tail.py, attention_tail.py), each alone, both, and as exllamav2 runs them, no norm folded
         "kit-exllamav2-mlp-tail+kit-exllamav2-attention-tail+kit-exllamav2-tails+kit-exllamav2-tails-apart@7b-fp16",
-        # with both tails, the attention's norm folded into q, k and v (the default), both norms, none, and both with
-        # the activation's kernel in its former shape (folded_norm.py, normed_gemv.py)
+        # with both tails, the attention's norm folded into q, k and v (the default), both norms, none, both with the
+        # activation's kernel in its former shape, and both launched dependent (folded_norm.py, normed_gemv.py,
+        # dependent_launch.py)
         "kit-exllamav2-fold-attention+kit-exllamav2-fold-both+kit-exllamav2-fold-none+kit-exllamav2-fold-both-g4k512"
-        "@7b-fp16",
+        "+kit-exllamav2-fold-both-dependent@7b-fp16",
         # each engine's decode attention with fewer, longer splits, and with its default (triton_decode.py): the
         # context ratio
         "kit-exllamav2-split512+kit-exllamav2-split256+kit-exllamav3-split512+kit-exllamav3-split256@7b-fp16",

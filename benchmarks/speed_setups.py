@@ -110,8 +110,9 @@ KIT_VARIANTS = {
         }.items()
     },
     # with both tails, each norm folded into the group after it (folded_norm.py): the attention's alone (its default),
-    # both and none; and both with the activation's kernel in its former shape, 4 rows of gate and 4 of up a program
-    # in tiles of 512 inputs (normed_gemv.py), against the sweep's fastest it takes now
+    # both and none; both with the activation's kernel in its former shape, 4 rows of gate and 4 of up a program in
+    # tiles of 512 inputs (normed_gemv.py), against the sweep's fastest it takes now; and both with every kernel of a
+    # layer exlnb's, launched dependent on the one before (dependent_launch.py)
     **{
         f"kit-exllamav2-fold-{name}": ("exllamav2", {"EXLNB_NORM_IN_PRODUCT": folds, **tiles})
         for name, (folds, tiles) in {
@@ -119,6 +120,7 @@ KIT_VARIANTS = {
             "both": ("1", {}),
             "none": ("0", {}),
             "both-g4k512": ("1", {"EXLNB_GATED_TILES": "4,512,4,4"}),
+            "both-dependent": ("1", {"EXLNB_DEPENDENT_LAUNCH": "1"}),
         }.items()
     },
     "kit-exllamav3-before-wait": ("exllamav3", {"EXLNB_QUEUE_BEFORE_WAIT": "1"}),

@@ -274,7 +274,7 @@ def test_a_setup_timed_in_a_worker_of_its_own_says_why_it_could_not_load(tmp_pat
                 "EXLNB_NORM_IN_PRODUCT",
                 "exlnb.engines.exllamav2.folded_norm:norm_in_product_on",
             )
-            for runner in ("attention", "both", "none", "both-g4k512")
+            for runner in ("attention", "both", "none", "both-g4k512", "both-dependent")
         ),
         *(
             (f"kit-{engine}-fresh-{side}", "EXLNB_DECODE_FRESH_APART", "exlnb.engines.triton_decode:fresh_tile_apart")
