@@ -61,11 +61,14 @@ def weights() -> dict:
 def step(x: torch.Tensor, position: torch.Tensor, w: dict) -> torch.Tensor:
     """LAYERS of a Llama layer's single-row kernels in a decode step's order, each reading the one before's output:
     q, k and v with the norm and RoPE; o (v standing in for the attention) adding the residual; gate and up with the
-    norm and the activation; down adding the residual; gate and up again through the activation's own kernel."""
+    norm and the activation; down adding the residual; gate and up again through the activation's own kernel. The
+    step's row first copied, as a graph's first node is often a copy: the first kernel waits for a copy, not a
+    kernel."""
     from exlnb.engines.gated_activation import silu_times
     from exlnb.engines.gemv import row_times_matrix, row_times_matrix_plus
     from exlnb.engines.normed_gemv import normed_gated_row, normed_roped_rows
 
+    x = x.clone()
     for _ in range(LAYERS):
         qkv = normed_roped_rows(x, w["norm"], 1e-5, w["qkv"], (0, 1), w["sin"], w["cos"], position)
         x = row_times_matrix_plus(qkv[2], w["o"], x)
