@@ -391,6 +391,8 @@ def profile(runner: str, folder: Path) -> dict:
             # a profile, 2026-11-28, where the same step timed alone took 2.23)
             clocked = {"step_clock": clocked_steps(session), "step_clock_batch8": clocked_steps(session, batch=8)}
             metrics = profile_steps(session, tokens=8, extra=kernels_by_kind)
+            # and 8 jobs' steps, where each group's product is cuBLAS's and the layouts part (folded_norm.py)
+            metrics["batch8"] = profile_steps(session, tokens=8, batch=8, extra=kernels_by_kind)
             metrics.update({name: value for name, value in clocked.items() if value is not None})
             return {"metrics": metrics}
         finally:
