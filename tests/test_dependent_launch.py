@@ -30,6 +30,9 @@ def test_it_is_off_unless_asked_and_only_where_the_card_has_it(monkeypatch):
     for hopper in (True, False):
         monkeypatch.setattr(launch, "_hopper_or_later", lambda index, hopper=hopper: hopper)
         assert launch.dependent_launch(torch.device("cuda", 0)) is hopper
+    monkeypatch.setattr(launch, "TRITON_HAS_IT", False)  # a Triton before 3.3
+    assert not launch.dependent_launch(torch.device("cuda", 0))
+    monkeypatch.setattr(launch, "TRITON_HAS_IT", True)
     monkeypatch.setattr(launch, "INTERPRETED", True)  # the interpreter runs no inline PTX
     assert not launch.dependent_launch(torch.device("cuda", 0))
 

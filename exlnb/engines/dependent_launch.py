@@ -13,8 +13,8 @@ overwrite a buffer the kernel before still reads (a freed buffer's block can be 
 A launch that follows a library kernel (cuBLAS, exllamav2's norm) waits for that kernel's end, as without it.
 
 Off unless `EXLNB_DEPENDENT_LAUNCH=1` (read at each launch, so a graph keeps what it captured), until the speed
-suite times it in turns; never under Triton's interpreter, which runs no inline PTX, nor before compute
-capability 9.0, which has no such instruction.
+suite times it in turns; never under Triton's interpreter, which runs no inline PTX, before compute capability
+9.0, which has no such instruction, nor with a Triton before 3.3, which has no way to say it.
 
 This module imports triton at its top: callers import it only where CUDA (and with it triton) is present.
 """
@@ -27,7 +27,14 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:  # Triton 3.3 and later
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    TRITON_HAS_IT = True
+except ImportError:  # an older Triton: the kernels compile without it (PDL is never true there)
+    gdc_launch_dependents = gdc_wait = None
+    TRITON_HAS_IT = False
 
 VARIABLE = "EXLNB_DEPENDENT_LAUNCH"
 # Triton reads TRITON_INTERPRET once, when a kernel is defined; so does this
@@ -42,7 +49,7 @@ def dependent_launch_on() -> bool:
 def dependent_launch(device: torch.device) -> bool:
     """Whether a kernel launched now on `device` waits for the one before it in its own programs (the `PDL`
     constexpr and the `launch_pdl` option of every exlnb kernel's launch)."""
-    if not dependent_launch_on() or INTERPRETED or device.type != "cuda":
+    if not dependent_launch_on() or INTERPRETED or not TRITON_HAS_IT or device.type != "cuda":
         return False
     return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
 
