@@ -1,6 +1,6 @@
 """A norm and the fused product after it at one row, each way exlnb could run them; JSON out.
 
-    python -m benchmarks norm-product-sweep [--dependent-launch] [--out DIR]
+    python -m benchmarks norm-product-sweep [--dependent-launch [1|early]] [--out DIR]
 
 On an H200 the ExLlamaV2 engine's 7B step spent 0.174 ms on 65 RMS-norm launches, 0.883 ms on q, k and v (one
 cuBLAS batched product a layer over an input-major stack, 3.22 GB at 85 % of copy bandwidth) and 1.429 ms on gate
@@ -25,10 +25,10 @@ For q, k and v, RoPE on q and k as they are written:
 - `normed_roped_nk_bnB_bkK_wW_sS`: one kernel (`normed_roped_rows`), B rows of a head's first half and their
   partners a program (`_once`: in one pass), heads of 128.
 With `--dependent-launch` exlnb's kernels are launched dependent on the kernel before them
-(EXLNB_DEPENDENT_LAUNCH=1, exlnb/engines/dependent_launch.py): the record says so, and against a sweep without it
-shows what each launch boundary of 32 layers gains. Median and best of 20 replays, the weights' bytes over the
-median, and each way's largest difference from the first way of its outputs (the products; the activation), over
-its largest output. CUDA only (the kernels run in Triton's interpreter for the tests).
+(EXLNB_DEPENDENT_LAUNCH=1, or `early`, exlnb/engines/dependent_launch.py): the record says how, and against a
+sweep without it shows what each launch boundary of 32 layers gains. Median and best of 20 replays, the weights'
+bytes over the median, and each way's largest difference from the first way of its outputs (the products; the
+activation), over its largest output. CUDA only (the kernels run in Triton's interpreter for the tests).
 """
 
 from __future__ import annotations
@@ -138,14 +138,16 @@ def main(argv: list[str] | None = None) -> dict:
         prog="python -m benchmarks norm-product-sweep", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    parser.add_argument("--dependent-launch", action="store_true", help="launch exlnb's kernels dependent")
+    parser.add_argument(
+        "--dependent-launch", nargs="?", const="1", choices=("1", "early"), help="launch exlnb's kernels dependent"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or not TRITON:
         parser.exit(2, "python -m benchmarks norm-product-sweep needs a CUDA GPU and triton\n")
     from exlnb.engines.dependent_launch import VARIABLE, dependent_launch
 
     if args.dependent_launch:
-        os.environ[VARIABLE] = "1"  # read at each launch: every kernel this process launches
+        os.environ[VARIABLE] = args.dependent_launch  # read at each launch: every kernel this process launches
     record = {
         "environment": environment(),
         "copy_bandwidth_bytes_per_s": copy_bytes_per_s(cuda=True),

@@ -1,8 +1,9 @@
 """exlnb's kernels launched dependent on the kernel before them (engines/dependent_launch.py): off unless asked,
 never on the CPU, under Triton's interpreter or before compute capability 9.0; on such a card (`-m gpu`) a decode
 step's order of exlnb's kernels, each reading what the one before it wrote, gives the same bits launched dependent
-as apart, eagerly and replayed from one CUDA graph with new inputs. The decode attention's own comparison is in
-test_triton_decode.py. Skipped where triton is not installed."""
+(letting the next kernel start after the main loop, or at once) as apart, eagerly and replayed from one CUDA graph
+with new inputs. The decode attention's own comparison is in test_triton_decode.py. Skipped where triton is not
+installed."""
 
 from __future__ import annotations
 
@@ -21,20 +22,23 @@ def test_it_is_off_unless_asked_and_only_where_the_card_has_it(monkeypatch):
 
     monkeypatch.delenv(launch.VARIABLE, raising=False)
     assert not launch.dependent_launch_on()
-    for value, on in (("1", True), ("0", False), ("yes", False)):
+    for value, mode in (("1", launch.AFTER_THE_LOOP), ("early", launch.AT_ONCE), ("0", launch.APART)):
         monkeypatch.setenv(launch.VARIABLE, value)
-        assert launch.dependent_launch_on() is on
-    monkeypatch.setenv(launch.VARIABLE, "1")
-    assert not launch.dependent_launch(torch.device("cpu"))
+        assert launch.dependent_launch_mode() == mode and launch.dependent_launch_on() is (mode != launch.APART)
+        assert launch.dependent_launch(torch.device("cpu")) == launch.APART
+    monkeypatch.setenv(launch.VARIABLE, "yes")
+    with pytest.raises(ValueError, match=r"^EXLNB_DEPENDENT_LAUNCH='yes': one of 0, 1, early$"):
+        launch.dependent_launch_on()
+    monkeypatch.setenv(launch.VARIABLE, "early")
     monkeypatch.setattr(launch, "INTERPRETED", False)
-    for hopper in (True, False):
+    for hopper, mode in ((True, launch.AT_ONCE), (False, launch.APART)):
         monkeypatch.setattr(launch, "_hopper_or_later", lambda index, hopper=hopper: hopper)
-        assert launch.dependent_launch(torch.device("cuda", 0)) is hopper
+        assert launch.dependent_launch(torch.device("cuda", 0)) == mode
     monkeypatch.setattr(launch, "TRITON_HAS_IT", False)  # a Triton before 3.3
-    assert not launch.dependent_launch(torch.device("cuda", 0))
+    assert launch.dependent_launch(torch.device("cuda", 0)) == launch.APART
     monkeypatch.setattr(launch, "TRITON_HAS_IT", True)
     monkeypatch.setattr(launch, "INTERPRETED", True)  # the interpreter runs no inline PTX
-    assert not launch.dependent_launch(torch.device("cuda", 0))
+    assert launch.dependent_launch(torch.device("cuda", 0)) == launch.APART
 
 
 @pytest.fixture(scope="module")
@@ -88,16 +92,17 @@ def test_a_step_s_kernels_give_the_same_bits_launched_dependent_eagerly_and_from
     position = torch.tensor([5], dtype=torch.int32, device="cuda")
     monkeypatch.setenv(VARIABLE, "0")
     apart = [step(x, position, weights) for x in inputs]
-    monkeypatch.setenv(VARIABLE, "1")
-    assert all(torch.equal(step(x, position, weights), a) for x, a in zip(inputs, apart, strict=True))
+    for mode in ("1", "early"):
+        monkeypatch.setenv(VARIABLE, mode)
+        assert all(torch.equal(step(x, position, weights), a) for x, a in zip(inputs, apart, strict=True)), mode
 
-    static = inputs[0].clone()
-    step(static, position, weights)  # compiled outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(static, position, weights)
-    for x, expected in zip(inputs, apart, strict=True):  # each replay reads the input copied in just before
-        static.copy_(x)
-        graph.replay()
-        assert torch.equal(out, expected)
+        static = inputs[0].clone()
+        step(static, position, weights)  # compiled outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step(static, position, weights)
+        for x, expected in zip(inputs, apart, strict=True):  # each replay reads the input copied in just before
+            static.copy_(x)
+            graph.replay()
+            assert torch.equal(out, expected), mode

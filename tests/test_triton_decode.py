@@ -228,24 +228,26 @@ def test_the_call_s_keys_in_tiles_of_their_own_give_the_same_bits_and_cache(name
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["ragged lengths up to sixteen splits", *OTHER_CALLS])
 def test_the_kernels_launched_dependent_give_the_same_bits_and_cache(name, device, monkeypatch):
-    """`EXLNB_DEPENDENT_LAUNCH=1` on a card of compute capability 9.0 or later: the split kernel waits for the kernel
-    before it and the combine kernel for the splits, in their own programs; the output and the pages written are
-    those of the kernels launched apart, on every call the engines make."""
+    """`EXLNB_DEPENDENT_LAUNCH=1` (and `early`) on a card of compute capability 9.0 or later: the split kernel waits
+    for the kernel before it and the combine kernel for the splits, in their own programs; the output and the pages
+    written are those of the kernels launched apart, on every call the engines make."""
     if device != "cuda" or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("dependent launch needs a card of compute capability 9.0")
-    from exlnb.engines.dependent_launch import VARIABLE, dependent_launch
+    from exlnb.engines.dependent_launch import MODES, VARIABLE, dependent_launch
 
     call = Call(ragged(6), group=4) if name.startswith("ragged") else OTHER_CALLS[name]
     results = {}
-    for dependent in ("0", "1"):
-        monkeypatch.setenv(VARIABLE, dependent)
-        assert dependent_launch(torch.device("cuda")) == (dependent == "1")
+    for mode in ("0", "1", "early"):
+        monkeypatch.setenv(VARIABLE, mode)
+        assert dependent_launch(torch.device("cuda")) == MODES[mode]
         args = inputs(call, device)
-        results[dependent] = (flash_attn_with_kvcache(**args), args["k_cache"], args["v_cache"])
-    (apart, *apart_pages), (dependent, *dependent_pages) = results["0"], results["1"]
-    assert torch.equal(dependent, apart)
-    for mine, theirs in zip(dependent_pages, apart_pages, strict=True):
-        assert torch.equal(mine.nan_to_num(), theirs.nan_to_num())
+        results[mode] = (flash_attn_with_kvcache(**args), args["k_cache"], args["v_cache"])
+    apart, *apart_pages = results["0"]
+    for mode in ("1", "early"):
+        dependent, *dependent_pages = results[mode]
+        assert torch.equal(dependent, apart), mode
+        for mine, theirs in zip(dependent_pages, apart_pages, strict=True):
+            assert torch.equal(mine.nan_to_num(), theirs.nan_to_num()), mode
 
 
 @pytest.mark.parametrize(

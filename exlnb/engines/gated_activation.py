@@ -41,7 +41,7 @@ def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     pdl = dependent_launch(gate.device)
     with torch.cuda.device(gate.device) if gate.is_cuda else contextlib.nullcontext():  # Triton's current device
         _silu_times[(triton.cdiv(count, BLOCK),)](
-            gate, up, out, count, BLOCK=BLOCK, PRECISE=LIBDEVICE, PDL=pdl, launch_pdl=pdl
+            gate, up, out, count, BLOCK=BLOCK, PRECISE=LIBDEVICE, PDL=pdl, launch_pdl=pdl != 0
         )
     return out
 

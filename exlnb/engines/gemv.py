@@ -63,7 +63,7 @@ def _launch(x, weight, residual, out_dtype: torch.dtype) -> torch.Tensor:
             PDL=pdl,
             num_warps=WARPS,
             num_stages=STAGES,
-            launch_pdl=pdl,
+            launch_pdl=pdl != 0,
         )
     return out.view(*(residual if plus else x).shape[:-1], outputs)
 

@@ -116,7 +116,7 @@ def normed_roped_rows(x, norm, eps: float, stack, rotated, sin, cos, positions, 
         _normed_roped_rows[(programs,)](
             x.reshape(-1), norm, rows, out, sin, cos, positions, eps, outputs, inputs, *rotates,
             HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_K=block_k, ONE_PASS=one_pass, PDL=pdl, num_warps=warps,
-            num_stages=stages, launch_pdl=pdl,
+            num_stages=stages, launch_pdl=pdl != 0,
         )  # fmt: skip
     return out
 
@@ -135,7 +135,7 @@ def normed_gated_row(x: torch.Tensor, norm: torch.Tensor, eps: float, stack: tor
         _normed_gated_row[(triton.cdiv(outputs, block_n),)](
             x.reshape(-1), norm, rows[slots[0]], rows[slots[1]], out, eps, outputs, inputs,
             BLOCK_N=block_n, BLOCK_K=block_k, ONE_PASS=one_pass, PRECISE=LIBDEVICE, PDL=pdl, num_warps=warps,
-            num_stages=stages, launch_pdl=pdl,
+            num_stages=stages, launch_pdl=pdl != 0,
         )  # fmt: skip
     return out
 
@@ -158,7 +158,7 @@ def normed_product(x: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, co
         _normed_row_times_matrix[(triton.cdiv(slices * outputs, block_n),)](
             x, norm, weight, out, eps, slices * outputs, inputs, outputs, slice_stride, stride_n, stride_k,
             BLOCK_N=block_n, BLOCK_K=block_k, ONE_PASS=one_pass, PDL=pdl, num_warps=warps, num_stages=stages,
-            launch_pdl=pdl,
+            launch_pdl=pdl != 0,
         )  # fmt: skip
     return out
 

@@ -177,7 +177,7 @@ def paged_decode_attention(
             FRESH_APART=appends and fresh_tile_apart(),
             PDL=pdl,
             num_warps=split_warps(),
-            launch_pdl=pdl,
+            launch_pdl=pdl != 0,
         )
         if splits > 1:
             _attention_combine_kernel[(batch * q_len * heads,)](
@@ -189,7 +189,7 @@ def paged_decode_attention(
                 DIM_PAD=dim_pad,
                 CHUNK=COMBINE_SPLITS,
                 PDL=pdl,
-                launch_pdl=pdl,
+                launch_pdl=pdl != 0,
             )
     return out
 
