@@ -3,14 +3,15 @@
 Each engine's decoder (`exllamav2/graph_decode.py`, `exllamav3/graph_decode.py`) knows its library: which steps
 qualify, how the inputs reach static buffers, which modules run inside a graph. This module holds the part that
 is the same for both: the width buckets a step is padded or cut to, a layer split's runs of modules by card, the one
-capture stream per device, `StepGraphs` (the captured graphs of one model on one card, keyed by shape, each
-captured after warm-up runs on that stream and all drawing on one memory pool), and the load check's comparison of
-a replayed step with the eager one.
+capture stream per device and the lock a capture holds it by, `StepGraphs` (the captured graphs of one model on one
+card, keyed by shape, each captured after warm-up runs on that stream and all drawing on one memory pool), and the
+load check's comparison of a replayed step with the eager one.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -79,16 +80,21 @@ def cut_width(table_width: int, longest: int, page_size: int, sizes: tuple[int, 
     return table_width if bucket is None else min(bucket, table_width)
 
 
-_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+_capture_streams: dict[torch.device, tuple[torch.cuda.Stream, threading.RLock]] = {}
+_capture_streams_made = threading.Lock()
 
 
-def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """One stream per device for every warm-up and capture, of every model loaded in the process. cuBLAS keeps
-    a workspace (32 MiB on an H100) for each stream it has run on and never frees it: a new stream per capture
-    made each reload hold 32 MiB more until the process ended (the twenty-reloads test)."""
-    if device not in _capture_streams:
-        _capture_streams[device] = torch.cuda.Stream(device)
-    return _capture_streams[device]
+def capture_stream(device: torch.device) -> tuple[torch.cuda.Stream, threading.RLock]:
+    """One stream per device for every warm-up and capture, of every model loaded in the process, and the lock a
+    warm-up and capture hold it by. cuBLAS keeps a workspace (32 MiB on an H100) for each stream it has run on and
+    never frees it: a new stream per capture made each reload hold 32 MiB more until the process ended (the
+    twenty-reloads test). A stream being captured records what any thread enqueues on it, so two engine threads
+    (two sessions in one process) capturing on it at once would each fail, or record the other's warm-up kernels
+    into its graph, to run again at every replay over memory the other may since have freed."""
+    with _capture_streams_made:
+        if device not in _capture_streams:
+            _capture_streams[device] = (torch.cuda.Stream(device), threading.RLock())
+        return _capture_streams[device]
 
 
 class CaptureFailed(RuntimeError):
@@ -140,14 +146,18 @@ class StepGraphs:
         return captured.output
 
     def _capture(self, key: Hashable, run: Callable[[], torch.Tensor], around_capture: Callable[[], None]) -> Captured:
-        with torch.cuda.device(self.device):
-            return self._capture_here(key, run, around_capture)
+        side, held = capture_stream(self.device)
+        with held, torch.cuda.device(self.device):
+            return self._capture_here(key, run, around_capture, side)
 
     def _capture_here(
-        self, key: Hashable, run: Callable[[], torch.Tensor], around_capture: Callable[[], None]
+        self,
+        key: Hashable,
+        run: Callable[[], torch.Tensor],
+        around_capture: Callable[[], None],
+        side: torch.cuda.Stream,
     ) -> Captured:
         reserved = torch.cuda.memory_reserved(self.device)
-        side = capture_stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(WARMUP_RUNS):
