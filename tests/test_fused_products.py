@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.paged_acceptance import QUESTIONS
-from exlnb.engines.cuda_graphs import CHECK_TOLERANCE
+from exlnb.engines.cuda_graphs import CHECK_TOLERANCE, beyond_tolerance, relative_difference
 from exlnb.engines.fused_products import (
     MLP_TAILS,
     FusedProducts,
@@ -107,19 +107,16 @@ def test_each_projection_gives_its_own_product_and_another_input_takes_the_separ
             alone = group.linears[-1].forward(x.clone(), *params)
         return fused, separate, alone, group._pending, group.one_matrix, handover()
 
-    def relative(mine, theirs) -> float:
-        return float((mine.float() - theirs.float()).abs().max() / theirs.float().abs().max())
-
     fused, separate, alone, pending, one_matrix, mark = session.run_on_engine(check)
     finished = mark[1].query()
     assert pending is None  # nothing held once the group's last output is handed over
     for mine, theirs in zip(fused, separate, strict=True):
         assert mine.shape == theirs.shape and mine.dtype == theirs.dtype
         assert mine.is_contiguous() is not one_matrix  # read as one matrix (the MLP's fold): strided slices of it
-        error = relative(mine, theirs)
+        error = relative_difference(mine.float(), theirs.float())
         if error >= 1e-3:  # in two suites beside two others' processes: 1.4e10 and 5.9e9, then 0.0 read again
             torch.cuda.synchronize()
-            again = relative(mine, theirs)
+            again = relative_difference(mine.float(), theirs.float())
             assert error < 1e-3, f"{error} (read again after a synchronize: {again}; {handover_note(mark, finished)})"
     assert torch.equal(alone, separate[-1])  # not the input the group just read: the projection's own product
 
@@ -408,7 +405,6 @@ def test_a_norm_folded_into_gate_and_up_agrees_with_the_library_s_mlp_to_the_loa
     laid out output-major and q, k and v as they were (no tail folds a norm into them), the MLP's tail folds its
     norm into gate and up and says so, its load check keeps it, and a single row's MLP is the
     library's to that tolerance (more rows: the library's own bits)."""
-    from exlnb.engines.cuda_graphs import beyond_tolerance, relative_difference
     from exlnb.engines.exllamav2.folded_norm import output_major
 
     for variable, value in (("EXLNB_MLP_TAIL", "1"), ("EXLNB_NORM_IN_PRODUCT", "1"), ("EXLNB_ATTENTION_TAIL", "0")):
