@@ -9,11 +9,11 @@ the activation in one kernel (`gated_activation.silu_times`) and the down produc
 residual as it writes (`gemv.row_times_matrix_plus`): 96 launches fewer a step, each kernel rounding where torch
 rounds, so the outputs are the library's bits. (The activation read inside the down product, one kernel in all,
 was slower: every program of the product repeated the row's SiLUs; benchmarks/results/speed-nvidia-h200-2026-11-29-c.)
-With `EXLNB_NORM_IN_PRODUCT=1` or `mlp` as well (off: level at batch 1, 2-3 % slower at batch 8 in turns), where
-gate and up are one fused group after an RMS norm, the norm runs inside their product and the activation as it
-writes them (`folded_norm.py`): two kernels in all, 64 launches fewer again, to the load check's tolerance rather
-than the library's bits. Any other call (a prompt, a batch, LoRAs, intermediates) takes the library's own
-`forward_torch`.
+With `EXLNB_NORM_IN_PRODUCT=1` or `mlp` as well (off: 0.067 ms a 7B token faster at batch 1, 1.5-4.8 % slower at
+batch 8 in turns on an H200, benchmarks/results/speed-nvidia-h200-2026-11-29-g), where gate and up are one fused
+group after an RMS norm, the norm runs inside their product and the activation as it writes them
+(`folded_norm.py`): two kernels in all, 64 launches fewer again, to the load check's tolerance rather than the
+library's bits. Any other call (a prompt, a batch, LoRAs, intermediates) takes the library's own `forward_torch`.
 
 A tail is one more of the products `FusedProducts` installs, and a load checks each against the library's own MLP on
 a random row (`check_tails`: a load whose tails differ drops them, keeps its products and says why), so
